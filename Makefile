@@ -1,0 +1,30 @@
+# The two commands: `make serve` and `make test`. Both create .venv when it is missing.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: serve test lint venv clean
+
+venv: $(STAMP)
+
+# torch is pinned only here: 2.13.0 is the CPU build on disk; the project itself asks for a range.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(PY) -m engine
+
+lint: $(STAMP)
+	$(PY) -m ruff check engine tests tools
+	$(PY) -m ruff format --check engine tests tools
+
+test: $(STAMP) lint
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV)

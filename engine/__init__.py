@@ -1,0 +1,1 @@
+"""engine: an LLM serving engine built as supervised actors."""

@@ -1,0 +1,61 @@
+"""One typed encoder/decoder per channel.
+
+A channel is the set of message types that may travel over one kind of ring. Decoders are typed
+(`msgspec.msgpack.Decoder(Union[...])`), so a frame that is not one of the channel's messages is a
+clear error, never code execution. A frame that fails to decode is logged with the channel's name
+and counted; the caller keeps running.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any, Generic, TypeVar
+
+import msgspec
+
+T = TypeVar("T")
+
+log = logging.getLogger(__name__)
+
+
+class Channel(Generic[T]):
+    """Encoder and decoder for the messages of one channel (`T` is a Struct or a Union of them)."""
+
+    def __init__(self, name: str, message_type: Any) -> None:
+        self.name = name
+        self.message_type = message_type
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder: msgspec.msgpack.Decoder[T] = msgspec.msgpack.Decoder(message_type)
+        self.decode_errors = 0
+
+    def encode(self, message: T) -> bytes:
+        return self._encoder.encode(message)
+
+    def decode(self, frame: bytes | memoryview) -> T:
+        """Decode one frame; raises msgspec.DecodeError / ValidationError on a bad frame."""
+        return self._decoder.decode(frame)
+
+    def decode_or_none(self, frame: bytes | memoryview) -> T | None:
+        """Decode one frame; a bad frame is logged, counted and returned as None."""
+        try:
+            return self._decoder.decode(frame)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            self.decode_errors += 1
+            log.error(
+                "channel %s: dropped a malformed frame of %d bytes (%s); %d dropped so far",
+                self.name,
+                len(frame),
+                exc,
+                self.decode_errors,
+            )
+            return None
+
+    def decode_many(self, frames: Iterable[bytes | memoryview]) -> list[T]:
+        """Decode a drained batch, skipping (and counting) malformed frames."""
+        out: list[T] = []
+        for frame in frames:
+            message = self.decode_or_none(frame)
+            if message is not None:
+                out.append(message)
+        return out

@@ -1,0 +1,66 @@
+"""Channel scheduler <-> worker ranks: one StepPlan (broadcast) and one StepResult per step.
+
+The plan carries everything a rank needs for the step and nothing per token beyond it: sequences
+the workers have not seen yet arrive once in `new_seqs` (with their sampling parameters and the
+tokens generated so far, so a resumed sequence samples exactly as it would have); afterwards a
+sequence is named only by its integer id.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from engine.messages.codec import Channel
+from engine.messages.params import SamplingParams
+
+
+class NewSeq(msgspec.Struct, array_like=True):
+    """A sequence the workers meet for the first time (or again after preemption / restart)."""
+
+    seq_id: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # tokens generated before (resumed sequences); sampling history
+    params: SamplingParams
+    seed: int  # effective seed; token randomness is a function of (seed, position)
+
+
+class SeqChunk(msgspec.Struct, array_like=True):
+    """Tokens of one sequence to run through the model this step."""
+
+    seq_id: int
+    token_ids: list[int]  # the new tokens (a prefill chunk, or the one decode token)
+    start_pos: int  # position of token_ids[0]: tokens before it are already in the KV cache
+    block_table: list[int]  # physical KV blocks covering start_pos + len(token_ids)
+    sample: bool  # True when this chunk reaches the sequence's end: sample one token after it
+
+
+class StepPlan(msgspec.Struct, tag=True, array_like=True):
+    step_id: int
+    new_seqs: list[NewSeq]
+    chunks: list[SeqChunk]
+    finished_seq_ids: list[int]  # workers drop these sequences' sampling state
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    logprob: float  # of the sampled token
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+class StepResult(msgspec.Struct, tag=True, array_like=True):
+    step_id: int
+    seq_ids: list[int]  # one entry per chunk with sample=True, in plan order
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None = None  # present when any sequence asked for logprobs
+
+
+class WorkerFailed(msgspec.Struct, tag=True, array_like=True):
+    """A step failed on a rank; the scheduler fails the named sequences (or all, if empty)."""
+
+    step_id: int
+    seq_ids: list[int]
+    error: str
+
+
+STEP_PLANS: Channel[StepPlan] = Channel("step-plan", StepPlan)
+STEP_RESULTS: Channel[StepResult | WorkerFailed] = Channel("step-result", StepResult | WorkerFailed)
