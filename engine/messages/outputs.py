@@ -1,0 +1,50 @@
+"""Channel detokenizer -> gateway: one OutputBatch per step with every request's new text."""
+
+from __future__ import annotations
+
+import msgspec
+
+from engine.messages.codec import Channel
+from engine.messages.requests import RequestFailed
+
+
+class TokenLogprob(msgspec.Struct, array_like=True):
+    token_id: int
+    token: str
+    logprob: float
+
+
+class SampleLogprobs(msgspec.Struct, array_like=True):
+    """Logprobs of one generated token: the sampled one and the top alternatives."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top: list[TokenLogprob]
+
+
+class SampleDeltaText(msgspec.Struct, array_like=True):
+    request_id: str
+    epoch: int
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[SampleLogprobs] | None
+    finish_reason: str | None
+
+
+class PromptInfo(msgspec.Struct, array_like=True):
+    """Sent once per request and epoch, when the detokenizer learns of it."""
+
+    request_id: str
+    epoch: int
+    prompt_token_ids: list[int]
+
+
+class OutputBatch(msgspec.Struct, tag=True, array_like=True):
+    prompts: list[PromptInfo]
+    samples: list[SampleDeltaText]
+    failures: list[RequestFailed]
+
+
+DETOKENIZER_TO_GATEWAY: Channel[OutputBatch] = Channel("detokenizer-to-gateway", OutputBatch)

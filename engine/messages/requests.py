@@ -1,0 +1,70 @@
+"""Channel gateway -> tokenizer, and tokenizer -> detokenizer.
+
+The gateway is the only place a request's truth lives (DESIGN §5). Each submission carries an
+epoch; after a restart on the request path the gateway resubmits every unfinished request under a
+new epoch with `resume` naming each unfinished sample and what was already delivered of it.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from engine.messages.codec import Channel
+from engine.messages.params import SamplingParams
+
+
+class ChatMessage(msgspec.Struct, array_like=True):
+    role: str
+    content: str
+
+
+class SampleResume(msgspec.Struct, array_like=True):
+    """One unfinished sample of a resubmitted request and what its client already has."""
+
+    index: int
+    delivered_token_ids: list[int]
+    delivered_text: str
+
+
+class GenerateRequest(msgspec.Struct, tag=True, array_like=True):
+    request_id: str
+    epoch: int
+    params: SamplingParams
+    seed: int  # the effective seed: the gateway picks one when the client gave none
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    resume: list[SampleResume] | None = None  # None: a fresh request, every sample from the start
+
+
+class AbortRequests(msgspec.Struct, tag=True, array_like=True):
+    request_ids: list[str]
+
+
+class DetokRegister(msgspec.Struct, tag=True, array_like=True):
+    """Tokenizer -> detokenizer: what the detokenizer needs to turn a request's tokens into text."""
+
+    request_id: str
+    epoch: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    resume: list[SampleResume] | None = None
+
+
+class RequestFailed(msgspec.Struct, tag=True, array_like=True):
+    """A request that cannot be served (bad input: status 400; an internal failure: 500)."""
+
+    request_id: str
+    epoch: int
+    status: int
+    message: str
+    param: str | None = None
+
+
+GATEWAY_TO_TOKENIZER: Channel[GenerateRequest | AbortRequests] = Channel(
+    "gateway-to-tokenizer", GenerateRequest | AbortRequests
+)
+TOKENIZER_TO_DETOKENIZER: Channel[DetokRegister | AbortRequests | RequestFailed] = Channel(
+    "tokenizer-to-detokenizer", DetokRegister | AbortRequests | RequestFailed
+)
