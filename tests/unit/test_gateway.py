@@ -1,0 +1,67 @@
+from __future__ import annotations
+
+from engine.actors.gateway import Gateway
+from engine.messages.outputs import OutputBatch, PromptInfo, SampleDeltaText
+from engine.messages.params import SamplingParams
+from engine.messages.requests import RequestFailed
+from engine.outputs import EngineError, RequestOutput
+
+
+def _delta(rid: str, epoch: int, index: int, tokens: list[int], text: str, finish=None):
+    return SampleDeltaText(rid, epoch, index, tokens, text, None, finish)
+
+
+def _drain(record) -> list[RequestOutput | EngineError]:
+    items = []
+    while not record.stream.empty():
+        items.append(record.stream.get_nowait())
+    return items
+
+
+async def test_a_request_gets_a_seed_even_without_one_so_resubmission_is_exact() -> None:
+    gateway = Gateway()
+    record, submission = gateway.open(SamplingParams(temperature=1.0), prompt="hi")
+    assert submission.seed == record.seed
+    assert submission.epoch == 0 and submission.resume is None
+
+
+async def test_outputs_of_a_stale_epoch_are_dropped_and_resume_carries_what_was_delivered() -> None:
+    gateway = Gateway()
+    record, _ = gateway.open(SamplingParams(n=2, max_tokens=8), prompt="hi", request_id="r")
+    gateway.deliver(OutputBatch([PromptInfo("r", 0, [1, 2, 3])], [], []))
+    gateway.deliver(
+        OutputBatch([], [_delta("r", 0, 0, [7], "a"), _delta("r", 0, 1, [8], "b", "stop")], [])
+    )
+    [resubmission] = gateway.resubmit_all()
+    assert resubmission.epoch == 1
+    assert resubmission.prompt_token_ids == [1, 2, 3]
+    # Sample 1 finished: only sample 0 is resumed, from exactly what its client has.
+    assert [(r.index, r.delivered_token_ids, r.delivered_text) for r in resubmission.resume] == [
+        (0, [7], "a")
+    ]
+    # A late output of epoch 0 must not reach the client a second time.
+    gateway.deliver(OutputBatch([], [_delta("r", 0, 0, [9], "c")], []))
+    gateway.deliver(OutputBatch([], [_delta("r", 1, 0, [9], "c", "length")], []))
+    outputs = _drain(record)
+    tokens = [o.token_ids for out in outputs for o in out.outputs if o.index == 0]
+    assert tokens == [[7], [9]]
+    assert outputs[-1].finished and "r" not in gateway
+
+
+async def test_a_failure_reaches_the_stream_as_an_error_and_forgets_the_request() -> None:
+    gateway = Gateway()
+    record, _ = gateway.open(SamplingParams(), prompt="x", request_id="bad")
+    gateway.deliver(OutputBatch([], [], [RequestFailed("bad", 0, 400, "too long", "prompt")]))
+    [error] = _drain(record)
+    assert isinstance(error, EngineError) and error.status == 400 and error.param == "prompt"
+    assert len(gateway) == 0
+
+
+async def test_abort_finishes_the_stream_and_returns_the_abort_to_send() -> None:
+    gateway = Gateway()
+    record, _ = gateway.open(SamplingParams(n=2), prompt="x", request_id="a")
+    abort = gateway.close("a")
+    assert abort is not None and abort.request_ids == ["a"]
+    [final] = _drain(record)
+    assert final.finished and {o.finish_reason for o in final.outputs} == {"abort"}
+    assert gateway.close("a") is None
