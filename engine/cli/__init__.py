@@ -1,0 +1,59 @@
+"""Command line: `serve` (the default), `config show`, `admin`.
+
+Usage errors print one line to stderr and exit 2; invalid settings exit 2 the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from engine.settings import SettingsError
+
+USAGE = """\
+usage: python -m engine [serve] [MODEL] [flags]       start the OpenAI-compatible server
+       python -m engine config show [flags] [--json]  effective settings and their sources
+       python -m engine admin [--socket PATH] COMMAND [ARGS] [--json]
+           COMMAND: health | stats | actors | requests | abort ID | drain | shutdown |
+                    log-level LEVEL
+"""
+
+
+def main(argv: list[str]) -> int:
+    command, rest = _split_command(argv)
+    try:
+        if command == "help":
+            _print_help()
+            return 0
+        if command == "config":
+            from engine.cli.config_cmd import run_config
+
+            return run_config(rest, os.environ)
+        if command == "admin":
+            from engine.cli.admin_client import run_admin
+
+            return run_admin(rest, os.environ)
+        if any(a in ("-h", "--help") for a in rest):
+            _print_help()
+            return 0
+        from engine.cli.serve import run_serve
+
+        return run_serve(rest, os.environ)
+    except SettingsError as e:
+        print(f"engine: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _split_command(argv: list[str]) -> tuple[str, list[str]]:
+    if argv and argv[0] in ("serve", "config", "admin", "help"):
+        return argv[0], argv[1:]
+    return "serve", argv
+
+
+def _print_help() -> None:
+    from engine.settings.describe import settings_help
+
+    print(USAGE)
+    print(settings_help())

@@ -1,0 +1,254 @@
+"""Build `Settings` from defaults < TOML file < environment < command-line flags.
+
+Every value is checked where it enters (so the error can say where it came from), then the
+sections are assembled and cross-field rules checked. Errors are `SettingsError`: one line that
+names the setting, its source, the value given and the allowed form.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from engine.settings.fields import _FALSE, _TRUE, FIELDS, FieldSpec
+from engine.settings.schema import SECTIONS, Settings
+
+ENV_PREFIX = "ENGINE_"
+CONFIG_ENV = "ENGINE_CONFIG"
+
+# Short environment names people expect; the ENGINE_SECTION__FIELD form wins over these.
+ENV_ALIASES: dict[str, str] = {
+    "ENGINE_API_KEY": "server.api_key",
+    "ENGINE_HOME": "runtime.engine_home",
+}
+
+# vLLM-style flags → setting. Every setting is also reachable as --section.field.
+FLAG_ALIASES: dict[str, str] = {
+    "--model": "model.path",
+    "--served-model-name": "model.served_name",
+    "--dtype": "model.dtype",
+    "--device": "model.device",
+    "--max-model-len": "model.max_model_len",
+    "--seed": "model.seed",
+    "--block-size": "cache.block_size",
+    "--kv-cache-memory": "cache.kv_cache_memory",
+    "--kv-cache-fraction": "cache.kv_cache_fraction",
+    "--gpu-memory-utilization": "cache.kv_cache_fraction",
+    "--enable-prefix-caching": "cache.enable_prefix_caching",
+    "--max-num-seqs": "scheduler.max_num_seqs",
+    "--max-num-batched-tokens": "scheduler.max_num_batched_tokens",
+    "--max-queued-requests": "scheduler.max_queued_requests",
+    "--tensor-parallel-size": "parallel.tensor_parallel_size",
+    "--tp": "parallel.tensor_parallel_size",
+    "-tp": "parallel.tensor_parallel_size",
+    "--data-parallel-size": "parallel.data_parallel_size",
+    "--dp": "parallel.data_parallel_size",
+    "-dp": "parallel.data_parallel_size",
+    "--host": "server.host",
+    "--port": "server.port",
+    "--api-key": "server.api_key",
+    "--max-request-bytes": "server.max_request_bytes",
+    "--drain-timeout": "server.drain_timeout",
+    "--record-trace": "server.record_trace",
+    "--admin-socket": "admin.socket",
+    "--log-level": "runtime.log_level",
+    "--engine-home": "runtime.engine_home",
+}
+
+Sources = dict[str, str]  # "section.field" → "default" | "file" | "env" | "flag"
+
+
+class SettingsError(ValueError):
+    """An invalid or unknown setting; the message is one line, fit to print as is."""
+
+
+def load_settings(argv: list[str], environ: Mapping[str, str]) -> tuple[Settings, Sources]:
+    """Effective settings for these flags and this environment, and where each value came from.
+
+    `argv` holds only settings flags (no program name, no subcommand): `--config FILE`, the
+    aliases above, `--section.field VALUE`, and at most one positional, the model path.
+    """
+    values: dict[str, Any] = {key: spec.default for key, spec in FIELDS.items()}
+    sources: Sources = dict.fromkeys(FIELDS, "default")
+    flags, config_path = _parse_flags(argv)
+    if config_path is None and environ.get(CONFIG_ENV):
+        config_path = environ[CONFIG_ENV]
+    layers: list[tuple[str, dict[str, Any]]] = []
+    if config_path is not None:
+        layers.append(("file", _read_toml(config_path)))
+    layers.append(("env", _read_env(environ)))
+    layers.append(("flag", flags))
+    for source, layer in layers:
+        for key, value in layer.items():
+            values[key] = value
+            sources[key] = source
+    settings = _assemble(values)
+    _check_cross_field(settings, sources)
+    return settings, sources
+
+
+def _fail(spec: FieldSpec, where: str, problem: str) -> SettingsError:
+    return SettingsError(f"invalid setting {spec.key} ({where}): {problem}")
+
+
+def _read_toml(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as e:
+        raise SettingsError(f"cannot read config file {path}: {e.strerror or e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise SettingsError(f"config file {path} is not valid TOML: {e}") from None
+    out: dict[str, Any] = {}
+    for section, table in data.items():
+        if section not in SECTIONS:
+            raise SettingsError(
+                f"unknown section [{section}] in config file {path}; "
+                f"known sections: {', '.join(SECTIONS)}"
+            )
+        if not isinstance(table, dict):
+            raise SettingsError(f"config file {path}: '{section}' must be a [{section}] table")
+        for name, value in table.items():
+            spec = _lookup(section, name, f"in config file {path}")
+            try:
+                out[spec.key] = spec.check(value)
+            except ValueError as e:
+                raise _fail(spec, f"config file {path}", str(e)) from None
+    return out
+
+
+def _read_env(environ: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    explicit: set[str] = set()
+    for var in sorted(environ):
+        if not var.startswith(ENV_PREFIX) or "__" not in var:
+            continue
+        section, _, name = var[len(ENV_PREFIX) :].lower().partition("__")
+        if section not in SECTIONS:
+            continue  # not ours: other tools may use ENGINE_* names
+        spec = _lookup(section, name, f"in environment variable {var}")
+        try:
+            out[spec.key] = spec.parse_text(environ[var])
+        except ValueError as e:
+            raise _fail(spec, f"env {var}", str(e)) from None
+        explicit.add(spec.key)
+    for var, key in ENV_ALIASES.items():
+        if var in environ and key not in explicit:
+            spec = FIELDS[key]
+            try:
+                out[key] = spec.parse_text(environ[var])
+            except ValueError as e:
+                raise _fail(spec, f"env {var}", str(e)) from None
+    return out
+
+
+def _lookup(section: str, name: str, where: str) -> FieldSpec:
+    spec = FIELDS.get(f"{section}.{name}")
+    if spec is None:
+        known = ", ".join(s.name for s in FIELDS.values() if s.section == section)
+        raise SettingsError(
+            f"unknown setting {section}.{name} {where}; settings of [{section}]: {known}"
+        )
+    return spec
+
+
+def _flag_target(flag: str) -> tuple[FieldSpec, bool] | None:
+    """The setting a flag names, and whether it is a negated boolean (--no-...)."""
+    negated = False
+    name = flag
+    if name.startswith("--no-"):
+        negated, name = True, "--" + name[len("--no-") :]
+    if "." in name:
+        section, _, field = name.lstrip("-").partition(".")
+        spec = FIELDS.get(f"{section}.{field.replace('-', '_')}")
+    else:
+        key = FLAG_ALIASES.get(name.replace("_", "-"))
+        spec = FIELDS[key] if key else None
+    if spec is None or (negated and spec.kind != "bool"):
+        return None
+    return spec, negated
+
+
+def _parse_flags(argv: list[str]) -> tuple[dict[str, Any], str | None]:
+    out: dict[str, Any] = {}
+    config_path: str | None = None
+    positional_model = False
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        i += 1
+        if not token.startswith("-") or token == "-":
+            if positional_model:
+                raise SettingsError(f"unexpected argument {token!r}: only one model path allowed")
+            spec = FIELDS["model.path"]
+            out[spec.key] = spec.parse_text(token)
+            positional_model = True
+            continue
+        flag, has_inline, inline = token.partition("=")
+        if flag == "--config":
+            if has_inline:
+                config_path = inline
+            elif i < len(argv):
+                config_path, i = argv[i], i + 1
+            else:
+                raise SettingsError("flag --config needs a value: a TOML file path")
+            continue
+        target = _flag_target(flag)
+        if target is None:
+            raise SettingsError(
+                f"unknown flag {flag}; see --help (every setting is also --section.field VALUE)"
+            )
+        spec, negated = target
+        if spec.kind == "bool" and not has_inline:
+            # A boolean flag alone means true; a following true/false word is its value.
+            if i < len(argv) and argv[i].strip().lower() in _TRUE | _FALSE:
+                text, i = argv[i], i + 1
+            else:
+                text = "true"
+        elif has_inline:
+            text = inline
+        elif i < len(argv):
+            text, i = argv[i], i + 1
+        else:
+            raise _fail(spec, f"flag {flag}", f"needs a value: {spec.expected()}")
+        try:
+            value = spec.parse_text(text)
+        except ValueError as e:
+            raise _fail(spec, f"flag {flag}", str(e)) from None
+        out[spec.key] = (not value) if negated else value
+    return out, config_path
+
+
+def _assemble(values: Mapping[str, Any]) -> Settings:
+    sections: dict[str, Any] = {}
+    for section, cls in SECTIONS.items():
+        fields = {s.name: values[s.key] for s in FIELDS.values() if s.section == section}
+        sections[section] = cls(**fields)
+    return Settings(**sections)
+
+
+def _check_cross_field(settings: Settings, sources: Sources) -> None:
+    rt = settings.runtime
+    if rt.heartbeat_timeout <= rt.heartbeat_interval:
+        raise SettingsError(
+            f"invalid setting runtime.heartbeat_timeout ({sources['runtime.heartbeat_timeout']}): "
+            f"must be greater than runtime.heartbeat_interval ({rt.heartbeat_interval}), "
+            f"got {rt.heartbeat_timeout}"
+        )
+
+
+def default_settings() -> Settings:
+    """The schema's defaults, ignoring environment and files (tests, library use)."""
+    return Settings()
+
+
+def config_file_of(argv: list[str], environ: Mapping[str, str]) -> str | None:
+    """The config file these flags/environment name, if any (for `config show`)."""
+    _, path = _parse_flags(argv)
+    return path if path is not None else (environ.get(CONFIG_ENV) or None)
+
+
+def resolve_home(settings: Settings) -> Path:
+    return Path(settings.runtime.engine_home).expanduser()
