@@ -1,0 +1,74 @@
+"""Where admin sockets live, and how a client finds a running server's.
+
+Each server gets an owner-only directory `<base>/<pid>/` holding `admin.sock` (mode 0600), where
+`<base>` is `$XDG_RUNTIME_DIR/engine` when that directory is usable, else `/tmp/engine-<uid>`
+(mode 0700, which must be ours). A client without `--socket` takes the newest socket in `<base>`
+whose server process is still alive; directories of dead servers are swept at the next start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import stat
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+SOCKET_NAME = "admin.sock"
+
+
+def runtime_base(environ: Mapping[str, str]) -> Path:
+    xdg = environ.get("XDG_RUNTIME_DIR")
+    if xdg and os.path.isdir(xdg) and os.access(xdg, os.W_OK | os.X_OK):
+        return Path(xdg) / "engine"
+    return Path(tempfile.gettempdir()) / f"engine-{os.getuid()}"
+
+
+def default_socket_path(environ: Mapping[str, str], pid: int) -> Path:
+    return runtime_base(environ) / str(pid) / SOCKET_NAME
+
+
+def make_private_dir(path: Path) -> None:
+    """Create `path` (and missing parents) as 0700; refuse one that another user could enter."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = path.lstat()
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+        raise PermissionError(f"{path} is not a directory owned by this user")
+    if info.st_mode & 0o077:
+        os.chmod(path, 0o700)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_stale(base: Path) -> list[Path]:
+    """Remove `<base>/<pid>/` directories whose server is gone; return what was removed."""
+    removed = []
+    if not base.is_dir():
+        return removed
+    for child in base.iterdir():
+        if child.name.isdigit() and not pid_alive(int(child.name)):
+            with contextlib.suppress(OSError):
+                shutil.rmtree(child)
+                removed.append(child)
+    return removed
+
+
+def live_sockets(base: Path) -> list[Path]:
+    """Sockets of running servers under `base`, newest first."""
+    found = []
+    if base.is_dir():
+        for child in base.iterdir():
+            sock = child / SOCKET_NAME
+            if child.name.isdigit() and pid_alive(int(child.name)) and sock.exists():
+                found.append(sock)
+    return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)

@@ -1,0 +1,86 @@
+"""OpenAI-style errors: one exception type carrying status, message and the offending field."""
+
+from __future__ import annotations
+
+import re
+
+import msgspec
+
+from engine.http.protocol import ErrorBody, ErrorDetail, encode
+
+_TYPE_BY_STATUS = {
+    400: ("invalid_request_error", None),
+    401: ("invalid_request_error", "invalid_api_key"),
+    404: ("invalid_request_error", "model_not_found"),
+    405: ("invalid_request_error", "method_not_allowed"),
+    413: ("invalid_request_error", "request_too_large"),
+    429: ("rate_limit_error", "rate_limit_exceeded"),
+    503: ("server_error", "service_unavailable"),
+}
+
+# The `outcome` label of engine_requests_total for each error status.
+_OUTCOME_BY_STATUS = {
+    400: "bad_request",
+    401: "unauthorized",
+    404: "not_found",
+    413: "too_large",
+    429: "rejected",
+    503: "unavailable",
+}
+
+_PATH_RE = re.compile(r"at `\$\.?(?P<path>[^`]*)`")
+_MISSING_RE = re.compile(r"missing required field `(?P<field>[^`]+)`")
+
+
+class ApiError(Exception):
+    """An error to return as `{"error": {...}}` with this HTTP status."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        default_type, default_code = _TYPE_BY_STATUS.get(status, ("server_error", None))
+        self.type = default_type
+        self.code = code if code is not None else default_code
+        self.headers = headers or {}
+
+    def body(self) -> ErrorBody:
+        return ErrorBody(
+            error=ErrorDetail(
+                message=self.message, type=self.type, param=self.param, code=self.code
+            )
+        )
+
+    def encoded(self) -> bytes:
+        return encode(self.body())
+
+
+def from_decode_error(error: msgspec.DecodeError) -> ApiError:
+    """A msgspec failure on a request body → 400 naming the field (`messages[0].role`)."""
+    text = str(error)
+    if not isinstance(error, msgspec.ValidationError):
+        return ApiError(400, f"request body is not valid JSON: {text}")
+    missing = _MISSING_RE.search(text)
+    path_match = _PATH_RE.search(text)
+    path = path_match.group("path") if path_match else ""
+    if missing:
+        field = missing.group("field")
+        param = f"{path}.{field}" if path else field
+        return ApiError(400, f"missing required field '{param}'", param=param)
+    detail = _PATH_RE.sub("", text).rstrip(" -")
+    if not path:
+        return ApiError(400, f"invalid request body: {detail}")
+    return ApiError(400, f"invalid value for '{path}': {detail}", param=path)
+
+
+def outcome_of(status: int) -> str:
+    return _OUTCOME_BY_STATUS.get(status, "error")

@@ -1,0 +1,210 @@
+"""Run the server: engine + uvicorn (uvloop) + admin socket on one event loop, drain on signals.
+
+Start-up binds the port first (a busy port fails in a second, not after the model loads), starts
+the engine, then serves and prints one line with the URL. SIGINT/SIGTERM (or the admin
+`shutdown` command) drains: new requests get 503, in-flight ones get `server.drain_timeout`
+seconds to finish, the rest are aborted, and everything the run created is removed. A second
+signal skips the wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import socket
+import sys
+from collections.abc import Generator
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+import uvloop
+
+from engine.http.admin import AdminServer
+from engine.http.admin_paths import default_socket_path, runtime_base, sweep_stale
+from engine.http.app import build_app
+from engine.http.state import ServerState
+from engine.settings import Settings
+
+log = logging.getLogger("engine.server")
+
+# How long uvicorn waits for connections after the drain before cancelling them.
+_CONNECTION_GRACE_S = 5.0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling: the launcher owns SIGINT/SIGTERM."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+
+def serve_forever(settings: Settings) -> int:
+    _configure_logging(settings.runtime.log_level)
+    return uvloop.run(_serve(settings))
+
+
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    uvicorn_level = "DEBUG" if level == "debug" else "WARNING"
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+        logging.getLogger(name).setLevel(uvicorn_level)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.create_server((host, port), family=family, backlog=2048)
+    sock.setblocking(False)
+    return sock
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+class _Shutdown:
+    """First signal: drain. Second: stop waiting for in-flight requests."""
+
+    def __init__(self) -> None:
+        self.requested = asyncio.Event()
+        self.forced = asyncio.Event()
+
+    def request(self) -> None:
+        if self.requested.is_set():
+            self.forced.set()
+        self.requested.set()
+
+
+async def _serve(settings: Settings) -> int:
+    from engine import AsyncLLM
+
+    server_cfg = settings.server
+    try:
+        sock = _bind(server_cfg.host, server_cfg.port)
+    except OSError as e:
+        print(f"engine: cannot listen on {server_cfg.host}:{server_cfg.port}: {e}", file=sys.stderr)
+        return 1
+    loop = asyncio.get_running_loop()
+    shutdown = _Shutdown()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, shutdown.request)
+
+    llm = AsyncLLM(settings)
+    if not await _start_engine(llm, shutdown):
+        sock.close()
+        return 0 if shutdown.requested.is_set() else 1
+
+    state = ServerState.create(llm, settings)
+    admin_path, owned_dir = _admin_socket_path(settings)
+
+    async def drain() -> dict[str, Any]:
+        await _drain(state, shutdown)
+        return {"drained": True, "in_flight": len(llm.requests())}
+
+    admin = AdminServer(state, admin_path, drain=drain, shutdown=shutdown.request)
+    server = _Server(
+        uvicorn.Config(
+            build_app(state),
+            lifespan="off",
+            log_config=None,
+            access_log=settings.runtime.log_level == "debug",
+            timeout_graceful_shutdown=int(_CONNECTION_GRACE_S),
+            timeout_keep_alive=5,
+        )
+    )
+    serve_task: asyncio.Task[None] | None = None
+    try:
+        try:
+            await admin.start()
+        except OSError as e:
+            print(f"engine: cannot create admin socket {admin_path}: {e}", file=sys.stderr)
+            return 1
+        serve_task = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started and not serve_task.done():
+            await asyncio.sleep(0.01)
+        if serve_task.done():
+            serve_task.result()  # raises what stopped uvicorn
+        port = sock.getsockname()[1]
+        print(
+            f"engine ready: {_url(server_cfg.host, port)} "
+            f"(model {state.model_name}; admin socket {admin_path})",
+            flush=True,
+        )
+        stop_waiter = asyncio.create_task(shutdown.requested.wait())
+        await asyncio.wait({serve_task, stop_waiter}, return_when=asyncio.FIRST_COMPLETED)
+        stop_waiter.cancel()
+        log.info("shutting down: draining in-flight requests")
+        await _drain(state, shutdown)
+    finally:
+        server.should_exit = True
+        if serve_task is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(serve_task, _CONNECTION_GRACE_S + 5.0)
+        sock.close()
+        await admin.close()
+        if owned_dir is not None:
+            shutil.rmtree(owned_dir, ignore_errors=True)
+        with contextlib.suppress(Exception):
+            await llm.shutdown()
+        if state.trace is not None:
+            state.trace.close()
+    return 0
+
+
+async def _start_engine(llm: Any, shutdown: _Shutdown) -> bool:
+    """Start the engine unless a signal comes first; say why in one line if it fails."""
+    start = asyncio.create_task(llm.start())
+    stop_waiter = asyncio.create_task(shutdown.requested.wait())
+    await asyncio.wait({start, stop_waiter}, return_when=asyncio.FIRST_COMPLETED)
+    stop_waiter.cancel()
+    failure: BaseException | None = None
+    if not start.done():
+        start.cancel()
+        with contextlib.suppress(BaseException):
+            await start
+    elif start.exception() is not None:
+        failure = start.exception()
+    else:
+        return True
+    if failure is not None:
+        print(f"engine: failed to start: {failure}", file=sys.stderr, flush=True)
+    with contextlib.suppress(Exception):
+        await llm.shutdown()
+    return False
+
+
+async def _drain(state: ServerState, shutdown: _Shutdown) -> None:
+    """Stop taking requests; give in-flight ones drain_timeout; abort what is left."""
+    state.draining = True
+    llm = state.llm
+    drain = asyncio.create_task(llm.drain(state.settings.server.drain_timeout))
+    forced = asyncio.create_task(shutdown.forced.wait())
+    await asyncio.wait({drain, forced}, return_when=asyncio.FIRST_COMPLETED)
+    forced.cancel()
+    if not drain.done():
+        drain.cancel()
+    with contextlib.suppress(BaseException):
+        await drain
+    for record in llm.requests():
+        request_id = record.get("request_id", record.get("id"))
+        if request_id is not None:
+            with contextlib.suppress(Exception):
+                await llm.abort(str(request_id))
+
+
+def _admin_socket_path(settings: Settings) -> tuple[Path, Path | None]:
+    """The admin socket, and the per-run directory to remove at exit when we chose it."""
+    if settings.admin.socket:
+        return Path(settings.admin.socket).expanduser(), None
+    sweep_stale(runtime_base(os.environ))
+    path = default_socket_path(os.environ, os.getpid())
+    return path, path.parent

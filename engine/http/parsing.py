@@ -1,0 +1,243 @@
+"""Request bodies → what the engine needs: prompts or messages, `SamplingParams`, output options.
+
+Pure functions, no I/O: every bad input raises `ApiError` (400) naming the field, so the whole
+input contract is testable without a server.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import msgspec
+
+from engine.http.errors import ApiError, from_decode_error
+from engine.http.protocol import ChatCompletionRequest, ChatMessageIn, CompletionRequest
+from engine.messages.params import SamplingParams
+
+CHAT_ROLES = ("system", "user", "assistant", "developer")
+MAX_TOP_LOGPROBS = 20
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+_COMPLETION_DECODER = msgspec.json.Decoder(CompletionRequest)
+_CHAT_DECODER = msgspec.json.Decoder(ChatCompletionRequest)
+
+Prompt = str | list[int]
+
+
+@dataclass
+class PreparedRequest:
+    """One validated API request, ready to hand to the engine."""
+
+    kind: Literal["completion", "chat"]
+    request_id: str
+    model: str
+    created: int
+    params: SamplingParams
+    prompts: list[Prompt | None]  # completions: one entry per prompt; chat: [None]
+    messages: list[dict[str, Any]] | None
+    stream: bool
+    include_usage: bool
+    want_logprobs: bool
+
+    @property
+    def n(self) -> int:
+        return self.params.n
+
+    def engine_request_id(self, prompt_index: int) -> str:
+        """Each prompt of a batched completions request is its own engine request."""
+        if len(self.prompts) == 1:
+            return self.request_id
+        return f"{self.request_id}-{prompt_index}"
+
+
+def parse_completion(body: bytes, served_model: str) -> PreparedRequest:
+    try:
+        req = _COMPLETION_DECODER.decode(body)
+    except msgspec.DecodeError as e:
+        raise from_decode_error(e) from None
+    model = _check_model(req.model, served_model)
+    prompts = _prompts_of(req.prompt)
+    if req.echo:
+        raise ApiError(400, "'echo' is not supported", param="echo")
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
+        raise ApiError(
+            400,
+            f"'logprobs' must be an integer in [0, {MAX_TOP_LOGPROBS}], got {req.logprobs}",
+            param="logprobs",
+        )
+    max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+    params = _sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs)
+    _validate(params, renames={})
+    return PreparedRequest(
+        kind="completion",
+        request_id="cmpl-" + secrets.token_hex(12),
+        model=model,
+        created=int(time.time()),
+        params=params,
+        prompts=list(prompts),
+        messages=None,
+        stream=req.stream,
+        include_usage=_include_usage(req),
+        want_logprobs=req.logprobs is not None,
+    )
+
+
+def parse_chat(body: bytes, served_model: str) -> PreparedRequest:
+    try:
+        req = _CHAT_DECODER.decode(body)
+    except msgspec.DecodeError as e:
+        raise from_decode_error(e) from None
+    model = _check_model(req.model, served_model)
+    messages = [_message_dict(i, m) for i, m in enumerate(req.messages)]
+    if not messages:
+        raise ApiError(400, "'messages' must hold at least one message", param="messages")
+    top = req.top_logprobs
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise ApiError(
+            400,
+            f"'top_logprobs' must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top}",
+            param="top_logprobs",
+        )
+    if top is not None and not req.logprobs:
+        raise ApiError(400, "'top_logprobs' requires 'logprobs': true", param="top_logprobs")
+    length_field = "max_completion_tokens" if req.max_completion_tokens is not None else None
+    max_tokens = req.max_completion_tokens
+    if max_tokens is None:
+        max_tokens, length_field = req.max_tokens, "max_tokens"
+    logprobs = (top or 0) if req.logprobs else None
+    params = _sampling_params(req, max_tokens=max_tokens, logprobs=logprobs)
+    _validate(
+        params, renames={"max_tokens": length_field or "max_tokens", "logprobs": "top_logprobs"}
+    )
+    return PreparedRequest(
+        kind="chat",
+        request_id="chatcmpl-" + secrets.token_hex(12),
+        model=model,
+        created=int(time.time()),
+        params=params,
+        prompts=[None],
+        messages=messages,
+        stream=req.stream,
+        include_usage=_include_usage(req),
+        want_logprobs=req.logprobs,
+    )
+
+
+def _check_model(requested: str | None, served_model: str) -> str:
+    if requested is None or requested == served_model:
+        return served_model
+    raise ApiError(
+        404,
+        f"model '{requested}' does not exist; this server serves '{served_model}'",
+        param="model",
+    )
+
+
+def _prompts_of(prompt: str | list[str | int | list[int]]) -> list[Prompt]:
+    """Normalise the four OpenAI prompt forms into a list of prompts (text or token ids)."""
+    if isinstance(prompt, str):
+        prompts: list[Prompt] = [prompt]
+    elif not prompt:
+        raise ApiError(400, "'prompt' must not be empty", param="prompt")
+    elif all(isinstance(p, int) for p in prompt):
+        prompts = [[p for p in prompt if isinstance(p, int)]]
+    elif all(isinstance(p, str) for p in prompt):
+        prompts = [p for p in prompt if isinstance(p, str)]
+    elif all(isinstance(p, list) for p in prompt):
+        prompts = [p for p in prompt if isinstance(p, list)]
+    else:
+        raise ApiError(
+            400,
+            "'prompt' must be a string, a list of strings, a list of token ids or a list of "
+            "token-id lists, not a mix",
+            param="prompt",
+        )
+    for i, p in enumerate(prompts):
+        where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        if len(p) == 0:
+            raise ApiError(400, f"'{where}' must not be empty", param=where)
+        if isinstance(p, list) and any(t < 0 for t in p):
+            bad = next(t for t in p if t < 0)
+            raise ApiError(400, f"'{where}' holds a negative token id ({bad})", param=where)
+    return prompts
+
+
+def _message_dict(index: int, message: ChatMessageIn) -> dict[str, Any]:
+    where = f"messages[{index}]"
+    if message.role not in CHAT_ROLES:
+        raise ApiError(
+            400,
+            f"'{where}.role' must be one of {', '.join(CHAT_ROLES)}, got {message.role!r}",
+            param=f"{where}.role",
+        )
+    role = "system" if message.role == "developer" else message.role
+    content = message.content
+    if content is None:
+        if role != "assistant":
+            raise ApiError(400, f"'{where}.content' is required", param=f"{where}.content")
+        text = ""
+    elif isinstance(content, str):
+        text = content
+    else:
+        texts = []
+        for j, part in enumerate(content):
+            if part.type != "text" or part.text is None:
+                raise ApiError(
+                    400,
+                    f"'{where}.content[{j}]' must be a text part "
+                    f"({{'type': 'text', 'text': ...}}), got type {part.type!r}",
+                    param=f"{where}.content[{j}].type",
+                )
+            texts.append(part.text)
+        text = "\n".join(texts)
+    return {"role": role, "content": text}
+
+
+def _include_usage(req: CompletionRequest | ChatCompletionRequest) -> bool:
+    return req.stream_options is not None and req.stream_options.include_usage
+
+
+def _sampling_params(
+    req: CompletionRequest | ChatCompletionRequest, *, max_tokens: int | None, logprobs: int | None
+) -> SamplingParams:
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    return SamplingParams(
+        n=req.n,
+        max_tokens=max_tokens,
+        min_tokens=req.min_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=0 if req.top_k is None else req.top_k,
+        min_p=0.0 if req.min_p is None else req.min_p,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        seed=req.seed,
+        stop=stop,
+        stop_token_ids=list(req.stop_token_ids or []),
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        ignore_eos=req.ignore_eos,
+        logprobs=logprobs,
+        skip_special_tokens=req.skip_special_tokens,
+    )
+
+
+def _validate(params: SamplingParams, renames: dict[str, str]) -> None:
+    """Range checks live on SamplingParams; report them under the API's field name."""
+    try:
+        params.validate()
+    except ValueError as e:
+        message = str(e)
+        field = message.split(" ", 1)[0]
+        api_field = renames.get(field, field)
+        if api_field != field:
+            message = api_field + message[len(field) :]
+        raise ApiError(
+            400, f"invalid value for '{api_field}': {message}", param=api_field
+        ) from None
+    for i, stop in enumerate(params.stop):
+        if not stop:
+            raise ApiError(400, f"'stop[{i}]' must not be empty", param="stop")

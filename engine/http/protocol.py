@@ -1,0 +1,202 @@
+"""OpenAI wire structs: request bodies (decoded, typed, by msgspec) and response bodies.
+
+Field names follow OpenAI's API; sampling extensions use vLLM's names (top_k, min_p, ...).
+Unknown request fields are ignored, as OpenAI clients send fields a server may not support.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+# ---------------------------------------------------------------- requests
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool = False
+
+
+class TextPart(msgspec.Struct, kw_only=True):
+    type: str
+    text: str | None = None
+
+
+class ChatMessageIn(msgspec.Struct, kw_only=True):
+    role: str  # checked in parsing, so the error can list the roles accepted
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class _SamplingFields(msgspec.Struct, kw_only=True):
+    """Fields both endpoints share."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+
+class CompletionRequest(_SamplingFields, kw_only=True):
+    # str | list[str] | list[int] | list[list[int]]: msgspec allows one array type per union,
+    # so elements are typed here and their mix is checked in parsing.
+    prompt: str | list[str | int | list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+
+
+class ChatCompletionRequest(_SamplingFields, kw_only=True):
+    messages: list[ChatMessageIn]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+# ---------------------------------------------------------------- responses
+
+
+class Usage(msgspec.Struct, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(msgspec.Struct, kw_only=True):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(msgspec.Struct, kw_only=True):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+
+
+class CompletionResponse(msgspec.Struct, kw_only=True):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None
+    object: str = "text_completion"
+
+
+class TopLogprob(msgspec.Struct, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(msgspec.Struct, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct, kw_only=True):
+    content: list[ChatTokenLogprob]
+
+
+class ChatMessageOut(msgspec.Struct, kw_only=True):
+    role: str
+    content: str
+
+
+class ChatChoice(msgspec.Struct, kw_only=True):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletionResponse(msgspec.Struct, kw_only=True):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    object: str = "chat.completion"
+
+
+class ChatDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(msgspec.Struct, kw_only=True):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletionChunk(msgspec.Struct, kw_only=True):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    object: str = "chat.completion.chunk"
+
+
+class CompletionChunk(msgspec.Struct, kw_only=True):
+    """A streamed completions event (OpenAI reuses the non-streamed object name)."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    object: str = "text_completion"
+
+
+class ModelCard(msgspec.Struct, kw_only=True):
+    id: str
+    created: int
+    max_model_len: int
+    object: str = "model"
+    owned_by: str = "engine"
+
+
+class ModelList(msgspec.Struct, kw_only=True):
+    data: list[ModelCard]
+    object: str = "list"
+
+
+class ErrorDetail(msgspec.Struct, kw_only=True):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(msgspec.Struct, kw_only=True):
+    error: ErrorDetail
+
+
+def encode(obj: Any) -> bytes:
+    return _ENCODER.encode(obj)
+
+
+_ENCODER = msgspec.json.Encoder()

@@ -1,0 +1,243 @@
+"""Engine outputs → OpenAI response bodies and SSE events.
+
+The engine yields deltas per sample; `ResponseBuilder` keeps what a response needs across them
+(text, token counts, finish reasons, logprobs) and shapes both the one-shot body and the streamed
+chunks, for completions and chat alike. No I/O here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.http.parsing import PreparedRequest
+from engine.http.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    ChatMessageOut,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionResponse,
+    TopLogprob,
+    Usage,
+    encode,
+)
+from engine.outputs import CompletionOutput, RequestOutput
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse_event(payload: bytes) -> bytes:
+    return b"data: " + payload + b"\n\n"
+
+
+@dataclass
+class ChoiceState:
+    index: int
+    text_parts: list[str] = field(default_factory=list)
+    text_length: int = 0
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+
+class ResponseBuilder:
+    def __init__(self, prepared: PreparedRequest) -> None:
+        self.prepared = prepared
+        n = prepared.n
+        self.choices = [ChoiceState(i) for i in range(n * len(prepared.prompts))]
+        self.prompt_tokens: dict[int, int] = {}
+
+    # ------------------------------------------------------------ absorbing engine output
+
+    def absorb(
+        self, prompt_index: int, out: RequestOutput
+    ) -> list[tuple[ChoiceState, int, CompletionOutput]]:
+        """Record one engine yield; return each advanced choice, its text offset before, delta."""
+        self.prompt_tokens[prompt_index] = len(out.prompt_token_ids)
+        advanced = []
+        for delta in out.outputs:
+            choice = self.choices[prompt_index * self.prepared.n + delta.index]
+            offset = choice.text_length
+            _apply(choice, delta)
+            advanced.append((choice, offset, delta))
+        return advanced
+
+    def usage(self) -> Usage:
+        prompt = sum(self.prompt_tokens.values())
+        completion = sum(c.num_tokens for c in self.choices)
+        return Usage(
+            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+        )
+
+    # ------------------------------------------------------------ one-shot bodies
+
+    def final_body(self) -> bytes:
+        p = self.prepared
+        if p.kind == "completion":
+            return encode(
+                CompletionResponse(
+                    id=p.request_id,
+                    created=p.created,
+                    model=p.model,
+                    choices=[
+                        CompletionChoice(
+                            index=c.index,
+                            text=c.text,
+                            logprobs=self._completion_logprobs(c.logprobs, 0),
+                            finish_reason=c.finish_reason,
+                        )
+                        for c in self.choices
+                    ],
+                    usage=self.usage(),
+                )
+            )
+        return encode(
+            ChatCompletionResponse(
+                id=p.request_id,
+                created=p.created,
+                model=p.model,
+                choices=[
+                    ChatChoice(
+                        index=c.index,
+                        message=ChatMessageOut(role="assistant", content=c.text),
+                        logprobs=self._chat_logprobs(c.logprobs),
+                        finish_reason=c.finish_reason,
+                    )
+                    for c in self.choices
+                ],
+                usage=self.usage(),
+            )
+        )
+
+    # ------------------------------------------------------------ streamed events
+
+    def opening_events(self) -> list[bytes]:
+        """Chat streams open with the assistant role for every choice, as OpenAI's do."""
+        if self.prepared.kind != "chat":
+            return []
+        return [
+            self._chat_chunk(
+                [
+                    ChatChunkChoice(
+                        index=c.index,
+                        delta=ChatDelta(role="assistant", content=""),
+                        logprobs=None,
+                        finish_reason=None,
+                    )
+                ]
+            )
+            for c in self.choices
+        ]
+
+    def delta_events(self, prompt_index: int, out: RequestOutput) -> list[bytes]:
+        """Absorb one engine yield and return its SSE events (one per advanced choice)."""
+        events = []
+        for choice, offset, delta in self.absorb(prompt_index, out):
+            entries = delta.logprobs or []
+            if self.prepared.kind == "completion":
+                chunk_choice = CompletionChoice(
+                    index=choice.index,
+                    text=delta.text,
+                    logprobs=self._completion_logprobs(entries, offset),
+                    finish_reason=delta.finish_reason,
+                )
+                events.append(self._completion_chunk([chunk_choice]))
+            else:
+                events.append(
+                    self._chat_chunk(
+                        [
+                            ChatChunkChoice(
+                                index=choice.index,
+                                delta=ChatDelta(content=delta.text) if delta.text else ChatDelta(),
+                                logprobs=self._chat_logprobs(entries),
+                                finish_reason=delta.finish_reason,
+                            )
+                        ]
+                    )
+                )
+        return events
+
+    def usage_event(self) -> bytes:
+        if self.prepared.kind == "completion":
+            return self._completion_chunk([], usage=self.usage())
+        return self._chat_chunk([], usage=self.usage())
+
+    def _completion_chunk(
+        self, choices: list[CompletionChoice], usage: Usage | None = None
+    ) -> bytes:
+        p = self.prepared
+        chunk = CompletionChunk(
+            id=p.request_id, created=p.created, model=p.model, choices=choices, usage=usage
+        )
+        return sse_event(encode(chunk))
+
+    def _chat_chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> bytes:
+        p = self.prepared
+        chunk = ChatCompletionChunk(
+            id=p.request_id, created=p.created, model=p.model, choices=choices, usage=usage
+        )
+        return sse_event(encode(chunk))
+
+    # ------------------------------------------------------------ logprobs shapes
+
+    def _completion_logprobs(
+        self, entries: list[dict[str, Any]], text_offset: int
+    ) -> CompletionLogprobs | None:
+        if not self.prepared.want_logprobs:
+            return None
+        tokens, token_logprobs, tops, offsets = [], [], [], []
+        offset = text_offset
+        for entry in entries:
+            token = entry["token"]
+            tokens.append(token)
+            token_logprobs.append(entry["logprob"])
+            top = {alt["token"]: alt["logprob"] for alt in entry.get("top_logprobs") or []}
+            top.setdefault(token, entry["logprob"])
+            tops.append(top)
+            offsets.append(offset)
+            offset += len(token)
+        return CompletionLogprobs(
+            tokens=tokens, token_logprobs=token_logprobs, top_logprobs=tops, text_offset=offsets
+        )
+
+    def _chat_logprobs(self, entries: list[dict[str, Any]]) -> ChatLogprobs | None:
+        if not self.prepared.want_logprobs:
+            return None
+        content = [
+            ChatTokenLogprob(
+                token=entry["token"],
+                logprob=entry["logprob"],
+                bytes=list(entry["token"].encode()),
+                top_logprobs=[
+                    TopLogprob(
+                        token=alt["token"],
+                        logprob=alt["logprob"],
+                        bytes=list(alt["token"].encode()),
+                    )
+                    for alt in entry.get("top_logprobs") or []
+                ],
+            )
+            for entry in entries
+        ]
+        return ChatLogprobs(content=content)
+
+
+def _apply(choice: ChoiceState, delta: CompletionOutput) -> None:
+    choice.text_parts.append(delta.text)
+    choice.text_length += len(delta.text)
+    choice.num_tokens += len(delta.token_ids)
+    if delta.logprobs:
+        choice.logprobs.extend(delta.logprobs)
+    if delta.finish_reason is not None:
+        choice.finish_reason = delta.finish_reason

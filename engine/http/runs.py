@@ -1,0 +1,235 @@
+"""One API request's life on the engine: open its engine requests, relay their outputs, and
+abort whatever is left when the client goes away or something fails.
+
+A batched completions request (several prompts) becomes one engine request per prompt; their
+outputs are merged in arrival order. Engine refusals (prompt too long, queue full) arrive before
+the first output, so they surface here as `ApiError`s before any byte of a response is sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from engine.http.errors import ApiError, outcome_of
+from engine.http.parsing import PreparedRequest
+from engine.http.responses import SSE_DONE, ResponseBuilder, sse_event
+from engine.outputs import EngineError, RequestOutput
+
+if TYPE_CHECKING:
+    from engine.http.state import ServerState
+
+# Detached abort tasks live here until done (the event loop keeps only weak references).
+_BACKGROUND: set[asyncio.Task[None]] = set()
+
+
+def api_error_from(error: EngineError) -> ApiError:
+    headers = {"Retry-After": "1"} if error.status == 429 else None
+    return ApiError(error.status, error.message, param=error.param, headers=headers)
+
+
+class RequestRun:
+    def __init__(self, state: ServerState, prepared: PreparedRequest, endpoint: str) -> None:
+        self.state = state
+        self.prepared = prepared
+        self.endpoint = endpoint
+        self.builder = ResponseBuilder(prepared)
+        self.arrival = time.monotonic()
+        self.arrival_wall = time.time()
+        self._streams: list[AsyncIterator[RequestOutput]] = []
+        self._finished: set[int] = set()
+        self._first_token_at: float | None = None
+        self._last_token_at: dict[int, float] = {}
+        self.outcome = "aborted"
+        self._counted = False
+
+    # ------------------------------------------------------------ opening
+
+    async def open(self) -> list[tuple[int, RequestOutput]]:
+        """Submit every prompt and wait for each one's first output (or its refusal)."""
+        p = self.prepared
+        for i, prompt in enumerate(p.prompts):
+            stream = self.state.llm.stream(
+                prompt, p.params, messages=p.messages, request_id=p.engine_request_id(i)
+            )
+            self._streams.append(aiter(stream))
+        results = await asyncio.gather(
+            *(anext(stream) for stream in self._streams), return_exceptions=True
+        )
+        firsts: list[tuple[int, RequestOutput]] = []
+        failure: BaseException | None = None
+        for i, result in enumerate(results):
+            if isinstance(result, RequestOutput):
+                firsts.append((i, result))
+                if result.finished:
+                    self._finished.add(i)
+            else:
+                self._finished.add(i)  # refused or ended: nothing to abort for this prompt
+                failure = failure or result
+        if failure is not None:
+            self.abort_unfinished()
+            status = failure.status if isinstance(failure, EngineError) else 500
+            self.outcome = outcome_of(status)
+            self.finish()
+            if isinstance(failure, EngineError):
+                raise api_error_from(failure)
+            if isinstance(failure, StopAsyncIteration):
+                raise ApiError(500, "the engine ended the request without any output")
+            raise failure
+        return firsts
+
+    # ------------------------------------------------------------ relaying
+
+    async def outputs(
+        self, firsts: list[tuple[int, RequestOutput]]
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Every output of every prompt, first ones included, with metrics observed."""
+        for item in firsts:
+            self._observe(*item)
+            yield item
+        pending = [i for i in range(len(self._streams)) if i not in self._finished]
+        if len(pending) == 1:
+            (i,) = pending
+            async for out in self._streams[i]:
+                self._observe(i, out)
+                yield i, out
+            return
+        queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+        pumps = [asyncio.create_task(self._pump(i, queue)) for i in pending]
+        try:
+            remaining = len(pumps)
+            while remaining:
+                i, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    self._observe(i, item)
+                    yield i, item
+        finally:
+            for pump in pumps:
+                pump.cancel()
+
+    async def _pump(
+        self, i: int, queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]]
+    ) -> None:
+        try:
+            async for out in self._streams[i]:
+                queue.put_nowait((i, out))
+        except Exception as e:
+            queue.put_nowait((i, e))
+        queue.put_nowait((i, None))
+
+    def _observe(self, i: int, out: RequestOutput) -> None:
+        now = time.monotonic()
+        metrics = self.state.metrics
+        for delta in out.outputs:
+            count = len(delta.token_ids)
+            if count == 0:
+                continue
+            metrics.generation_tokens.inc(count)
+            if self._first_token_at is None:
+                self._first_token_at = now
+                metrics.ttft.observe(now - self.arrival)
+            key = i * self.prepared.n + delta.index
+            last = self._last_token_at.get(key)
+            if last is not None:
+                per_token = (now - last) / count
+                for _ in range(count):
+                    metrics.itl.observe(per_token)
+            self._last_token_at[key] = now
+        if out.finished:
+            self._finished.add(i)
+
+    # ------------------------------------------------------------ the two response shapes
+
+    async def collect(self) -> bytes:
+        """Run to the end and return the one-shot JSON body."""
+        firsts = await self.open()
+        try:
+            async for i, out in self.outputs(firsts):
+                self.builder.absorb(i, out)
+        except EngineError as e:
+            self.outcome = "error"
+            raise api_error_from(e) from None
+        finally:
+            self.abort_unfinished()
+            if self.outcome == "aborted" and len(self._finished) == len(self._streams):
+                self.outcome = "success"
+            self.finish()
+        return self.builder.final_body()
+
+    async def sse(self, firsts: list[tuple[int, RequestOutput]]) -> AsyncIterator[bytes]:
+        """The event stream; a client that goes away cancels it here and its requests abort."""
+        try:
+            for event in self.builder.opening_events():
+                yield event
+            async for i, out in self.outputs(firsts):
+                for event in self.builder.delta_events(i, out):
+                    yield event
+            if self.prepared.include_usage:
+                yield self.builder.usage_event()
+            self.outcome = "success"
+        except EngineError as e:
+            self.outcome = "error"
+            yield sse_event(api_error_from(e).encoded())
+        finally:
+            self.abort_unfinished()
+            self.finish()
+        yield SSE_DONE
+
+    # ------------------------------------------------------------ ending
+
+    def abort_unfinished(self) -> None:
+        """Abort engine requests still running. Detached: this runs inside cancellations."""
+        for i, stream in enumerate(self._streams):
+            if i in self._finished:
+                continue
+            self._finished.add(i)
+            task = asyncio.get_running_loop().create_task(
+                self._abort(self.prepared.engine_request_id(i), stream)
+            )
+            _BACKGROUND.add(task)
+            task.add_done_callback(_BACKGROUND.discard)
+
+    async def _abort(self, engine_request_id: str, stream: AsyncIterator[RequestOutput]) -> None:
+        with contextlib.suppress(Exception):
+            await self.state.llm.abort(engine_request_id)
+        aclose = getattr(stream, "aclose", None)
+        if aclose is not None:
+            with contextlib.suppress(Exception):
+                await aclose()
+
+    def finish(self) -> None:
+        """Count the request once, by outcome, and record it in the trace when asked."""
+        if self._counted:
+            return
+        self._counted = True
+        now = time.monotonic()
+        metrics = self.state.metrics
+        metrics.requests.labels(self.endpoint, self.outcome).inc()
+        usage = self.builder.usage()
+        metrics.prompt_tokens.inc(usage.prompt_tokens)
+        if self.outcome == "success":
+            metrics.e2e.observe(now - self.arrival)
+        if self.state.trace is not None:
+            record: dict[str, Any] = {
+                "arrival": round(self.arrival_wall, 6),
+                "endpoint": self.endpoint,
+                "request_id": self.prepared.request_id,
+                "outcome": self.outcome,
+                "stream": self.prepared.stream,
+                "n": self.prepared.n,
+                "max_tokens": self.prepared.params.max_tokens,
+                "prompt_tokens": usage.prompt_tokens,
+                "completion_tokens": usage.completion_tokens,
+                "ttft": None
+                if self._first_token_at is None
+                else round(self._first_token_at - self.arrival, 6),
+                "e2e": round(now - self.arrival, 6),
+            }
+            self.state.trace.write(record)
