@@ -1,0 +1,236 @@
+"""The Actor base class, and `child_main`: what every spawned child process runs.
+
+An actor's life: start (on_start loads its resources; what it returns goes to the root in Ready)
+-> run (handle frames from all its inbound rings, awaited together through one Mailbox; beat
+its heart) -> stop (a Stop message, SIGTERM, or its own `stop()`: on_stop, Exiting, exit 0).
+An exception escaping a hook crashes the actor (exit 1) and its supervisor decides what next.
+
+Control traffic from the root (Stop, SwapRings, LogLevel) is served by its own task, so a ring
+swap still reaches an actor whose handler is waiting to send to a restarted peer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import importlib
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import uvloop
+
+from engine.actors.runtime.ring import RingReader, RingWriter
+from engine.actors.runtime.ring_ends import RingEnds
+from engine.messages.codec import Channel
+from engine.messages.control import (
+    BOOT,
+    CONTROL,
+    STATUS,
+    ChildBoot,
+    Exiting,
+    Heartbeat,
+    LogLevel,
+    Ready,
+    StatusMessage,
+    Stop,
+    SwapRings,
+)
+
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+class Actor:
+    """Subclass and override the hooks; the runtime calls them on the actor's own event loop."""
+
+    # Channels this actor decodes with; their malformed-frame counts go to the root in heartbeats.
+    channels: ClassVar[tuple[Channel[Any], ...]] = ()
+
+    def __init__(self, boot: ChildBoot) -> None:
+        self.name = boot.name
+        self.config = boot.config  # the actor's own settings, in whatever encoding its spec used
+        self.generation = boot.generation
+        self.log = logging.getLogger(f"engine.actor.{boot.name}")
+        self.rings = RingEnds(boot.inbound, boot.outbound)
+        self._boot = boot
+        self._control = RingReader(boot.control)
+        self._status = RingWriter(boot.status)
+        self._stop_requested: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+
+    # Hooks.
+
+    async def on_start(self) -> dict[str, Any] | None:
+        """Load resources. The returned info goes to the root in the Ready message."""
+        return None
+
+    async def handle(self, ring: str, frames: list[bytes]) -> None:
+        """Frames that arrived on inbound ring `ring` (its logical name), oldest first."""
+        raise NotImplementedError(f"{type(self).__name__} reads rings but does not define handle()")
+
+    async def on_stop(self) -> None:
+        """Release resources; runs on every orderly stop after a successful on_start."""
+
+    async def on_rings_swapped(self, peer: str, rings: list[str]) -> None:
+        """`peer` restarted and these rings are fresh; what was in flight to or from it is gone."""
+
+    # Services.
+
+    async def send(self, ring: str, frame: bytes) -> bool:
+        """Write one frame to outbound ring `ring`; False if the ring was swapped while waiting."""
+        return await self.rings.send_many(ring, (frame,))
+
+    async def send_many(self, ring: str, frames: Sequence[bytes]) -> bool:
+        """Write frames to outbound ring `ring`; False if the ring was swapped while waiting."""
+        return await self.rings.send_many(ring, frames)
+
+    def stop(self, reason: str) -> None:
+        """Ask for an orderly stop (also what a Stop message and SIGTERM do)."""
+        if not self._stop_requested.done():
+            self.log.info("stopping: %s", reason)
+            self._stop_requested.set_result(reason)
+
+    @property
+    def decode_errors(self) -> int:
+        return CONTROL.decode_errors + sum(channel.decode_errors for channel in self.channels)
+
+    # The runtime.
+
+    async def run(self) -> int:
+        """The actor's whole life; returns the process exit status."""
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, self.stop, "SIGTERM")
+        tasks = [loop.create_task(self._serve_control(), name="control")]
+        started, reason, status = False, "", 0
+        try:
+            starting = loop.create_task(self.on_start(), name="on_start")
+            await asyncio.wait((starting, self._stop_requested), return_when="FIRST_COMPLETED")
+            if starting.done():
+                info = starting.result()
+                started = True
+                self._report(Ready(os.getpid(), info or {}))
+                self.log.info("ready (generation %d)", self.generation)
+                tasks.append(loop.create_task(self._beat_heart(), name="heartbeat"))
+                if self.rings.inbound_names:
+                    tasks.append(loop.create_task(self._serve(), name="serve"))
+                waits: list[asyncio.Future[Any]] = [*tasks, self._stop_requested]
+                await asyncio.wait(waits, return_when="FIRST_COMPLETED")
+            else:
+                await _cancel(starting)
+            for task in tasks:
+                if task.done():
+                    task.result()  # an exception here is a crash
+                    raise RuntimeError(f"actor task {task.get_name()!r} ended on its own")
+            reason = self._stop_requested.result()
+        except Exception as exc:
+            self.log.exception("crashed")
+            reason, status = f"crashed: {exc!r}", 1
+        finally:
+            for task in tasks:
+                await _cancel(task)
+            if started:
+                try:
+                    await self.on_stop()
+                except Exception as exc:
+                    self.log.exception("on_stop failed")
+                    reason, status = f"{reason}; on_stop failed: {exc!r}", 1
+            self._report(Exiting(reason))
+            self.rings.close()
+            self._control.close()
+            self._status.close()
+        return status
+
+    async def _serve(self) -> None:
+        mailbox = self.rings.mailbox
+        while True:
+            for ring, frames in await mailbox.recv():
+                await self.handle(ring, frames)
+
+    async def _serve_control(self) -> None:
+        while True:
+            for message in CONTROL.decode_many(await self._control.recv_many()):
+                if isinstance(message, Stop):
+                    self.stop(message.reason)
+                elif isinstance(message, SwapRings):
+                    self.rings.swap(message.inbound, message.outbound)
+                    rings = sorted({*message.inbound, *message.outbound})
+                    self.log.info("peer %s restarted: swapped rings %s", message.peer, rings)
+                    await self.on_rings_swapped(message.peer, rings)
+                elif isinstance(message, LogLevel):
+                    _set_log_level(message.level, self.log)
+
+    async def _beat_heart(self) -> None:
+        beats = 0
+        while True:
+            await asyncio.sleep(self._boot.heartbeat_interval)
+            if os.getppid() != self._boot.root_pid:  # backs up the death signal (non-Linux too)
+                self.stop("the root process is gone")
+                return
+            beats += 1
+            self._report(Heartbeat(beats, self.decode_errors))
+
+    def _report(self, message: StatusMessage) -> None:
+        # Never waits: a root too busy to read status loses a heartbeat, not the actor's loop.
+        self._status.try_send_many([STATUS.encode(message)])
+
+
+def child_main(boot_frame: bytes) -> None:
+    """Entry of a spawned child: an encoded ChildBoot in, the actor's exit status out."""
+    boot = BOOT.decode(boot_frame)
+    _exit_with_root(boot.root_pid)
+    # Ctrl-C reaches the whole process group; shutting down is the root's call, not ours.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(
+        level=boot.log_level,
+        format=f"%(asctime)s %(levelname)s {boot.name}[%(process)d] %(name)s: %(message)s",
+        force=True,
+    )
+    actor_class = load_actor_class(boot.entry)
+    sys.exit(uvloop.run(_run_actor(actor_class, boot)))
+
+
+def load_actor_class(entry: str) -> type[Actor]:
+    module_name, colon, class_name = entry.partition(":")
+    if not (colon and module_name and class_name):
+        raise ValueError(f"actor entry must be 'module:Class', got {entry!r}")
+    found = getattr(importlib.import_module(module_name), class_name, None)
+    if not (isinstance(found, type) and issubclass(found, Actor)):
+        raise TypeError(f"actor entry {entry!r} must name an Actor subclass, found {found!r}")
+    return found
+
+
+async def _run_actor(actor_class: type[Actor], boot: ChildBoot) -> int:
+    return await actor_class(boot).run()
+
+
+def _exit_with_root(root_pid: int) -> None:
+    """Make the kernel kill this process when the root dies, so no child outlives it.
+
+    SIGKILL rather than SIGTERM: a hung child must go too; the next start sweeps its segments.
+    The signal fires when the thread that spawned us exits, which is the root's event loop thread.
+    """
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"prctl(PR_SET_PDEATHSIG): {os.strerror(errno)}")
+    if os.getppid() != root_pid:  # the root died before the death signal was armed
+        os._exit(1)
+
+
+def _set_log_level(level: str, log: logging.Logger) -> None:
+    if level.upper() not in _LOG_LEVELS:
+        log.error("ignored LogLevel %r: expected one of %s", level, _LOG_LEVELS)
+        return
+    logging.getLogger().setLevel(level.upper())
+
+
+async def _cancel(task: asyncio.Task[Any]) -> None:
+    """Cancel `task` and wait for it; an exception it ended with was reported already."""
+    task.cancel()
+    await asyncio.wait((task,))
+    if not task.cancelled():
+        task.exception()  # retrieved, so asyncio does not warn about it again

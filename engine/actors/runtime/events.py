@@ -1,0 +1,65 @@
+"""What the supervisor tells code in the root process: events to subscribe to, and a status table.
+
+The gateway subscribes because a restart on the request path means resubmitting every unfinished
+request (DESIGN §5); the admin socket shows `ChildStatus` rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class ChildReady(msgspec.Struct, frozen=True):
+    name: str
+    pid: int
+    generation: int
+    info: dict[str, Any]  # what the actor's on_start returned
+
+
+class ChildDied(msgspec.Struct, frozen=True):
+    """A child exited without being asked to (a crash, a kill, a missed heartbeat, or status 0)."""
+
+    name: str
+    pid: int
+    exitcode: int  # negative: killed by that signal
+    reason: str
+
+
+class RingsSwapped(msgspec.Struct, frozen=True):
+    """The root's own ends of `rings` were replaced because `peer` restarted."""
+
+    peer: str
+    rings: list[str]
+
+
+class ChildRestarted(msgspec.Struct, frozen=True):
+    """A new generation of the child is ready; what was in flight through the old one is gone."""
+
+    name: str
+    pid: int
+    generation: int
+    restarts: int
+    reason: str
+
+
+class Escalated(msgspec.Struct, frozen=True):
+    """The supervisor gave up restarting and is shutting everything down."""
+
+    reason: str
+
+
+SupervisorEvent = ChildReady | ChildDied | RingsSwapped | ChildRestarted | Escalated
+
+
+class ChildStatus(msgspec.Struct, frozen=True):
+    name: str
+    entry: str
+    group: str
+    pid: int | None
+    state: str  # starting | running | restarting | stopping | stopped | exited
+    generation: int
+    restarts: int
+    last_restart_reason: str
+    decode_errors: int  # malformed frames the child dropped, as of its last heartbeat

@@ -1,0 +1,349 @@
+"""The supervisor (DESIGN §4): Erlang/OTP's supervisor, run on the root process's event loop.
+
+- start: sweep segments left by dead runs, create this run's rings, start the children unit by
+  unit (a group is one unit: all spawned, then all awaited), each Ready within its ready_timeout.
+- supervise: a death is seen through the process sentinel, a hang through missed heartbeats
+  (the hung child is SIGKILLed, which makes it a death). One task handles deaths one at a time,
+  like the EXIT messages of an OTP supervisor: the restart type says whether to restart, the
+  strategy says which children go with it, the restart intensity says whether restarting is
+  still allowed; beyond it the supervisor escalates to an orderly shutdown that states why.
+- restart: the children chosen are stopped (reverse start order), their rings get fresh
+  segments, every live peer is told to swap (the root's own ends are swapped in place), and the
+  children are started again.
+- shutdown: every child in reverse start order (Stop, SIGTERM, SIGKILL), then every segment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from types import TracebackType
+
+from engine.actors.runtime.child_process import ChildProcess, ChildStartError
+from engine.actors.runtime.child_spec import ROOT, ChildSpec, Restart, SupervisorSpec, start_units
+from engine.actors.runtime.events import (
+    ChildDied,
+    ChildReady,
+    ChildRestarted,
+    ChildStatus,
+    Escalated,
+    RingsSwapped,
+    SupervisorEvent,
+)
+from engine.actors.runtime.restart_policy import RestartIntensity, restart_set
+from engine.actors.runtime.ring import run_prefix, sweep_stale_segments
+from engine.actors.runtime.ring_ends import RingEnds
+from engine.actors.runtime.ring_table import RingTable
+from engine.messages.control import LogLevel, Ready, SwapRings
+
+__all__ = ["ChildStartError", "Supervisor"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Child:
+    spec: ChildSpec
+    process: ChildProcess | None = None
+    state: str = "stopped"
+    spawned: int = 0  # generations started so far
+    restarts: int = 0
+    last_restart_reason: str = ""
+
+
+class Supervisor:
+    def __init__(self, spec: SupervisorSpec, doorbell_dir: str = "") -> None:
+        spec.validate()
+        self.spec = spec
+        self._doorbell_dir = doorbell_dir
+        self._units = start_units(spec.children)
+        self._children = {child.name: _Child(child) for child in spec.children}
+        self._intensity = RestartIntensity(
+            spec.max_restarts, spec.max_seconds, spec.backoff_initial, spec.backoff_max
+        )
+        self._exits: asyncio.Queue[ChildProcess] = asyncio.Queue()
+        self._processes: set[ChildProcess] = set()  # spawned and not yet released
+        self._subscribers: list[asyncio.Queue[SupervisorEvent]] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self._rings: RingTable | None = None
+        self._root: RingEnds | None = None
+        self._prefix = ""
+        self._closing: asyncio.Task[None] | None = None
+        self._closed: asyncio.Future[str] | None = None
+        self.swept: list[str] = []  # stale segments removed at start
+
+    # Public API.
+
+    @property
+    def root(self) -> RingEnds:
+        """The root process's own ring ends (writer/reader "root" in the ring declarations)."""
+        if self._root is None:
+            raise RuntimeError("the supervisor has not been started")
+        return self._root
+
+    async def start(self) -> None:
+        """Start every child and wait for each one to be ready; ChildStartError names a failure."""
+        self._closed = asyncio.get_running_loop().create_future()
+        self.swept = sweep_stale_segments()
+        if self.swept:
+            log.warning("swept %d segment(s) left by dead runs: %s", len(self.swept), self.swept)
+        self._prefix = run_prefix()
+        self._rings = RingTable(self.spec.rings, self._prefix, self._doorbell_dir)
+        self._rings.create_all()
+        self._root = RingEnds(*self._rings.ends_of(ROOT))
+        try:
+            for unit in self._units:
+                await self._start_unit(unit)
+        except BaseException as exc:
+            await self.shutdown(f"start-up failed: {exc}")
+            raise
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._supervise(), name="supervise"),
+            loop.create_task(self._watch_heartbeats(), name="heartbeat-watchdog"),
+        ]
+
+    async def shutdown(self, reason: str = "shutdown requested") -> None:
+        """Stop every child in reverse start order and remove every segment; idempotent."""
+        if self._closing is None:
+            self._closing = asyncio.get_running_loop().create_task(self._shutdown(reason))
+        await asyncio.shield(self._closing)
+
+    async def wait_closed(self) -> str:
+        """Wait until the supervisor has shut down (asked to, or escalated); the reason."""
+        if self._closed is None:
+            raise RuntimeError("the supervisor has not been started")
+        return await asyncio.shield(self._closed)
+
+    def subscribe(self) -> asyncio.Queue[SupervisorEvent]:
+        """A queue that receives every event from now on."""
+        queue: asyncio.Queue[SupervisorEvent] = asyncio.Queue()
+        self._subscribers.append(queue)
+        return queue
+
+    def unsubscribe(self, queue: asyncio.Queue[SupervisorEvent]) -> None:
+        self._subscribers.remove(queue)
+
+    def status(self) -> list[ChildStatus]:
+        rows = []
+        for child in self._children.values():
+            process = child.process
+            rows.append(
+                ChildStatus(
+                    name=child.spec.name,
+                    entry=child.spec.entry,
+                    group=child.spec.group,
+                    pid=process.pid if process is not None and process.alive else None,
+                    state=child.state,
+                    generation=process.generation if process is not None else 0,
+                    restarts=child.restarts,
+                    last_restart_reason=child.last_restart_reason,
+                    decode_errors=process.decode_errors if process is not None else 0,
+                )
+            )
+        return rows
+
+    def set_log_level(self, level: str, children: list[str] | None = None) -> None:
+        for name in children or list(self._children):
+            process = self._children[name].process
+            if process is not None and process.alive:
+                process.send_control(LogLevel(level))
+
+    async def __aenter__(self) -> Supervisor:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.shutdown("shutdown requested" if exc is None else f"root failed: {exc!r}")
+
+    # Starting.
+
+    def _spawn(self, name: str) -> ChildProcess:
+        assert self._rings is not None
+        child = self._children[name]
+        process = ChildProcess(
+            child.spec, child.spawned, self._prefix, self._exits.put_nowait, self._doorbell_dir
+        )
+        child.spawned += 1
+        child.process = process
+        child.state = "starting"
+        self._processes.add(process)
+        process.start(*self._rings.ends_of(name), self.spec.log_level)
+        return process
+
+    async def _start_unit(self, names: list[str], restart_reason: str = "") -> None:
+        """Spawn every member, then await every Ready: members may need each other to start."""
+        processes = [self._spawn(name) for name in names]
+        results = await asyncio.gather(*(p.wait_ready() for p in processes), return_exceptions=True)
+        errors: list[BaseException] = []
+        for process, result in zip(processes, results, strict=True):
+            child = self._children[process.name]
+            if isinstance(result, Ready):
+                child.state = "running"
+                self._emit(ChildReady(process.name, result.pid, process.generation, result.info))
+                if restart_reason:
+                    event = ChildRestarted(
+                        process.name, result.pid, process.generation, child.restarts, restart_reason
+                    )
+                    self._emit(event)
+            else:
+                errors.append(result)
+                process.kill(str(result))  # a late child is not waited for any longer
+        if errors:
+            for error in errors[1:]:
+                log.error("%s", error)
+            raise errors[0]
+
+    # Supervising.
+
+    async def _supervise(self) -> None:
+        while True:
+            process = await self._exits.get()
+            child = self._children[process.name]
+            await self._release(process)
+            if process is not child.process or process.stopping:
+                continue  # the supervisor stopped it, or it was replaced already
+            if not await self._on_failure(child, process):
+                return
+
+    async def _on_failure(self, child: _Child, process: ChildProcess) -> bool:
+        """Restart as the policy says; False once the supervisor has escalated."""
+        exitcode = process.exited.result()
+        how = process.describe_exit()
+        self._emit(ChildDied(process.name, process.pid or 0, exitcode, how))
+        if not child.spec.restart.wants_restart(exitcode):
+            child.state = "exited"
+            return True
+        reason = f"{process.name} {how}"
+        if not self._intensity.record():
+            self._escalate(
+                f"restart intensity reached, {self._intensity.describe()}; last: {reason}"
+            )
+            return False
+        await self._restart(process.name, reason)
+        return True
+
+    async def _restart(self, failed: str, reason: str) -> None:
+        assert self._rings is not None
+        chosen = restart_set(self.spec.strategy, self._units, failed)
+        for name in reversed(chosen):  # siblings go in reverse start order, as at shutdown
+            sibling = self._children[name]
+            if name != failed and sibling.process is not None and sibling.process.alive:
+                sibling.state = "stopping"
+                await sibling.process.stop(f"restarting with {failed}")
+                sibling.state = "stopped"
+        # Temporary children are never restarted, and children that finished stay finished.
+        restarting = [
+            name
+            for name in chosen
+            if name == failed
+            or (
+                self._children[name].spec.restart is not Restart.TEMPORARY
+                and self._children[name].state != "exited"
+            )
+        ]
+        for name in restarting:
+            child = self._children[name]
+            child.state = "restarting"
+            child.restarts += 1
+            child.last_restart_reason = reason
+        delay = self._intensity.backoff()
+        if delay:
+            log.info("restarting %s in %.2f s (backoff)", restarting, delay)
+            await asyncio.sleep(delay)
+        log.info("restarting %s: %s", restarting, reason)
+        renewed = self._rings.renew_touching(restarting)
+        self._hand_out_rings(renewed, restarted=set(restarting), peer=failed)
+        try:
+            for unit in self._units:
+                members = [name for name in unit if name in restarting]
+                if members:
+                    await self._start_unit(members, restart_reason=reason)
+        except ChildStartError as exc:
+            # The child was killed (or died): its exit comes back through the queue as a failure.
+            log.error("restart failed: %s", exc)
+        finally:
+            self._rings.destroy_retired()
+
+    def _hand_out_rings(self, renewed: list[str], restarted: set[str], peer: str) -> None:
+        """Tell every live party with an end on a renewed ring to use the fresh segment."""
+        assert self._rings is not None
+        for party in self._rings.parties(renewed) - restarted:
+            inbound, outbound = self._rings.ends_of(party, renewed)
+            if party == ROOT:
+                self.root.swap(inbound, outbound)
+                self._emit(RingsSwapped(peer, sorted({*inbound, *outbound})))
+                continue
+            process = self._children[party].process
+            if process is None or not process.alive:
+                continue  # it gets the current rings when it starts again
+            if not process.send_control(SwapRings(peer, inbound, outbound)):
+                process.kill(f"its control ring is full (not reading) when {peer} restarted")
+
+    async def _watch_heartbeats(self) -> None:
+        period = min(child.heartbeat_interval for child in self.spec.children)
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            for child in self._children.values():
+                process = child.process
+                if child.state != "running" or process is None or not process.alive:
+                    continue
+                process.read_status()  # what arrived while this loop was busy counts too
+                silent = now - process.last_seen
+                if silent > child.spec.heartbeat_timeout:
+                    timeout = child.spec.heartbeat_timeout
+                    process.kill(
+                        f"no heartbeat for {silent:.1f} s (heartbeat_timeout {timeout:g} s)"
+                    )
+
+    # Ending.
+
+    def _escalate(self, reason: str) -> None:
+        log.error("escalating to shutdown: %s", reason)
+        self._emit(Escalated(reason))
+        if self._closing is None:
+            loop = asyncio.get_running_loop()
+            self._closing = loop.create_task(self._shutdown(f"escalated: {reason}"))
+
+    async def _shutdown(self, reason: str) -> None:
+        log.info("shutting down: %s", reason)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for unit in reversed(self._units):
+            await asyncio.gather(*(self._stop_child(name, reason) for name in reversed(unit)))
+        for process in list(self._processes):
+            await self._release(process)
+        if self._root is not None:
+            self._root.close()
+        if self._rings is not None:
+            self._rings.destroy_all()
+        if self._closed is not None and not self._closed.done():
+            self._closed.set_result(reason)
+        log.info("shut down: %s", reason)
+
+    async def _stop_child(self, name: str, reason: str) -> None:
+        child = self._children[name]
+        if child.process is not None and child.process.alive:
+            child.state = "stopping"
+            await child.process.stop(reason)
+        if child.state != "exited":
+            child.state = "stopped"
+
+    async def _release(self, process: ChildProcess) -> None:
+        if process in self._processes:
+            self._processes.discard(process)
+            await process.release()
+
+    def _emit(self, event: SupervisorEvent) -> None:
+        log.debug("event %r", event)
+        for queue in self._subscribers:
+            queue.put_nowait(event)

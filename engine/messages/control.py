@@ -1,0 +1,89 @@
+"""Channel supervisor <-> actor: what the root tells a child and what a child reports back.
+
+Every child has two private rings to the root, both renewed with each generation of the child:
+`control` (root -> child: Stop, SwapRings, LogLevel) and `status` (child -> root: Ready,
+Heartbeat, Exiting). A child is started with one `ChildBoot`: plain data, the only thing the
+spawned process receives (besides what `spawn` itself needs to call the entry function).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from engine.actors.runtime.ring import RingSpec
+from engine.messages.codec import Channel
+
+
+class InboundRing(msgspec.Struct, frozen=True, array_like=True):
+    """A ring this party reads; `reader` is its index on a broadcast ring (0 on an SPSC ring)."""
+
+    spec: RingSpec
+    reader: int = 0
+
+
+class ChildBoot(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything a spawned child needs to run its actor."""
+
+    name: str
+    entry: str  # "module:Class" of an engine.actors.runtime.actor.Actor subclass
+    config: bytes  # the actor's own settings, encoded by whoever built the ChildSpec
+    root_pid: int  # the child exits when this process is gone
+    generation: int  # 0 at first start, +1 per restart
+    control: RingSpec  # root -> child
+    status: RingSpec  # child -> root
+    inbound: dict[str, InboundRing]  # logical ring name -> ring this actor reads
+    outbound: dict[str, RingSpec]  # logical ring name -> ring this actor writes
+    heartbeat_interval: float  # seconds between Heartbeats
+    log_level: str
+
+
+# root -> child
+
+
+class Stop(msgspec.Struct, tag=True, array_like=True):
+    """Finish: run on_stop, report Exiting, exit with status 0."""
+
+    reason: str
+
+
+class SwapRings(msgspec.Struct, tag=True, array_like=True):
+    """`peer` was restarted: these of your rings were replaced by fresh segments; use them."""
+
+    peer: str
+    inbound: dict[str, InboundRing]
+    outbound: dict[str, RingSpec]
+
+
+class LogLevel(msgspec.Struct, tag=True, array_like=True):
+    level: str  # a logging level name: DEBUG, INFO, WARNING, ERROR, CRITICAL
+
+
+# child -> root
+
+
+class Ready(msgspec.Struct, tag=True, array_like=True):
+    """on_start finished; `info` is what the actor reported (e.g. KV blocks it could allocate)."""
+
+    pid: int
+    info: dict[str, Any]
+
+
+class Heartbeat(msgspec.Struct, tag=True, array_like=True):
+    seq: int
+    decode_errors: int  # malformed frames dropped so far (all of the actor's channels)
+
+
+class Exiting(msgspec.Struct, tag=True, array_like=True):
+    """Sent last, on the way out (a requested stop, SIGTERM, or a crash the actor caught)."""
+
+    reason: str
+
+
+ControlMessage = Stop | SwapRings | LogLevel
+StatusMessage = Ready | Heartbeat | Exiting
+
+CONTROL: Channel[ControlMessage] = Channel("control", ControlMessage)
+STATUS: Channel[StatusMessage] = Channel("status", StatusMessage)
+BOOT: Channel[ChildBoot] = Channel("child-boot", ChildBoot)
