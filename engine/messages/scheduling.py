@@ -1,0 +1,115 @@
+"""Channels into and out of the scheduler: requests in (from the tokenizer), tokens out (to the
+detokenizer).
+
+Inbound, `SubmitRequest` carries a tokenized request; after a failure the gateway resubmits it
+with a newer `epoch`, listing in `resume` the samples still unfinished and the tokens already
+delivered for each, and the scheduler replaces whatever it held for older epochs.
+
+Outbound, the scheduler forwards `SubmitRequest` and `AbortRequests` to the detokenizer ahead of
+any tokens for them (one ring, so order holds): the detokenizer learns prompt, stop strings and
+delivered tokens (to prime itself) from the same message the scheduler acted on. Then one
+`TokenBatch` per step carries every sample's new tokens.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from engine.messages.codec import Channel
+from engine.messages.params import SamplingParams
+from engine.messages.steps import TokenLogprobs
+
+
+class SampleResume(msgspec.Struct, array_like=True):
+    """Restart sample `index` from prompt + `delivered_token_ids` (already sent to the client)."""
+
+    index: int
+    delivered_token_ids: list[int]
+
+
+class SubmitRequest(msgspec.Struct, tag=True, array_like=True):
+    request_id: str
+    epoch: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: (
+        int  # request seed (params.seed, or one the gateway drew); per-sample seeds derive from it
+    )
+    # None: a fresh request, all params.n samples. Otherwise only the listed samples run (the
+    # others already finished).
+    resume: list[SampleResume] | None = None
+
+
+class AbortRequests(msgspec.Struct, tag=True, array_like=True):
+    """Drop these requests, whatever their epoch (client gone, or finished by a stop string)."""
+
+    request_ids: list[str]
+
+
+class StopSamples(msgspec.Struct, tag=True, array_like=True):
+    """Stop some samples of a request of this epoch (the detokenizer matched a stop string for
+    them); the request's other samples keep running."""
+
+    request_id: str
+    epoch: int
+    indices: list[int]
+
+
+class SampleDelta(msgspec.Struct, array_like=True):
+    """What one sample gained in one step.
+
+    finish_reason is "length" or "stop" when the sample ended with this delta. "stop" from the
+    scheduler always means the last token is a stop token (eos or one of stop_token_ids): its
+    text is left out unless include_stop_str_in_output. Stop strings are the detokenizer's.
+    """
+
+    request_id: str
+    epoch: int
+    index: int
+    new_token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked
+    finish_reason: str | None = None
+
+
+class TokenBatch(msgspec.Struct, tag=True, array_like=True):
+    items: list[SampleDelta]
+
+
+class RequestRejected(msgspec.Struct, tag=True, array_like=True):
+    """The scheduler will not run this request (e.g. its prompt does not fit max_model_len)."""
+
+    request_id: str
+    epoch: int
+    message: str
+    status: int = 400
+
+
+class RequestStatus(msgspec.Struct, tag=True, kw_only=True):
+    """One request as the admin "requests" listing shows it."""
+
+    request_id: str
+    epoch: int
+    num_prompt_tokens: int
+    num_output_tokens: list[int]  # per unfinished sample
+    states: list[str]  # per unfinished sample: "waiting" | "running"
+    num_preemptions: int
+    age_s: float
+
+
+class SchedulerStats(msgspec.Struct, tag=True, kw_only=True):
+    num_running: int
+    num_waiting: int
+    num_requests: int
+    kv_usage: float  # fraction of KV blocks owned by sequences
+    num_free_blocks: int
+    num_cached_blocks: int  # free blocks still holding reusable prefixes
+    prefix_cache_hit_rate: float  # hit tokens / queried tokens, since start
+    num_preemptions: int
+    num_steps: int
+
+
+ToScheduler = SubmitRequest | AbortRequests | StopSamples
+FromScheduler = SubmitRequest | AbortRequests | TokenBatch | RequestRejected
+
+SCHEDULER_REQUESTS: Channel[ToScheduler] = Channel("scheduler-requests", ToScheduler)
+SCHEDULER_OUTPUTS: Channel[FromScheduler] = Channel("scheduler-outputs", FromScheduler)
