@@ -19,13 +19,8 @@ from typing import Any
 
 from engine.messages.outputs import OutputBatch, SampleDeltaText
 from engine.messages.params import SamplingParams
-from engine.messages.requests import (
-    AbortRequests,
-    ChatMessage,
-    GenerateRequest,
-    RequestFailed,
-    SampleResume,
-)
+from engine.messages.requests import AbortRequests, ChatMessage, GenerateRequest, RequestFailed
+from engine.messages.scheduling import SampleResume
 from engine.outputs import CompletionOutput, EngineError, RequestOutput
 
 
@@ -41,7 +36,7 @@ class SampleRecord:
         return self.finish_reason is not None
 
     def resume(self) -> SampleResume:
-        return SampleResume(self.index, list(self.token_ids), "".join(self.text_parts))
+        return SampleResume(self.index, list(self.token_ids))
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Channel gateway -> tokenizer, and tokenizer -> detokenizer.
+"""Channels gateway -> tokenizer, and tokenizer -> gateway (requests it cannot serve).
 
 The gateway is the only place a request's truth lives (DESIGN §5). Each submission carries an
 epoch; after a restart on the request path the gateway resubmits every unfinished request under a
@@ -11,19 +11,12 @@ import msgspec
 
 from engine.messages.codec import Channel
 from engine.messages.params import SamplingParams
+from engine.messages.scheduling import AbortRequests, SampleResume
 
 
 class ChatMessage(msgspec.Struct, array_like=True):
     role: str
     content: str
-
-
-class SampleResume(msgspec.Struct, array_like=True):
-    """One unfinished sample of a resubmitted request and what its client already has."""
-
-    index: int
-    delivered_token_ids: list[int]
-    delivered_text: str
 
 
 class GenerateRequest(msgspec.Struct, tag=True, array_like=True):
@@ -35,21 +28,6 @@ class GenerateRequest(msgspec.Struct, tag=True, array_like=True):
     prompt_token_ids: list[int] | None = None
     messages: list[ChatMessage] | None = None
     resume: list[SampleResume] | None = None  # None: a fresh request, every sample from the start
-
-
-class AbortRequests(msgspec.Struct, tag=True, array_like=True):
-    request_ids: list[str]
-
-
-class DetokRegister(msgspec.Struct, tag=True, array_like=True):
-    """Tokenizer -> detokenizer: what the detokenizer needs to turn a request's tokens into text."""
-
-    request_id: str
-    epoch: int
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    resume: list[SampleResume] | None = None
 
 
 class RequestFailed(msgspec.Struct, tag=True, array_like=True):
@@ -65,6 +43,4 @@ class RequestFailed(msgspec.Struct, tag=True, array_like=True):
 GATEWAY_TO_TOKENIZER: Channel[GenerateRequest | AbortRequests] = Channel(
     "gateway-to-tokenizer", GenerateRequest | AbortRequests
 )
-TOKENIZER_TO_DETOKENIZER: Channel[DetokRegister | AbortRequests | RequestFailed] = Channel(
-    "tokenizer-to-detokenizer", DetokRegister | AbortRequests | RequestFailed
-)
+TOKENIZER_FAILURES: Channel[RequestFailed] = Channel("tokenizer-failures", RequestFailed)
