@@ -159,7 +159,7 @@ class RequestRun:
         finally:
             self.abort_unfinished()
             if self.outcome == "aborted" and len(self._finished) == len(self._streams):
-                self.outcome = "success"
+                self.outcome = self._ended_outcome()
             self.finish()
         return self.builder.final_body()
 
@@ -173,7 +173,7 @@ class RequestRun:
                     yield event
             if self.prepared.include_usage:
                 yield self.builder.usage_event()
-            self.outcome = "success"
+            self.outcome = self._ended_outcome()
         except EngineError as e:
             self.outcome = "error"
             yield sse_event(api_error_from(e).encoded())
@@ -183,6 +183,11 @@ class RequestRun:
         yield SSE_DONE
 
     # ------------------------------------------------------------ ending
+
+    def _ended_outcome(self) -> str:
+        """A request that ran to its end; aborted (admin, drain) if any sample was cut off."""
+        reasons = {c.finish_reason for c in self.builder.choices}
+        return "aborted" if "abort" in reasons else "success"
 
     def abort_unfinished(self) -> None:
         """Abort engine requests still running. Detached: this runs inside cancellations."""

@@ -1,0 +1,67 @@
+"""One shared server for the e2e tests that leave it running; tests that stop a server start
+their own. Every server is terminated, waited for and, if need be, killed here."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.e2e.harness import API_KEY, Server, start_server
+
+MAX_MODEL_LEN = 128
+MAX_NUM_SEQS = 4
+MAX_QUEUED = 2
+MAX_REQUEST_BYTES = 64 * 1024
+
+
+@pytest.fixture(scope="session")
+def model_args(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """Flags naming the small test checkpoint."""
+    # Until the engine client and the test checkpoints land, the e2e suite has nothing to run.
+    engine = pytest.importorskip("engine")
+    if not hasattr(engine, "AsyncLLM"):
+        pytest.skip("engine.AsyncLLM is not there yet")
+    checkpoints = pytest.importorskip("tests.checkpoints")
+    tiny_checkpoint = checkpoints.tiny_checkpoint
+
+    return ["--model", str(tiny_checkpoint(tmp_path_factory))]
+
+
+def server_args(model_args: list[str], socket: Path | None, *extra: str) -> list[str]:
+    args = [
+        *model_args,
+        "--host", "127.0.0.1",
+        "--port", "0",
+        "--device", "cpu",
+        "--api-key", API_KEY,
+        "--max-model-len", str(MAX_MODEL_LEN),
+        "--max-num-seqs", str(MAX_NUM_SEQS),
+        "--max-queued-requests", str(MAX_QUEUED),
+        "--max-request-bytes", str(MAX_REQUEST_BYTES),
+        "--kv-cache-memory", "16MiB",
+        "--drain-timeout", "30",
+    ]  # fmt: skip
+    if socket is not None:
+        args += ["--admin.socket", str(socket)]
+    return [*args, *extra]
+
+
+@pytest.fixture(scope="session")
+def server(model_args: list[str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    work = tmp_path_factory.mktemp("server")
+    srv = start_server(server_args(model_args, work / "admin.sock"), work, name="shared")
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture
+def client(server: Server) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(
+        base_url=server.url + "/v1", api_key=API_KEY, timeout=60.0, max_retries=0
+    ) as c:
+        yield c

@@ -1,0 +1,143 @@
+"""Run `python -m engine` as a subprocess for end-to-end tests, and clean it up.
+
+The server is started on port 0 and reports its URL on the one line it prints when ready.
+Only processes started here are ever signalled.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from engine.cli.admin_client import send_command
+
+REPO = Path(__file__).resolve().parents[2]
+API_KEY = "test-key"
+READY_RE = re.compile(
+    r"^engine ready: (?P<url>http://\S+) \(model (?P<model>[^;]+); admin socket (?P<socket>.+)\)$"
+)
+START_TIMEOUT_S = 180.0
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen[str]
+    url: str
+    model: str
+    admin_socket: Path
+    log_path: Path
+    ready_line: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def admin(self, cmd: str, *args: str, timeout: float = 60.0) -> Any:
+        reply = send_command(self.admin_socket, cmd, list(args), timeout=timeout)
+        assert reply["ok"], reply
+        return reply["result"]
+
+    def admin_reply(self, cmd: str, *args: str, timeout: float = 60.0) -> dict[str, Any]:
+        return send_command(self.admin_socket, cmd, list(args), timeout=timeout)
+
+    def http(self, **kw: Any) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=60.0, **kw)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, timeout: float = 30.0) -> int:
+        """Terminate (SIGTERM → drain), wait, kill if it will not go; return the exit status."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        return self.proc.returncode
+
+
+def start_server(
+    args: list[str], log_dir: Path, env: dict[str, str] | None = None, name: str = "server"
+) -> Server:
+    log_path = log_dir / f"{name}.log"
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "engine", "serve", *args],
+            cwd=REPO,
+            env=full_env,
+            stdout=subprocess.PIPE,
+            stderr=log_file,
+            text=True,
+        )
+    try:
+        line = _read_ready_line(proc, START_TIMEOUT_S)
+    except BaseException:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+        raise RuntimeError(
+            f"server did not start:\n{log_path.read_text(errors='replace')}"
+        ) from None
+    match = READY_RE.match(line)
+    assert match, f"unexpected ready line: {line!r}"
+    return Server(
+        proc=proc,
+        url=match["url"],
+        model=match["model"],
+        admin_socket=Path(match["socket"]),
+        log_path=log_path,
+        ready_line=line,
+    )
+
+
+def _read_ready_line(proc: subprocess.Popen[str], timeout: float) -> str:
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        while time.monotonic() < deadline:
+            if not sel.select(timeout=0.5):
+                if proc.poll() is not None:
+                    raise RuntimeError(f"server exited with {proc.returncode}")
+                continue
+            line = proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"server closed stdout (exit {proc.wait(10)})")
+            if line.startswith("engine ready:"):
+                return line.strip()
+    raise TimeoutError("server did not report ready in time")
+
+
+def wait_until(predicate: Any, timeout: float = 30.0, interval: float = 0.05) -> Any:
+    """Poll `predicate` until it returns something truthy; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"condition not met within {timeout}s (last value {last!r})")
+
+
+def leftover_ipc(pid: int) -> list[Path]:
+    """Shared-memory segments named for a server process (they must be gone after it exits)."""
+    shm = Path("/dev/shm")
+    return sorted(p for p in shm.iterdir() if p.name.startswith(f"engine-{pid}-"))

@@ -1,0 +1,199 @@
+"""Admin socket commands, client disconnects, and the two ways to stop a server (admin
+shutdown, SIGTERM) — each drains in-flight requests and leaves nothing behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import server_args
+from tests.e2e.harness import REPO, Server, leftover_ipc, start_server, wait_until
+
+LONG_STREAM = {"prompt": "a long story", "max_tokens": 120, "ignore_eos": True, "stream": True}
+
+
+def admin_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "engine", "admin", *args],
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def idle(server: Server) -> bool:
+    stats = server.admin("stats")
+    return not server.admin("requests") and stats["running"] == 0 and stats["kv_usage"] == 0
+
+
+def test_admin_socket_is_owner_only(server: Server) -> None:
+    mode = server.admin_socket.stat().st_mode
+    assert stat.S_ISSOCK(mode) and stat.S_IMODE(mode) == 0o600
+
+
+def test_admin_read_commands(server: Server) -> None:
+    health = server.admin("health")
+    assert health["ready"] is True and health["not_ready"] == []
+    stats = server.admin("stats")
+    for key in ("running", "waiting", "kv_usage", "prefix_cache_hit_rate", "restarts"):
+        assert key in stats
+    actors = server.admin("actors")
+    assert actors and all(
+        {"name", "role", "pid", "state", "restarts", "last_restart_reason"} <= set(a)
+        for a in actors
+    )
+    assert isinstance(server.admin("requests"), list)
+
+
+def test_admin_cli_table_and_json(server: Server) -> None:
+    table = admin_cli("--socket", str(server.admin_socket), "actors")
+    assert table.returncode == 0, table.stderr
+    header = table.stdout.splitlines()[0]
+    assert "NAME" in header and "PID" in header and "RESTARTS" in header
+    as_json = admin_cli("--socket", str(server.admin_socket), "stats", "--json")
+    assert as_json.returncode == 0 and json.loads(as_json.stdout)["ok"] is True
+    bad = admin_cli("--socket", str(server.admin_socket), "abort")
+    assert bad.returncode == 1 and "abort takes 1 argument" in bad.stderr
+    unknown = admin_cli("--socket", str(server.admin_socket), "frobnicate")
+    assert unknown.returncode == 1 and "unknown command" in unknown.stderr
+
+
+def test_admin_log_level(server: Server) -> None:
+    assert server.admin("log-level", "debug") == {"log_level": "debug"}
+    assert server.admin("log-level", "info") == {"log_level": "info"}
+    reply = server.admin_reply("log-level", "loud")
+    assert not reply["ok"] and "one of" in reply["error"]
+
+
+def test_admin_abort_ends_a_running_request(server: Server) -> None:
+    with server.http() as http, http.stream("POST", "/v1/completions", json=LONG_STREAM) as resp:
+        assert resp.status_code == 200
+        request_id = resp.headers["x-request-id"]
+        lines = resp.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        assert request_id in {r["request_id"] for r in server.admin("requests")}
+        assert server.admin("abort", request_id) == {"aborted": request_id}
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]"
+    finish = [json.loads(x[6:])["choices"][0]["finish_reason"] for x in rest[:-1]]
+    assert finish[-1] == "abort"
+    assert sum(1 for x in rest if x != "data: [DONE]") < LONG_STREAM["max_tokens"]
+    wait_until(lambda: idle(server), timeout=30)
+    reply = server.admin_reply("abort", "no-such-request")
+    assert not reply["ok"] and "no-such-request" in reply["error"]
+
+
+def test_disconnect_mid_stream_aborts_and_frees_blocks(server: Server) -> None:
+    with server.http() as http, http.stream("POST", "/v1/completions", json=LONG_STREAM) as resp:
+        lines = resp.iter_lines()
+        for _ in range(3):
+            next(line for line in lines if line.startswith("data: "))
+        assert server.admin("stats")["kv_usage"] > 0
+    # leaving the block closed the connection mid-stream
+    wait_until(lambda: idle(server), timeout=30)
+    with server.http() as http:
+        text = http.get("/metrics").text
+    assert 'outcome="aborted"' in text
+
+
+def test_disconnect_during_non_streamed_request_aborts(server: Server) -> None:
+    body = {**LONG_STREAM, "stream": False}
+    with pytest.raises(httpx.ReadTimeout), server.http(timeout=httpx.Timeout(30, read=1.0)) as http:
+        http.post("/v1/completions", json=body)
+    wait_until(lambda: idle(server), timeout=30)
+
+
+def _stream_in_thread(server: Server, out: dict[str, Any]) -> threading.Thread:
+    def run() -> None:
+        try:
+            with (
+                server.http() as http,
+                http.stream(
+                    "POST", "/v1/completions", json={**LONG_STREAM, "max_tokens": 60}
+                ) as resp,
+            ):
+                out["status"] = resp.status_code
+                out["events"] = []
+                for line in resp.iter_lines():
+                    if line.startswith("data: "):
+                        out["events"].append(line[6:])
+                        out.setdefault("first", threading.Event()).set()
+        except Exception as e:  # recorded for the assertion below
+            out["error"] = e
+
+    out["first"] = threading.Event()
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def _assert_stream_completed(out: dict[str, Any]) -> None:
+    assert "error" not in out, out.get("error")
+    events = out["events"]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+    assert len(events) - 1 == 60  # every token arrived: the drain let it finish
+
+
+def test_sigterm_drains_in_flight_and_leaves_nothing(model_args: list[str], tmp_path: Path) -> None:
+    srv = start_server(server_args(model_args, tmp_path / "a.sock"), tmp_path, name="sigterm")
+    try:
+        out: dict[str, Any] = {}
+        thread = _stream_in_thread(srv, out)
+        assert out["first"].wait(60)
+        srv.proc.send_signal(signal.SIGTERM)
+        with srv.http() as http:
+            wait_until(lambda: http.get("/health").status_code == 503, timeout=30)
+            refused = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+        assert refused.status_code == 503 and refused.json()["error"]["type"] == "server_error"
+        thread.join(60)
+        assert srv.proc.wait(60) == 0
+        _assert_stream_completed(out)
+    finally:
+        srv.stop()
+    assert not (tmp_path / "a.sock").exists()
+    assert leftover_ipc(srv.pid) == []
+
+
+def test_admin_drain_then_shutdown_with_socket_discovery(
+    model_args: list[str], tmp_path: Path
+) -> None:
+    runtime = tmp_path / "run"
+    runtime.mkdir(mode=0o700)
+    env = {"XDG_RUNTIME_DIR": str(runtime)}
+    srv = start_server(server_args(model_args, None), tmp_path, env=env, name="drain")
+    try:
+        assert srv.admin_socket == runtime / "engine" / str(srv.pid) / "admin.sock"
+        assert stat.S_IMODE(srv.admin_socket.parent.stat().st_mode) == 0o700
+        health = admin_cli("health", env=env)  # no --socket: found in the runtime dir
+        assert health.returncode == 0 and "ready" in health.stdout
+        out: dict[str, Any] = {}
+        thread = _stream_in_thread(srv, out)
+        assert out["first"].wait(60)
+        drained = admin_cli("drain", "--json", env=env)
+        assert drained.returncode == 0, drained.stderr
+        assert json.loads(drained.stdout)["result"]["drained"] is True
+        thread.join(60)
+        _assert_stream_completed(out)
+        with srv.http() as http:
+            assert http.get("/health").json() == {"status": "draining"}
+        assert admin_cli("shutdown", env=env).returncode == 0
+        assert srv.proc.wait(60) == 0
+    finally:
+        srv.stop()
+    assert not srv.admin_socket.parent.exists()
+    assert leftover_ipc(srv.pid) == []
+    gone = admin_cli("health", env=env)
+    assert gone.returncode == 2 and "no running engine" in gone.stderr

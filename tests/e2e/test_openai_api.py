@@ -1,0 +1,184 @@
+"""The OpenAI-compatible API against a real server, through the official `openai` client."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tests.e2e.conftest import MAX_MODEL_LEN
+from tests.e2e.harness import Server
+
+PROMPT = "Once upon a time"
+CHAT = [{"role": "system", "content": "You tell stories."}, {"role": "user", "content": "Hello"}]
+
+
+def test_models_lists_the_served_model(client: openai.OpenAI, server: Server) -> None:
+    models = client.models.list().data
+    assert [m.id for m in models] == [server.model]
+    assert models[0].model_extra["max_model_len"] == MAX_MODEL_LEN
+
+
+def test_completion(client: openai.OpenAI, server: Server) -> None:
+    resp = client.completions.create(model=server.model, prompt=PROMPT, max_tokens=8, temperature=0)
+    assert resp.object == "text_completion" and resp.model == server.model
+    assert resp.id.startswith("cmpl-")
+    (choice,) = resp.choices
+    assert choice.index == 0 and isinstance(choice.text, str)
+    assert choice.finish_reason in ("length", "stop")
+    assert resp.usage is not None and resp.usage.prompt_tokens > 0
+    assert 0 < resp.usage.completion_tokens <= 8
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+
+
+def test_greedy_completion_is_deterministic_and_stream_matches(
+    client: openai.OpenAI, server: Server
+) -> None:
+    kw = {"model": server.model, "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
+    first = client.completions.create(**kw).choices[0].text
+    assert client.completions.create(**kw).choices[0].text == first
+    chunks = list(client.completions.create(stream=True, **kw))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == first
+    assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+
+
+def test_token_id_prompts_and_batched_prompts(client: openai.OpenAI, server: Server) -> None:
+    resp = client.completions.create(
+        model=server.model, prompt=[[1, 2, 3], [4, 5]], max_tokens=3, temperature=0, n=2
+    )
+    assert sorted(c.index for c in resp.choices) == [0, 1, 2, 3]
+    assert resp.usage is not None and resp.usage.prompt_tokens == 5
+    resp = client.completions.create(model=server.model, prompt=["a b", "c d"], max_tokens=2)
+    assert len(resp.choices) == 2
+
+
+def test_chat_completion(client: openai.OpenAI, server: Server) -> None:
+    resp = client.chat.completions.create(
+        model=server.model, messages=CHAT, max_completion_tokens=8, temperature=0
+    )
+    assert resp.object == "chat.completion" and resp.id.startswith("chatcmpl-")
+    (choice,) = resp.choices
+    assert choice.message.role == "assistant" and isinstance(choice.message.content, str)
+    assert choice.finish_reason in ("length", "stop")
+    assert resp.usage is not None and resp.usage.completion_tokens <= 8
+
+
+def test_chat_stream_with_usage_matches_non_stream(client: openai.OpenAI, server: Server) -> None:
+    kw = {"model": server.model, "messages": CHAT, "max_tokens": 10, "temperature": 0}
+    whole = client.chat.completions.create(**kw)
+    chunks = list(
+        client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw)
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finals = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
+    assert finals == [whole.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+
+
+def test_n_samples_with_seed_are_reproducible(client: openai.OpenAI, server: Server) -> None:
+    kw = {
+        "model": server.model,
+        "prompt": PROMPT,
+        "max_tokens": 10,
+        "temperature": 1.0,
+        "n": 3,
+        "seed": 1234,
+    }
+    a = client.completions.create(**kw)
+    b = client.completions.create(**kw)
+    assert sorted(c.index for c in a.choices) == [0, 1, 2]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    streamed = {i: "" for i in range(3)}
+    for chunk in client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert [streamed[i] for i in range(3)] == [c.text for c in a.choices]
+
+
+def test_completion_logprobs(client: openai.OpenAI, server: Server) -> None:
+    resp = client.completions.create(
+        model=server.model, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=3
+    )
+    lp = resp.choices[0].logprobs
+    assert lp is not None
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert "".join(lp.tokens) == resp.choices[0].text
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert logprob <= 0.0
+        assert token in top and 1 <= len(top) <= 4
+        # greedy: the sampled token is the most likely one
+        assert logprob == pytest.approx(max(top.values()), abs=1e-4)
+
+
+def test_chat_logprobs(client: openai.OpenAI, server: Server) -> None:
+    resp = client.chat.completions.create(
+        model=server.model,
+        messages=CHAT,
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    content = resp.choices[0].logprobs.content
+    assert len(content) == resp.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
+
+
+def test_stop_string_ends_the_text(client: openai.OpenAI, server: Server) -> None:
+    kw = {"model": server.model, "prompt": PROMPT, "max_tokens": 24, "temperature": 0}
+    text = client.completions.create(**kw).choices[0].text
+    stop = next((text[i : i + 2] for i in range(2, len(text) - 2) if text[i : i + 2].strip()), None)
+    if stop is None:
+        pytest.skip(f"greedy text {text!r} too short to pick a stop string from")
+    cut = client.completions.create(stop=[stop], **kw).choices[0]
+    assert cut.finish_reason == "stop"
+    assert cut.text == text[: text.index(stop)]
+    kept = client.completions.create(
+        stop=[stop], extra_body={"include_stop_str_in_output": True}, **kw
+    ).choices[0]
+    assert kept.text == text[: text.index(stop) + len(stop)]
+
+
+def test_vllm_extensions_are_accepted(client: openai.OpenAI, server: Server) -> None:
+    resp = client.completions.create(
+        model=server.model,
+        prompt=PROMPT,
+        max_tokens=6,
+        extra_body={
+            "top_k": 5,
+            "min_p": 0.01,
+            "repetition_penalty": 1.2,
+            "min_tokens": 6,
+            "ignore_eos": True,
+        },
+    )
+    assert resp.usage.completion_tokens == 6 and resp.choices[0].finish_reason == "length"
+
+
+def test_health_version_metrics(server: Server) -> None:
+    with server.http() as http:
+        health = http.get("/health")
+        assert health.status_code == 200 and health.json() == {"status": "ok"}
+        assert http.get("/version").json()["version"]
+        text = http.get("/metrics").text
+    for name in (
+        "engine_requests_total",
+        "engine_time_to_first_token_seconds_bucket",
+        "engine_inter_token_latency_seconds_bucket",
+        "engine_e2e_request_latency_seconds_bucket",
+        "engine_requests_running",
+        "engine_requests_waiting",
+        "engine_kv_cache_usage_ratio",
+        "engine_prefix_cache_hit_rate",
+    ):
+        assert name in text, name
+    assert 'outcome="success"' in text
+
+
+def test_unknown_route_gets_an_openai_error_body(server: Server) -> None:
+    with server.http() as http:
+        resp = http.get("/v1/nope")
+    assert resp.status_code == 404 and resp.json()["error"]["message"]
