@@ -1,0 +1,32 @@
+"""What the scheduler needs to know about the engine it schedules for."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class SchedulerConfig(msgspec.Struct, kw_only=True):
+    num_blocks: int  # KV blocks in the pool (what the workers allocated)
+    block_size: int = 16  # tokens per KV block
+    max_num_seqs: int = 256  # sequences holding KV blocks at once
+    max_num_batched_tokens: int = 8192  # tokens run through the model in one step
+    max_model_len: int = 4096  # prompt + output tokens of one sequence
+    enable_prefix_caching: bool = True
+    eos_token_ids: list[int] = msgspec.field(default_factory=list)
+
+    def validate(self) -> None:
+        """Raise ValueError naming the offending setting, its value and the allowed range."""
+        for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+        capacity = self.num_blocks * self.block_size
+        if capacity < self.max_model_len:
+            # Otherwise one long sequence could never fit, and would preempt itself forever.
+            raise ValueError(
+                f"the KV cache holds {capacity} tokens ({self.num_blocks} blocks of "
+                f"{self.block_size}), fewer than max_model_len {self.max_model_len}: "
+                "lower max_model_len or give the cache more blocks"
+            )

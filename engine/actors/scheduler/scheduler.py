@@ -1,0 +1,294 @@
+"""The scheduler's domain object: requests in, one StepPlan per step out, tokens back.
+
+The actor around it calls, in a loop: `add` / `abort` / `stop_samples` for each inbound message,
+`schedule()` whenever no step is in flight (one step at a time: a plan's results must be back
+through `update` before the next plan), and `update(result)` for each StepResult, forwarding the
+TokenBatch it returns. Plain Python, no I/O.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from typing import NamedTuple
+
+from engine.actors.scheduler.admission import rejection_reason
+from engine.actors.scheduler.config import SchedulerConfig
+from engine.actors.scheduler.policy import BatchPlanner, ScheduledChunk
+from engine.actors.scheduler.requests import Request, Sequence
+from engine.actors.scheduler.stopping import finish_reason
+from engine.kv.block_manager import BlockManager
+from engine.messages.scheduling import (
+    RequestRejected,
+    RequestStatus,
+    SampleDelta,
+    SchedulerStats,
+    StopSamples,
+    SubmitRequest,
+    TokenBatch,
+)
+from engine.messages.steps import SeqChunk, StepPlan, StepResult
+
+log = logging.getLogger(__name__)
+
+
+class _InFlight(NamedTuple):
+    step_id: int
+    chunks: list[ScheduledChunk]
+    sampled_seq_ids: set[int]
+
+
+class Scheduler:
+    def __init__(
+        self, config: SchedulerConfig, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        config.validate()
+        self.config = config
+        self.clock = clock
+        self.kv = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.planner = BatchPlanner(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self._eos_token_ids = frozenset(config.eos_token_ids)
+        self._requests: dict[str, Request] = {}
+        self._seqs: dict[int, Sequence] = {}
+        self._next_seq_id = 0
+        self._next_step_id = 0
+        self._in_flight: _InFlight | None = None
+        self._retired_seq_ids: list[int] = []  # workers drop them with the next plan
+        self._outbox: list[SampleDelta] = []  # finishes decided outside a step
+        self.num_steps = 0
+
+    # ---- inbound -------------------------------------------------------------------------------
+
+    def add(self, submit: SubmitRequest) -> RequestRejected | None:
+        """Queue a request (or replace an older epoch of it); reject one that can never run."""
+        existing = self._requests.get(submit.request_id)
+        if existing is not None:
+            if submit.epoch <= existing.epoch:
+                log.warning(
+                    "ignoring request %s epoch %d: epoch %d is already queued",
+                    submit.request_id,
+                    submit.epoch,
+                    existing.epoch,
+                )
+                return None
+            self._drop_request(existing)
+        reason = rejection_reason(submit, self.config.max_model_len)
+        if reason is not None:
+            return RequestRejected(submit.request_id, submit.epoch, reason)
+        request = Request(
+            submit.request_id,
+            submit.epoch,
+            submit.prompt_token_ids,
+            submit.params,
+            submit.seed,
+            arrival=self.clock(),
+        )
+        if submit.resume is None:
+            starts = [(index, []) for index in range(submit.params.n)]
+        else:
+            starts = [(item.index, item.delivered_token_ids) for item in submit.resume]
+        for index, delivered in starts:
+            seq = Sequence(self._next_seq_id, request, index, delivered, self.config.block_size)
+            self._next_seq_id += 1
+            done = (
+                finish_reason(seq, self._eos_token_ids, self.config.max_model_len)
+                if delivered
+                else None
+            )
+            if done is not None:  # the delivered tokens already end it (its finish got lost)
+                self._outbox.append(
+                    SampleDelta(request.request_id, request.epoch, index, [], None, done)
+                )
+                continue
+            request.samples[index] = seq
+            self._seqs[seq.seq_id] = seq
+            self.planner.enqueue(seq)
+        if request.samples:
+            self._requests[request.request_id] = request
+        return None
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        """Drop these requests now; their blocks return to the pool at once."""
+        for request_id in request_ids:
+            request = self._requests.get(request_id)
+            if request is not None:
+                self._drop_request(request)
+
+    def stop_samples(self, stop: StopSamples) -> None:
+        """Finish some samples of the current epoch of a request (matched a stop string)."""
+        request = self._requests.get(stop.request_id)
+        if request is None or request.epoch != stop.epoch:
+            return
+        for index in stop.indices:
+            seq = request.samples.get(index)
+            if seq is not None:
+                self._retire(seq)
+
+    def on_workers_restarted(self) -> None:
+        """The workers lost their KV cache and sequences: recompute everything from scratch."""
+        self._in_flight = None
+        for seq in reversed(list(self.planner.running)):
+            self.planner.preempt(seq, count=False)
+        for seq in self._seqs.values():
+            seq.needs_announce = True
+            seq.known_to_workers = False
+        self._retired_seq_ids.clear()
+        self.kv.reset_prefix_cache()
+
+    # ---- steps ---------------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan | None:
+        """The next step's plan; None if a step is in flight or there is nothing to say.
+
+        A plan without chunks only retires sequences; it expects no StepResult.
+        """
+        if self._in_flight is not None:
+            return None
+        chunks = self.planner.plan()
+        if not chunks and not self._retired_seq_ids:
+            return None
+        step_id = self._next_step_id
+        self._next_step_id += 1
+        new_seqs = []
+        seq_chunks = []
+        sampled: set[int] = set()
+        for chunk in chunks:
+            seq = chunk.seq
+            if seq.needs_announce:
+                new_seqs.append(seq.announcement())
+                seq.needs_announce = False
+                seq.known_to_workers = True
+            end = chunk.start + chunk.num_tokens
+            sample = end == seq.num_tokens
+            if sample:
+                sampled.add(seq.seq_id)
+            seq_chunks.append(
+                SeqChunk(
+                    seq.seq_id,
+                    seq.token_ids[chunk.start : end],
+                    chunk.start,
+                    list(seq.block_table.block_ids),
+                    sample,
+                )
+            )
+        plan = StepPlan(step_id, new_seqs, seq_chunks, self._retired_seq_ids)
+        self._retired_seq_ids = []
+        if chunks:
+            self._in_flight = _InFlight(step_id, chunks, sampled)
+        return plan
+
+    def update(self, result: StepResult) -> TokenBatch:
+        """Apply a step's sampled tokens; returns every sample's new tokens and finishes."""
+        items = self._outbox
+        self._outbox = []
+        step = self._in_flight
+        if step is None or result.step_id != step.step_id:
+            log.warning(
+                "ignoring a result for step %d; in flight: %s",
+                result.step_id,
+                None if step is None else step.step_id,
+            )
+            return TokenBatch(items)
+        if len(result.token_ids) != len(result.seq_ids):
+            raise ValueError(
+                f"StepResult {result.step_id} has {len(result.seq_ids)} seq_ids but "
+                f"{len(result.token_ids)} token_ids; expected one token per sampled sequence"
+            )
+        self._in_flight = None
+        self.num_steps += 1
+        for chunk in step.chunks:
+            seq = chunk.seq
+            if self._seqs.get(seq.seq_id) is seq:  # not dropped while the step ran
+                seq.num_computed_tokens = chunk.start + chunk.num_tokens
+                self.kv.commit(
+                    seq.block_table, seq.hash_chain, seq.token_ids, seq.num_computed_tokens
+                )
+        logprobs = result.logprobs
+        if logprobs is not None and len(logprobs) != len(result.seq_ids):
+            log.warning("step %d: %d logprobs for %d tokens; dropping them",
+                        result.step_id, len(logprobs), len(result.seq_ids))  # fmt: skip
+            logprobs = None
+        for position, seq_id in enumerate(result.seq_ids):
+            seq = self._seqs.get(seq_id)
+            if seq is None or seq_id not in step.sampled_seq_ids:
+                continue  # a sequence dropped (aborted, replaced) while the step ran
+            seq.token_ids.append(result.token_ids[position])
+            reason = finish_reason(seq, self._eos_token_ids, self.config.max_model_len)
+            wants_logprobs = logprobs is not None and seq.params.logprobs is not None
+            items.append(
+                SampleDelta(
+                    seq.request.request_id,
+                    seq.request.epoch,
+                    seq.index,
+                    [result.token_ids[position]],
+                    [logprobs[position]] if wants_logprobs and logprobs is not None else None,
+                    reason,
+                )
+            )
+            if reason is not None:
+                self._retire(seq)
+        return TokenBatch(items)
+
+    def take_outputs(self) -> TokenBatch | None:
+        """Finishes decided outside a step (by `add`), if any; `update` includes them too."""
+        if not self._outbox:
+            return None
+        items, self._outbox = self._outbox, []
+        return TokenBatch(items)
+
+    # ---- state ---------------------------------------------------------------------------------
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def step_in_flight(self) -> bool:
+        return self._in_flight is not None
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.planner.running),
+            num_waiting=len(self.planner.waiting),
+            num_requests=len(self._requests),
+            kv_usage=self.kv.usage,
+            num_free_blocks=self.kv.num_free_blocks,
+            num_cached_blocks=self.kv.pool.num_cached_free_blocks,
+            prefix_cache_hit_rate=self.kv.prefix_stats.hit_rate,
+            num_preemptions=self.planner.num_preemptions,
+            num_steps=self.num_steps,
+        )
+
+    def request_statuses(self) -> list[RequestStatus]:
+        now = self.clock()
+        return [
+            RequestStatus(
+                request_id=request.request_id,
+                epoch=request.epoch,
+                num_prompt_tokens=len(request.prompt_token_ids),
+                num_output_tokens=[seq.num_output_tokens for seq in request.samples.values()],
+                states=[seq.status.value for seq in request.samples.values()],
+                num_preemptions=request.num_preemptions,
+                age_s=now - request.arrival,
+            )
+            for request in self._requests.values()
+        ]
+
+    # ---- internals -----------------------------------------------------------------------------
+
+    def _retire(self, seq: Sequence) -> None:
+        """Forget a finished or dropped sample; its request goes when its last sample does."""
+        self.planner.remove(seq)
+        del self._seqs[seq.seq_id]
+        if seq.known_to_workers:
+            self._retired_seq_ids.append(seq.seq_id)
+        request = seq.request
+        del request.samples[seq.index]
+        if not request.samples and self._requests.get(request.request_id) is request:
+            del self._requests[request.request_id]
+
+    def _drop_request(self, request: Request) -> None:
+        for seq in list(request.samples.values()):
+            self._retire(seq)
+        self._requests.pop(request.request_id, None)
