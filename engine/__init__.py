@@ -1,1 +1,32 @@
-"""engine: an LLM serving engine built as supervised actors."""
+"""engine: an LLM serving engine built as supervised actors over shared-memory rings.
+
+Public library API: `LLM` (blocking), `AsyncLLM` (asyncio), `SamplingParams`, and the result
+types `RequestOutput` / `CompletionOutput`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from engine.messages.params import SamplingParams
+from engine.outputs import CompletionOutput, EngineError, RequestOutput
+
+if TYPE_CHECKING:
+    from engine.engine_client import AsyncLLM
+    from engine.llm import LLM
+
+__all__ = ["LLM", "AsyncLLM", "CompletionOutput", "EngineError", "RequestOutput", "SamplingParams"]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: `python -m engine admin ...` and the actor children import this package and must
+    # not pay for the engine client's imports.
+    if name == "LLM":
+        from engine.llm import LLM
+
+        return LLM
+    if name == "AsyncLLM":
+        from engine.engine_client import AsyncLLM
+
+        return AsyncLLM
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")

@@ -1,0 +1,292 @@
+"""AsyncLLM: the engine for asyncio applications; it owns the actor system of one model.
+
+It lives in the root process: it starts the supervisor, keeps the gateway (every unfinished
+request's truth), pumps the detokenizer's output into per-request streams, and after any restart
+on the request path resubmits every unfinished request under a new epoch (DESIGN §5).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from engine.actors.gateway import Gateway
+from engine.actors.runtime.events import ChildDied, ChildRestarted, Escalated
+from engine.actors.runtime.supervisor import Supervisor
+from engine.messages.outputs import DETOKENIZER_TO_GATEWAY
+from engine.messages.params import SamplingParams
+from engine.messages.reports import SCHEDULER_REPORTS, SchedulerReport
+from engine.messages.requests import (
+    GATEWAY_TO_TOKENIZER,
+    TOKENIZER_FAILURES,
+    ChatMessage,
+    GenerateRequest,
+)
+from engine.outputs import EngineError, RequestOutput
+from engine.settings import Settings, resolve_home
+from engine.topology import EnginePlan, plan_engine
+
+log = logging.getLogger("engine")
+
+
+class AsyncLLM:
+    def __init__(self, settings: Settings | None = None) -> None:
+        self.settings = settings or Settings()
+        self.gateway = Gateway()
+        self.model_name = ""
+        self.max_model_len = 0
+        self._plan: EnginePlan | None = None
+        self._supervisor: Supervisor | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._report: SchedulerReport | None = None
+        self._failure: str | None = None  # why the engine can no longer serve
+        self._closed = False
+
+    # ---- life cycle ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        model_path = self.settings.model.path
+        if model_path is None:
+            from engine.model.default_model import ensure_default_model
+
+            model_path = ensure_default_model(str(resolve_home(self.settings)))
+            log.info("serving the built-in demo model (random weights) from %s", model_path)
+        model_path = str(Path(model_path).expanduser().resolve())
+        self._plan = plan_engine(self.settings, model_path)
+        self.model_name = self.settings.model.served_name or model_path
+        self.max_model_len = self._plan.max_model_len
+        self._supervisor = Supervisor(self._plan.spec)
+        events = self._supervisor.subscribe()
+        await self._supervisor.start()
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._pump_outputs(), name="gateway-outputs"),
+            loop.create_task(self._follow_supervisor(events), name="gateway-events"),
+        ]
+
+    async def shutdown(self, reason: str = "shutdown requested") -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.gateway.fail_all(EngineError(f"the engine is shutting down: {reason}", 503))
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._supervisor is not None:
+            await self._supervisor.shutdown(reason)
+
+    async def drain(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for in-flight requests to finish; True if they did."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while len(self.gateway) and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        return not len(self.gateway)
+
+    async def __aenter__(self) -> AsyncLLM:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.shutdown()
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    async def stream(
+        self,
+        prompt: str | list[int] | None = None,
+        params: SamplingParams | None = None,
+        *,
+        messages: list[Mapping[str, Any]] | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Incremental outputs: each holds the new text / tokens of the samples that advanced."""
+        params = params or SamplingParams()
+        self._check_can_accept(params)
+        record, submission = self.gateway.open(
+            params,
+            prompt=prompt if isinstance(prompt, str) else None,
+            prompt_token_ids=list(prompt) if isinstance(prompt, list) else None,
+            messages=_chat_messages(messages) if messages is not None else None,
+            request_id=request_id,
+        )
+        finished = False
+        try:
+            await self._submit([submission])
+            while True:
+                item = await record.stream.get()
+                if isinstance(item, EngineError):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:  # the consumer went away (client disconnect, cancel): abort
+                await self.abort(record.request_id)
+
+    async def generate(
+        self,
+        prompt: str | list[int] | None = None,
+        params: SamplingParams | None = None,
+        *,
+        messages: list[Mapping[str, Any]] | None = None,
+        request_id: str | None = None,
+    ) -> RequestOutput:
+        """The whole result of one request."""
+        final: RequestOutput | None = None
+        async for delta in self.stream(prompt, params, messages=messages, request_id=request_id):
+            final = _merge(final, delta)
+        assert final is not None
+        final.outputs.sort(key=lambda output: output.index)
+        return final
+
+    async def abort(self, request_id: str) -> bool:
+        abort = self.gateway.close(request_id)
+        if abort is None:
+            return False
+        await self._send([GATEWAY_TO_TOKENIZER.encode(abort)])
+        return True
+
+    # ---- what the admin socket, /health and /metrics show --------------------------------------
+
+    def health(self) -> dict[str, Any]:
+        rows = self._supervisor.status() if self._supervisor is not None else []
+        not_ready = [row.name for row in rows if row.state != "running"]
+        ready = bool(rows) and not not_ready and self._failure is None
+        return {"ready": ready, "not_ready": not_ready, "reason": self._failure}
+
+    def stats(self) -> dict[str, Any]:
+        report = self._report
+        stats: dict[str, Any] = msgspec.to_builtins(report.stats) if report else {}
+        stats.pop("type", None)
+        rows = self._supervisor.status() if self._supervisor is not None else []
+        stats.update(
+            in_flight=len(self.gateway),
+            resubmitted_requests=self.gateway.resubmissions,
+            restarts={row.name: row.restarts for row in rows},
+            kv_cache_blocks=self._plan.num_blocks if self._plan else 0,
+        )
+        return stats
+
+    def actors(self) -> list[dict[str, Any]]:
+        rows = self._supervisor.status() if self._supervisor is not None else []
+        return [
+            {
+                "name": row.name,
+                "role": row.entry.rpartition(":")[2],
+                "pid": row.pid,
+                "state": row.state,
+                "restarts": row.restarts,
+                "last_restart_reason": row.last_restart_reason,
+                "generation": row.generation,
+            }
+            for row in rows
+        ]
+
+    def requests(self) -> list[dict[str, Any]]:
+        return self.gateway.describe()
+
+    # ---- internals -----------------------------------------------------------------------------
+
+    def _check_can_accept(self, params: SamplingParams) -> None:
+        if self._failure is not None:
+            raise EngineError(f"the engine cannot serve: {self._failure}", 503)
+        if self._supervisor is None or self._closed:
+            raise EngineError("the engine is not running", 503)
+        params.validate()
+        limit = self.settings.scheduler.max_queued_requests
+        waiting = sum(1 for record in self.gateway.records() if record.first_token_at is None)
+        if waiting >= limit:
+            raise EngineError(
+                f"too many requests waiting ({waiting}, max_queued_requests is {limit}); "
+                "retry shortly",
+                429,
+            )
+
+    async def _submit(self, submissions: list[GenerateRequest]) -> None:
+        await self._send([GATEWAY_TO_TOKENIZER.encode(s) for s in submissions])
+
+    async def _send(self, frames: list[bytes]) -> None:
+        assert self._supervisor is not None
+        # False means the tokenizer restarted while we waited: the resubmission that follows
+        # every restart carries these requests again.
+        await self._supervisor.root.send_many("requests", frames)
+
+    async def _pump_outputs(self) -> None:
+        assert self._supervisor is not None
+        mailbox = self._supervisor.root.mailbox
+        while True:
+            for ring, frames in await mailbox.recv():
+                if ring == "outputs":
+                    for batch in DETOKENIZER_TO_GATEWAY.decode_many(frames):
+                        self.gateway.deliver(batch)
+                elif ring == "failures":
+                    for failure in TOKENIZER_FAILURES.decode_many(frames):
+                        error = EngineError(failure.message, failure.status, failure.param)
+                        if failure.request_id in self.gateway:
+                            self.gateway.fail(failure.request_id, error)
+                elif ring == "reports":
+                    reports = SCHEDULER_REPORTS.decode_many(frames)
+                    if reports:
+                        self._report = reports[-1]
+
+    async def _follow_supervisor(self, events: asyncio.Queue[Any]) -> None:
+        while True:
+            event = await events.get()
+            if isinstance(event, ChildDied):
+                log.warning("actor %s died (%s); restarting it", event.name, event.reason)
+            elif isinstance(event, ChildRestarted):
+                # Every actor is on the request path: whatever was in flight through it is gone.
+                submissions = self.gateway.resubmit_all()
+                log.warning(
+                    "actor %s restarted (%s): resubmitting %d unfinished request(s)",
+                    event.name,
+                    event.reason,
+                    len(submissions),
+                )
+                if submissions:
+                    await self._submit(submissions)
+            elif isinstance(event, Escalated):
+                self._failure = event.reason
+                self.gateway.fail_all(EngineError(f"the engine failed: {event.reason}", 503))
+
+
+def _chat_messages(messages: list[Mapping[str, Any]]) -> list[ChatMessage]:
+    out = []
+    for position, message in enumerate(messages):
+        role, content = message.get("role"), message.get("content")
+        if not isinstance(role, str) or not isinstance(content, str):
+            raise EngineError(
+                f"messages[{position}] must have a string 'role' and a string 'content'",
+                400,
+                "messages",
+            )
+        out.append(ChatMessage(role, content))
+    return out
+
+
+def _merge(total: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
+    if total is None:
+        total = RequestOutput(delta.request_id, delta.prompt, delta.prompt_token_ids, [])
+    total.prompt_token_ids = delta.prompt_token_ids or total.prompt_token_ids
+    total.finished = delta.finished
+    by_index = {output.index: output for output in total.outputs}
+    for part in delta.outputs:
+        output = by_index.get(part.index)
+        if output is None:
+            output = type(part)(part.index, "", [], None, [] if part.logprobs is not None else None)
+            by_index[part.index] = output
+            total.outputs.append(output)
+        output.text += part.text
+        output.token_ids.extend(part.token_ids)
+        output.finish_reason = part.finish_reason or output.finish_reason
+        if part.logprobs is not None:
+            output.logprobs = (output.logprobs or []) + part.logprobs
+    return total
