@@ -18,7 +18,6 @@ from typing import Any
 
 import msgspec
 
-from engine.http.admin_paths import make_private_dir
 from engine.http.state import ServerState
 from engine.settings.fields import FIELDS
 
@@ -67,7 +66,7 @@ class AdminServer:
         self._server: asyncio.AbstractServer | None = None
 
     async def start(self) -> None:
-        make_private_dir(self.path.parent)
+        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         if self.path.exists() or self.path.is_symlink():
             self.path.unlink()  # a leftover from a crashed run (the directory is ours)
         old_umask = os.umask(0o177)  # the socket is born 0600: no window where others connect

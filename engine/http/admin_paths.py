@@ -26,18 +26,26 @@ def runtime_base(environ: Mapping[str, str]) -> Path:
     return Path(tempfile.gettempdir()) / f"engine-{os.getuid()}"
 
 
-def default_socket_path(environ: Mapping[str, str], pid: int) -> Path:
-    return runtime_base(environ) / str(pid) / SOCKET_NAME
-
-
 def make_private_dir(path: Path) -> None:
-    """Create `path` (and missing parents) as 0700; refuse one that another user could enter."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    """Create `path` as 0700; refuse one that is a link or belongs to another user."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        path.mkdir(mode=0o700)
     info = path.lstat()
     if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
         raise PermissionError(f"{path} is not a directory owned by this user")
     if info.st_mode & 0o077:
         os.chmod(path, 0o700)
+
+
+def prepare_default_socket(environ: Mapping[str, str], pid: int) -> Path:
+    """Sweep dead servers' directories, create `<base>/<pid>/` (both 0700), return the socket."""
+    base = runtime_base(environ)
+    make_private_dir(base)
+    sweep_stale(base)
+    run_dir = base / str(pid)
+    make_private_dir(run_dir)
+    return run_dir / SOCKET_NAME
 
 
 def pid_alive(pid: int) -> bool:

@@ -25,7 +25,7 @@ import uvicorn
 import uvloop
 
 from engine.http.admin import AdminServer
-from engine.http.admin_paths import default_socket_path, runtime_base, sweep_stale
+from engine.http.admin_paths import prepare_default_socket
 from engine.http.app import build_app
 from engine.http.state import ServerState
 from engine.settings import Settings
@@ -85,26 +85,39 @@ class _Shutdown:
 
 
 async def _serve(settings: Settings) -> int:
-    from engine import AsyncLLM
-
     server_cfg = settings.server
     try:
         sock = _bind(server_cfg.host, server_cfg.port)
     except OSError as e:
         print(f"engine: cannot listen on {server_cfg.host}:{server_cfg.port}: {e}", file=sys.stderr)
         return 1
-    loop = asyncio.get_running_loop()
+    try:
+        admin_path, owned_dir = _admin_socket_path(settings)
+    except OSError as e:
+        sock.close()
+        print(f"engine: cannot prepare the admin socket directory: {e}", file=sys.stderr)
+        return 1
     shutdown = _Shutdown()
+    loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, shutdown.request)
+    try:
+        return await _run(settings, sock, admin_path, shutdown)
+    finally:
+        sock.close()
+        if owned_dir is not None:
+            shutil.rmtree(owned_dir, ignore_errors=True)
+
+
+async def _run(
+    settings: Settings, sock: socket.socket, admin_path: Path, shutdown: _Shutdown
+) -> int:
+    from engine import AsyncLLM
 
     llm = AsyncLLM(settings)
     if not await _start_engine(llm, shutdown):
-        sock.close()
         return 0 if shutdown.requested.is_set() else 1
-
     state = ServerState.create(llm, settings)
-    admin_path, owned_dir = _admin_socket_path(settings)
 
     async def drain() -> dict[str, Any]:
         await _drain(state, shutdown)
@@ -133,11 +146,9 @@ async def _serve(settings: Settings) -> int:
             await asyncio.sleep(0.01)
         if serve_task.done():
             serve_task.result()  # raises what stopped uvicorn
-        port = sock.getsockname()[1]
+        url = _url(settings.server.host, sock.getsockname()[1])
         print(
-            f"engine ready: {_url(server_cfg.host, port)} "
-            f"(model {state.model_name}; admin socket {admin_path})",
-            flush=True,
+            f"engine ready: {url} (model {state.model_name}; admin socket {admin_path})", flush=True
         )
         stop_waiter = asyncio.create_task(shutdown.requested.wait())
         await asyncio.wait({serve_task, stop_waiter}, return_when=asyncio.FIRST_COMPLETED)
@@ -149,10 +160,7 @@ async def _serve(settings: Settings) -> int:
         if serve_task is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(serve_task, _CONNECTION_GRACE_S + 5.0)
-        sock.close()
         await admin.close()
-        if owned_dir is not None:
-            shutil.rmtree(owned_dir, ignore_errors=True)
         with contextlib.suppress(Exception):
             await llm.shutdown()
         if state.trace is not None:
@@ -205,6 +213,5 @@ def _admin_socket_path(settings: Settings) -> tuple[Path, Path | None]:
     """The admin socket, and the per-run directory to remove at exit when we chose it."""
     if settings.admin.socket:
         return Path(settings.admin.socket).expanduser(), None
-    sweep_stale(runtime_base(os.environ))
-    path = default_socket_path(os.environ, os.getpid())
+    path = prepare_default_socket(os.environ, os.getpid())
     return path, path.parent

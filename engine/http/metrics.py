@@ -10,7 +10,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -23,6 +29,7 @@ _LATENCY_BUCKETS = (
 
 class ServerMetrics:
     def __init__(self, engine_stats: Callable[[], Mapping[str, Any]]) -> None:
+        disable_created_metrics()  # *_created series only add noise to every scrape
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
             "engine_requests",
