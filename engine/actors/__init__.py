@@ -1,0 +1,1 @@
+"""The engine's actors: one OS process per role, talking over shared-memory rings."""

@@ -1,0 +1,1 @@
+"""Generic actor runtime: rings, mailboxes, actors, supervision. Knows nothing about LLMs."""

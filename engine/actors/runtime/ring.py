@@ -1,0 +1,542 @@
+"""Shared-memory rings: one writer, one reader (SPSC) or N readers (broadcast), msgspec frames.
+
+Segment layout (all counters are native 64-bit words; the hot ones each get their own 128-byte
+slot, a cache line plus the neighbour the adjacent-line prefetcher pulls in with it, so the
+writer's stores never invalidate the line a reader is polling and vice versa):
+
+    slot 0          magic, capacity, readers                  (written once by create_ring)
+    slot 1          tail            - bytes ever published    (writer)
+    slot 2          writer waiting  - writer parked for space (writer)
+    slot 3 + 2i     head of reader i - bytes ever consumed    (reader i)
+    slot 4 + 2i     reader i parked - waiting for frames      (reader i)
+    data            `capacity` bytes, used as a circular byte stream
+
+Positions only grow; `position % capacity` is the offset in data, `tail - head` the bytes in
+flight. Every word has exactly one writing process, and aligned 8-byte stores are atomic, so no
+lock is shared between processes. Free space for the writer is bounded by the slowest reader.
+
+A write is one *record*: `count:u32, length:u32 * count, payloads`, which may straddle the end
+of data. The writer publishes the new tail only after the whole record is in place, so a writer
+killed mid-write leaves nothing visible; a reader advances its head only after copying the
+frames out. One record per batch keeps the per-frame Python work to a `len`, a join and a slice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import struct
+import time
+from array import array
+from collections import deque
+from collections.abc import Iterable, Sequence
+from functools import lru_cache
+
+import msgspec
+
+from engine.actors.runtime import shm
+from engine.actors.runtime.doorbell import (
+    DEFAULT_MAX_SPIN_US,
+    Waiter,
+    create_doorbell,
+    default_doorbell_dir,
+    doorbell_path,
+    ensure_private_dir,
+    full_fence,
+    open_doorbell,
+    ring_doorbell,
+    unlink_quietly,
+)
+from engine.actors.runtime.shm import run_prefix
+
+__all__ = [
+    "FrameTooLarge",
+    "RingClosed",
+    "RingCorrupted",
+    "RingFull",
+    "RingReader",
+    "RingSpec",
+    "RingWriter",
+    "create_ring",
+    "destroy_ring",
+    "run_prefix",
+    "sweep_stale_segments",
+]
+
+MIN_CAPACITY = 64
+MAX_CAPACITY = 1 << 31
+MAX_READERS = 64
+RECORD_OVERHEAD = 8  # count + one length: what a one-frame record costs beyond its payload
+_COUNT = struct.Struct("=I")  # native order, like the lengths: both ends share one machine
+
+_SLOT = 16  # words per slot: 128 bytes
+_MAGIC = int.from_bytes(b"engring1", "little")
+_W_MAGIC, _W_CAPACITY, _W_READERS = 0, 1, 2
+_W_TAIL = 1 * _SLOT
+_W_WRITER_WAITING = 2 * _SLOT
+
+
+def _w_head(reader: int) -> int:
+    return (3 + 2 * reader) * _SLOT
+
+
+def _w_parked(reader: int) -> int:
+    return (4 + 2 * reader) * _SLOT
+
+
+def _header_bytes(readers: int) -> int:
+    return (3 + 2 * readers) * _SLOT * 8
+
+
+class RingSpec(msgspec.Struct, frozen=True):
+    """Everything a process needs to open one end of a ring (plain data: crosses `spawn`)."""
+
+    name: str  # shm segment name; starts with the run prefix, e.g. "engine-4242-a1b2-tok2sched"
+    capacity: int  # bytes of frame data
+    readers: int = 1  # 1 = SPSC; N > 1 = broadcast (every reader sees every frame)
+    doorbell_dir: str = ""  # owner-only directory of the doorbell FIFOs; "" = per-user default
+
+    def __post_init__(self) -> None:
+        shm.validate_name(self.name)
+        if not MIN_CAPACITY <= self.capacity <= MAX_CAPACITY:
+            raise ValueError(
+                f"ring capacity must be {MIN_CAPACITY}..{MAX_CAPACITY} bytes, got {self.capacity!r}"
+            )
+        if not 1 <= self.readers <= MAX_READERS:
+            raise ValueError(f"ring readers must be 1..{MAX_READERS}, got {self.readers!r}")
+        if self.doorbell_dir and not os.path.isabs(self.doorbell_dir):
+            raise ValueError(
+                f"doorbell_dir must be an absolute path or '', got {self.doorbell_dir!r}"
+            )
+
+    @property
+    def max_frame_bytes(self) -> int:
+        return self.capacity - RECORD_OVERHEAD
+
+
+class RingFull(Exception):
+    """A non-waiting write found no room (the waiting calls wait instead)."""
+
+
+class FrameTooLarge(ValueError):
+    """A frame that can never fit in the ring, however empty it gets."""
+
+
+class RingClosed(RuntimeError):
+    """The ring end was used after close()."""
+
+
+class RingCorrupted(RuntimeError):
+    """The shared positions or a record make no sense (memory scribbled on, or a wrong spec)."""
+
+
+def _bell_paths(spec: RingSpec) -> tuple[str, list[str]]:
+    writer = doorbell_path(spec.doorbell_dir, spec.name, "w")
+    readers = [doorbell_path(spec.doorbell_dir, spec.name, f"r{i}") for i in range(spec.readers)]
+    return writer, readers
+
+
+def create_ring(spec: RingSpec) -> None:
+    """Create the segment (mode 0600) and the doorbells of a new, empty ring."""
+    ensure_private_dir(spec.doorbell_dir or default_doorbell_dir())
+    header = _header_bytes(spec.readers)
+    segment = shm.create_segment(spec.name, header + spec.capacity)
+    try:
+        with memoryview(segment) as raw, raw[:header].cast("Q") as words:
+            words[_W_CAPACITY] = spec.capacity
+            words[_W_READERS] = spec.readers
+            words[_W_MAGIC] = _MAGIC
+        writer_bell, reader_bells = _bell_paths(spec)
+        for path in (writer_bell, *reader_bells):
+            unlink_quietly(path)  # a leftover of a crashed run with a recycled pid
+            create_doorbell(path)
+    except BaseException:
+        destroy_ring(spec)
+        raise
+    finally:
+        segment.close()
+
+
+def destroy_ring(spec: RingSpec) -> None:
+    """Unlink the segment and its doorbells; open ends keep working until closed. Idempotent."""
+    shm.unlink_segment(spec.name)
+    writer_bell, reader_bells = _bell_paths(spec)
+    for path in (writer_bell, *reader_bells):
+        unlink_quietly(path)
+
+
+def sweep_stale_segments(
+    doorbell_dirs: Iterable[str] | None = None, *, shm_dir: str = shm.SHM_DIR
+) -> list[str]:
+    """Unlink our `engine-*` segments and doorbells whose run's root process is dead.
+
+    Doorbells are looked for in `doorbell_dirs` (default: the default doorbell directory).
+    Returns the names of the segments removed.
+    """
+    removed: list[str] = []
+    with os.scandir(shm_dir) as entries:
+        for entry in entries:
+            ours = entry.name.startswith(shm.SEGMENT_PREFIX)
+            if ours and shm.stale(entry.name, entry.path):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)
+                    removed.append(entry.name)
+    for directory in [default_doorbell_dir()] if doorbell_dirs is None else doorbell_dirs:
+        try:
+            entries = os.scandir(directory)
+        except FileNotFoundError:
+            continue
+        with entries:
+            for entry in entries:
+                if entry.name.endswith(".bell") and shm.stale(entry.name, entry.path):
+                    unlink_quietly(entry.path)
+    return sorted(removed)
+
+
+class _Mapping:
+    """One process's view of a ring segment, checked against its spec."""
+
+    def __init__(self, spec: RingSpec) -> None:
+        header = _header_bytes(spec.readers)
+        self.segment = shm.open_segment(spec.name, header + spec.capacity)
+        self.words = memoryview(self.segment)[:header].cast("Q")
+        found = (self.words[_W_MAGIC], self.words[_W_CAPACITY], self.words[_W_READERS])
+        if found != (_MAGIC, spec.capacity, spec.readers):
+            self.close()
+            raise ValueError(
+                f"segment {spec.name!r} holds (magic, capacity, readers) = {found}, expected "
+                f"({_MAGIC}, {spec.capacity}, {spec.readers}) from its RingSpec"
+            )
+        self.data = header  # offset of the data area in the segment
+
+    def close(self) -> None:
+        self.words.release()
+        self.segment.close()
+
+
+def _close_fds(fds: Iterable[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+def _corrupted(spec: RingSpec, what: str) -> RingCorrupted:
+    return RingCorrupted(f"ring {spec.name!r}: {what}")
+
+
+class RingWriter:
+    """The single writing end of a ring. Not thread-safe; use from one thread (one loop)."""
+
+    def __init__(self, spec: RingSpec, *, max_spin_us: float = DEFAULT_MAX_SPIN_US) -> None:
+        self.spec = spec
+        self._map = _Mapping(spec)
+        self._segment: mmap.mmap = self._map.segment
+        self._words = self._map.words
+        self._data = self._map.data
+        self._capacity = spec.capacity
+        self._tail: int = self._words[_W_TAIL]
+        self._head_words = [_w_head(i) for i in range(spec.readers)]
+        self._parked_words = [_w_parked(i) for i in range(spec.readers)]
+        self._known_head = self._slowest_head()
+        writer_bell, reader_bells = _bell_paths(spec)
+        self._bells: list[int] = []
+        try:
+            self.doorbell_fd = open_doorbell(writer_bell)  # rung by readers when space frees up
+            self._bells.append(self.doorbell_fd)
+            self._reader_bells = [open_doorbell(path) for path in reader_bells]
+            self._bells.extend(self._reader_bells)
+        except BaseException:
+            _close_fds(self._bells)
+            self._map.close()
+            raise
+        self._space_waiters = 0
+        self._waiter = Waiter(max_spin_us)
+        self._closed = False
+
+    def _slowest_head(self) -> int:
+        words = self._words
+        head: int = min(words[w] for w in self._head_words)
+        if not 0 <= self._tail - head <= self._capacity:
+            raise _corrupted(self.spec, f"tail {self._tail} and slowest head {head} are apart")
+        return head
+
+    def free_bytes(self) -> int:
+        """Room for records right now (re-reads the readers' heads)."""
+        self._check_open()
+        self._known_head = self._slowest_head()
+        return self._capacity - (self._tail - self._known_head)
+
+    def try_send_many(self, frames: Sequence[bytes]) -> int:
+        """Write as many leading frames as fit, as one record; returns how many (maybe 0)."""
+        self._check_open()
+        if not frames:
+            return 0
+        lengths = [len(frame) for frame in frames]
+        biggest = max(lengths)
+        if biggest > self.spec.max_frame_bytes:
+            raise FrameTooLarge(
+                f"frame of {biggest} bytes can never fit in ring {self.spec.name!r} of capacity "
+                f"{self._capacity} bytes (at most {self.spec.max_frame_bytes} bytes per frame)"
+            )
+        count = len(frames)
+        size = 4 + 4 * count + sum(lengths)
+        free = self._capacity - (self._tail - self._known_head)
+        if size > free:
+            free = self.free_bytes()
+            if size > free:
+                count = _frames_that_fit(lengths, free)
+                if count == 0:
+                    return 0
+                frames, lengths = frames[:count], lengths[:count]
+                size = 4 + 4 * count + sum(lengths)
+        record = b"".join([_COUNT.pack(count), array("I", lengths), *frames])
+        self._put(record)
+        return count
+
+    def _put(self, record: bytes) -> None:
+        size = len(record)
+        offset = self._tail % self._capacity
+        start = self._data + offset
+        if offset + size <= self._capacity:
+            self._segment[start : start + size] = record
+        else:  # straddles the end of the data area
+            first = self._capacity - offset
+            with memoryview(record) as view:
+                self._segment[start : start + first] = view[:first]
+                self._segment[self._data : self._data + size - first] = view[first:]
+        self._tail += size
+        words = self._words
+        full_fence()  # the record's bytes before the tail that makes them visible
+        words[_W_TAIL] = self._tail
+        full_fence()  # tail stored before the parked flags are loaded (lost-wakeup race)
+        for reader, parked_word in enumerate(self._parked_words):
+            if words[parked_word]:
+                ring_doorbell(self._reader_bells[reader])
+
+    async def send(self, frame: bytes) -> None:
+        """Write one frame, waiting (without blocking the loop) while the ring is full."""
+        await self.send_many((frame,))
+
+    async def send_many(self, frames: Sequence[bytes]) -> None:
+        """Write every frame in order, as few records as the free space allows; never drops."""
+        sent = self.try_send_many(frames)
+        while sent < len(frames):
+            await self._waiter.wait((_SpaceWanted(self, RECORD_OVERHEAD + len(frames[sent])),))
+            sent += self.try_send_many(frames[sent:])
+
+    def send_sync(self, frame: bytes, timeout: float | None = None) -> None:
+        """Write one frame from code outside an event loop; TimeoutError if no room in time."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        wanted = _SpaceWanted(self, RECORD_OVERHEAD + len(frame))
+        while not self.try_send_many((frame,)):
+            if not self._waiter.wait_sync((wanted,), deadline):
+                raise TimeoutError(
+                    f"ring {self.spec.name!r}: no room for a {len(frame)}-byte frame within "
+                    f"{timeout} s (readers are not keeping up)"
+                )
+
+    def send_nowait(self, frame: bytes) -> None:
+        """Write one frame now or raise RingFull."""
+        if not self.try_send_many((frame,)):
+            raise RingFull(f"ring {self.spec.name!r} has no room for a {len(frame)}-byte frame")
+
+    def close(self) -> None:
+        """Release this end (waiting sends are woken and fail with RingClosed). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._waiter.interrupt()
+        if self._space_waiters:
+            self._words[_W_WRITER_WAITING] = 0
+        _close_fds(self._bells)
+        self._map.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RingClosed(f"writer of ring {self.spec.name!r} is closed")
+
+    def _set_waiting(self, waiting: bool) -> None:
+        self._space_waiters += 1 if waiting else -1
+        self._words[_W_WRITER_WAITING] = 1 if self._space_waiters else 0
+
+    def __enter__(self) -> RingWriter:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _frames_that_fit(lengths: Sequence[int], free: int) -> int:
+    used = 4
+    for count, length in enumerate(lengths):
+        used += 4 + length
+        if used > free:
+            return count
+    return len(lengths)
+
+
+class _SpaceWanted:
+    """A writer waiting until `needed` bytes are free (a Parkable for the Waiter)."""
+
+    def __init__(self, writer: RingWriter, needed: int) -> None:
+        self.writer = writer
+        self.needed = needed
+        self.doorbell_fd = writer.doorbell_fd
+
+    def ready(self) -> bool:
+        return self.writer.free_bytes() >= self.needed
+
+    def set_parked(self, parked: bool) -> None:
+        if not self.writer._closed:
+            self.writer._set_waiting(parked)
+
+
+class RingReader:
+    """One reading end of a ring (reader index `reader` of a broadcast ring).
+
+    Also a Parkable: a Mailbox waits on many readers at once through `ready`, `set_parked` and
+    `doorbell_fd`. Not thread-safe; use from one thread (one loop).
+    """
+
+    def __init__(
+        self, spec: RingSpec, reader: int = 0, *, max_spin_us: float = DEFAULT_MAX_SPIN_US
+    ) -> None:
+        if not (isinstance(reader, int) and 0 <= reader < spec.readers):
+            raise ValueError(
+                f"reader index must be 0..{spec.readers - 1} for ring {spec.name!r}, got {reader!r}"
+            )
+        self.spec = spec
+        self.reader = reader
+        self._map = _Mapping(spec)
+        self._segment: mmap.mmap = self._map.segment
+        self._words = self._map.words
+        self._data = self._map.data
+        self._capacity = spec.capacity
+        self._head_word = _w_head(reader)
+        self._parked_word = _w_parked(reader)
+        self._head: int = self._words[self._head_word]
+        writer_bell, reader_bells = _bell_paths(spec)
+        try:
+            self.doorbell_fd = open_doorbell(reader_bells[reader])  # rung when frames arrive
+            try:
+                self._space_bell = open_doorbell(writer_bell)
+            except BaseException:
+                os.close(self.doorbell_fd)
+                raise
+        except BaseException:
+            self._map.close()
+            raise
+        self._pending: deque[bytes] = deque()  # drained but not yet handed out by recv()
+        self._parkers = 0
+        self._waiter = Waiter(max_spin_us)
+        self._closed = False
+
+    def ready(self) -> bool:
+        """True when frames are waiting (a cheap check that consumes nothing)."""
+        return bool(self._pending) or self._words[_W_TAIL] != self._head
+
+    def set_parked(self, parked: bool) -> None:
+        if self._closed:
+            return
+        self._parkers += 1 if parked else -1
+        self._words[self._parked_word] = 1 if self._parkers else 0
+
+    def drain(self) -> list[bytes]:
+        """Every complete frame available now, in order (maybe none); never waits."""
+        if self._closed:
+            raise RingClosed(f"reader {self.reader} of ring {self.spec.name!r} is closed")
+        frames = list(self._pending)
+        self._pending.clear()
+        words = self._words
+        tail: int = words[_W_TAIL]
+        head = self._head
+        if tail == head:
+            return frames
+        used = tail - head
+        if not 0 < used <= self._capacity:
+            raise _corrupted(self.spec, f"reader {self.reader} head {head} and tail {tail} apart")
+        full_fence()  # the tail load before the loads of the bytes it covers
+        offset = head % self._capacity
+        if offset + used <= self._capacity:  # contiguous: slice frames straight out of the map
+            start = self._data + offset
+            _split_records(self._segment, start, start + used, frames, self.spec)
+        else:
+            start = self._data + offset
+            copied = self._segment[start : self._data + self._capacity]
+            copied += self._segment[self._data : self._data + used - len(copied)]
+            _split_records(copied, 0, used, frames, self.spec)
+        self._head = tail
+        words[self._head_word] = tail
+        full_fence()  # head stored before the writer's waiting flag is loaded
+        if words[_W_WRITER_WAITING]:
+            ring_doorbell(self._space_bell)
+        return frames
+
+    async def recv_many(self) -> list[bytes]:
+        """Wait until at least one frame is available; return all that are."""
+        while True:
+            frames = self.drain()
+            if frames:
+                return frames
+            await self._waiter.wait((self,))
+
+    async def recv(self) -> bytes:
+        """Wait for the next single frame."""
+        if not self._pending:
+            self._pending.extend(await self.recv_many())
+        return self._pending.popleft()
+
+    def recv_many_sync(self, timeout: float | None = None) -> list[bytes]:
+        """`recv_many` for code outside an event loop; TimeoutError if nothing came in time."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            frames = self.drain()
+            if frames:
+                return frames
+            if not self._waiter.wait_sync((self,), deadline):
+                raise TimeoutError(
+                    f"ring {self.spec.name!r}: no frame for reader {self.reader} within {timeout} s"
+                )
+
+    def close(self) -> None:
+        """Release this end (a waiting recv is woken and fails with RingClosed). Idempotent."""
+        if self._closed:
+            return
+        self._waiter.interrupt()
+        if self._parkers:
+            self._words[self._parked_word] = 0
+        self._closed = True
+        _close_fds((self.doorbell_fd, self._space_bell))
+        self._map.close()
+
+    def __enter__(self) -> RingReader:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _split_records(
+    source: bytes | mmap.mmap, start: int, end: int, out: list[bytes], spec: RingSpec
+) -> None:
+    """Append the frames of the records in source[start:end] to `out`.
+
+    A plain loop: measured faster than map/slice or comprehension variants on CPython 3.11.
+    """
+    append = out.append
+    while start < end:
+        (count,) = _COUNT.unpack_from(source, start)
+        offset = start + 4 + 4 * count
+        if offset > end:
+            raise _corrupted(spec, f"record of {count} frames overruns the published bytes")
+        for length in _lengths_struct(count).unpack_from(source, start + 4):
+            append(source[offset : offset + length])
+            offset += length
+        if offset > end:
+            raise _corrupted(spec, f"record of {offset - start} bytes overruns the tail")
+        start = offset
+
+
+@lru_cache(maxsize=1024)
+def _lengths_struct(count: int) -> struct.Struct:
+    return struct.Struct(f"={count}I")
