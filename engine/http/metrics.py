@@ -82,17 +82,25 @@ class _EngineStatsCollector(Collector):
         except Exception:  # a scrape must not fail because the engine is restarting
             return
         gauges = (
-            ("engine_requests_running", "Requests in the running batch", "running"),
-            ("engine_requests_waiting", "Requests waiting to be scheduled", "waiting"),
-            ("engine_kv_cache_usage_ratio", "Fraction of KV cache blocks in use", "kv_usage"),
+            (
+                "engine_requests_running",
+                "Requests in the running batch",
+                ("running", "num_running"),
+            ),
+            (
+                "engine_requests_waiting",
+                "Requests waiting to be scheduled",
+                ("waiting", "num_waiting"),
+            ),
+            ("engine_kv_cache_usage_ratio", "Fraction of KV cache blocks in use", ("kv_usage",)),
             (
                 "engine_prefix_cache_hit_rate",
                 "Fraction of prompt tokens served from the prefix cache",
-                "prefix_cache_hit_rate",
+                ("prefix_cache_hit_rate",),
             ),
         )
-        for name, doc, key in gauges:
-            value = stats.get(key)
+        for name, doc, keys in gauges:
+            value = next((stats[k] for k in keys if k in stats), None)
             if isinstance(value, int | float):
                 yield GaugeMetricFamily(name, doc, value=float(value))
         restarts = stats.get("restarts")

