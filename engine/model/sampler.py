@@ -1,0 +1,342 @@
+"""Turns a step's logits into tokens, on worker rank 0, one batched pass for all sequences.
+
+Order of operations on each row (as vLLM does it):
+  raw logits ──▶ logprobs (log-softmax of the raw logits, when asked for)
+             ──▶ repetition / presence / frequency penalties ──▶ min_tokens mask
+             ──▶ greedy: argmax
+             ──▶ random: / temperature ──▶ min_p ──▶ top_k ──▶ top_p ──▶ argmax(+ Gumbel noise)
+
+Randomness is a pure function of (sequence seed, token position, vocabulary index): a counter-
+based hash gives each logit its own uniform number, turned into Gumbel noise; the argmax of
+logits / T + noise is a sample from softmax(logits / T) (drawn in two levels, see
+`gumbel_argmax`). No generator state exists, so batch composition, preemption, restarts and
+even the device (CPU or GPU: same integer hash) cannot change which token a seed draws.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+
+from engine.messages.params import SamplingParams
+from engine.messages.steps import NewSeq, TokenLogprobs
+
+_M32 = 0xFFFFFFFF
+_MIN_TEMPERATURE = 1e-5  # below this, sampling is greedy (as vLLM)
+_GROUP = 256  # vocabulary entries per group in the two-level Gumbel draw
+
+
+class _SeqState:
+    __slots__ = ("_prompt_mask", "banned_early", "has_penalties", "is_greedy", "output",
+                 "params", "prompt", "seed")  # fmt: skip
+
+    def __init__(self, new_seq: NewSeq, eos_token_ids: list[int]) -> None:
+        params = new_seq.params
+        self.params = params
+        self.seed = new_seq.seed & ((1 << 64) - 1)
+        self.prompt = new_seq.prompt_token_ids
+        self.output = list(new_seq.output_token_ids)
+        self.is_greedy = params.temperature < _MIN_TEMPERATURE
+        self.has_penalties = (
+            params.repetition_penalty != 1.0
+            or params.presence_penalty != 0.0
+            or params.frequency_penalty != 0.0
+        )
+        # Tokens that may not be sampled before min_tokens are out.
+        early = list(params.stop_token_ids)
+        if not params.ignore_eos:
+            early += eos_token_ids
+        self.banned_early = early
+        self._prompt_mask: torch.Tensor | None = None  # built on first use
+
+    @property
+    def position(self) -> int:
+        """Position of the token about to be sampled."""
+        return len(self.prompt) + len(self.output)
+
+    def prompt_mask(self, vocab_size: int, device: torch.device) -> torch.Tensor:
+        """[vocab] bool: which tokens occur in the prompt (kept: the prompt never changes)."""
+        if self._prompt_mask is None or self._prompt_mask.device != device:
+            ids = _padded([self.prompt], vocab_size, device)[0]
+            mask = torch.zeros(vocab_size + 1, dtype=torch.bool, device=device)
+            mask[ids] = True
+            self._prompt_mask = mask[:vocab_size]
+        return self._prompt_mask
+
+    def min_tokens_pending(self) -> bool:
+        return len(self.output) < self.params.min_tokens and bool(self.banned_early)
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, eos_token_ids: list[int]) -> None:
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size must be an integer >= 1, got {vocab_size!r}")
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self._seqs: dict[int, _SeqState] = {}
+
+    def add(self, new_seq: NewSeq) -> None:
+        """Start tracking a sequence; a known one (re-announced after preemption) is replaced."""
+        self._seqs[new_seq.seq_id] = _SeqState(new_seq, self.eos_token_ids)
+
+    def remove(self, seq_ids: Iterable[int]) -> None:
+        for seq_id in seq_ids:
+            self._seqs.pop(seq_id, None)
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    def output_token_ids(self, seq_id: int) -> list[int]:
+        return list(self._seqs[seq_id].output)
+
+    def sample(
+        self, seq_ids: list[int], logits: torch.Tensor
+    ) -> tuple[list[int], list[TokenLogprobs] | None]:
+        """One token per row of `logits` ([len(seq_ids), >= vocab_size]), recorded in each
+        sequence's history; logprobs for every row when any sequence asked for them."""
+        states = self._states(seq_ids, logits)
+        logits = logits[:, : self.vocab_size]
+        want_logprobs = any(state.params.logprobs is not None for state in states)
+        if not want_logprobs and all(
+            state.is_greedy and not state.has_penalties and not state.min_tokens_pending()
+            for state in states
+        ):
+            tokens = logits.argmax(dim=-1).tolist()
+            self._record(states, tokens)
+            return tokens, None
+
+        logits = logits.float()
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        if any(state.has_penalties or state.min_tokens_pending() for state in states):
+            logits = logits.clone()  # edited in place below; the caller's tensor stays intact
+            _apply_penalties(logits, states, self.vocab_size)
+            _apply_min_tokens(logits, states, self.vocab_size)
+        random_rows = [row for row, state in enumerate(states) if not state.is_greedy]
+        if len(random_rows) == len(states):
+            chosen = _sample_random(logits, states)
+        else:
+            chosen = logits.argmax(dim=-1)
+            if random_rows:
+                rows = torch.tensor(random_rows, device=logits.device)
+                chosen[rows] = _sample_random(logits[rows], [states[row] for row in random_rows])
+        tokens = chosen.tolist()
+        self._record(states, tokens)
+        if raw_logprobs is None:
+            return tokens, None
+        return tokens, _gather_logprobs(raw_logprobs, chosen, states)
+
+    def _states(self, seq_ids: list[int], logits: torch.Tensor) -> list[_SeqState]:
+        if logits.dim() != 2 or logits.shape[0] != len(seq_ids):
+            raise ValueError(
+                f"logits must have shape [{len(seq_ids)}, >= {self.vocab_size}] (one row per "
+                f"seq_id), got {list(logits.shape)}"
+            )
+        if logits.shape[1] < self.vocab_size:
+            raise ValueError(
+                f"logits have {logits.shape[1]} columns, fewer than vocab_size {self.vocab_size}"
+            )
+        try:
+            return [self._seqs[seq_id] for seq_id in seq_ids]
+        except KeyError as exc:
+            raise ValueError(f"sample() got seq_id {exc.args[0]}, which was never added") from None
+
+    @staticmethod
+    def _record(states: list[_SeqState], tokens: list[int]) -> None:
+        for state, token in zip(states, tokens, strict=True):
+            state.output.append(token)
+
+
+# ---- logits processing -------------------------------------------------------------------------
+
+
+def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
+    """Rows of token ids as one [len(rows), max_len] tensor; ids outside the vocabulary -> pad."""
+    width = max(1, max(len(row) for row in rows))
+    table = torch.full((len(rows), width), pad, dtype=torch.long)
+    for index, row in enumerate(rows):
+        if row:
+            table[index, : len(row)] = torch.tensor(row, dtype=torch.long)
+    table = table.to(device)
+    return torch.where((table >= 0) & (table < pad), table, pad)
+
+
+def _apply_penalties(logits: torch.Tensor, states: list[_SeqState], vocab_size: int) -> None:
+    """Repetition over prompt + output; presence and frequency over the output (vLLM's rules)."""
+    rows = [row for row, state in enumerate(states) if state.has_penalties]
+    if not rows:
+        return
+    device = logits.device
+    picked = [states[row] for row in rows]
+    index = torch.tensor(rows, device=device)
+    sub = logits[index]
+    outputs = _padded([state.output for state in picked], vocab_size, device)
+    counts = torch.zeros(len(rows), vocab_size + 1, dtype=sub.dtype, device=device)
+    counts.scatter_add_(1, outputs, torch.ones_like(outputs, dtype=sub.dtype))
+    counts = counts[:, :vocab_size]
+    in_output = counts > 0
+    in_context = in_output.clone()  # prompt or output: what repetition_penalty looks at
+    for position, state in enumerate(picked):
+        if state.params.repetition_penalty != 1.0:
+            in_context[position] |= state.prompt_mask(vocab_size, device)
+
+    def column(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=sub.dtype, device=device).unsqueeze(1)
+
+    repetition = column([state.params.repetition_penalty for state in picked])
+    penalized = torch.where(sub > 0, sub / repetition, sub * repetition)
+    sub = torch.where(in_context, penalized, sub)
+    sub -= column([state.params.frequency_penalty for state in picked]) * counts
+    sub -= column([state.params.presence_penalty for state in picked]) * in_output
+    logits[index] = sub
+
+
+def _apply_min_tokens(logits: torch.Tensor, states: list[_SeqState], vocab_size: int) -> None:
+    """Stop tokens (and EOS unless ignore_eos) cannot be sampled before min_tokens are out."""
+    rows: list[int] = []
+    columns: list[int] = []
+    for row, state in enumerate(states):
+        if state.min_tokens_pending():
+            for token in state.banned_early:
+                if 0 <= token < vocab_size:
+                    rows.append(row)
+                    columns.append(token)
+    if rows:
+        logits[rows, columns] = -math.inf
+
+
+def _sample_random(logits: torch.Tensor, states: list[_SeqState]) -> torch.Tensor:
+    device = logits.device
+    params: list[SamplingParams] = [state.params for state in states]
+    vocab_size = logits.shape[1]
+    temperature = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
+    logits = logits / temperature
+    min_p = [p.min_p for p in params]
+    if any(value > 0.0 for value in min_p):
+        probs = torch.softmax(logits, dim=-1)
+        threshold = torch.tensor(min_p, device=device).unsqueeze(1) * probs.amax(-1, keepdim=True)
+        logits = logits.masked_fill(probs < threshold, -math.inf)
+    top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+    top_p = [p.top_p for p in params]
+    if any(k < vocab_size for k in top_k) or any(p < 1.0 for p in top_p):
+        logits = _top_k_top_p(logits, top_k, top_p)
+    return gumbel_argmax(logits, [s.seed for s in states], [s.position for s in states])
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Keep each row's k largest logits, then the smallest set of the largest whose probability
+    (renormalized after top-k) reaches p. (At an exact tie with the k-th value, either may stay.)
+    """
+    device = logits.device
+    width = max(top_k)
+    if width < logits.shape[1]:  # every row truncates: rank only the top `width`
+        ordered, order = logits.topk(width, dim=-1)
+    else:
+        ordered, order = logits.sort(dim=-1, descending=True)
+    kth = torch.tensor(top_k, device=device).unsqueeze(1) - 1
+    ordered = ordered.masked_fill(ordered < ordered.gather(1, kth), -math.inf)
+    probs = torch.softmax(ordered, dim=-1)
+    before = torch.cumsum(probs, dim=-1) - probs  # probability mass ranked strictly above
+    keep_sorted = (before < torch.tensor(top_p, device=device).unsqueeze(1)) & (ordered > -math.inf)
+    keep_sorted[:, 0] = True  # the most likely token always stays
+    keep = torch.zeros_like(logits, dtype=torch.bool).scatter(1, order, keep_sorted)
+    return logits.masked_fill(~keep, -math.inf)
+
+
+def _gather_logprobs(
+    raw_logprobs: torch.Tensor, chosen: torch.Tensor, states: list[_SeqState]
+) -> list[TokenLogprobs]:
+    sampled = raw_logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
+    num_top = max(state.params.logprobs or 0 for state in states)
+    if num_top:
+        top_values, top_ids = raw_logprobs.topk(num_top, dim=-1)
+        values, ids = top_values.tolist(), top_ids.tolist()
+    out = []
+    for row, state in enumerate(states):
+        count = state.params.logprobs or 0
+        if count:
+            out.append(TokenLogprobs(sampled[row], ids[row][:count], values[row][:count]))
+        else:
+            out.append(TokenLogprobs(sampled[row], [], []))
+    return out
+
+
+# ---- counter-based randomness ------------------------------------------------------------------
+
+
+def _mix32(x: int) -> int:
+    """MurmurHash3's 32-bit finalizer on a Python int."""
+    x ^= x >> 16
+    x = (x * 0x85EBCA6B) & _M32
+    x ^= x >> 13
+    x = (x * 0xC2B2AE35) & _M32
+    return x ^ (x >> 16)
+
+
+def _mul32_tensor(x: torch.Tensor, constant: int) -> torch.Tensor:
+    """(x * constant) mod 2**32 for int64 x in [0, 2**32), never overflowing int64."""
+    low, high = constant & 0xFFFF, constant >> 16
+    return (x * low + (((x * high) & 0xFFFF) << 16)) & _M32
+
+
+def _mix32_tensor(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ (x >> 16)
+    x = _mul32_tensor(x, 0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = _mul32_tensor(x, 0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def row_keys(seed: int, position: int) -> tuple[int, int]:
+    """Two 32-bit keys naming the random stream of one (seed, position)."""
+    spot = _mix32((position & _M32) ^ 0x9E3779B9) ^ _mix32((position >> 32) & _M32)
+    first = _mix32((seed & _M32) ^ spot)
+    second = _mix32(((seed >> 32) & _M32) ^ _mix32(first ^ 0x632BE5AB))
+    return first, second
+
+
+def uniform_noise(
+    seeds: list[int], positions: list[int], columns: torch.Tensor, salt: int = 0
+) -> torch.Tensor:
+    """float32 uniforms in (0, 1), one per entry of `columns` ([rows, n] or [1, n] int64 in
+    [0, 2**32)), each a hash of (seed, position, salt, column) for its row."""
+    keys = torch.tensor(
+        [
+            row_keys(seed, position ^ (salt << 48))
+            for seed, position in zip(seeds, positions, strict=True)
+        ],
+        dtype=torch.long,
+        device=columns.device,
+    )
+    hashed = _mix32_tensor(columns ^ keys[:, :1])
+    hashed = _mix32_tensor(hashed ^ keys[:, 1:])
+    return ((hashed >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def _gumbel(uniforms: torch.Tensor) -> torch.Tensor:
+    return -torch.log(-torch.log(uniforms))
+
+
+def gumbel_argmax(logits: torch.Tensor, seeds: list[int], positions: list[int]) -> torch.Tensor:
+    """One token per row, distributed as softmax(row): Gumbel-max in two levels.
+
+    Perturbing every vocabulary entry would hash rows x vocab numbers per step. Instead the
+    vocabulary is cut into groups of _GROUP: a group is drawn by Gumbel-max over the groups'
+    log-sum-exp masses, then a token within it by Gumbel-max over its logits. P(group) x
+    P(token | group) = p(token): exact, with rows x (groups + _GROUP) hashed numbers.
+    """
+    rows, vocab_size = logits.shape
+    device = logits.device
+    num_groups = -(-vocab_size // _GROUP)
+    padding = num_groups * _GROUP - vocab_size
+    if padding:
+        logits = torch.nn.functional.pad(logits, (0, padding), value=-math.inf)
+    grouped = logits.view(rows, num_groups, _GROUP)
+    group_ids = torch.arange(num_groups, dtype=torch.long, device=device).unsqueeze(0)
+    group_noise = _gumbel(uniform_noise(seeds, positions, group_ids, salt=1))
+    group = (torch.logsumexp(grouped, dim=-1) + group_noise).argmax(dim=-1)
+    inside = grouped[torch.arange(rows, device=device), group]
+    token_ids = group.unsqueeze(1) * _GROUP + torch.arange(_GROUP, device=device).unsqueeze(0)
+    token_noise = _gumbel(uniform_noise(seeds, positions, token_ids))
+    return group * _GROUP + (inside + token_noise).argmax(dim=-1)
