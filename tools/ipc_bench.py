@@ -42,7 +42,10 @@ from engine.actors.runtime.ring import (
     run_prefix,
 )
 
-RING_CAPACITY = 1 << 20
+# 64 KiB (about 330 of these messages, zmq's default high-water mark is 1000): a ring that fits in
+# the L2 cache keeps the producer's writes hot for the consumer; with 1 MiB the consumer's copies
+# miss the cache and one-way throughput drops by roughly a fifth on the 2-core dev machines.
+DEFAULT_RING_CAPACITY = 64 * 1024
 JOIN_TIMEOUT_S = 60.0
 
 
@@ -221,6 +224,8 @@ def zmq_pinger(ping: str, pong: str, rounds: int, conn: Connection) -> None:
 
 
 # -- multiprocessing.Queue (pickles under the hood: it is the peer being measured) -------------
+# get() without a timeout, as its users call it: a timeout adds a poll() per message. A hung
+# child cannot hang the benchmark: the parent waits for results with a timeout and kills it.
 
 
 def queue_producer(queue: Any, n: int, conn: Connection) -> None:
@@ -237,14 +242,14 @@ def queue_producer(queue: Any, n: int, conn: Connection) -> None:
 def queue_consumer(queue: Any, n: int, conn: Connection) -> None:
     _report(conn, ready=True)
     for _ in range(n):
-        DECODER.decode(queue.get(timeout=JOIN_TIMEOUT_S))
+        DECODER.decode(queue.get())
     _report(conn, finished=time.perf_counter())
 
 
 def queue_ponger(ping: Any, pong: Any, rounds: int, conn: Connection) -> None:
     _report(conn, ready=True)
     for _ in range(rounds):
-        pong.put(ENCODER.encode(DECODER.decode(ping.get(timeout=JOIN_TIMEOUT_S))))
+        pong.put(ENCODER.encode(DECODER.decode(ping.get())))
     pong.close()
     pong.join_thread()
 
@@ -256,7 +261,7 @@ def queue_pinger(ping: Any, pong: Any, rounds: int, conn: Connection) -> None:
         message.seq = seq
         started = time.perf_counter_ns()
         ping.put(ENCODER.encode(message))
-        DECODER.decode(pong.get(timeout=JOIN_TIMEOUT_S))
+        DECODER.decode(pong.get())
         rtts.append(time.perf_counter_ns() - started)
     _report(conn, rtts_ns=rtts)
 
@@ -340,7 +345,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     children = Children()
     sockets = tempfile.mkdtemp(prefix="engine-ipc-bench-")
     prefix = run_prefix()
-    specs = [RingSpec(f"{prefix}{name}", RING_CAPACITY) for name in ("stream", "ping", "pong")]
+    specs = [RingSpec(f"{prefix}{name}", args.ring_capacity) for name in ("stream", "ping", "pong")]
     stream, ping, pong = specs
     try:
         for spec in specs:
@@ -402,6 +407,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "message_bytes": len(ENCODER.encode(make_message())),
         "messages": n,
         "batch": batch,
+        "ring_capacity": args.ring_capacity,
         "round_trips": args.round_trips,
         "repeat": args.repeat,
         "idle_seconds": args.idle_seconds,
@@ -452,6 +458,9 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--messages", type=int, default=200_000, help="one-way messages per trial")
+    parser.add_argument(
+        "--ring-capacity", type=int, default=DEFAULT_RING_CAPACITY, help="ring data bytes"
+    )
     parser.add_argument("--batch", type=int, default=64, help="frames per ring send_many")
     parser.add_argument(
         "--repeat", type=int, default=3, help="one-way trials per transport (median)"

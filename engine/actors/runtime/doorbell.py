@@ -231,7 +231,8 @@ class Waiter:
                 return
             if time.perf_counter_ns() >= spin_until:
                 break
-            await asyncio.sleep(0)
+            await asyncio.sleep(0)  # let this loop's other coroutines run
+            os.sched_yield()  # and other processes on this core: maybe the one we wait for
             if self._interrupts != interrupts:
                 return
         loop = asyncio.get_running_loop()

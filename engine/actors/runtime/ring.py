@@ -69,6 +69,8 @@ MAX_CAPACITY = 1 << 31
 MAX_READERS = 64
 RECORD_OVERHEAD = 8  # count + one length: what a one-frame record costs beyond its payload
 _COUNT = struct.Struct("=I")  # native order, like the lengths: both ends share one machine
+_DIRECT_COPY_BYTES = 64 * 1024  # records this big whose frames average
+_DIRECT_COPY_MIN_FRAME = 8 * 1024  # this much are not joined before the copy
 
 _SLOT = 16  # words per slot: 128 bytes
 _MAGIC = int.from_bytes(b"engring1", "little")
@@ -289,22 +291,31 @@ class RingWriter:
                     return 0
                 frames, lengths = frames[:count], lengths[:count]
                 size = 4 + 4 * count + sum(lengths)
-        record = b"".join([_COUNT.pack(count), array("I", lengths), *frames])
-        self._put(record)
+        header: list[bytes | array[int]] = [_COUNT.pack(count), array("I", lengths)]
+        if size < _DIRECT_COPY_BYTES or count * _DIRECT_COPY_MIN_FRAME > size:
+            self._copy_in(self._tail, b"".join([*header, *frames]))  # one copy into the ring
+        else:  # a few big frames: copy each straight in rather than joining them first
+            position = self._tail
+            for piece in (b"".join(header), *frames):
+                self._copy_in(position, piece)
+                position += len(piece)
+        self._publish(self._tail + size)
         return count
 
-    def _put(self, record: bytes) -> None:
-        size = len(record)
-        offset = self._tail % self._capacity
+    def _copy_in(self, position: int, piece: bytes) -> None:
+        size = len(piece)
+        offset = position % self._capacity
         start = self._data + offset
         if offset + size <= self._capacity:
-            self._segment[start : start + size] = record
+            self._segment[start : start + size] = piece
         else:  # straddles the end of the data area
             first = self._capacity - offset
-            with memoryview(record) as view:
+            with memoryview(piece) as view:
                 self._segment[start : start + first] = view[:first]
                 self._segment[self._data : self._data + size - first] = view[first:]
-        self._tail += size
+
+    def _publish(self, tail: int) -> None:
+        self._tail = tail
         words = self._words
         full_fence()  # the record's bytes before the tail that makes them visible
         words[_W_TAIL] = self._tail

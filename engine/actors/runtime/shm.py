@@ -82,9 +82,14 @@ def open_segment(name: str, size: int) -> mmap.mmap:
                 f"shared-memory segment {name!r} is {actual} bytes, expected {size} for its "
                 "RingSpec: the spec does not match the ring that was created"
             )
-        return mmap.mmap(fd, size)
+        return _map(fd, size)
     finally:
         os.close(fd)
+
+
+def _map(fd: int, size: int) -> mmap.mmap:
+    # MAP_POPULATE maps every page now rather than on first touch inside the hot loops.
+    return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
 
 
 def unlink_segment(name: str) -> bool:
