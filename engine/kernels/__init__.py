@@ -1,0 +1,72 @@
+"""Kernel backends for attention, norms and rotary embeddings, and the one place that picks one.
+
+The model calls only the functions bundled in a `KernelBackend`; `select_backend` decides which
+implementation that is for a device. Today there is the torch backend (CPU, and CUDA through
+torch's own SDPA); Triton and FlashInfer backends will plug in here with the same signatures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+
+import torch
+
+from engine.kernels import torch_attention, torch_ops
+from engine.kernels.kv_cache import PagedKVCache
+from engine.kernels.torch_attention import AttentionMetadata
+
+__all__ = [
+    "BACKENDS",
+    "AttentionMetadata",
+    "KernelBackend",
+    "PagedKVCache",
+    "select_backend",
+]
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelBackend:
+    name: str
+    build_attention_metadata: Callable[..., AttentionMetadata]
+    paged_attention: Callable[..., torch.Tensor]
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+    rms_norm_per_head: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+    rotary_cos_sin: Callable[
+        [torch.Tensor, torch.Tensor, torch.dtype], tuple[torch.Tensor, torch.Tensor]
+    ]
+    apply_rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+
+
+TORCH_BACKEND = KernelBackend(
+    name="torch",
+    build_attention_metadata=torch_attention.build_attention_metadata,
+    paged_attention=torch_attention.paged_attention,
+    rms_norm=torch_ops.rms_norm,
+    rms_norm_per_head=torch_ops.rms_norm_per_head,
+    rotary_cos_sin=torch_ops.rotary_cos_sin,
+    apply_rotary=torch_ops.apply_rotary,
+    silu_and_mul=torch_ops.silu_and_mul,
+)
+
+BACKENDS: dict[str, KernelBackend] = {"torch": TORCH_BACKEND}
+
+
+def select_backend(device: torch.device | str, name: str = "auto") -> KernelBackend:
+    """The backend for `device`: `name` if given, else the best one available there."""
+    device = torch.device(device)
+    if name != "auto":
+        if name not in BACKENDS:
+            raise ValueError(
+                f"unknown kernel backend {name!r}; expected 'auto' or one of {sorted(BACKENDS)}"
+            )
+        return BACKENDS[name]
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"unsupported device {str(device)!r}; expected 'cpu' or 'cuda'")
+    backend = TORCH_BACKEND
+    log.debug("kernel backend for %s: %s", device, backend.name)
+    return backend

@@ -1,0 +1,45 @@
+"""Pointwise pieces of the decoder in plain torch: RMSNorm, rotary embedding, SwiGLU.
+
+Each matches the Hugging Face reference arithmetic (same operations, same order) so that float32
+results agree to the last few ulps.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension, computed in float32 (as HF does for half types)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    normed = F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+    return normed * weight
+
+
+def rms_norm_per_head(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of each head vector of x [tokens, heads, head_dim]; weight [heads, head_dim]
+    (lets q and k, with different weights, be normalised in one call)."""
+    normed = F.rms_norm(x.float(), (x.shape[-1],), None, eps)
+    return weight * normed.to(x.dtype)
+
+
+def rotary_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [tokens, 1, head_dim / 2] for the given positions, computed in float32."""
+    freqs = positions[:, None].float() * inv_freq[None, :]
+    return freqs.cos().to(dtype)[:, None, :], freqs.sin().to(dtype)[:, None, :]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [tokens, heads, head_dim] by position, "rotate half" layout (GPT-NeoX / HF)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU: silu(gate) * up, where gate_up holds [gate | up] along the last dimension."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -1,0 +1,159 @@
+"""The decoder-only transformer shared by Llama, Qwen2 and Qwen3.
+
+    h = embed(tokens)
+    for each layer:
+        h = h + Attention(RMSNorm(h))   # GQA, RoPE; Qwen2: q/k/v bias; Qwen3: q/k head norms
+        h = h + SwiGLU-MLP(RMSNorm(h))
+    logits = lm_head(RMSNorm(h))        # lm_head may share the embedding matrix
+
+The architectures differ only in `ModelConfig` flags. Projections that read the same input are
+fused (q|k|v, gate|up) so each layer runs two matmuls fewer; the loader fills the fused weights
+from the checkpoint's separate tensors. Tokens of all sequences in a step are one flat batch
+[tokens, hidden]; attention learns how they group from the step's `AttentionMetadata`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from engine.kernels import AttentionMetadata, KernelBackend, PagedKVCache
+from engine.model.config import ModelConfig
+from engine.model.rope import rope_inv_freq
+
+
+@dataclasses.dataclass
+class StepContext:
+    """What every layer needs for one step, computed once per step."""
+
+    attention: AttentionMetadata
+    kv_cache: PagedKVCache
+    cos: torch.Tensor  # [tokens, 1, head_dim / 2]
+    sin: torch.Tensor
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, ops: KernelBackend) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.rms_norm(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, ops: KernelBackend) -> None:
+        super().__init__()
+        self.layer = layer
+        self.ops = ops
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim**-0.5
+        self.eps = config.rms_norm_eps
+        qk_size = (self.num_heads + self.num_kv_heads) * self.head_dim
+        self.qk_size = qk_size
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, qk_size + self.num_kv_heads * self.head_dim, bias=config.qkv_bias
+        )
+        self.o_proj = nn.Linear(
+            self.num_heads * self.head_dim, config.hidden_size, bias=config.o_bias
+        )
+        self.q_norm = RMSNorm(self.head_dim, self.eps, ops) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, self.eps, ops) if config.qk_norm else None
+        # q_norm and k_norm weights stacked per head, so both norms run as one call.
+        self.qk_norm_weight: torch.Tensor | None = None
+
+    def fuse_weights(self) -> None:
+        """Build derived tensors once the checkpoint's weights are in place."""
+        if self.q_norm is not None and self.k_norm is not None:
+            self.qk_norm_weight = torch.cat(
+                (
+                    self.q_norm.weight.detach().expand(self.num_heads, -1),
+                    self.k_norm.weight.detach().expand(self.num_kv_heads, -1),
+                )
+            )
+
+    def forward(self, x: torch.Tensor, step: StepContext) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)
+        qk = qkv[:, : self.qk_size].view(num_tokens, -1, self.head_dim)
+        v = qkv[:, self.qk_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm_weight is not None:
+            qk = self.ops.rms_norm_per_head(qk, self.qk_norm_weight, self.eps)
+        qk = self.ops.apply_rotary(qk, step.cos, step.sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        out = self.ops.paged_attention(
+            q, k, v, step.kv_cache, self.layer, step.attention, self.scale
+        )
+        return self.o_proj(out)
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig, ops: KernelBackend) -> None:
+        super().__init__()
+        self.ops = ops
+        size, hidden = config.intermediate_size, config.hidden_size
+        self.gate_up_proj = nn.Linear(hidden, 2 * size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(size, hidden, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, ops: KernelBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.self_attn = Attention(config, layer, ops)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.mlp = GatedMLP(config, ops)
+
+    def forward(self, h: torch.Tensor, step: StepContext) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), step)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, ops: KernelBackend) -> None:
+        super().__init__()
+        self.config = config
+        self.ops = ops
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, layer, ops) for layer in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+        self.inv_freq: torch.Tensor = rope_inv_freq(config)
+
+    def fuse_weights(self) -> None:
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
+            layer.self_attn.fuse_weights()
+        self.inv_freq = rope_inv_freq(self.config).to(self.embed_tokens.weight.device)
+
+    def forward(
+        self, token_ids: torch.Tensor, attention: AttentionMetadata, kv_cache: PagedKVCache
+    ) -> torch.Tensor:
+        """Hidden states [tokens, hidden] after the last layer (before the final norm)."""
+        h = self.embed_tokens(token_ids)
+        cos, sin = self.ops.rotary_cos_sin(attention.positions, self.inv_freq, h.dtype)
+        step = StepContext(attention, kv_cache, cos, sin)
+        for layer in self.layers:
+            h = layer(h, step)
+        return h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [rows, vocab] of the given last-layer hidden rows."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(self.norm(hidden), weight).float()

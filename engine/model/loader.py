@@ -1,0 +1,169 @@
+"""Build a decoder from a Hugging Face checkpoint: dtype choice, safetensors (single file or
+sharded), and the mapping from the checkpoint's tensor names onto our fused parameters."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from engine.kernels import KernelBackend
+from engine.model.config import ModelConfig
+from engine.model.decoder import DecoderForCausalLM
+
+log = logging.getLogger(__name__)
+
+DTYPE_NAMES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+}
+SUPPORTED_DTYPES = {
+    "cpu": (torch.float32, torch.bfloat16),
+    "cuda": (torch.float16, torch.bfloat16, torch.float32),
+}
+
+
+def resolve_dtype(requested: str, config: ModelConfig, device: torch.device) -> torch.dtype:
+    """The dtype to run in. "auto" is the checkpoint's dtype, except float16 on the CPU
+    (slow and unsupported there: float32) and float32 on a GPU (bfloat16)."""
+    allowed = SUPPORTED_DTYPES[device.type]
+    if requested == "auto":
+        dtype = DTYPE_NAMES.get(str(config.torch_dtype), torch.float32)
+        if device.type == "cpu" and dtype == torch.float16:
+            return torch.float32
+        if device.type == "cuda" and dtype == torch.float32:
+            return torch.bfloat16
+        return dtype
+    if requested not in DTYPE_NAMES:
+        raise ValueError(
+            f"unknown dtype {requested!r}; expected 'auto', 'float32', 'bfloat16' or 'float16'"
+        )
+    dtype = DTYPE_NAMES[requested]
+    if dtype not in allowed:
+        names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
+        raise ValueError(f"dtype {requested!r} is not supported on {device.type}; use {names}")
+    return dtype
+
+
+def load_model(
+    model_path: str | Path,
+    config: ModelConfig,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    ops: KernelBackend,
+) -> DecoderForCausalLM:
+    """The model with every parameter filled from the checkpoint (no random init is spent)."""
+    with torch.device("meta"):
+        model = DecoderForCausalLM(config, ops).to(dtype)
+    model.to_empty(device=device)
+    params = dict(model.named_parameters())
+    filled: set[str] = set()
+    ignored: list[str] = []
+    files = checkpoint_files(Path(model_path))
+    total = _count_tensors(files)
+    with tqdm(total=total, desc="loading weights", unit="tensor", file=sys.stderr) as progress:
+        for file in files:
+            with safe_open(str(file), framework="pt", device="cpu") as tensors:
+                for name in tensors.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    target = map_weight_name(name, config)
+                    progress.update(1)
+                    if target is None or target[0] not in params:
+                        ignored.append(name)
+                        continue
+                    param_name, row_start = target
+                    _copy_into(params[param_name], row_start, tensors.get_tensor(name), name)
+                    filled.add(f"{param_name}@{row_start}")
+    missing = sorted(set(expected_weight_keys(params, config)) - filled)
+    if missing:
+        raise ValueError(f"checkpoint {str(model_path)!r} lacks weights: {', '.join(missing)}")
+    if ignored:
+        log.warning("ignored %d checkpoint tensors: %s", len(ignored), ", ".join(ignored[:8]))
+    model.fuse_weights()
+    model.eval()
+    return model
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        return [path / name for name in sorted(set(weight_map.values()))]
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    found = sorted(path.glob("*.safetensors"))
+    if not found:
+        raise FileNotFoundError(
+            f"no safetensors weights in {str(path)!r}: expected model.safetensors or "
+            "model.safetensors.index.json with its shards"
+        )
+    return found
+
+
+def map_weight_name(name: str, config: ModelConfig) -> tuple[str, int] | None:
+    """(our parameter name, first row within it) for a checkpoint tensor; None to skip it.
+    q/k/v land in row ranges of the fused qkv_proj, gate/up in gate_up_proj."""
+    name = name.removeprefix("model.")
+    if "rotary_emb." in name:
+        return None
+    if name == "lm_head.weight" and config.tie_word_embeddings:
+        return None
+    q_rows = config.num_heads * config.head_dim
+    kv_rows = config.num_kv_heads * config.head_dim
+    fused = {
+        "self_attn.q_proj.": ("self_attn.qkv_proj.", 0),
+        "self_attn.k_proj.": ("self_attn.qkv_proj.", q_rows),
+        "self_attn.v_proj.": ("self_attn.qkv_proj.", q_rows + kv_rows),
+        "mlp.gate_proj.": ("mlp.gate_up_proj.", 0),
+        "mlp.up_proj.": ("mlp.gate_up_proj.", config.intermediate_size),
+    }
+    for part, (fused_part, row_start) in fused.items():
+        if part in name:
+            return name.replace(part, fused_part), row_start
+    return name, 0
+
+
+def expected_weight_keys(params: dict[str, torch.nn.Parameter], config: ModelConfig) -> list[str]:
+    """Every `param@row_start` piece the checkpoint has to provide."""
+    q_rows = config.num_heads * config.head_dim
+    kv_rows = config.num_kv_heads * config.head_dim
+    keys = []
+    for name in params:
+        if ".qkv_proj." in name:
+            keys += [f"{name}@0", f"{name}@{q_rows}", f"{name}@{q_rows + kv_rows}"]
+        elif ".gate_up_proj." in name:
+            keys += [f"{name}@0", f"{name}@{config.intermediate_size}"]
+        else:
+            keys.append(f"{name}@0")
+    return keys
+
+
+def _copy_into(param: torch.nn.Parameter, row_start: int, tensor: torch.Tensor, name: str) -> None:
+    rows = tensor.shape[0]
+    target = param.data[row_start : row_start + rows]
+    if target.shape != tensor.shape:
+        raise ValueError(
+            f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}; "
+            f"expected {tuple(target.shape)} from config.json"
+        )
+    target.copy_(tensor)
+
+
+def _count_tensors(files: list[Path]) -> int:
+    total = 0
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as tensors:
+            total += len(list(tensors.keys()))
+    return total

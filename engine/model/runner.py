@@ -1,0 +1,150 @@
+"""ModelRunner: a loaded model plus its paged KV cache, run one step of SeqChunks at a time.
+
+The runner knows nothing about scheduling: the chunks say which tokens to run, where they sit
+in their sequences and which cache blocks hold them. It writes their K/V and returns logits for
+the chunks that end a sequence's known tokens (sample=True).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from engine.kernels import PagedKVCache, select_backend
+from engine.messages.steps import SeqChunk
+from engine.model.capacity import available_cpu_memory, kv_block_bytes, kv_cache_blocks
+from engine.model.config import ModelConfig, load_model_config
+from engine.model.loader import load_model, resolve_dtype
+
+__all__ = ["ModelRunner", "kv_cache_blocks", "resolve_device"]
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """ "auto" is cuda when a GPU is visible, else cpu."""
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    resolved = torch.device(device)
+    if resolved.type not in ("cpu", "cuda"):
+        raise ValueError(f"unsupported device {str(device)!r}; expected 'auto', 'cpu' or 'cuda'")
+    return resolved
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        dtype: str = "auto",
+        device: str = "cpu",
+        block_size: int = 16,
+        kv_cache_memory: int | None = None,
+        kv_cache_fraction: float = 0.3,
+        max_model_len: int | None = None,
+        seed: int = 0,
+        num_threads: int | None = None,
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be a positive integer, got {block_size}")
+        if not 0.0 < kv_cache_fraction <= 1.0:
+            raise ValueError(f"kv_cache_fraction must be in (0, 1], got {kv_cache_fraction}")
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
+        torch.manual_seed(seed)
+        self.model_path = str(Path(model_path))
+        self.device = resolve_device(device)
+        self.config: ModelConfig = load_model_config(model_path, max_model_len)
+        self.dtype = resolve_dtype(dtype, self.config, self.device)
+        self.backend = select_backend(self.device)
+        self.model = load_model(
+            model_path, self.config, dtype=self.dtype, device=self.device, ops=self.backend
+        )
+        self.block_size = block_size
+        if kv_cache_memory is None:
+            kv_cache_memory = int(_free_memory(self.device) * kv_cache_fraction)
+        self.num_blocks = kv_cache_blocks(self.config, kv_cache_memory, block_size, self.dtype)
+        if self.num_blocks < 1:
+            raise ValueError(
+                f"a KV cache of {kv_cache_memory} bytes holds no block: one block of "
+                f"{block_size} tokens needs {kv_block_bytes(self.config, block_size, self.dtype)}"
+                " bytes"
+            )
+        self.kv_cache = PagedKVCache(
+            num_layers=self.config.num_layers,
+            num_blocks=self.num_blocks,
+            block_size=block_size,
+            num_kv_heads=self.config.num_kv_heads,
+            head_dim=self.config.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        log.info(
+            "%s on %s in %s (%s kernels): KV cache of %d blocks x %d = %d tokens (%.1f MiB)",
+            self.config.architecture,
+            self.device,
+            str(self.dtype).removeprefix("torch."),
+            self.backend.name,
+            self.num_blocks,
+            block_size,
+            self.num_blocks * block_size,
+            self.num_blocks * kv_block_bytes(self.config, block_size, self.dtype) / 2**20,
+        )
+
+    @torch.inference_mode()
+    def forward(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
+        """Run one step; float32 logits [chunks with sample=True, vocab], in plan order."""
+        vocab = self.config.vocab_size
+        if not chunks:
+            return torch.empty(0, vocab, dtype=torch.float32, device=self.device)
+        self._check(chunks)
+        token_ids: list[int] = []
+        sample_rows: list[int] = []
+        for chunk in chunks:
+            token_ids += chunk.token_ids
+            if chunk.sample:
+                sample_rows.append(len(token_ids) - 1)
+        ids = torch.tensor(token_ids, dtype=torch.long)
+        if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+            bad = next(t for t in token_ids if not 0 <= t < vocab)
+            raise ValueError(f"token id {bad} is out of range; expected 0 <= id < {vocab}")
+        attention = self.backend.build_attention_metadata(
+            [len(chunk.token_ids) for chunk in chunks],
+            [chunk.start_pos for chunk in chunks],
+            [chunk.block_table for chunk in chunks],
+            cache=self.kv_cache,
+            queries_per_kv=self.config.num_heads // self.config.num_kv_heads,
+            device=self.device,
+        )
+        hidden = self.model(ids.to(self.device), attention, self.kv_cache)
+        if not sample_rows:
+            return torch.empty(0, vocab, dtype=torch.float32, device=self.device)
+        if len(sample_rows) < hidden.shape[0]:
+            hidden = hidden[torch.tensor(sample_rows, device=self.device)]
+        return self.model.compute_logits(hidden)
+
+    def _check(self, chunks: Sequence[SeqChunk]) -> None:
+        limit = self.config.max_model_len
+        for chunk in chunks:
+            if not chunk.token_ids:
+                raise ValueError(f"chunk of sequence {chunk.seq_id} has no tokens")
+            if chunk.start_pos < 0:
+                raise ValueError(
+                    f"chunk of sequence {chunk.seq_id} has start_pos {chunk.start_pos}; "
+                    "expected >= 0"
+                )
+            if chunk.start_pos + len(chunk.token_ids) > limit:
+                raise ValueError(
+                    f"chunk of sequence {chunk.seq_id} reaches position "
+                    f"{chunk.start_pos + len(chunk.token_ids) - 1}; max_model_len is {limit}"
+                )
+
+
+def _free_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    return available_cpu_memory()

@@ -1,0 +1,269 @@
+"""Static-batch latency of the raw model (no scheduler, no processes), as SGLang's bench_one_batch.
+
+For each (batch size, input length, output length): prefill the whole batch in one step, then
+decode output_len - 1 steps; report prefill latency and throughput, median decode step latency
+and decode throughput. A warm-up case runs first and is not reported; cases whose KV cache would
+not fit are skipped with a note.
+
+    python tools/bench_one_batch.py --batch-size 1 32 --input-len 128 --output-len 64
+    python tools/bench_one_batch.py --correct            # greedy text for a few real prompts
+    python tools/bench_one_batch.py --profile            # torch profiler trace of decode steps
+
+The timing functions (`prefill_batch`, `raw_decode_step_seconds`, `bench_case`) take a
+ModelRunner and are meant to be imported by other benchmarks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):  # run as a script: make `engine` importable from the repo root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.messages.steps import SeqChunk
+from engine.model.runner import ModelRunner
+
+CORRECTNESS_PROMPTS = [
+    "The harbour at first light",
+    "To make a simple loaf, start with",
+    "A ring buffer is the classic shape for",
+    "Dear Ana,",
+]
+
+
+@dataclasses.dataclass
+class CaseResult:
+    batch_size: int
+    input_len: int
+    output_len: int
+    prefill_seconds: float
+    decode_step_seconds: float  # median over the decode steps
+
+    @property
+    def prefill_tokens_per_second(self) -> float:
+        return self.batch_size * self.input_len / self.prefill_seconds
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        return self.batch_size / self.decode_step_seconds
+
+    @property
+    def total_seconds(self) -> float:
+        return self.prefill_seconds + (self.output_len - 1) * self.decode_step_seconds
+
+
+def blocks_per_sequence(runner: ModelRunner, num_tokens: int) -> int:
+    return -(-num_tokens // runner.block_size)
+
+
+def fits(runner: ModelRunner, batch_size: int, num_tokens: int) -> str | None:
+    """Why a static batch cannot run, or None when it can."""
+    if num_tokens > runner.config.max_model_len:
+        return f"{num_tokens} tokens exceed max_model_len {runner.config.max_model_len}"
+    needed = batch_size * blocks_per_sequence(runner, num_tokens)
+    if needed > runner.num_blocks:
+        return f"needs {needed} KV blocks, the cache has {runner.num_blocks}"
+    return None
+
+
+def static_block_tables(runner: ModelRunner, batch_size: int, num_tokens: int) -> list[list[int]]:
+    """Disjoint block ranges, one per sequence."""
+    per_seq = blocks_per_sequence(runner, num_tokens)
+    return [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch_size)]
+
+
+def random_prompts(runner: ModelRunner, batch_size: int, input_len: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(1234)
+    ids = torch.randint(0, runner.config.vocab_size, (batch_size, input_len), generator=generator)
+    return ids.tolist()
+
+
+def prefill_batch(
+    runner: ModelRunner, prompts: Sequence[list[int]], tables: Sequence[list[int]]
+) -> tuple[list[int], float]:
+    """Prefill every prompt in one step; (greedy next tokens, seconds)."""
+    chunks = [
+        SeqChunk(i, p, 0, t, True) for i, (p, t) in enumerate(zip(prompts, tables, strict=True))
+    ]
+    start = time.perf_counter()
+    logits = runner.forward(chunks)
+    next_tokens = logits.argmax(-1).tolist()
+    return next_tokens, time.perf_counter() - start
+
+
+def decode_steps(
+    runner: ModelRunner,
+    tokens: list[int],
+    context_len: int,
+    tables: Sequence[list[int]],
+    steps: int,
+) -> tuple[list[list[int]], list[float]]:
+    """Greedy-decode `steps` steps from `tokens` at position context_len; (tokens, step seconds)."""
+    generated: list[list[int]] = [[t] for t in tokens]
+    seconds = []
+    for step in range(steps):
+        chunks = [
+            SeqChunk(i, [generated[i][-1]], context_len + step, table, True)
+            for i, table in enumerate(tables)
+        ]
+        start = time.perf_counter()
+        next_tokens = runner.forward(chunks).argmax(-1).tolist()
+        seconds.append(time.perf_counter() - start)
+        for seq, token in zip(generated, next_tokens, strict=True):
+            seq.append(token)
+    return generated, seconds
+
+
+def raw_decode_step_seconds(runner: ModelRunner, batch: int, ctx_len: int, steps: int = 8) -> float:
+    """Median seconds of one decode step of `batch` sequences whose context is `ctx_len` tokens
+    (prefilled first, untimed). Raises ValueError when it does not fit the KV cache."""
+    reason = fits(runner, batch, ctx_len + steps)
+    if reason:
+        raise ValueError(f"batch {batch} at context {ctx_len} does not fit: {reason}")
+    tables = static_block_tables(runner, batch, ctx_len + steps)
+    tokens, _ = prefill_batch(runner, random_prompts(runner, batch, ctx_len), tables)
+    _, seconds = decode_steps(runner, tokens, ctx_len, tables, steps)
+    return statistics.median(seconds)
+
+
+def bench_case(runner: ModelRunner, batch_size: int, input_len: int, output_len: int) -> CaseResult:
+    tables = static_block_tables(runner, batch_size, input_len + output_len)
+    tokens, prefill_seconds = prefill_batch(
+        runner, random_prompts(runner, batch_size, input_len), tables
+    )
+    _, seconds = decode_steps(runner, tokens, input_len, tables, max(output_len - 1, 1))
+    return CaseResult(
+        batch_size, input_len, output_len, prefill_seconds, statistics.median(seconds)
+    )
+
+
+def greedy_texts(runner: ModelRunner, prompts: Sequence[str], output_len: int) -> list[str]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(runner.model_path)
+    prompt_ids = [tokenizer(p)["input_ids"] for p in prompts]
+    longest = max(len(p) for p in prompt_ids) + output_len
+    tables = static_block_tables(runner, len(prompts), longest)
+    chunks = [
+        SeqChunk(i, p, 0, t, True) for i, (p, t) in enumerate(zip(prompt_ids, tables, strict=True))
+    ]
+    generated = [[t] for t in runner.forward(chunks).argmax(-1).tolist()]
+    for _ in range(output_len - 1):
+        chunks = [
+            SeqChunk(i, [seq[-1]], len(prompt_ids[i]) + len(seq) - 1, tables[i], True)
+            for i, seq in enumerate(generated)
+        ]
+        for seq, token in zip(generated, runner.forward(chunks).argmax(-1).tolist(), strict=True):
+            seq.append(token)
+    return [tokenizer.decode(seq) for seq in generated]
+
+
+def profile_decode(
+    runner: ModelRunner, batch_size: int, input_len: int, steps: int, out: Path
+) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    tables = static_block_tables(runner, batch_size, input_len + steps + 2)
+    tokens, _ = prefill_batch(runner, random_prompts(runner, batch_size, input_len), tables)
+    tokens = [seq[-1] for seq in decode_steps(runner, tokens, input_len, tables, 2)[0]]
+    activities = [ProfilerActivity.CPU]
+    if runner.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities, record_shapes=True) as profiler:
+        decode_steps(runner, tokens, input_len + 2, tables, steps)
+    profiler.export_chrome_trace(str(out))
+    print(f"wrote a trace of {steps} decode steps (batch {batch_size}) to {out}")
+
+
+def print_table(results: list[CaseResult]) -> None:
+    header = (
+        f"{'batch':>5} {'in':>5} {'out':>5} | {'prefill ms':>10} {'prefill tok/s':>13} | "
+        f"{'decode ms/step':>14} {'decode tok/s':>12} | {'total s':>7}"
+    )
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        print(
+            f"{r.batch_size:>5} {r.input_len:>5} {r.output_len:>5} | "
+            f"{r.prefill_seconds * 1e3:>10.2f} {r.prefill_tokens_per_second:>13.0f} | "
+            f"{r.decode_step_seconds * 1e3:>14.3f} {r.decode_tokens_per_second:>12.0f} | "
+            f"{r.total_seconds:>7.3f}"
+        )
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", help="checkpoint directory (default: the built-in demo model)")
+    parser.add_argument("--batch-size", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--input-len", type=int, nargs="+", default=[128])
+    parser.add_argument("--output-len", type=int, nargs="+", default=[64])
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--kv-cache-memory", type=int, help="bytes (default: a fraction of free)")
+    parser.add_argument("--num-threads", type=int, help="torch intra-op threads")
+    parser.add_argument("--correct", action="store_true", help="print greedy text for prompts")
+    parser.add_argument("--profile", action="store_true", help="trace a window of decode steps")
+    parser.add_argument("--profile-steps", type=int, default=8)
+    parser.add_argument("--profile-out", default="bench_one_batch.trace.json.gz")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = parse_args(argv)
+    model = args.model
+    if model is None:
+        from engine.model.default_model import ensure_default_model
+
+        model = ensure_default_model()
+    runner = ModelRunner(
+        model,
+        dtype=args.dtype,
+        device=args.device,
+        block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory,
+        num_threads=args.num_threads,
+    )
+    print(
+        f"model {model}: {runner.config.architecture}, {runner.dtype}, "
+        f"{torch.get_num_threads()} threads"
+    )
+    if args.correct:
+        texts = greedy_texts(runner, CORRECTNESS_PROMPTS, args.output_len[0])
+        for prompt, text in zip(CORRECTNESS_PROMPTS, texts, strict=True):
+            print(f"{prompt!r} -> {text!r}")
+        return
+    if args.profile:
+        profile_decode(
+            runner,
+            args.batch_size[-1],
+            args.input_len[0],
+            args.profile_steps,
+            Path(args.profile_out),
+        )
+        return
+    bench_case(runner, 1, 16, 4)  # warm-up: allocator, thread pool, first-call paths
+    results = []
+    for batch_size in args.batch_size:
+        for input_len in args.input_len:
+            for output_len in args.output_len:
+                reason = fits(runner, batch_size, input_len + output_len)
+                if reason:
+                    print(f"skip batch {batch_size} in {input_len} out {output_len}: {reason}")
+                    continue
+                results.append(bench_case(runner, batch_size, input_len, output_len))
+    print_table(results)
+
+
+if __name__ == "__main__":
+    main()
