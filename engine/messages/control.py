@@ -2,8 +2,8 @@
 
 Every child has two private rings to the root, both renewed with each generation of the child:
 `control` (root -> child: Stop, SwapRings, LogLevel) and `status` (child -> root: Ready,
-Heartbeat, Exiting). A child is started with one `ChildBoot`: plain data, the only thing the
-spawned process receives (besides what `spawn` itself needs to call the entry function).
+Heartbeat, SwapDone, Exiting). A child is started with one `ChildBoot`: plain data, the only
+thing the spawned process receives (besides what `spawn` itself needs to call the entry function).
 """
 
 from __future__ import annotations
@@ -49,8 +49,13 @@ class Stop(msgspec.Struct, tag=True, array_like=True):
 
 
 class SwapRings(msgspec.Struct, tag=True, array_like=True):
-    """`peer` was restarted: these of your rings were replaced by fresh segments; use them."""
+    """`peer` was restarted: these of your rings were replaced by fresh segments; use them.
 
+    Answered with SwapDone(swap_id) once the old ends are closed: from then on nothing this
+    actor writes can land in a retired ring.
+    """
+
+    swap_id: int
     peer: str
     inbound: dict[str, InboundRing]
     outbound: dict[str, RingSpec]
@@ -75,6 +80,10 @@ class Heartbeat(msgspec.Struct, tag=True, array_like=True):
     decode_errors: int  # malformed frames dropped so far (all of the actor's channels)
 
 
+class SwapDone(msgspec.Struct, tag=True, array_like=True):
+    swap_id: int
+
+
 class Exiting(msgspec.Struct, tag=True, array_like=True):
     """Sent last, on the way out (a requested stop, SIGTERM, or a crash the actor caught)."""
 
@@ -82,7 +91,7 @@ class Exiting(msgspec.Struct, tag=True, array_like=True):
 
 
 ControlMessage = Stop | SwapRings | LogLevel
-StatusMessage = Ready | Heartbeat | Exiting
+StatusMessage = Ready | Heartbeat | SwapDone | Exiting
 
 CONTROL: Channel[ControlMessage] = Channel("control", ControlMessage)
 STATUS: Channel[StatusMessage] = Channel("status", StatusMessage)

@@ -1,22 +1,31 @@
-"""Small actors for the runtime's integration tests, and helpers to watch processes.
+"""Small actors for the runtime's integration tests, and helpers to run and watch them.
 
 Spawned children import these by name ("tests.integration.sample_actors:EchoActor"), so this
-module must stay importable without pytest.
+module must stay importable without pytest. Run as a program it is a root process with two
+children (the test that SIGKILLs a root).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
 from engine.actors.runtime.actor import Actor
+from engine.actors.runtime.child_spec import ChildSpec, RingDecl, SupervisorSpec
+from engine.actors.runtime.events import ChildReady, ChildStatus, SupervisorEvent
+from engine.actors.runtime.supervisor import Supervisor
 from engine.messages.codec import Channel
+
+ECHO = "tests.integration.sample_actors:EchoActor"
+EVENT_TIMEOUT = 30.0  # generous: the machine is shared; no test measures time
 
 
 class Note(msgspec.Struct, tag=True, array_like=True):
@@ -30,12 +39,12 @@ class EchoConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     stop_log: str = ""  # a file the actor appends its name to in on_stop (shows the stop order)
     pid_file: str = ""  # a file the actor writes its pid to first thing in on_start
     never_ready: bool = False  # on_start never returns
-    exit_after_ready: float = -1.0  # >= 0: exit with status 3 this many seconds after Ready
+    exit_after_ready: float = -1.0  # >= 0: exit with status 3 this many seconds after on_start
     stall_reading: bool = False  # handle() never returns: its inbound ring fills up
 
 
 class EchoActor(Actor):
-    """Forwards every Note to outbound ring "out" (if it has one) as "<name>:<text>".
+    """Forwards every Note to each of its outbound rings as "<name>:<text>".
 
     A note whose text ends with "crash <name>" makes this actor crash (an exception in handle).
     """
@@ -50,7 +59,7 @@ class EchoActor(Actor):
             await asyncio.Event().wait()
         if self.settings.exit_after_ready >= 0:
             asyncio.get_running_loop().call_later(self.settings.exit_after_ready, os._exit, 3)
-        return {"pid": os.getpid(), "generation": self.generation}
+        return {"generation": self.generation}
 
     async def handle(self, ring: str, frames: list[bytes]) -> None:
         if self.settings.stall_reading:
@@ -58,8 +67,8 @@ class EchoActor(Actor):
         for note in NOTES.decode_many(frames):
             if note.text.endswith(f"crash {self.name}"):
                 raise RuntimeError(f"{self.name} was asked to crash")
-            if "out" in self.rings.outbound_names:
-                await self.send("out", NOTES.encode(Note(f"{self.name}:{note.text}")))
+            for out in self.rings.outbound_names:
+                await self.send(out, NOTES.encode(Note(f"{self.name}:{note.text}")))
 
     async def on_stop(self) -> None:
         if self.settings.stop_log:
@@ -69,6 +78,97 @@ class EchoActor(Actor):
 
 def echo_config(**fields: Any) -> bytes:
     return msgspec.msgpack.encode(EchoConfig(**fields))
+
+
+def child(name: str, **fields: Any) -> ChildSpec:
+    """An EchoActor child with test-sized timeouts."""
+    defaults: dict[str, Any] = {
+        "entry": ECHO,
+        "shutdown_timeout": 2.0,
+        "ready_timeout": EVENT_TIMEOUT,
+        "heartbeat_interval": 0.1,
+        "heartbeat_timeout": 5.0,
+    }
+    return ChildSpec(name=name, **{**defaults, **fields})
+
+
+def supervisor_spec(*children: ChildSpec, **fields: Any) -> SupervisorSpec:
+    defaults: dict[str, Any] = {
+        "max_restarts": 5,
+        "max_seconds": 60.0,
+        "backoff_initial": 0.01,
+        "backoff_max": 0.05,
+    }
+    return SupervisorSpec(children=children, **{**defaults, **fields})
+
+
+def echo_rings(actor: str = "echo") -> tuple[RingDecl, ...]:
+    """root -in-> actor -out-> root"""
+    return (
+        RingDecl(name="in", writer="root", readers=(actor,), capacity=4096),
+        RingDecl(name="out", writer=actor, readers=("root",), capacity=4096),
+    )
+
+
+E = TypeVar("E", bound=SupervisorEvent)
+
+
+class Run:
+    """A started supervisor, its event queue, and every child pid it reported ready."""
+
+    def __init__(self, supervisor: Supervisor, events: asyncio.Queue[SupervisorEvent]) -> None:
+        self.supervisor = supervisor
+        self.events = events
+        self.pids: set[int] = set()
+
+    async def next(self, kind: type[E], name: str | None = None) -> E:
+        """The next event of `kind` (about child `name`, if given), skipping others."""
+        while True:
+            event = self._seen(await asyncio.wait_for(self.events.get(), EVENT_TIMEOUT))
+            if isinstance(event, kind) and (name is None or getattr(event, "name", None) == name):
+                return event
+
+    def row(self, name: str) -> ChildStatus:
+        return next(row for row in self.supervisor.status() if row.name == name)
+
+    def pid(self, name: str) -> int:
+        pid = self.row(name).pid
+        assert pid is not None, f"{name} is not running"
+        return pid
+
+    async def roundtrip(self, text: str) -> str:
+        """Send a Note into ring "in"; the text of the Note that comes back on ring "out"."""
+        assert await self.supervisor.root.send_many("in", [NOTES.encode(Note(text))])
+        [(ring, frames)] = await asyncio.wait_for(
+            self.supervisor.root.mailbox.recv(), EVENT_TIMEOUT
+        )
+        assert ring == "out"
+        return NOTES.decode(frames[0]).text
+
+    def _seen(self, event: SupervisorEvent) -> SupervisorEvent:
+        if isinstance(event, ChildReady):
+            self.pids.add(event.pid)
+        return event
+
+    def assert_no_child_left(self) -> None:
+        while not self.events.empty():
+            self._seen(self.events.get_nowait())
+        assert self.pids, "no child was ever ready"
+        left = [pid for pid in self.pids if pid_running(pid)]
+        assert not left, f"children {left} outlived the supervisor"
+
+
+@contextlib.asynccontextmanager
+async def supervised(spec: SupervisorSpec) -> AsyncIterator[Run]:
+    """Start a supervisor; afterwards shut it down and check that no child it ran is left."""
+    supervisor = Supervisor(spec)
+    run = Run(supervisor, supervisor.subscribe())
+    await supervisor.start()
+    try:
+        yield run
+    finally:
+        await supervisor.shutdown("test over")
+        run.assert_no_child_left()
 
 
 def pid_running(pid: int) -> bool:
@@ -81,7 +181,7 @@ def pid_running(pid: int) -> bool:
 
 
 def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
-    """Poll `condition` (for things that give no event: other processes' lives, files)."""
+    """Poll `condition`: for what sends no event (other processes' lives, files)."""
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
@@ -95,3 +195,17 @@ async def async_wait_until(condition: Callable[[], bool], timeout: float, what: 
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         await asyncio.sleep(0.02)
+
+
+async def serve_as_root(info_path: str) -> None:
+    """A root process with two children; writes {"root": pid, "children": [pids]} when ready."""
+    spec = supervisor_spec(child("one"), child("two"), rings=echo_rings("one"))
+    async with Supervisor(spec) as supervisor:
+        info = {"root": os.getpid(), "children": [row.pid for row in supervisor.status()]}
+        Path(info_path + ".tmp").write_bytes(msgspec.json.encode(info))
+        os.replace(info_path + ".tmp", info_path)
+        await supervisor.wait_closed()
+
+
+if __name__ == "__main__":
+    asyncio.run(serve_as_root(sys.argv[1]))

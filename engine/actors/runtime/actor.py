@@ -37,6 +37,7 @@ from engine.messages.control import (
     Ready,
     StatusMessage,
     Stop,
+    SwapDone,
     SwapRings,
 )
 
@@ -159,6 +160,7 @@ class Actor:
                     rings = sorted({*message.inbound, *message.outbound})
                     self.log.info("peer %s restarted: swapped rings %s", message.peer, rings)
                     await self.on_rings_swapped(message.peer, rings)
+                    self._report(SwapDone(message.swap_id))
                 elif isinstance(message, LogLevel):
                     _set_log_level(message.level, self.log)
 

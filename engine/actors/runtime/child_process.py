@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import multiprocessing
 import os
@@ -29,6 +30,8 @@ from engine.messages.control import (
     InboundRing,
     Ready,
     Stop,
+    SwapDone,
+    SwapRings,
 )
 
 log = logging.getLogger(__name__)
@@ -71,7 +74,10 @@ class ChildProcess:
         self.exit_reason = ""  # the child's own last word (Exiting), or why we killed it
         self.stopping = False  # the supervisor asked it to go: its exit is not a failure
         self._process: multiprocessing.process.BaseProcess | None = None
+        self._pid: int | None = None  # kept: the process object forgets it once closed
         self._killed = False
+        self._swap_ids = itertools.count()
+        self._swaps: dict[int, asyncio.Future[None]] = {}  # SwapRings sent, SwapDone awaited
         self._released = False
         self._status_task: asyncio.Task[None] | None = None
 
@@ -81,7 +87,7 @@ class ChildProcess:
 
     @property
     def pid(self) -> int | None:
-        return None if self._process is None else self._process.pid
+        return self._pid
 
     @property
     def alive(self) -> bool:
@@ -111,6 +117,7 @@ class ChildProcess:
         )
         process.start()
         self._process = process
+        self._pid = process.pid
         self._loop.add_reader(process.sentinel, self._on_sentinel)
         self._status_task = self._loop.create_task(self._read_status())
         log.info("started %s (generation %d) as pid %s", self.name, self.generation, process.pid)
@@ -132,6 +139,25 @@ class ChildProcess:
     def send_control(self, message: ControlMessage) -> bool:
         """Queue a control message without waiting; False if the child is not reading (full)."""
         return self._control.try_send_many([CONTROL.encode(message)]) == 1
+
+    async def swap_rings(
+        self, peer: str, inbound: Mapping[str, InboundRing], outbound: Mapping[str, RingSpec]
+    ) -> bool:
+        """Hand the child fresh rings and wait until it confirms; False if it did not in time.
+
+        It gets heartbeat_timeout to answer: an actor that cannot serve its control ring that
+        long would be declared hung anyway.
+        """
+        swap_id = next(self._swap_ids)
+        done = self._swaps[swap_id] = self._loop.create_future()
+        try:
+            if not self.send_control(SwapRings(swap_id, peer, dict(inbound), dict(outbound))):
+                return False
+            timeout = self.spec.heartbeat_timeout
+            await asyncio.wait((done, self.exited), timeout=timeout, return_when="FIRST_COMPLETED")
+            return done.done() or self.exited.done()  # a dead child gets new rings at restart
+        finally:
+            del self._swaps[swap_id]
 
     def kill(self, reason: str) -> None:
         """SIGKILL, once; `reason` becomes the reason its exit is reported with."""
@@ -208,6 +234,10 @@ class ChildProcess:
                     self.ready.set_result(message)
             elif isinstance(message, Heartbeat):
                 self.decode_errors = message.decode_errors
+            elif isinstance(message, SwapDone):
+                done = self._swaps.get(message.swap_id)
+                if done is not None and not done.done():
+                    done.set_result(None)
             elif isinstance(message, Exiting) and not self.exit_reason:
                 self.exit_reason = message.reason
 

@@ -89,6 +89,8 @@ class SupervisorSpec(msgspec.Struct, frozen=True, kw_only=True):
         _require(len(set(ring_names)) == len(ring_names), "ring names", ring_names, "unique")
         for ring in self.rings:
             _validate_ring(ring, parties)
+        strategies = " | ".join(f"Strategy.{s.name}" for s in Strategy)
+        _require(isinstance(self.strategy, Strategy), "strategy", self.strategy, strategies)
         _require(self.max_restarts >= 0, "max_restarts", self.max_restarts, "an integer >= 0")
         _positive("max_seconds", self.max_seconds)
         _positive("backoff_initial", self.backoff_initial)
@@ -125,6 +127,8 @@ def start_units(children: tuple[ChildSpec, ...]) -> list[list[str]]:
 def _validate_child(child: ChildSpec) -> None:
     what = f"child {child.name!r}"
     _require(bool(_NAME.fullmatch(child.name)), "child name", child.name, _NAME.pattern)
+    restarts = " | ".join(f"Restart.{r.name}" for r in Restart)
+    _require(isinstance(child.restart, Restart), f"{what} restart", child.restart, restarts)
     _require(bool(_ENTRY.fullmatch(child.entry)), f"{what} entry", child.entry, "'module:Class'")
     _require(
         not child.group or bool(_NAME.fullmatch(child.group)),

@@ -36,7 +36,7 @@ from engine.actors.runtime.restart_policy import RestartIntensity, restart_set
 from engine.actors.runtime.ring import run_prefix, sweep_stale_segments
 from engine.actors.runtime.ring_ends import RingEnds
 from engine.actors.runtime.ring_table import RingTable
-from engine.messages.control import LogLevel, Ready, SwapRings
+from engine.messages.control import LogLevel, Ready
 
 __all__ = ["ChildStartError", "Supervisor"]
 
@@ -86,7 +86,7 @@ class Supervisor:
     async def start(self) -> None:
         """Start every child and wait for each one to be ready; ChildStartError names a failure."""
         self._closed = asyncio.get_running_loop().create_future()
-        self.swept = sweep_stale_segments()
+        self.swept = sweep_stale_segments([self._doorbell_dir] if self._doorbell_dir else None)
         if self.swept:
             log.warning("swept %d segment(s) left by dead runs: %s", len(self.swept), self.swept)
         self._prefix = run_prefix()
@@ -104,6 +104,8 @@ class Supervisor:
             loop.create_task(self._supervise(), name="supervise"),
             loop.create_task(self._watch_heartbeats(), name="heartbeat-watchdog"),
         ]
+        for task in self._tasks:
+            task.add_done_callback(self._on_task_done)
 
     async def shutdown(self, reason: str = "shutdown requested") -> None:
         """Stop every child in reverse start order and remove every segment; idempotent."""
@@ -260,7 +262,7 @@ class Supervisor:
             await asyncio.sleep(delay)
         log.info("restarting %s: %s", restarting, reason)
         renewed = self._rings.renew_touching(restarting)
-        self._hand_out_rings(renewed, restarted=set(restarting), peer=failed)
+        await self._hand_out_rings(renewed, restarted=set(restarting), peer=failed)
         try:
             for unit in self._units:
                 members = [name for name in unit if name in restarting]
@@ -272,9 +274,11 @@ class Supervisor:
         finally:
             self._rings.destroy_retired()
 
-    def _hand_out_rings(self, renewed: list[str], restarted: set[str], peer: str) -> None:
-        """Tell every live party with an end on a renewed ring to use the fresh segment."""
+    async def _hand_out_rings(self, renewed: list[str], restarted: set[str], peer: str) -> None:
+        """Move every live party with an end on a renewed ring to the fresh segment, and wait
+        until each has: after that nothing can be written into a retired ring."""
         assert self._rings is not None
+        swaps: list[tuple[ChildProcess, asyncio.Task[bool]]] = []
         for party in self._rings.parties(renewed) - restarted:
             inbound, outbound = self._rings.ends_of(party, renewed)
             if party == ROOT:
@@ -282,10 +286,12 @@ class Supervisor:
                 self._emit(RingsSwapped(peer, sorted({*inbound, *outbound})))
                 continue
             process = self._children[party].process
-            if process is None or not process.alive:
-                continue  # it gets the current rings when it starts again
-            if not process.send_control(SwapRings(peer, inbound, outbound)):
-                process.kill(f"its control ring is full (not reading) when {peer} restarted")
+            if process is not None and process.alive:  # a dead one gets them when it restarts
+                swap = asyncio.ensure_future(process.swap_rings(peer, inbound, outbound))
+                swaps.append((process, swap))
+        for process, swap in swaps:
+            if not await swap:
+                process.kill(f"did not confirm the ring swap after {peer} restarted")
 
     async def _watch_heartbeats(self) -> None:
         period = min(child.heartbeat_interval for child in self.spec.children)
@@ -301,10 +307,16 @@ class Supervisor:
                 if silent > child.spec.heartbeat_timeout:
                     timeout = child.spec.heartbeat_timeout
                     process.kill(
-                        f"no heartbeat for {silent:.1f} s (heartbeat_timeout {timeout:g} s)"
+                        f"no heartbeat for {silent:.1f} s, heartbeat_timeout is {timeout:g} s"
                     )
 
     # Ending.
+
+    def _on_task_done(self, task: asyncio.Task[None]) -> None:
+        """A supervisor that cannot supervise must not pretend to: shut down and say why."""
+        if not task.cancelled() and task.exception() is not None:
+            log.error("supervisor task %s failed", task.get_name(), exc_info=task.exception())
+            self._escalate(f"supervisor task {task.get_name()} failed: {task.exception()!r}")
 
     def _escalate(self, reason: str) -> None:
         log.error("escalating to shutdown: %s", reason)

@@ -1,0 +1,207 @@
+"""The supervisor with real child processes: restarts, strategies, intensity, hangs, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from engine.actors.runtime.child_spec import RingDecl, Strategy
+from engine.actors.runtime.doorbell import default_doorbell_dir
+from engine.actors.runtime.events import (
+    ChildDied,
+    ChildReady,
+    ChildRestarted,
+    Escalated,
+    RingsSwapped,
+)
+from engine.actors.runtime.ring import sweep_stale_segments
+from engine.actors.runtime.supervisor import ChildStartError, Supervisor
+from tests.integration.sample_actors import (
+    EVENT_TIMEOUT,
+    NOTES,
+    Note,
+    async_wait_until,
+    child,
+    echo_config,
+    echo_rings,
+    pid_running,
+    supervised,
+    supervisor_spec,
+    wait_until,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def chain_rings() -> tuple[RingDecl, ...]:
+    """root -in-> first -mid-> second -out-> root"""
+    return (
+        RingDecl(name="in", writer="root", readers=("first",), capacity=4096),
+        RingDecl(name="mid", writer="first", readers=("second",), capacity=4096),
+        RingDecl(name="out", writer="second", readers=("root",), capacity=4096),
+    )
+
+
+async def test_a_crashed_child_is_restarted_with_fresh_rings_and_serves_again() -> None:
+    spec = supervisor_spec(child("first"), child("second"), rings=chain_rings())
+    async with supervised(spec) as run:
+        assert await run.roundtrip("hello") == "second:first:hello"
+        first_pid, second_pid = run.pid("first"), run.pid("second")
+        old_out = run.supervisor.root.reader("out").spec.name
+
+        assert await run.supervisor.root.send_many("in", [NOTES.encode(Note("crash second"))])
+        died = await run.next(ChildDied, "second")
+        restarted = await run.next(ChildRestarted, "second")
+
+        assert died.exitcode == 1 and "asked to crash" in died.reason
+        assert restarted.pid != second_pid and restarted.restarts == 1
+        assert run.pid("first") == first_pid  # one_for_one: its peer only swapped rings
+        assert run.supervisor.root.reader("out").spec.name != old_out
+        assert "asked to crash" in run.row("second").last_restart_reason
+        assert await run.roundtrip("again") == "second:first:again"
+        assert not pid_running(second_pid)
+
+
+async def test_a_group_member_crash_restarts_the_whole_group() -> None:
+    spec = supervisor_spec(child("rank0", group="tp"), child("rank1", group="tp"), child("other"))
+    async with supervised(spec) as run:
+        before = {name: run.pid(name) for name in ("rank0", "rank1", "other")}
+
+        os.kill(before["rank1"], signal.SIGKILL)
+        restarted = {(await run.next(ChildRestarted)).name for _ in range(2)}
+
+        assert restarted == {"rank0", "rank1"}
+        assert run.pid("other") == before["other"] and run.row("other").restarts == 0
+        assert run.pid("rank0") != before["rank0"] and run.pid("rank1") != before["rank1"]
+        assert not pid_running(before["rank0"]) and not pid_running(before["rank1"])
+
+
+async def test_rest_for_one_restarts_the_failed_child_and_those_started_after_it() -> None:
+    spec = supervisor_spec(child("a"), child("b"), child("c"), strategy=Strategy.REST_FOR_ONE)
+    async with supervised(spec) as run:
+        before = {name: run.pid(name) for name in "abc"}
+
+        os.kill(before["b"], signal.SIGKILL)
+        restarted = [(await run.next(ChildRestarted)).name for _ in range(2)]
+
+        assert restarted == ["b", "c"]  # in start order
+        assert run.pid("a") == before["a"] and run.row("a").restarts == 0
+        assert run.pid("c") != before["c"]
+
+
+async def test_past_the_restart_intensity_everything_stops_in_order_with_the_reason(
+    tmp_path: Path,
+) -> None:
+    stop_log = tmp_path / "stops"
+    spec = supervisor_spec(
+        child("a", config=echo_config(stop_log=str(stop_log))),
+        child("crasher", config=echo_config(exit_after_ready=0.2)),
+        child("c", config=echo_config(stop_log=str(stop_log))),
+        max_restarts=2,
+    )
+    async with supervised(spec) as run:
+        escalated = await run.next(Escalated)
+        reason = await asyncio.wait_for(run.supervisor.wait_closed(), EVENT_TIMEOUT)
+
+        assert "restart intensity" in escalated.reason and "crasher" in escalated.reason
+        assert "exited with status 3" in escalated.reason
+        assert reason == f"escalated: {escalated.reason}"
+        assert stop_log.read_text().split() == ["c", "a"]  # reverse start order
+        assert all(row.pid is None for row in run.supervisor.status())
+
+
+async def test_a_hung_child_is_killed_and_restarted() -> None:
+    spec = supervisor_spec(child("echo", heartbeat_timeout=1.0), rings=echo_rings())
+    async with supervised(spec) as run:
+        hung = run.pid("echo")
+
+        os.kill(hung, signal.SIGSTOP)
+        died = await run.next(ChildDied, "echo")
+        await run.next(ChildRestarted, "echo")
+
+        assert died.exitcode == -signal.SIGKILL and "no heartbeat" in died.reason
+        assert not pid_running(hung)
+        assert await run.roundtrip("awake") == "echo:awake"
+
+
+async def test_a_child_that_never_gets_ready_fails_start_up_with_an_error_naming_it(
+    tmp_path: Path,
+) -> None:
+    stop_log, pid_file = tmp_path / "stops", tmp_path / "sleepy.pid"
+    spec = supervisor_spec(
+        child("a", config=echo_config(stop_log=str(stop_log))),
+        child(
+            "sleepy",
+            ready_timeout=1.0,
+            config=echo_config(never_ready=True, pid_file=str(pid_file)),
+        ),
+    )
+    supervisor = Supervisor(spec)
+    events = supervisor.subscribe()
+
+    with pytest.raises(ChildStartError, match=r"child 'sleepy' sent no Ready within .*1 s"):
+        await supervisor.start()
+
+    ready = await asyncio.wait_for(events.get(), EVENT_TIMEOUT)
+    assert isinstance(ready, ChildReady) and ready.name == "a"
+    assert stop_log.read_text().split() == ["a"]  # the started child was stopped in order
+    assert not pid_running(ready.pid)
+    assert not pid_running(int(pid_file.read_text()))
+    assert "start-up failed" in await supervisor.wait_closed()
+
+
+async def test_a_consumers_death_is_reported_and_frees_a_producer_waiting_on_it() -> None:
+    rings = (RingDecl(name="in", writer="root", readers=("consumer",), capacity=4096),)
+    spec = supervisor_spec(child("consumer", config=echo_config(stall_reading=True)), rings=rings)
+    async with supervised(spec) as run:
+        root = run.supervisor.root
+        frame = NOTES.encode(Note("x" * 1000))
+        sending = asyncio.ensure_future(root.send_many("in", [frame] * 20))  # more than fits
+        await async_wait_until(
+            lambda: root.writer("in").free_bytes() < len(frame), EVENT_TIMEOUT, "a full ring"
+        )
+        consumer = run.pid("consumer")
+
+        os.kill(consumer, signal.SIGKILL)
+        died = await run.next(ChildDied, "consumer")
+        swapped = await run.next(RingsSwapped)
+
+        assert died.exitcode == -signal.SIGKILL and died.pid == consumer
+        assert swapped.peer == "consumer" and swapped.rings == ["in"]
+        assert await asyncio.wait_for(sending, EVENT_TIMEOUT) is False  # gave up, not hung
+        await run.next(ChildRestarted, "consumer")
+
+
+def test_killing_the_root_leaves_no_child_running_and_the_next_start_sweeps(
+    tmp_path: Path,
+) -> None:
+    info_path = tmp_path / "root.json"
+    root = subprocess.Popen(
+        [sys.executable, "-m", "tests.integration.sample_actors", str(info_path)], cwd=REPO
+    )
+    try:
+        wait_until(info_path.exists, EVENT_TIMEOUT, "the root to start its children")
+        info = msgspec.json.decode(info_path.read_bytes())
+        assert all(pid_running(pid) for pid in info["children"])
+        prefix = f"engine-{info['root']}-"
+        assert any(name.startswith(prefix) for name in os.listdir("/dev/shm"))
+    finally:
+        root.kill()
+        root.wait(EVENT_TIMEOUT)
+
+    wait_until(
+        lambda: not any(pid_running(pid) for pid in info["children"]),
+        EVENT_TIMEOUT,
+        f"children {info['children']} to die with their root",
+    )
+    swept = sweep_stale_segments()
+    assert [name for name in swept if name.startswith(prefix)]
+    left = [*os.listdir("/dev/shm"), *os.listdir(default_doorbell_dir())]
+    assert not [name for name in left if name.startswith(prefix)]
