@@ -1,0 +1,151 @@
+"""The detokenizer's domain object: scheduler outputs in, text for the gateway out.
+
+It learns each request (prompt, stop strings, resume points) from the SubmitRequest the
+scheduler forwards ahead of any of its tokens, keeps one SampleTextStream per unfinished sample,
+and drops whatever belongs to an older epoch. A sample that hits a stop string is finished here;
+`stops` tells the scheduler to stop generating it. Torch-free, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, NamedTuple
+
+from engine.messages.outputs import (
+    OutputBatch,
+    PromptInfo,
+    SampleDeltaText,
+    SampleLogprobs,
+    TokenLogprob,
+)
+from engine.messages.requests import RequestFailed
+from engine.messages.scheduling import (
+    AbortRequests,
+    FromScheduler,
+    RequestRejected,
+    SampleDelta,
+    StopSamples,
+    SubmitRequest,
+    TokenBatch,
+)
+from engine.messages.steps import TokenLogprobs
+from engine.text.incremental import as_decoder
+from engine.text.stream import SampleTextStream
+
+
+class DetokenizerOutput(NamedTuple):
+    batch: OutputBatch | None  # for the gateway; None when there is nothing to say
+    stops: list[StopSamples]  # for the scheduler: samples ended by a stop string
+
+
+class _RequestText:
+    __slots__ = ("epoch", "streams")
+
+    def __init__(self, epoch: int, streams: dict[int, SampleTextStream]) -> None:
+        self.epoch = epoch
+        self.streams = streams
+
+
+class Detokenizer:
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._decoder = as_decoder(tokenizer)
+        self._requests: dict[str, _RequestText] = {}
+        self._token_texts: dict[int, str] = {}
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def handle(self, messages: Iterable[FromScheduler]) -> DetokenizerOutput:
+        prompts: list[PromptInfo] = []
+        samples: list[SampleDeltaText] = []
+        failures: list[RequestFailed] = []
+        stops: list[StopSamples] = []
+        for message in messages:
+            if isinstance(message, TokenBatch):
+                for item in message.items:
+                    self._on_delta(item, samples, stops)
+            elif isinstance(message, SubmitRequest):
+                prompts.append(self.submit(message))
+            elif isinstance(message, AbortRequests):
+                self.abort(message.request_ids)
+            elif isinstance(message, RequestRejected):
+                failures.append(self.reject(message))
+        batch = OutputBatch(prompts, samples, failures) if prompts or samples or failures else None
+        return DetokenizerOutput(batch, stops)
+
+    def submit(self, submit: SubmitRequest) -> PromptInfo:
+        """Start (or, for a newer epoch, restart) a request's streams, primed when resumed."""
+        current = self._requests.get(submit.request_id)
+        if current is None or submit.epoch > current.epoch:
+            if submit.resume is None:
+                starts = {index: [] for index in range(submit.params.n)}
+            else:
+                starts = {item.index: item.delivered_token_ids for item in submit.resume}
+            streams = {
+                index: SampleTextStream(
+                    self._tokenizer, submit.prompt_token_ids, submit.params, delivered
+                )
+                for index, delivered in starts.items()
+            }
+            self._requests[submit.request_id] = _RequestText(submit.epoch, streams)
+        return PromptInfo(submit.request_id, submit.epoch, submit.prompt_token_ids)
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        for request_id in request_ids:
+            self._requests.pop(request_id, None)
+
+    def reject(self, rejected: RequestRejected) -> RequestFailed:
+        current = self._requests.get(rejected.request_id)
+        if current is not None and current.epoch == rejected.epoch:
+            del self._requests[rejected.request_id]
+        return RequestFailed(rejected.request_id, rejected.epoch, rejected.status, rejected.message)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's own text, as logprobs show it (special tokens included)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._decoder.decode([token_id], skip_special_tokens=False)
+            self._token_texts[token_id] = text
+        return text
+
+    def _on_delta(
+        self, item: SampleDelta, samples: list[SampleDeltaText], stops: list[StopSamples]
+    ) -> None:
+        request = self._requests.get(item.request_id)
+        if request is None or request.epoch != item.epoch:
+            return  # aborted, or an older epoch's late tokens
+        stream = request.streams.get(item.index)
+        if stream is None:
+            return  # already ended by a stop string; the scheduler will stop it shortly
+        text = stream.push(item.new_token_ids, item.finish_reason)
+        finish_reason = stream.finish_reason
+        logprobs = None
+        if item.logprobs is not None:
+            pairs = zip(item.logprobs, item.new_token_ids, strict=False)
+            logprobs = [self._logprobs(entry, token_id) for entry, token_id in pairs]
+        samples.append(
+            SampleDeltaText(
+                item.request_id,
+                item.epoch,
+                item.index,
+                item.new_token_ids,
+                text,
+                logprobs,
+                finish_reason,
+            )
+        )
+        if finish_reason is None:
+            return
+        if item.finish_reason is None:  # ended here, by a stop string
+            stops.append(StopSamples(item.request_id, item.epoch, [item.index]))
+        del request.streams[item.index]
+        if not request.streams:
+            del self._requests[item.request_id]
+
+    def _logprobs(self, logprobs: TokenLogprobs, token_id: int) -> SampleLogprobs:
+        top = [
+            TokenLogprob(top_id, self.token_text(top_id), value)
+            for top_id, value in zip(logprobs.top_token_ids, logprobs.top_logprobs, strict=True)
+        ]
+        return SampleLogprobs(token_id, self.token_text(token_id), logprobs.logprob, top)
