@@ -41,6 +41,7 @@ class EchoConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     never_ready: bool = False  # on_start never returns
     exit_after_ready: float = -1.0  # >= 0: exit with status 3 this many seconds after on_start
     stall_reading: bool = False  # handle() never returns: its inbound ring fills up
+    hang_on_stop: bool = False  # on_stop never returns: only SIGKILL ends the actor
 
 
 class EchoActor(Actor):
@@ -71,6 +72,8 @@ class EchoActor(Actor):
                 await self.send(out, NOTES.encode(Note(f"{self.name}:{note.text}")))
 
     async def on_stop(self) -> None:
+        if self.settings.hang_on_stop:
+            await asyncio.Event().wait()
         if self.settings.stop_log:
             with open(self.settings.stop_log, "a") as log:
                 log.write(f"{self.name}\n")

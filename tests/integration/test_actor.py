@@ -55,6 +55,20 @@ async def test_a_malformed_frame_is_logged_and_counted_and_the_actor_keeps_servi
     assert f"echo[{next(iter(run.pids))}]" in log  # child logs carry the actor's name and pid
 
 
+async def test_a_childs_log_level_changes_while_it_runs(capfd: pytest.CaptureFixture[str]) -> None:
+    captured: list[str] = []
+
+    def applied() -> bool:
+        captured.append(capfd.readouterr().err)
+        return "log level set to DEBUG" in "".join(captured)
+
+    async with supervised(supervisor_spec(child("echo"))) as run:
+        with pytest.raises(ValueError, match=r"log level must be one of .* got 'LOUD'"):
+            run.supervisor.set_log_level("LOUD")
+        run.supervisor.set_log_level("DEBUG")
+        await async_wait_until(applied, EVENT_TIMEOUT, "the child to apply the level")
+
+
 async def test_a_child_whose_entry_is_no_actor_fails_start_up_naming_it() -> None:
     spec = supervisor_spec(child("bogus", entry="tests.integration.sample_actors:Note"))
     supervisor = Supervisor(spec)

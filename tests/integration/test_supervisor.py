@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import subprocess
@@ -177,6 +178,27 @@ async def test_a_consumers_death_is_reported_and_frees_a_producer_waiting_on_it(
         assert swapped.peer == "consumer" and swapped.rings == ["in"]
         assert await asyncio.wait_for(sending, EVENT_TIMEOUT) is False  # gave up, not hung
         await run.next(ChildRestarted, "consumer")
+
+
+async def test_a_child_that_will_not_stop_gets_sigterm_and_then_sigkill(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="engine.actors.runtime.child_process")
+    spec = supervisor_spec(
+        child("stubborn", shutdown_timeout=0.3, config=echo_config(hang_on_stop=True))
+    )
+    async with supervised(spec) as run:
+        stubborn = run.pid("stubborn")
+
+    steps = [
+        record.getMessage()
+        for record in caplog.records
+        if record.name == "engine.actors.runtime.child_process"
+    ][-3:]
+    assert "still running: sending SIGTERM" in steps[0]
+    assert "still running: sending SIGKILL" in steps[1]
+    assert f"stubborn (pid {stubborn}) was killed by SIGKILL" in steps[2]
+    assert not pid_running(stubborn)
 
 
 def test_killing_the_root_leaves_no_child_running_and_the_next_start_sweeps(

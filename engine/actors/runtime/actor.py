@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 
 import uvloop
 
+from engine.actors.runtime.child_spec import LOG_LEVELS
 from engine.actors.runtime.ring import RingReader, RingWriter
 from engine.actors.runtime.ring_ends import RingEnds
 from engine.messages.codec import Channel
@@ -42,7 +43,6 @@ from engine.messages.control import (
 )
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
-_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 class Actor:
@@ -224,10 +224,11 @@ def _exit_with_root(root_pid: int) -> None:
 
 
 def _set_log_level(level: str, log: logging.Logger) -> None:
-    if level.upper() not in _LOG_LEVELS:
-        log.error("ignored LogLevel %r: expected one of %s", level, _LOG_LEVELS)
+    if level not in LOG_LEVELS:
+        log.error("ignored LogLevel %r: expected one of %s", level, LOG_LEVELS)
         return
-    logging.getLogger().setLevel(level.upper())
+    log.info("log level set to %s", level)
+    logging.getLogger().setLevel(level)
 
 
 async def _cancel(task: asyncio.Task[Any]) -> None:

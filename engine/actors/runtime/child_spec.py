@@ -19,7 +19,7 @@ ROOT = "root"  # the root process's own party name in ring declarations
 # Names end up inside shared-memory segment names: keep them short and plain.
 _NAME = re.compile(r"[a-z][a-z0-9_-]{0,31}")
 _ENTRY = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
-_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 class Restart(enum.StrEnum):
@@ -100,7 +100,7 @@ class SupervisorSpec(msgspec.Struct, frozen=True, kw_only=True):
             self.backoff_max,
             f">= backoff_initial ({self.backoff_initial})",
         )
-        _require(self.log_level in _LOG_LEVELS, "log_level", self.log_level, str(_LOG_LEVELS))
+        _require(self.log_level in LOG_LEVELS, "log_level", self.log_level, str(LOG_LEVELS))
 
     def child(self, name: str) -> ChildSpec:
         for child in self.children:

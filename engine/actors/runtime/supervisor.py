@@ -22,7 +22,14 @@ from dataclasses import dataclass
 from types import TracebackType
 
 from engine.actors.runtime.child_process import ChildProcess, ChildStartError
-from engine.actors.runtime.child_spec import ROOT, ChildSpec, Restart, SupervisorSpec, start_units
+from engine.actors.runtime.child_spec import (
+    LOG_LEVELS,
+    ROOT,
+    ChildSpec,
+    Restart,
+    SupervisorSpec,
+    start_units,
+)
 from engine.actors.runtime.events import (
     ChildDied,
     ChildReady,
@@ -85,6 +92,8 @@ class Supervisor:
 
     async def start(self) -> None:
         """Start every child and wait for each one to be ready; ChildStartError names a failure."""
+        if self._closed is not None:
+            raise RuntimeError("a Supervisor starts once; make a new one to start again")
         self._closed = asyncio.get_running_loop().create_future()
         self.swept = sweep_stale_segments([self._doorbell_dir] if self._doorbell_dir else None)
         if self.swept:
@@ -148,6 +157,9 @@ class Supervisor:
         return rows
 
     def set_log_level(self, level: str, children: list[str] | None = None) -> None:
+        """Change the log level of the named children (default: all) while they run."""
+        if level not in LOG_LEVELS:
+            raise ValueError(f"log level must be one of {LOG_LEVELS}, got {level!r}")
         for name in children or list(self._children):
             process = self._children[name].process
             if process is not None and process.alive:
