@@ -78,6 +78,7 @@ class Detokenizer:
         """Start (or, for a newer epoch, restart) a request's streams, primed when resumed."""
         current = self._requests.get(submit.request_id)
         if current is None or submit.epoch > current.epoch:
+            starts: dict[int, list[int]]
             if submit.resume is None:
                 starts = {index: [] for index in range(submit.params.n)}
             else:

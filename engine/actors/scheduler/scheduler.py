@@ -84,6 +84,7 @@ class Scheduler:
             submit.seed,
             arrival=self.clock(),
         )
+        starts: list[tuple[int, list[int]]]
         if submit.resume is None:
             starts = [(index, []) for index in range(submit.params.n)]
         else:
@@ -210,9 +211,10 @@ class Scheduler:
                         result.step_id, len(logprobs), len(result.seq_ids))  # fmt: skip
             logprobs = None
         for position, seq_id in enumerate(result.seq_ids):
-            seq = self._seqs.get(seq_id)
-            if seq is None or seq_id not in step.sampled_seq_ids:
+            sampled = self._seqs.get(seq_id)
+            if sampled is None or seq_id not in step.sampled_seq_ids:
                 continue  # a sequence dropped (aborted, replaced) while the step ran
+            seq = sampled
             seq.token_ids.append(result.token_ids[position])
             reason = finish_reason(seq, self._eos_token_ids, self.config.max_model_len)
             wants_logprobs = logprobs is not None and seq.params.logprobs is not None
