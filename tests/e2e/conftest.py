@@ -27,7 +27,7 @@ def model_args(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     checkpoints = pytest.importorskip("tests.checkpoints")
     tiny_checkpoint = checkpoints.tiny_checkpoint
 
-    return ["--model", str(tiny_checkpoint(tmp_path_factory))]
+    return ["--model", str(tiny_checkpoint())]
 
 
 def server_args(model_args: list[str], socket: Path | None, *extra: str) -> list[str]:
