@@ -1,37 +1,21 @@
 """Shared-memory rings: one writer, one reader (SPSC) or N readers (broadcast), msgspec frames.
 
-Segment layout (all counters are native 64-bit words; the hot ones each get their own 128-byte
-slot, a cache line plus the neighbour the adjacent-line prefetcher pulls in with it, so the
-writer's stores never invalidate the line a reader is polling and vice versa):
-
-    slot 0          magic, capacity, readers                  (written once by create_ring)
-    slot 1          tail            - bytes ever published    (writer)
-    slot 2          writer waiting  - writer parked for space (writer)
-    slot 3 + 2i     head of reader i - bytes ever consumed    (reader i)
-    slot 4 + 2i     reader i parked - waiting for frames      (reader i)
-    data            `capacity` bytes, used as a circular byte stream
-
-Positions only grow; `position % capacity` is the offset in data, `tail - head` the bytes in
-flight. Every word has exactly one writing process, and aligned 8-byte stores are atomic, so no
-lock is shared between processes. Free space for the writer is bounded by the slowest reader.
-
-A write is one *record*: `count:u32, length:u32 * count, payloads`, which may straddle the end
-of data. The writer publishes the new tail only after the whole record is in place, so a writer
-killed mid-write leaves nothing visible; a reader advances its head only after copying the
-frames out. One record per batch keeps the per-frame Python work to a `len`, a join and a slice.
+Positions (`tail`: bytes ever published, `head`: bytes a reader ever consumed) only grow;
+`position % capacity` is the offset in the data area and `tail - head` the bytes in flight. The
+writer's free space is bounded by its slowest reader. The writer publishes the new tail only
+after the whole record is in place, so a writer killed mid-write leaves nothing visible; a reader
+advances its head only after copying the frames out. Layout and record format: `shm`; waiting
+(spin, then park on a doorbell): `doorbell`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 import os
-import struct
 import time
 from array import array
 from collections import deque
 from collections.abc import Iterable, Sequence
-from functools import lru_cache
 
 import msgspec
 
@@ -67,28 +51,9 @@ __all__ = [
 MIN_CAPACITY = 64
 MAX_CAPACITY = 1 << 31
 MAX_READERS = 64
-RECORD_OVERHEAD = 8  # count + one length: what a one-frame record costs beyond its payload
-_COUNT = struct.Struct("=I")  # native order, like the lengths: both ends share one machine
+RECORD_OVERHEAD = shm.RECORD_OVERHEAD
 _DIRECT_COPY_BYTES = 64 * 1024  # records this big whose frames average
 _DIRECT_COPY_MIN_FRAME = 8 * 1024  # this much are not joined before the copy
-
-_SLOT = 16  # words per slot: 128 bytes
-_MAGIC = int.from_bytes(b"engring1", "little")
-_W_MAGIC, _W_CAPACITY, _W_READERS = 0, 1, 2
-_W_TAIL = 1 * _SLOT
-_W_WRITER_WAITING = 2 * _SLOT
-
-
-def _w_head(reader: int) -> int:
-    return (3 + 2 * reader) * _SLOT
-
-
-def _w_parked(reader: int) -> int:
-    return (4 + 2 * reader) * _SLOT
-
-
-def _header_bytes(readers: int) -> int:
-    return (3 + 2 * readers) * _SLOT * 8
 
 
 class RingSpec(msgspec.Struct, frozen=True):
@@ -142,13 +107,8 @@ def _bell_paths(spec: RingSpec) -> tuple[str, list[str]]:
 def create_ring(spec: RingSpec) -> None:
     """Create the segment (mode 0600) and the doorbells of a new, empty ring."""
     ensure_private_dir(spec.doorbell_dir or default_doorbell_dir())
-    header = _header_bytes(spec.readers)
-    segment = shm.create_segment(spec.name, header + spec.capacity)
+    shm.create_ring_segment(spec.name, spec.capacity, spec.readers)
     try:
-        with memoryview(segment) as raw, raw[:header].cast("Q") as words:
-            words[_W_CAPACITY] = spec.capacity
-            words[_W_READERS] = spec.readers
-            words[_W_MAGIC] = _MAGIC
         writer_bell, reader_bells = _bell_paths(spec)
         for path in (writer_bell, *reader_bells):
             unlink_quietly(path)  # a leftover of a crashed run with a recycled pid
@@ -156,8 +116,6 @@ def create_ring(spec: RingSpec) -> None:
     except BaseException:
         destroy_ring(spec)
         raise
-    finally:
-        segment.close()
 
 
 def destroy_ring(spec: RingSpec) -> None:
@@ -177,44 +135,13 @@ def sweep_stale_segments(
     Returns the names of the segments removed.
     """
     removed: list[str] = []
-    with os.scandir(shm_dir) as entries:
-        for entry in entries:
-            ours = entry.name.startswith(shm.SEGMENT_PREFIX)
-            if ours and shm.stale(entry.name, entry.path):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(entry.path)
-                    removed.append(entry.name)
+    for path in shm.stale_entries(shm_dir):
+        if unlink_quietly(path):
+            removed.append(os.path.basename(path))
     for directory in [default_doorbell_dir()] if doorbell_dirs is None else doorbell_dirs:
-        try:
-            entries = os.scandir(directory)
-        except FileNotFoundError:
-            continue
-        with entries:
-            for entry in entries:
-                if entry.name.endswith(".bell") and shm.stale(entry.name, entry.path):
-                    unlink_quietly(entry.path)
+        for path in shm.stale_entries(directory, suffix=".bell"):
+            unlink_quietly(path)
     return sorted(removed)
-
-
-class _Mapping:
-    """One process's view of a ring segment, checked against its spec."""
-
-    def __init__(self, spec: RingSpec) -> None:
-        header = _header_bytes(spec.readers)
-        self.segment = shm.open_segment(spec.name, header + spec.capacity)
-        self.words = memoryview(self.segment)[:header].cast("Q")
-        found = (self.words[_W_MAGIC], self.words[_W_CAPACITY], self.words[_W_READERS])
-        if found != (_MAGIC, spec.capacity, spec.readers):
-            self.close()
-            raise ValueError(
-                f"segment {spec.name!r} holds (magic, capacity, readers) = {found}, expected "
-                f"({_MAGIC}, {spec.capacity}, {spec.readers}) from its RingSpec"
-            )
-        self.data = header  # offset of the data area in the segment
-
-    def close(self) -> None:
-        self.words.release()
-        self.segment.close()
 
 
 def _close_fds(fds: Iterable[int]) -> None:
@@ -231,14 +158,14 @@ class RingWriter:
 
     def __init__(self, spec: RingSpec, *, max_spin_us: float = DEFAULT_MAX_SPIN_US) -> None:
         self.spec = spec
-        self._map = _Mapping(spec)
+        self._map = shm.RingMemory(spec.name, spec.capacity, spec.readers)
         self._segment: mmap.mmap = self._map.segment
         self._words = self._map.words
         self._data = self._map.data
         self._capacity = spec.capacity
-        self._tail: int = self._words[_W_TAIL]
-        self._head_words = [_w_head(i) for i in range(spec.readers)]
-        self._parked_words = [_w_parked(i) for i in range(spec.readers)]
+        self._tail: int = self._words[shm.W_TAIL]
+        self._head_words = [shm.w_head(i) for i in range(spec.readers)]
+        self._parked_words = [shm.w_parked(i) for i in range(spec.readers)]
         self._known_head = self._slowest_head()
         writer_bell, reader_bells = _bell_paths(spec)
         self._bells: list[int] = []
@@ -286,12 +213,12 @@ class RingWriter:
         if size > free:
             free = self.free_bytes()
             if size > free:
-                count = _frames_that_fit(lengths, free)
+                count = shm.frames_that_fit(lengths, free)
                 if count == 0:
                     return 0
                 frames, lengths = frames[:count], lengths[:count]
                 size = 4 + 4 * count + sum(lengths)
-        header: list[bytes | array[int]] = [_COUNT.pack(count), array("I", lengths)]
+        header: list[bytes | array[int]] = [shm.COUNT.pack(count), array("I", lengths)]
         if size < _DIRECT_COPY_BYTES or count * _DIRECT_COPY_MIN_FRAME > size:
             self._copy_in(self._tail, b"".join([*header, *frames]))  # one copy into the ring
         else:  # a few big frames: copy each straight in rather than joining them first
@@ -318,7 +245,7 @@ class RingWriter:
         self._tail = tail
         words = self._words
         full_fence()  # the record's bytes before the tail that makes them visible
-        words[_W_TAIL] = self._tail
+        words[shm.W_TAIL] = self._tail
         full_fence()  # tail stored before the parked flags are loaded (lost-wakeup race)
         for reader, parked_word in enumerate(self._parked_words):
             if words[parked_word]:
@@ -358,7 +285,7 @@ class RingWriter:
         self._closed = True
         self._waiter.interrupt()
         if self._space_waiters:
-            self._words[_W_WRITER_WAITING] = 0
+            self._words[shm.W_WRITER_WAITING] = 0
         _close_fds(self._bells)
         self._map.close()
 
@@ -368,22 +295,13 @@ class RingWriter:
 
     def _set_waiting(self, waiting: bool) -> None:
         self._space_waiters += 1 if waiting else -1
-        self._words[_W_WRITER_WAITING] = 1 if self._space_waiters else 0
+        self._words[shm.W_WRITER_WAITING] = 1 if self._space_waiters else 0
 
     def __enter__(self) -> RingWriter:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-
-def _frames_that_fit(lengths: Sequence[int], free: int) -> int:
-    used = 4
-    for count, length in enumerate(lengths):
-        used += 4 + length
-        if used > free:
-            return count
-    return len(lengths)
 
 
 class _SpaceWanted:
@@ -418,13 +336,13 @@ class RingReader:
             )
         self.spec = spec
         self.reader = reader
-        self._map = _Mapping(spec)
+        self._map = shm.RingMemory(spec.name, spec.capacity, spec.readers)
         self._segment: mmap.mmap = self._map.segment
         self._words = self._map.words
         self._data = self._map.data
         self._capacity = spec.capacity
-        self._head_word = _w_head(reader)
-        self._parked_word = _w_parked(reader)
+        self._head_word = shm.w_head(reader)
+        self._parked_word = shm.w_parked(reader)
         self._head: int = self._words[self._head_word]
         writer_bell, reader_bells = _bell_paths(spec)
         try:
@@ -444,7 +362,7 @@ class RingReader:
 
     def ready(self) -> bool:
         """True when frames are waiting (a cheap check that consumes nothing)."""
-        return bool(self._pending) or self._words[_W_TAIL] != self._head
+        return bool(self._pending) or self._words[shm.W_TAIL] != self._head
 
     def set_parked(self, parked: bool) -> None:
         if self._closed:
@@ -459,7 +377,7 @@ class RingReader:
         frames = list(self._pending)
         self._pending.clear()
         words = self._words
-        tail: int = words[_W_TAIL]
+        tail: int = words[shm.W_TAIL]
         head = self._head
         if tail == head:
             return frames
@@ -468,18 +386,20 @@ class RingReader:
             raise _corrupted(self.spec, f"reader {self.reader} head {head} and tail {tail} apart")
         full_fence()  # the tail load before the loads of the bytes it covers
         offset = head % self._capacity
-        if offset + used <= self._capacity:  # contiguous: slice frames straight out of the map
-            start = self._data + offset
-            _split_records(self._segment, start, start + used, frames, self.spec)
-        else:
-            start = self._data + offset
-            copied = self._segment[start : self._data + self._capacity]
-            copied += self._segment[self._data : self._data + used - len(copied)]
-            _split_records(copied, 0, used, frames, self.spec)
+        start = self._data + offset
+        try:
+            if offset + used <= self._capacity:  # contiguous: slice frames out of the map
+                shm.split_records(self._segment, start, start + used, frames)
+            else:
+                copied = self._segment[start : self._data + self._capacity]
+                copied += self._segment[self._data : self._data + used - len(copied)]
+                shm.split_records(copied, 0, used, frames)
+        except ValueError as exc:
+            raise _corrupted(self.spec, f"reader {self.reader}: {exc}") from None
         self._head = tail
         words[self._head_word] = tail
         full_fence()  # head stored before the writer's waiting flag is loaded
-        if words[_W_WRITER_WAITING]:
+        if words[shm.W_WRITER_WAITING]:
             ring_doorbell(self._space_bell)
         return frames
 
@@ -525,29 +445,3 @@ class RingReader:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-
-def _split_records(
-    source: bytes | mmap.mmap, start: int, end: int, out: list[bytes], spec: RingSpec
-) -> None:
-    """Append the frames of the records in source[start:end] to `out`.
-
-    A plain loop: measured faster than map/slice or comprehension variants on CPython 3.11.
-    """
-    append = out.append
-    while start < end:
-        (count,) = _COUNT.unpack_from(source, start)
-        offset = start + 4 + 4 * count
-        if offset > end:
-            raise _corrupted(spec, f"record of {count} frames overruns the published bytes")
-        for length in _lengths_struct(count).unpack_from(source, start + 4):
-            append(source[offset : offset + length])
-            offset += length
-        if offset > end:
-            raise _corrupted(spec, f"record of {offset - start} bytes overruns the tail")
-        start = offset
-
-
-@lru_cache(maxsize=1024)
-def _lengths_struct(count: int) -> struct.Struct:
-    return struct.Struct(f"={count}I")

@@ -1,15 +1,32 @@
-"""Shared-memory segments for rings: owner-only files in /dev/shm, mapped with mmap.
+"""What a ring keeps in shared memory: the segment file, its header layout, the record format.
 
-Why not `multiprocessing.shared_memory.SharedMemory`: on Python 3.11 every SharedMemory, also one
-that merely attaches, registers the segment with its process's resource_tracker, which unlinks
-it when that process exits and warns about a "leaked" segment. A ring outlives the processes
-that use it (a restarted actor reattaches by name) and its life belongs to the supervisor
-(`create_ring` / `destroy_ring` / `sweep_stale_segments`), so we use the same POSIX shared-memory
-objects directly: on Linux `shm_open(NAME)` is `open("/dev/shm/NAME")`, and mapping that file is
-what SharedMemory does, minus the tracker.
+Segments are owner-only files in /dev/shm, mapped with mmap. Why not
+`multiprocessing.shared_memory.SharedMemory`: on Python 3.11 every SharedMemory, also one that
+merely attaches, registers the segment with its process's resource_tracker, which unlinks it
+when that process exits and warns about a "leaked" segment. A ring outlives the processes that
+use it (a restarted actor reattaches by name) and its life belongs to the supervisor
+(`create_ring` / `destroy_ring` / `sweep_stale_segments`), so we use the same POSIX
+shared-memory objects directly: on Linux `shm_open(NAME)` is `open("/dev/shm/NAME")`, and
+mapping that file is what SharedMemory does, minus the tracker. Names carry their run,
+`engine-<root pid>-<random>-<ring>`, so a later run can sweep what a crashed one left.
 
-Names carry their run: `engine-<root pid>-<random>-<ring>`; a later run sweeps segments whose
-root process is gone.
+Header: native 64-bit words; the hot ones each get their own 128-byte slot (a cache line plus
+the neighbour the adjacent-line prefetcher pulls in with it), so the writer's stores never
+invalidate the line a reader polls, and vice versa:
+
+    slot 0          magic, capacity, readers                  (written once, at creation)
+    slot 1          tail            - bytes ever published    (writer)
+    slot 2          writer waiting  - writer parked for space (writer)
+    slot 3 + 2i     head of reader i - bytes ever consumed    (reader i)
+    slot 4 + 2i     reader i parked - waiting for frames      (reader i)
+    data            `capacity` bytes, used as a circular byte stream
+
+Every word has exactly one writing process and aligned 8-byte stores are atomic, so no lock is
+shared between processes.
+
+Records: a write is one record, `count:u32, length:u32 * count, payloads` (native byte order:
+both ends share one machine), which may straddle the end of the data area. One record per batch
+keeps the per-frame Python work to a `len`, a join and a slice.
 """
 
 from __future__ import annotations
@@ -18,6 +35,9 @@ import mmap
 import os
 import re
 import secrets
+import struct
+from collections.abc import Sequence
+from functools import lru_cache
 
 SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "engine-"
@@ -125,3 +145,111 @@ def stale(name: str, path: str) -> bool:
         return os.lstat(path).st_uid == os.getuid()
     except FileNotFoundError:
         return False
+
+
+# -- header layout ---------------------------------------------------------------------------
+
+SLOT_WORDS = 16  # 128 bytes
+MAGIC = int.from_bytes(b"engring1", "little")
+W_MAGIC, W_CAPACITY, W_READERS = 0, 1, 2
+W_TAIL = 1 * SLOT_WORDS
+W_WRITER_WAITING = 2 * SLOT_WORDS
+
+
+def w_head(reader: int) -> int:
+    return (3 + 2 * reader) * SLOT_WORDS
+
+
+def w_parked(reader: int) -> int:
+    return (4 + 2 * reader) * SLOT_WORDS
+
+
+def header_bytes(readers: int) -> int:
+    return (3 + 2 * readers) * SLOT_WORDS * 8
+
+
+def create_ring_segment(name: str, capacity: int, readers: int) -> None:
+    """Create the segment of a new, empty ring (all positions zero)."""
+    header = header_bytes(readers)
+    segment = create_segment(name, header + capacity)
+    with segment, memoryview(segment) as raw, raw[:header].cast("Q") as words:
+        words[W_CAPACITY] = capacity
+        words[W_READERS] = readers
+        words[W_MAGIC] = MAGIC
+
+
+class RingMemory:
+    """One process's mapping of a ring segment, checked against what its spec says."""
+
+    def __init__(self, name: str, capacity: int, readers: int) -> None:
+        header = header_bytes(readers)
+        self.segment = open_segment(name, header + capacity)
+        self.words = memoryview(self.segment)[:header].cast("Q")
+        found = (self.words[W_MAGIC], self.words[W_CAPACITY], self.words[W_READERS])
+        if found != (MAGIC, capacity, readers):
+            self.close()
+            raise ValueError(
+                f"segment {name!r} holds (magic, capacity, readers) = {found}, expected "
+                f"({MAGIC}, {capacity}, {readers}) from its RingSpec"
+            )
+        self.data = header  # offset of the data area in the segment
+
+    def close(self) -> None:
+        self.words.release()
+        self.segment.close()
+
+
+# -- records ---------------------------------------------------------------------------------
+
+RECORD_OVERHEAD = 8  # count + one length: what a one-frame record costs beyond its payload
+COUNT = struct.Struct("=I")
+
+
+def frames_that_fit(lengths: Sequence[int], free: int) -> int:
+    """How many leading frames one record can carry in `free` bytes."""
+    used = 4
+    for count, length in enumerate(lengths):
+        used += 4 + length
+        if used > free:
+            return count
+    return len(lengths)
+
+
+def split_records(source: bytes | mmap.mmap, start: int, end: int, out: list[bytes]) -> None:
+    """Append the frames of the records in source[start:end] to `out`; ValueError if torn.
+
+    A plain loop: measured faster than map/slice or comprehension variants on CPython 3.11.
+    """
+    append = out.append
+    while start < end:
+        (count,) = COUNT.unpack_from(source, start)
+        offset = start + 4 + 4 * count
+        if offset > end:
+            raise ValueError(f"a record of {count} frames overruns the published bytes")
+        for length in _lengths_struct(count).unpack_from(source, start + 4):
+            append(source[offset : offset + length])
+            offset += length
+        if offset > end:
+            raise ValueError(f"a record of {offset - start} bytes overruns the published bytes")
+        start = offset
+
+
+@lru_cache(maxsize=1024)
+def _lengths_struct(count: int) -> struct.Struct:
+    return struct.Struct(f"={count}I")
+
+
+def stale_entries(directory: str, suffix: str = "") -> list[str]:
+    """Paths in `directory` named `engine-<dead root pid>-…<suffix>` that we own."""
+    try:
+        entries = os.scandir(directory)
+    except FileNotFoundError:
+        return []
+    with entries:
+        return [
+            entry.path
+            for entry in entries
+            if entry.name.startswith(SEGMENT_PREFIX)
+            and entry.name.endswith(suffix)
+            and stale(entry.name, entry.path)
+        ]
