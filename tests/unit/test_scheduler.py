@@ -526,6 +526,12 @@ def test_config_that_cannot_hold_one_full_sequence_is_refused() -> None:
         Scheduler(config)
 
 
+def test_config_whose_token_budget_cannot_fit_every_decode_is_refused() -> None:
+    config = SchedulerConfig(num_blocks=64, max_num_seqs=16, max_num_batched_tokens=8)
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(8\) must be >= max_num_seqs"):
+        Scheduler(config)
+
+
 @pytest.mark.parametrize("trial", range(12))
 def test_random_workloads_produce_exactly_the_reference_tokens(trial: int) -> None:
     rng = random.Random(trial)
@@ -533,7 +539,7 @@ def test_random_workloads_produce_exactly_the_reference_tokens(trial: int) -> No
         num_blocks=rng.choice([12, 16, 40]),
         block_size=4,
         max_num_seqs=rng.choice([2, 4, 8]),
-        max_num_batched_tokens=rng.choice([6, 16, 64]),
+        max_num_batched_tokens=rng.choice([8, 16, 64]),
         max_model_len=40,
         enable_prefix_caching=rng.random() < 0.7,
     )
