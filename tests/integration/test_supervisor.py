@@ -119,7 +119,7 @@ async def test_past_the_restart_intensity_everything_stops_in_order_with_the_rea
 
 
 async def test_a_hung_child_is_killed_and_restarted() -> None:
-    spec = supervisor_spec(child("echo", heartbeat_timeout=1.0), rings=echo_rings())
+    spec = supervisor_spec(child("echo", heartbeat_timeout=2.0), rings=echo_rings())
     async with supervised(spec) as run:
         hung = run.pid("echo")
 
