@@ -20,12 +20,6 @@ class SchedulerConfig(msgspec.Struct, kw_only=True):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            # Otherwise the sequences last in line could never get their decode token in.
-            raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
-                f"max_num_seqs ({self.max_num_seqs}): every running sequence decodes each step"
-            )
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
         capacity = self.num_blocks * self.block_size
