@@ -25,12 +25,16 @@ log = logging.getLogger(__name__)
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
-    """ "auto" is cuda when a GPU is visible, else cpu."""
+    """The device to run on; "auto" is cuda when a GPU is visible, else cpu."""
     if str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    resolved = torch.device(device)
+    expected = "expected 'auto', 'cpu', 'cuda' or 'cuda:N'"
+    try:
+        resolved = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"unsupported device {str(device)!r}; {expected}") from None
     if resolved.type not in ("cpu", "cuda"):
-        raise ValueError(f"unsupported device {str(device)!r}; expected 'auto', 'cpu' or 'cuda'")
+        raise ValueError(f"unsupported device {str(device)!r}; {expected}")
     return resolved
 
 

@@ -1,0 +1,141 @@
+"""The torch paged-attention backend against plain per-sequence causal attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kernels import PagedKVCache, select_backend
+from engine.kernels.torch_attention import build_attention_metadata, paged_attention
+from engine.kernels.torch_ops import apply_rotary, rms_norm
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 8, 4
+SCALE = HEAD_DIM**-0.5
+
+
+def make_cache(num_blocks: int = 64) -> PagedKVCache:
+    cache = PagedKVCache(
+        num_layers=1,
+        num_blocks=num_blocks,
+        block_size=BLOCK,
+        num_kv_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
+    # Unwritten slots hold NaN: any read of one that is not masked away poisons the output.
+    cache.storage[:, :, : cache.null_slot].fill_(float("nan"))
+    return cache
+
+
+def reference_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int
+) -> torch.Tensor:
+    """q [n, heads, d] at positions start.., k/v [start + n, kv_heads, d]: causal attention."""
+    group = HEADS // KV_HEADS
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * SCALE
+    query_pos = torch.arange(start, start + q.shape[0])[:, None]
+    scores = scores.masked_fill(torch.arange(k.shape[0])[None, :] > query_pos, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(q.shape[0], -1)
+
+
+def run_step(chunks: list[tuple[int, int]], seed: int = 0) -> None:
+    """chunks: (start_pos, query_len) per sequence. Prefixes are written to scattered blocks
+    first, then one step runs all chunks together; each output must equal the reference."""
+    generator = torch.Generator().manual_seed(seed)
+    cache = make_cache()
+    blocks = torch.randperm(cache.num_blocks, generator=generator).tolist()
+    tables, histories, queries = [], [], []
+    for start, length in chunks:
+        total = start + length
+        table = [blocks.pop() for _ in range(-(-total // BLOCK))]
+        k = torch.randn(total, KV_HEADS, HEAD_DIM, generator=generator)
+        v = torch.randn(total, KV_HEADS, HEAD_DIM, generator=generator)
+        if start:
+            slots = torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK for p in range(start)])
+            cache.write(0, slots, k[:start], v[:start])
+        tables.append(table)
+        histories.append((k, v))
+        queries.append(torch.randn(length, HEADS, HEAD_DIM, generator=generator))
+    meta = build_attention_metadata(
+        [n for _, n in chunks],
+        [s for s, _ in chunks],
+        tables,
+        cache=cache,
+        queries_per_kv=HEADS // KV_HEADS,
+        device=torch.device("cpu"),
+    )
+    new_k = torch.cat([k[s:] for (s, _), (k, _) in zip(chunks, histories, strict=True)])
+    new_v = torch.cat([v[s:] for (s, _), (_, v) in zip(chunks, histories, strict=True)])
+    out = paged_attention(torch.cat(queries), new_k, new_v, cache, 0, meta, SCALE)
+    assert torch.isfinite(out).all()
+    row = 0
+    for (start, length), q, (k, v) in zip(chunks, queries, histories, strict=True):
+        expected = reference_attention(q, k, v, start)
+        torch.testing.assert_close(out[row : row + length], expected, atol=1e-5, rtol=1e-5)
+        row += length
+
+
+@pytest.mark.parametrize(
+    "chunks",
+    [
+        [(0, 1)],
+        [(7, 1), (0, 1), (12, 1), (3, 1)],  # decode only, different context lengths
+        [(0, 9)],  # one fresh prefill: plain causal attention on its own K/V
+        [(0, 9), (0, 3), (0, 16)],  # several prefills, padded to the longest
+        [(10, 6), (5, 1)],  # a chunk after cached tokens (chunked prefill / prefix hit) + decode
+        [(0, 5), (9, 1), (4, 7), (0, 1), (13, 2), (30, 1)],  # everything in one step
+    ],
+)
+def test_paged_attention_equals_per_sequence_causal_attention(
+    chunks: list[tuple[int, int]],
+) -> None:
+    run_step(chunks)
+
+
+def test_new_keys_and_values_land_in_their_slots() -> None:
+    cache = make_cache(8)
+    meta = build_attention_metadata(
+        [3], [2], [[5, 1]], cache=cache, queries_per_kv=2, device=torch.device("cpu")
+    )
+    assert meta.positions.tolist() == [2, 3, 4]
+    assert meta.slot_mapping.tolist() == [5 * BLOCK + 2, 5 * BLOCK + 3, 1 * BLOCK + 0]
+    key = torch.randn(3, KV_HEADS, HEAD_DIM)
+    cache.write(0, meta.slot_mapping, key, -key)
+    keys, values = cache.block_view(0)
+    assert torch.equal(keys[5, 2:], key[:2]) and torch.equal(keys[1, 0], key[2])
+    assert torch.equal(values[1, 0], -key[2])
+
+
+def test_block_tables_that_do_not_cover_the_chunk_are_rejected() -> None:
+    cache = make_cache(8)
+    with pytest.raises(ValueError, match="covers 4 tokens but the chunk reaches position 5"):
+        build_attention_metadata(
+            [3], [3], [[0]], cache=cache, queries_per_kv=2, device=torch.device("cpu")
+        )
+    with pytest.raises(ValueError, match=r"block ids must be in \[0, 8\)"):
+        build_attention_metadata(
+            [1], [0], [[8]], cache=cache, queries_per_kv=2, device=torch.device("cpu")
+        )
+
+
+def test_rotary_and_rms_norm_match_the_reference_formulas() -> None:
+    x = torch.randn(5, 3, HEAD_DIM)
+    cos, sin = torch.randn(5, 1, HEAD_DIM // 2), torch.randn(5, 1, HEAD_DIM // 2)
+    half = HEAD_DIM // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    expected = x * torch.cat((cos, cos), -1) + rotated * torch.cat((sin, sin), -1)
+    torch.testing.assert_close(apply_rotary(x, cos, sin), expected)
+    weight = torch.randn(HEAD_DIM)
+    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
+    torch.testing.assert_close(rms_norm(x, weight, 1e-6), normed)
+
+
+def test_backend_selection_names_what_it_accepts() -> None:
+    assert select_backend("cpu").name == "torch"
+    with pytest.raises(ValueError, match="unknown kernel backend 'flashy'"):
+        select_backend("cpu", "flashy")
+    with pytest.raises(ValueError, match="unsupported device 'meta'"):
+        select_backend("meta")
