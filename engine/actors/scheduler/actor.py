@@ -58,7 +58,7 @@ class SchedulerActor(Actor):
             await self._plan_next()
         if to_detokenizer:
             await self.send_many("tokens", to_detokenizer)
-        self._report()
+        self._publish_report()
 
     async def on_rings_swapped(self, peer: str, rings: list[str]) -> None:
         if "plan" in rings or "results" in rings:
@@ -89,7 +89,7 @@ class SchedulerActor(Actor):
         if plan is not None:
             await self.send("plan", STEP_PLANS.encode(plan))
 
-    def _report(self) -> None:
+    def _publish_report(self) -> None:
         now = time.monotonic()
         idle = not self.scheduler.has_unfinished_requests
         if now - self._last_report < REPORT_INTERVAL_S and not (idle and not self._reported_idle):

@@ -1,0 +1,38 @@
+"""The detokenizer actor: the scheduler's token batches in, text deltas out to the gateway.
+
+The domain work (incremental, multi-byte safe text; stop strings; re-priming after a restart)
+is engine.text.Detokenizer. Samples ended by a stop string are reported to the scheduler on
+"stops" so it stops generating them. Never imports torch (see hf_tokenizer).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from engine.actors.hf_tokenizer import load_tokenizer_without_torch
+from engine.actors.runtime.actor import Actor
+from engine.messages.outputs import DETOKENIZER_TO_GATEWAY
+from engine.messages.scheduling import SCHEDULER_OUTPUTS, SCHEDULER_REQUESTS
+from engine.text import Detokenizer
+
+
+class DetokenizerConfig(msgspec.Struct, frozen=True):
+    model_path: str
+
+
+class DetokenizerActor(Actor):
+    channels = (SCHEDULER_OUTPUTS,)
+
+    async def on_start(self) -> dict[str, Any] | None:
+        config = msgspec.msgpack.decode(self.config, type=DetokenizerConfig)
+        self.detokenizer = Detokenizer(load_tokenizer_without_torch(config.model_path))
+        return None
+
+    async def handle(self, ring: str, frames: list[bytes]) -> None:
+        output = self.detokenizer.handle(SCHEDULER_OUTPUTS.decode_many(frames))
+        if output.stops:
+            await self.send_many("stops", [SCHEDULER_REQUESTS.encode(s) for s in output.stops])
+        if output.batch is not None:
+            await self.send("outputs", DETOKENIZER_TO_GATEWAY.encode(output.batch))

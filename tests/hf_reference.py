@@ -1,0 +1,60 @@
+"""Hugging Face transformers as the reference our outputs are judged against (DESIGN §8)."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+TIE_TOLERANCE = 1e-4  # two logits this close are a tie: either token is a correct greedy choice
+
+
+@lru_cache(maxsize=4)
+def hf_model(path: str):  # type: ignore[no-untyped-def]
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return model.eval()
+
+
+@lru_cache(maxsize=4)
+def hf_tokenizer(path: str):  # type: ignore[no-untyped-def]
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+@torch.inference_mode()
+def hf_logits(path: str | Path, token_ids: list[int]) -> torch.Tensor:
+    """float32 logits [len(token_ids), vocab] of one unpadded sequence."""
+    model = hf_model(str(path))
+    return model(torch.tensor([token_ids])).logits[0].float()
+
+
+def assert_greedy_matches_hf(path: str | Path, prompt_ids: list[int], ours: list[int]) -> None:
+    """Our greedy continuation equals HF's, where a divergence at a near-tie counts as a tie.
+
+    Judged position by position on HF's logits for prompt + our tokens: each of our tokens must
+    be HF's argmax, or within TIE_TOLERANCE of it (then the rest may legitimately differ).
+    """
+    assert ours, "no tokens generated"
+    logits = hf_logits(path, prompt_ids + ours)
+    for step, token in enumerate(ours):
+        row = logits[len(prompt_ids) - 1 + step]
+        best = int(row.argmax())
+        if token == best:
+            continue
+        gap = float(row[best] - row[token])
+        assert gap <= TIE_TOLERANCE, (
+            f"token {step} of the continuation is {token} but transformers' argmax is {best} "
+            f"(logit gap {gap:.3g} > tie tolerance {TIE_TOLERANCE}); ours={ours}"
+        )
+        return  # a tie: what follows is a different but equally valid greedy path
+
+
+def hf_log_softmax(path: str | Path, prompt_ids: list[int], ours: list[int]) -> torch.Tensor:
+    """HF log-softmax rows that predicted each of our tokens: [len(ours), vocab]."""
+    logits = hf_logits(path, prompt_ids + ours)
+    rows = logits[len(prompt_ids) - 1 : len(prompt_ids) - 1 + len(ours)]
+    return torch.log_softmax(rows, dim=-1)
