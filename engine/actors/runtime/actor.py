@@ -121,10 +121,11 @@ class Actor:
                 await asyncio.wait(waits, return_when="FIRST_COMPLETED")
             else:
                 await _cancel(starting)
-            for task in tasks:
-                if task.done():
-                    task.result()  # an exception here is a crash
-                    raise RuntimeError(f"actor task {task.get_name()!r} ended on its own")
+            if not self._stop_requested.done():  # then one of the tasks ended: a crash
+                for task in tasks:
+                    if task.done():
+                        task.result()
+                        raise RuntimeError(f"actor task {task.get_name()!r} ended on its own")
             reason = self._stop_requested.result()
         except Exception as exc:
             self.log.exception("crashed")
