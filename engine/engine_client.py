@@ -244,10 +244,12 @@ class AsyncLLM:
                 log.warning("actor %s died (%s); restarting it", event.name, event.reason)
             elif isinstance(event, ChildRestarted):
                 # Every actor is on the request path: whatever was in flight through it is gone.
+                # A group restart reports each member: resubmit once for all of them.
+                restarted = [event.name, *_drain_restarts(events)]
                 submissions = self.gateway.resubmit_all()
                 log.warning(
-                    "actor %s restarted (%s): resubmitting %d unfinished request(s)",
-                    event.name,
+                    "%s restarted (%s): resubmitting %d unfinished request(s)",
+                    ", ".join(restarted),
                     event.reason,
                     len(submissions),
                 )
@@ -256,6 +258,20 @@ class AsyncLLM:
             elif isinstance(event, Escalated):
                 self._failure = event.reason
                 self.gateway.fail_all(EngineError(f"the engine failed: {event.reason}", 503))
+
+
+def _drain_restarts(events: asyncio.Queue[Any]) -> list[str]:
+    """Names of further ChildRestarted events already queued (other events are kept)."""
+    names, others = [], []
+    while not events.empty():
+        event = events.get_nowait()
+        if isinstance(event, ChildRestarted):
+            names.append(event.name)
+        else:
+            others.append(event)
+    for event in others:
+        events.put_nowait(event)
+    return names
 
 
 def _chat_messages(messages: list[Mapping[str, Any]]) -> list[ChatMessage]:

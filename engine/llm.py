@@ -125,4 +125,4 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
         return [prompts]
     if prompts and all(isinstance(token, int) for token in prompts):
         return [list(prompts)]  # type: ignore[arg-type]  # one prompt of token ids
-    return [p if isinstance(p, str) else list(p) for p in prompts]
+    return [p if isinstance(p, str) else list(p) for p in prompts]  # type: ignore[arg-type]

@@ -107,11 +107,6 @@ def plan_engine(settings: Settings, model_path: str) -> EnginePlan:
         dtype,
     )
     runtime = settings.runtime
-    timeouts = {
-        "heartbeat_interval": runtime.heartbeat_interval,
-        "heartbeat_timeout": runtime.heartbeat_timeout,
-        "ready_timeout": runtime.start_timeout,
-    }
     workers = [
         ChildSpec(
             name=f"worker{rank}",
@@ -130,7 +125,9 @@ def plan_engine(settings: Settings, model_path: str) -> EnginePlan:
                     seed=settings.model.seed,
                 )
             ),
-            **timeouts,
+            heartbeat_interval=runtime.heartbeat_interval,
+            heartbeat_timeout=runtime.heartbeat_timeout,
+            ready_timeout=runtime.start_timeout,
         )
         for rank in range(tp)
     ]
@@ -142,19 +139,25 @@ def plan_engine(settings: Settings, model_path: str) -> EnginePlan:
             name="scheduler",
             entry="engine.actors.scheduler.actor:SchedulerActor",
             config=msgspec.msgpack.encode(scheduler),
-            **timeouts,
+            heartbeat_interval=runtime.heartbeat_interval,
+            heartbeat_timeout=runtime.heartbeat_timeout,
+            ready_timeout=runtime.start_timeout,
         ),
         ChildSpec(
             name="detokenizer",
             entry="engine.actors.detokenizer:DetokenizerActor",
             config=msgspec.msgpack.encode(detok_config),
-            **timeouts,
+            heartbeat_interval=runtime.heartbeat_interval,
+            heartbeat_timeout=runtime.heartbeat_timeout,
+            ready_timeout=runtime.start_timeout,
         ),
         ChildSpec(
             name="tokenizer",
             entry="engine.actors.tokenizer:TokenizerActor",
             config=msgspec.msgpack.encode(tokenizer_config),
-            **timeouts,
+            heartbeat_interval=runtime.heartbeat_interval,
+            heartbeat_timeout=runtime.heartbeat_timeout,
+            ready_timeout=runtime.start_timeout,
         ),
     )
     worker_names = tuple(worker.name for worker in workers)

@@ -19,8 +19,8 @@ from typing import Any
 
 from engine.messages.outputs import OutputBatch, SampleDeltaText
 from engine.messages.params import SamplingParams
-from engine.messages.requests import AbortRequests, ChatMessage, GenerateRequest, RequestFailed
-from engine.messages.scheduling import SampleResume
+from engine.messages.requests import ChatMessage, GenerateRequest, RequestFailed
+from engine.messages.scheduling import AbortRequests, SampleResume
 from engine.outputs import CompletionOutput, EngineError, RequestOutput
 
 
