@@ -1,0 +1,127 @@
+"""The library API over the real actor system: sampling, stops, n > 1, errors, abort."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import pytest
+
+from engine import LLM, AsyncLLM, EngineError, SamplingParams
+from engine.llm import build_settings
+from tests.checkpoints import tiny_checkpoint
+
+PROMPTS = ["the quick brown fox", "a b c d e f g", "hello there, general", "zz"]
+
+
+@pytest.fixture(scope="module")
+def model_path() -> str:
+    return str(tiny_checkpoint(arch="qwen3"))
+
+
+@pytest.fixture(scope="module")
+def llm(model_path: str) -> Iterator[LLM]:
+    with LLM(model_path, kv_cache_memory=4 * 2**20, max_model_len=256) as engine:
+        yield engine
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(llm: LLM) -> None:
+    params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=1234)
+    alone = llm.generate(PROMPTS[0], params)[0].outputs[0].token_ids
+    in_batch = llm.generate(PROMPTS, params)[0].outputs[0].token_ids
+    assert alone == in_batch
+    other_seed = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=99)
+    assert llm.generate(PROMPTS[0], other_seed)[0].outputs[0].token_ids != alone
+
+
+def test_seeded_sampling_reproduces_across_engine_runs(llm: LLM, model_path: str) -> None:
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=7, n=2)
+    first = llm.generate(PROMPTS[1], params)[0]
+    with LLM(model_path, kv_cache_memory=4 * 2**20, max_model_len=256) as other:
+        again = other.generate(PROMPTS[1], params)[0]
+    assert [o.token_ids for o in first.outputs] == [o.token_ids for o in again.outputs]
+
+
+def test_n_samples_are_independent_and_greedy_samples_agree(llm: LLM) -> None:
+    sampled = llm.generate(PROMPTS[2], SamplingParams(n=3, max_tokens=10, seed=3))[0]
+    assert sorted(o.index for o in sampled.outputs) == [0, 1, 2]
+    assert len({tuple(o.token_ids) for o in sampled.outputs}) > 1
+    greedy = SamplingParams(n=2, max_tokens=10, temperature=0.0, ignore_eos=True)
+    a, b = llm.generate(PROMPTS[2], greedy)[0].outputs
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 10
+
+
+def test_stop_string_cuts_the_text_where_it_starts(llm: LLM) -> None:
+    base = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    full = llm.generate(PROMPTS[3], base)[0].outputs[0]
+    stop = full.text[5:8]  # three characters from the middle, likely spanning tokens
+    cut = full.text.index(stop)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop])
+    stopped = llm.generate(PROMPTS[3], params)[0].outputs[0]
+    assert stopped.text == full.text[:cut]
+    assert stopped.finish_reason == "stop"
+    params.include_stop_str_in_output = True
+    kept = llm.generate(PROMPTS[3], params)[0].outputs[0]
+    assert kept.text == full.text[: cut + len(stop)]
+
+
+def test_stop_token_ids_and_min_tokens(llm: LLM) -> None:
+    base = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    full = llm.generate(PROMPTS[0], base)[0].outputs[0].token_ids
+    stop_id = full[3]
+    first = full.index(stop_id)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    params.stop_token_ids = [stop_id]
+    out = llm.generate(PROMPTS[0], params)[0].outputs[0]
+    assert out.token_ids == full[: first + 1] and out.finish_reason == "stop"
+    params.min_tokens = 12  # the stop token may not end the output before 12 tokens
+    assert len(llm.generate(PROMPTS[0], params)[0].outputs[0].token_ids) == 12
+
+
+def test_a_prompt_longer_than_max_model_len_is_refused_with_both_numbers(llm: LLM) -> None:
+    too_long = list(range(5, 5 + 300))
+    with pytest.raises(EngineError) as refused:
+        llm.generate(too_long, SamplingParams(max_tokens=4))
+    assert refused.value.status == 400
+    assert "300" in refused.value.message and "256" in refused.value.message
+    # The engine serves the next request normally.
+    assert llm.generate(PROMPTS[0], SamplingParams(max_tokens=3))[0].outputs[0].token_ids
+
+
+async def test_streamed_deltas_add_up_and_abort_frees_every_block(model_path: str) -> None:
+    settings = build_settings(
+        **{"model.path": model_path, "cache.kv_cache_memory": 4 * 2**20, "model.max_model_len": 512}
+    )
+    async with AsyncLLM(settings) as engine:
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        whole = await engine.generate(PROMPTS[0], params)
+        text, tokens = "", []
+        async for delta in engine.stream(PROMPTS[0], params):
+            for part in delta.outputs:
+                text += part.text
+                tokens += part.token_ids
+        assert (text, tokens) == (whole.outputs[0].text, whole.outputs[0].token_ids)
+
+        long_run = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+        stream = engine.stream(list(range(5, 80)), long_run, request_id="to-abort")
+        await stream.__anext__()  # generating now
+        holding = await _stats_when(engine, lambda s: s.get("num_requests") == 1)
+        assert holding["kv_usage"] > 0.0
+        assert await engine.abort("to-abort")
+        await stream.aclose()
+        stats = await _stats_when(engine, lambda s: s.get("num_requests") == 0)
+        assert stats["kv_usage"] == 0.0
+        assert stats["num_free_blocks"] == stats["kv_cache_blocks"]
+
+
+async def _stats_when(engine: AsyncLLM, condition, timeout: float = 10.0) -> dict:  # type: ignore[no-untyped-def]
+    """The scheduler's first report meeting `condition` (reports lag a fraction of a second)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    stats: dict = {}
+    while loop.time() < deadline:
+        stats = engine.stats()
+        if condition(stats):
+            return stats
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"no scheduler report met the condition within {timeout}s: {stats}")
