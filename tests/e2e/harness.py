@@ -52,8 +52,9 @@ class Server:
         return send_command(self.admin_socket, cmd, list(args), timeout=timeout)
 
     def http(self, **kw: Any) -> httpx.Client:
+        kw.setdefault("timeout", 60.0)
         headers = {"Authorization": f"Bearer {API_KEY}"}
-        return httpx.Client(base_url=self.url, headers=headers, timeout=60.0, **kw)
+        return httpx.Client(base_url=self.url, headers=headers, **kw)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -138,6 +139,12 @@ def wait_until(predicate: Any, timeout: float = 30.0, interval: float = 0.05) ->
 
 
 def leftover_ipc(pid: int) -> list[Path]:
-    """Shared-memory segments named for a server process (they must be gone after it exits)."""
-    shm = Path("/dev/shm")
-    return sorted(p for p in shm.iterdir() if p.name.startswith(f"engine-{pid}-"))
+    """Shared-memory segments and doorbells of a server's run (gone once it has exited)."""
+    from engine.actors.runtime.doorbell import default_doorbell_dir
+
+    prefix = f"engine-{pid}-"
+    found: list[Path] = []
+    for directory in (Path("/dev/shm"), Path(default_doorbell_dir())):
+        if directory.is_dir():
+            found.extend(p for p in directory.iterdir() if p.name.startswith(prefix))
+    return sorted(found)

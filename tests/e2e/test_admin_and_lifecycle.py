@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -19,7 +20,9 @@ import pytest
 from tests.e2e.conftest import server_args
 from tests.e2e.harness import REPO, Server, leftover_ipc, start_server, wait_until
 
-LONG_STREAM = {"prompt": "a long story", "max_tokens": 120, "ignore_eos": True, "stream": True}
+# Runs for seconds even on a fast machine: still in flight when the test acts on it.
+LONG_STREAM = {"prompt": "a long story", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+DRAINED_TOKENS = 300
 
 
 def admin_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -47,7 +50,9 @@ def test_admin_socket_is_owner_only(server: Server) -> None:
 def test_admin_read_commands(server: Server) -> None:
     health = server.admin("health")
     assert health["ready"] is True and health["not_ready"] == []
-    stats = server.admin("stats")
+    with server.http() as http:  # the scheduler reports its figures once it has stepped
+        http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).raise_for_status()
+    stats = wait_until(lambda: (s := server.admin("stats")) and "kv_usage" in s and s, timeout=30)
     for key in ("kv_usage", "prefix_cache_hit_rate", "restarts"):
         assert key in stats
     assert {"running", "num_running"} & set(stats) and {"waiting", "num_waiting"} & set(stats)
@@ -97,17 +102,25 @@ def test_admin_abort_ends_a_running_request(server: Server) -> None:
     assert not reply["ok"] and "no-such-request" in reply["error"]
 
 
-def test_disconnect_mid_stream_aborts_and_frees_blocks(server: Server) -> None:
-    with server.http() as http, http.stream("POST", "/v1/completions", json=LONG_STREAM) as resp:
-        lines = resp.iter_lines()
-        for _ in range(3):
-            next(line for line in lines if line.startswith("data: "))
-        assert server.admin("stats")["kv_usage"] > 0
-    # leaving the block closed the connection mid-stream
-    wait_until(lambda: idle(server), timeout=30)
+def aborted_count(server: Server) -> float:
     with server.http() as http:
         text = http.get("/metrics").text
-    assert 'outcome="aborted"' in text
+    pattern = r'engine_requests_total\{endpoint="completions",outcome="aborted"\} ([0-9.]+)'
+    match = re.search(pattern, text)
+    return float(match.group(1)) if match else 0.0
+
+
+def test_disconnect_mid_stream_aborts_and_frees_blocks(server: Server) -> None:
+    aborted_before = aborted_count(server)
+    with server.http() as http, http.stream("POST", "/v1/completions", json=LONG_STREAM) as resp:
+        request_id = resp.headers["x-request-id"]
+        lines = resp.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        wait_until(lambda: server.admin("stats").get("kv_usage", 0) > 0, timeout=30)
+        assert request_id in {r["request_id"] for r in server.admin("requests")}
+    # leaving the block closed the connection mid-stream
+    wait_until(lambda: idle(server), timeout=30)
+    assert aborted_count(server) == aborted_before + 1
 
 
 def test_disconnect_during_non_streamed_request_aborts(server: Server) -> None:
@@ -123,7 +136,13 @@ def _stream_in_thread(server: Server, out: dict[str, Any]) -> threading.Thread:
             with (
                 server.http() as http,
                 http.stream(
-                    "POST", "/v1/completions", json={**LONG_STREAM, "max_tokens": 60}
+                    "POST",
+                    "/v1/completions",
+                    json={
+                        **LONG_STREAM,
+                        "max_tokens": DRAINED_TOKENS,
+                        "stream_options": {"include_usage": True},
+                    },
                 ) as resp,
             ):
                 out["status"] = resp.status_code
@@ -145,8 +164,9 @@ def _assert_stream_completed(out: dict[str, Any]) -> None:
     assert "error" not in out, out.get("error")
     events = out["events"]
     assert events[-1] == "[DONE]"
-    assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
-    assert len(events) - 1 == 60  # every token arrived: the drain let it finish
+    assert json.loads(events[-3])["choices"][0]["finish_reason"] == "length"
+    # every token arrived: the drain let the request finish
+    assert json.loads(events[-2])["usage"]["completion_tokens"] == DRAINED_TOKENS
 
 
 def test_sigterm_drains_in_flight_and_leaves_nothing(model_args: list[str], tmp_path: Path) -> None:

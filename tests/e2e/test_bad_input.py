@@ -67,14 +67,14 @@ def test_unknown_model_is_404(server: Server) -> None:
 
 
 def test_prompt_plus_max_tokens_over_max_model_len_is_400_with_the_numbers(server: Server) -> None:
-    prompt = list(range(1, 101))
+    prompt = [1 + i % 300 for i in range(1000)]
     with server.http() as http:
         resp = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 50})
     error = error_of(resp, 400)
     assert str(MAX_MODEL_LEN) in error["message"]
-    assert "100" in error["message"] and "50" in error["message"]
+    assert "1000" in error["message"] and "50" in error["message"]
     with server.http() as http:
-        resp = http.post("/v1/completions", json={"prompt": "word " * 400, "max_tokens": 1})
+        resp = http.post("/v1/completions", json={"prompt": "word " * 3000, "max_tokens": 1})
     error = error_of(resp, 400)
     assert str(MAX_MODEL_LEN) in error["message"]
     assert_still_serves(server)
