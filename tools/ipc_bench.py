@@ -114,9 +114,10 @@ def ring_consumer(spec: RingSpec, n: int, conn: Connection) -> None:
             _report(conn, ready=True)
             received = 0
             while received < n:
-                for frame in await reader.recv_many():
+                frames = await reader.recv_many()
+                for frame in frames:
                     DECODER.decode(frame)
-                    received += 1
+                received += len(frames)
             _report(conn, finished=time.perf_counter())
 
     uvloop.run(main())
@@ -341,16 +342,23 @@ def idle_cpu(children: Children, spec: RingSpec, seconds: float) -> float:
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    n, batch, rounds = args.messages, args.batch, args.round_trips + args.warmup
+    n, batch, rounds, warmup = (
+        args.messages,
+        args.batch,
+        args.round_trips + args.warmup,
+        args.warmup,
+    )
     children = Children()
     sockets = tempfile.mkdtemp(prefix="engine-ipc-bench-")
     prefix = run_prefix()
     specs = [RingSpec(f"{prefix}{name}", args.ring_capacity) for name in ("stream", "ping", "pong")]
     stream, ping, pong = specs
+    rates: dict[str, list[float]] = {"ring": [], "ring_unbatched": [], "zmq": [], "queue": []}
+    rtts: dict[str, list[tuple[float, float]]] = {"ring": [], "zmq": [], "queue": []}
+    load_before = os.getloadavg()[0]
     try:
         for spec in specs:
             create_ring(spec)
-        rates: dict[str, list[float]] = {"ring": [], "ring_unbatched": [], "zmq": [], "queue": []}
         for trial in range(args.repeat):  # interleaved, so load changes hit every transport
             rates["ring"].append(
                 one_way(children, (ring_consumer, stream, n), (ring_producer, stream, n, batch), n)
@@ -366,44 +374,56 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             rates["queue"].append(
                 one_way(children, (queue_consumer, queue, n), (queue_producer, queue, n), n)
             )
-        ring_rtt = round_trips(
-            children,
-            (ring_ponger, ping, pong, rounds),
-            (ring_pinger, ping, pong, rounds),
-            args.warmup,
-        )
-        zmq_ping, zmq_pong = f"ipc://{sockets}/ping", f"ipc://{sockets}/pong"
-        zmq_rtt = round_trips(
-            children,
-            (zmq_ponger, zmq_ping, zmq_pong, rounds),
-            (zmq_pinger, zmq_ping, zmq_pong, rounds),
-            args.warmup,
-        )
-        queues = (children.queue(), children.queue())
-        queue_rtt = round_trips(
-            children, (queue_ponger, *queues, rounds), (queue_pinger, *queues, rounds), args.warmup
-        )
+            rtts["ring"].append(
+                round_trips(
+                    children,
+                    (ring_ponger, ping, pong, rounds),
+                    (ring_pinger, ping, pong, rounds),
+                    warmup,
+                )
+            )
+            zmq_ping, zmq_pong = f"ipc://{sockets}/ping-{trial}", f"ipc://{sockets}/pong-{trial}"
+            rtts["zmq"].append(
+                round_trips(
+                    children,
+                    (zmq_ponger, zmq_ping, zmq_pong, rounds),
+                    (zmq_pinger, zmq_ping, zmq_pong, rounds),
+                    warmup,
+                )
+            )
+            queues = (children.queue(), children.queue())
+            rtts["queue"].append(
+                round_trips(
+                    children,
+                    (queue_ponger, *queues, rounds),
+                    (queue_pinger, *queues, rounds),
+                    warmup,
+                )
+            )
         idle = idle_cpu(children, stream, args.idle_seconds)
     finally:
         children.kill()
         for spec in specs:
             destroy_ring(spec)
         shutil.rmtree(sockets, ignore_errors=True)
-    median = {name: statistics.median(values) for name, values in rates.items()}
+    rate = {name: statistics.median(values) for name, values in rates.items()}
+    p50 = {name: statistics.median(p for p, _ in values) for name, values in rtts.items()}
+    p99 = {name: statistics.median(p for _, p in values) for name, values in rtts.items()}
     return {
-        "ring_msgs_per_s": median["ring"],
-        "zmq_msgs_per_s": median["zmq"],
-        "queue_msgs_per_s": median["queue"],
-        "ring_unbatched_msgs_per_s": median["ring_unbatched"],
-        "ring_rtt_p50_us": ring_rtt[0],
-        "ring_rtt_p99_us": ring_rtt[1],
-        "zmq_rtt_p50_us": zmq_rtt[0],
-        "zmq_rtt_p99_us": zmq_rtt[1],
-        "queue_rtt_p50_us": queue_rtt[0],
-        "queue_rtt_p99_us": queue_rtt[1],
+        "ring_msgs_per_s": rate["ring"],
+        "zmq_msgs_per_s": rate["zmq"],
+        "queue_msgs_per_s": rate["queue"],
+        "ring_unbatched_msgs_per_s": rate["ring_unbatched"],
+        "ring_rtt_p50_us": p50["ring"],
+        "ring_rtt_p99_us": p99["ring"],
+        "zmq_rtt_p50_us": p50["zmq"],
+        "zmq_rtt_p99_us": p99["zmq"],
+        "queue_rtt_p50_us": p50["queue"],
+        "queue_rtt_p99_us": p99["queue"],
         "ring_idle_cpu_pct": idle,
-        "ring_vs_zmq_throughput": median["ring"] / median["zmq"],
-        "zmq_vs_ring_rtt_p50": zmq_rtt[0] / ring_rtt[0],
+        "ring_vs_zmq_throughput": rate["ring"] / rate["zmq"],
+        "zmq_vs_ring_rtt_p50": p50["zmq"] / p50["ring"],
+        "trials": {"msgs_per_s": rates, "rtt_p50_p99_us": rtts},
         "message_bytes": len(ENCODER.encode(make_message())),
         "messages": n,
         "batch": batch,
@@ -411,7 +431,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "round_trips": args.round_trips,
         "repeat": args.repeat,
         "idle_seconds": args.idle_seconds,
-        "load_average_1m": os.getloadavg()[0],
+        "load_average_1m_before": load_before,
+        "load_average_1m_after": os.getloadavg()[0],
     }
 
 
@@ -434,8 +455,10 @@ def render_table(r: dict[str, Any]) -> str:
     ]
     lines = [
         f"{r['message_bytes']}-byte msgspec message, {r['messages']:,} one-way messages "
-        f"(median of {r['repeat']}), {r['round_trips']:,} round trips; "
-        f"load average {r['load_average_1m']:.2f}",
+        f"and {r['round_trips']:,} round trips per trial, medians of {r['repeat']} trials; "
+        f"ring capacity {r['ring_capacity']:,} bytes",
+        f"1-minute load average {r['load_average_1m_before']:.2f} before, "
+        f"{r['load_average_1m_after']:.2f} after (other processes share these cores)",
         "",
         f"{'transport':<30} {'one-way msgs/s':>15} {'RTT p50 µs':>11} {'RTT p99 µs':>11}",
     ]
