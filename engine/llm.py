@@ -75,15 +75,16 @@ class LLM:
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
-        sampling_params: SamplingParams | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in order; `sampling_params` may be one per prompt."""
         batch = _as_prompt_list(prompts)
         return self._run(self._gather([{"prompt": p} for p in batch], sampling_params))
 
     def chat(
         self,
         conversations: Conversation | Sequence[Conversation],
-        sampling_params: SamplingParams | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         batch: Sequence[Conversation]
         if conversations and isinstance(conversations[0], Mapping):
@@ -109,12 +110,28 @@ class LLM:
         self.close()
 
     async def _gather(
-        self, requests: list[dict[str, Any]], params: SamplingParams | None
+        self,
+        requests: list[dict[str, Any]],
+        params: SamplingParams | Sequence[SamplingParams] | None,
     ) -> list[RequestOutput]:
-        params = params or SamplingParams()
-        return list(
-            await asyncio.gather(*(self.engine.generate(params=params, **r) for r in requests))
+        if params is None or isinstance(params, SamplingParams):
+            per_request = [params or SamplingParams()] * len(requests)
+        else:
+            per_request = list(params)
+            if len(per_request) != len(requests):
+                raise ValueError(
+                    f"got {len(per_request)} sampling params for {len(requests)} prompts; "
+                    "pass one, or one per prompt"
+                )
+        runs = (
+            self.engine.generate(params=p, **request)
+            for request, p in zip(requests, per_request, strict=True)
         )
+        return list(await asyncio.gather(*runs))
+
+    def stats(self) -> dict[str, Any]:
+        """The engine's figures (scheduler, KV cache, restarts), as the admin socket shows."""
+        return self.engine.stats()
 
     def _run(self, coroutine: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)

@@ -1,0 +1,204 @@
+"""Offline throughput: N requests through the engine, and the same workload through a peer.
+
+    python tools/bench_offline.py --num-requests 32 --input-len 32 --output-len 64 --peer hf
+    python tools/bench_offline.py --num-requests 1 --peer vllm --vllm-python ~/vllm-peer/bin/python
+
+Prompts are random token ids (seeded); every request decodes exactly its output length (greedy,
+EOS ignored), so both sides do the same work. Peers: `hf` (transformers' generate, batched, in
+this process), `vllm` (vLLM's LLM in its own virtual environment, PEERS.md; a subprocess), or
+`none`. The figures of one run are comparable; across runs on a 2-core machine they drift.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+@dataclass
+class Run:
+    name: str
+    seconds: float
+    output_tokens: int
+    outputs: list[list[int]]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+
+def make_workload(args: argparse.Namespace, vocab_size: int) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(args.seed)
+
+    def length(mean: int) -> int:
+        spread = int(mean * args.range_ratio)
+        return max(1, rng.randint(mean - spread, mean + spread))
+
+    prompts = [
+        [rng.randrange(10, vocab_size) for _ in range(length(args.input_len))]
+        for _ in range(args.num_requests)
+    ]
+    return prompts, [length(args.output_len) for _ in prompts]
+
+
+def run_engine(
+    args: argparse.Namespace, path: str, prompts: list[list[int]], outs: list[int]
+) -> Run:
+    from engine import LLM, SamplingParams
+
+    options = {
+        "tensor_parallel_size": args.tp,
+        "kv_cache_memory": args.kv_cache_memory,
+        "scheduler__max_num_seqs": max(len(prompts), 1),
+    }
+    with LLM(path, **options) as llm:
+        llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+        params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in outs]
+        start = time.perf_counter()
+        results = llm.generate(prompts, params)
+        seconds = time.perf_counter() - start
+    tokens = [r.outputs[0].token_ids for r in results]
+    return Run("engine", seconds, sum(map(len, tokens)), tokens)
+
+
+def run_hf(args: argparse.Namespace, path: str, prompts: list[list[int]], outs: list[int]) -> Run:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    pad = 0
+    tokens: list[list[int]] = []
+    warm = torch.tensor([prompts[0][:4]])
+    with torch.inference_mode():
+        model.generate(warm, max_new_tokens=2, do_sample=False, pad_token_id=pad)
+        start = time.perf_counter()
+        for first in range(0, len(prompts), args.hf_batch_size):
+            batch = prompts[first : first + args.hf_batch_size]
+            wanted = outs[first : first + args.hf_batch_size]
+            width = max(map(len, batch))
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])  # left padding
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+            new = max(wanted)
+            out = model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=pad,
+            )
+            tokens += [row[width : width + n].tolist() for row, n in zip(out, wanted, strict=True)]
+        seconds = time.perf_counter() - start
+    return Run("hf", seconds, sum(outs), tokens)
+
+
+VLLM_SCRIPT = r"""
+import json, sys, time
+def main():
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    spec = json.load(open(sys.argv[1]))
+    llm = LLM(model=spec["path"], dtype="float32", enforce_eager=True,
+              gpu_memory_utilization=0.3, seed=0)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in spec["outs"]]
+    llm.generate(prompts[:2], [SamplingParams(max_tokens=4, temperature=0.0)] * len(prompts[:2]),
+                 use_tqdm=False)
+    start = time.perf_counter()
+    results = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    tokens = [list(r.outputs[0].token_ids) for r in results]
+    print("RESULT " + json.dumps({"seconds": seconds, "tokens": tokens}), flush=True)
+if __name__ == "__main__":
+    main()
+"""
+
+
+def run_vllm(args: argparse.Namespace, path: str, prompts: list[list[int]], outs: list[int]) -> Run:
+    python = os.path.expanduser(args.vllm_python)
+    if not os.path.exists(python):
+        raise SystemExit(f"--vllm-python {python} does not exist; PEERS.md shows how to install it")
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = Path(tmp, "spec.json")
+        spec.write_text(json.dumps({"path": path, "prompts": prompts, "outs": outs}))
+        script = Path(tmp, "run_vllm.py")
+        script.write_text(VLLM_SCRIPT)
+        done = subprocess.run(
+            [python, str(script), str(spec)], capture_output=True, text=True, timeout=1800
+        )
+    for line in done.stdout.splitlines():
+        if line.startswith("RESULT "):
+            result = json.loads(line.removeprefix("RESULT "))
+            tokens = result["tokens"]
+            return Run("vllm", result["seconds"], sum(map(len, tokens)), tokens)
+    raise SystemExit(f"vLLM run failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+
+
+PEERS = {"hf": run_hf, "vllm": run_vllm}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", help="checkpoint directory (default: the built-in demo model)")
+    parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--input-len", type=int, default=32)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--range-ratio", type=float, default=0.0, help="lengths vary ± this share")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--peer", choices=["hf", "vllm", "none"], default="hf")
+    parser.add_argument("--hf-batch-size", type=int, default=64)
+    parser.add_argument("--vllm-python", default="~/vllm-peer/bin/python")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--kv-cache-memory", type=int, default=512 * 2**20)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args()
+
+    from engine.model.config import load_model_config
+    from engine.model.default_model import ensure_default_model
+
+    path = args.model or ensure_default_model()
+    prompts, outs = make_workload(args, load_model_config(path).vocab_size)
+    runs = [run_engine(args, path, prompts, outs)]
+    if args.peer != "none":
+        runs.append(PEERS[args.peer](args, path, prompts, outs))
+    report(args, runs)
+
+
+def report(args: argparse.Namespace, runs: list[Run]) -> None:
+    ours = runs[0]
+    summary: dict[str, object] = {
+        "num_requests": args.num_requests,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+    }
+    for run in runs:
+        summary[f"{run.name}_tok_per_s"] = round(run.tokens_per_s, 1)
+        summary[f"{run.name}_seconds"] = round(run.seconds, 3)
+    if len(runs) > 1:
+        peer = runs[1]
+        summary["ratio"] = round(ours.tokens_per_s / peer.tokens_per_s, 3)
+        same = sum(a == b for a, b in zip(ours.outputs, peer.outputs, strict=True))
+        summary["same_greedy_outputs"] = f"{same}/{len(ours.outputs)}"
+    if args.json:
+        print(json.dumps(summary))
+        return
+    print(f"{args.num_requests} requests, {args.input_len} in / {args.output_len} out, greedy")
+    for run in runs:
+        print(f"  {run.name:7s} {run.tokens_per_s:9.1f} output tok/s  ({run.seconds:.2f} s)")
+    if len(runs) > 1:
+        print(f"  ratio engine / {runs[1].name}: {summary['ratio']:.2f}x; "
+              f"identical greedy outputs: {summary['same_greedy_outputs']}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
