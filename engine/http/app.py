@@ -11,7 +11,7 @@ import contextlib
 import secrets
 from collections.abc import Awaitable, Callable
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any
+from typing import Any, TypeVar
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -31,6 +31,7 @@ JSON = "application/json"
 _DISCARD_LIMIT = 256 * 1024 * 1024
 
 Parser = Callable[[bytes, str], PreparedRequest]
+T = TypeVar("T")
 
 
 def build_app(state: ServerState) -> Starlette:
@@ -94,7 +95,11 @@ async def _generate(request: Request, state: ServerState, parse: Parser, endpoin
         raise
     run = RequestRun(state, prepared, endpoint)
     if prepared.stream:
-        firsts = await run.open()
+        firsts = await _until_disconnect(request, run.open())
+        if firsts is None:  # left while queued or prefilling
+            run.abort_unfinished()
+            run.finish()
+            return Response(status_code=499)
         return StreamingResponse(
             run.sse(firsts),
             media_type="text/event-stream",
@@ -143,7 +148,7 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def _until_disconnect(request: Request, work: Awaitable[bytes]) -> bytes | None:
+async def _until_disconnect(request: Request, work: Awaitable[T]) -> T | None:
     """Run `work`, but cancel it (aborting its requests) if the client disconnects first."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_wait_for_disconnect(request))

@@ -135,6 +135,7 @@ async def _run(
         )
     )
     serve_task: asyncio.Task[None] | None = None
+    exit_status = 0
     try:
         try:
             await admin.start()
@@ -151,8 +152,17 @@ async def _run(
             f"engine ready: {url} (model {state.model_name}; admin socket {admin_path})", flush=True
         )
         stop_waiter = asyncio.create_task(shutdown.requested.wait())
-        await asyncio.wait({serve_task, stop_waiter}, return_when=asyncio.FIRST_COMPLETED)
+        engine_failed = asyncio.create_task(_engine_failure(llm))
+        waiters = {serve_task, stop_waiter, engine_failed}
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
         stop_waiter.cancel()
+        engine_failed.cancel()
+        if engine_failed.done() and not engine_failed.cancelled():
+            print(f"engine: stopped: {engine_failed.result()}", file=sys.stderr, flush=True)
+            exit_status = 1
+        elif serve_task.done():
+            print("engine: the HTTP server stopped unexpectedly", file=sys.stderr, flush=True)
+            exit_status = 1
         log.info("shutting down: draining in-flight requests")
         await _drain(state, shutdown)
     finally:
@@ -165,7 +175,16 @@ async def _run(
             await llm.shutdown()
         if state.trace is not None:
             state.trace.close()
-    return 0
+    return exit_status
+
+
+async def _engine_failure(llm: Any, interval: float = 0.5) -> str:
+    """Return why, once the engine has given up (its supervisor escalated past restarts)."""
+    while True:
+        reason = llm.health().get("reason")
+        if reason:
+            return str(reason)
+        await asyncio.sleep(interval)
 
 
 async def _start_engine(llm: Any, shutdown: _Shutdown) -> bool:

@@ -52,7 +52,10 @@ def server_args(model_args: list[str], socket: Path | None, *extra: str) -> list
 @pytest.fixture(scope="session")
 def server(model_args: list[str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     work = tmp_path_factory.mktemp("server")
-    srv = start_server(server_args(model_args, work / "admin.sock"), work, name="shared")
+    trace = work / "trace.jsonl"
+    args = server_args(model_args, work / "admin.sock", "--server.record_trace", str(trace))
+    srv = start_server(args, work, name="shared")
+    srv.extra["trace"] = trace
     try:
         yield srv
     finally:

@@ -219,3 +219,19 @@ def test_admin_drain_then_shutdown_with_socket_discovery(
     assert leftover_ipc(srv.pid) == []
     gone = admin_cli("health", env=env)
     assert gone.returncode == 2 and "no running engine" in gone.stderr
+
+
+def test_engine_that_gives_up_stops_the_server_with_its_reason(
+    model_args: list[str], tmp_path: Path
+) -> None:
+    args = server_args(model_args, tmp_path / "a.sock", "--runtime.restart_intensity", "0")
+    srv = start_server(args, tmp_path, name="escalate")
+    try:
+        (tokenizer,) = [a for a in srv.admin("actors") if a["name"] == "tokenizer"]
+        os.kill(tokenizer["pid"], signal.SIGKILL)  # a child of the server this test started
+        assert srv.proc.wait(60) == 1
+    finally:
+        srv.stop()
+    assert "engine: stopped:" in srv.log()
+    assert not (tmp_path / "a.sock").exists()
+    assert leftover_ipc(srv.pid) == []

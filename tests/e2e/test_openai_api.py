@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import openai
 import pytest
 
@@ -182,3 +184,13 @@ def test_unknown_route_gets_an_openai_error_body(server: Server) -> None:
     with server.http() as http:
         resp = http.get("/v1/nope")
     assert resp.status_code == 404 and resp.json()["error"]["message"]
+
+
+def test_record_trace_appends_one_line_per_request(client: openai.OpenAI, server: Server) -> None:
+    resp = client.completions.create(model=server.model, prompt=PROMPT, max_tokens=3)
+    records = [json.loads(line) for line in server.extra["trace"].read_text().splitlines()]
+    (mine,) = [r for r in records if r["request_id"] == resp.id]
+    assert mine["endpoint"] == "completions" and mine["outcome"] == "success"
+    assert mine["completion_tokens"] == resp.usage.completion_tokens
+    assert mine["prompt_tokens"] == resp.usage.prompt_tokens
+    assert 0 <= mine["ttft"] <= mine["e2e"]
