@@ -58,7 +58,9 @@ class AsyncLLM:
             log.info("serving the built-in demo model (random weights) from %s", model_path)
         model_path = str(Path(model_path).expanduser().resolve())
         self._plan = plan_engine(self.settings, model_path)
-        self.model_name = self.settings.model.served_name or model_path
+        # As vLLM: the name clients use is the --model value as given, unless one is set.
+        self.model_name = self.settings.model.served_name or self.settings.model.path or "demo"
+
         self.max_model_len = self._plan.max_model_len
         self._supervisor = Supervisor(self._plan.spec)
         events = self._supervisor.subscribe()
@@ -193,6 +195,11 @@ class AsyncLLM:
     def requests(self) -> list[dict[str, Any]]:
         return self.gateway.describe()
 
+    def set_log_level(self, level: str) -> None:
+        """Every actor's log level (the root's own is the caller's to set)."""
+        if self._supervisor is not None:
+            self._supervisor.set_log_level(level.upper())
+
     # ---- internals -----------------------------------------------------------------------------
 
     def _check_can_accept(self, params: SamplingParams) -> None:
@@ -200,7 +207,10 @@ class AsyncLLM:
             raise EngineError(f"the engine cannot serve: {self._failure}", 503)
         if self._supervisor is None or self._closed:
             raise EngineError("the engine is not running", 503)
-        params.validate()
+        try:
+            params.validate()
+        except ValueError as exc:  # the message starts with the field's name
+            raise EngineError(str(exc), 400, str(exc).split(" ", 1)[0]) from None
         limit = self.settings.scheduler.max_queued_requests
         waiting = sum(1 for record in self.gateway.records() if record.first_token_at is None)
         if waiting >= limit:

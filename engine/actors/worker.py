@@ -7,9 +7,11 @@ StepResult of the step. The domain work is ModelRunner (forward) and Sampler (to
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any
 
 import msgspec
+from tqdm import tqdm
 
 from engine.actors.runtime.actor import Actor
 from engine.messages.steps import STEP_PLANS, STEP_RESULTS, StepPlan, StepResult
@@ -35,6 +37,9 @@ class WorkerActor(Actor):
         # With two OpenMP threads on a small machine, a spinning barrier thread fights the
         # scheduler and detokenizer for the other core; passive waiting is 5-10x faster here.
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        # tqdm's default lock is a multiprocessing semaphore, which a SIGKILLed worker would
+        # leak (and the resource tracker warn about); a thread lock is all one process needs.
+        tqdm.set_lock(threading.RLock())
         # torch only here: the other actors never pay for importing it.
         from engine.model.runner import ModelRunner
         from engine.model.sampler import Sampler

@@ -37,6 +37,7 @@ class SchedulerActor(Actor):
         self.scheduler = Scheduler(config)
         self._last_report = 0.0
         self._reported_idle = False
+        self._publish_report()  # so the root's stats are complete from the start
         return {"num_blocks": config.num_blocks}
 
     async def handle(self, ring: str, frames: list[bytes]) -> None:
