@@ -13,9 +13,9 @@ from collections.abc import Callable
 
 import torch
 
-from engine.kernels import torch_attention, torch_ops
+from engine.kernels import attention_metadata, torch_attention, torch_ops
+from engine.kernels.attention_metadata import AttentionMetadata
 from engine.kernels.kv_cache import PagedKVCache
-from engine.kernels.torch_attention import AttentionMetadata
 
 __all__ = [
     "BACKENDS",
@@ -44,7 +44,7 @@ class KernelBackend:
 
 TORCH_BACKEND = KernelBackend(
     name="torch",
-    build_attention_metadata=torch_attention.build_attention_metadata,
+    build_attention_metadata=attention_metadata.build_attention_metadata,
     paged_attention=torch_attention.paged_attention,
     rms_norm=torch_ops.rms_norm,
     rms_norm_per_head=torch_ops.rms_norm_per_head,

@@ -8,12 +8,14 @@ the chunks that end a sequence's known tokens (sample=True).
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from engine.kernels import PagedKVCache, select_backend
+from engine.kernels.attention_metadata import long_tensor
 from engine.messages.steps import SeqChunk
 from engine.model.capacity import available_cpu_memory, kv_block_bytes, kv_cache_blocks
 from engine.model.config import ModelConfig, load_model_config
@@ -38,6 +40,14 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return resolved
 
 
+def default_num_threads() -> int:
+    """Intra-op threads for a CPU worker: every core this process may use but one, left to the
+    other actors. An OpenMP thread that loses its core to another busy process stalls every op
+    of the team (measured: 20x slower steps with 2 threads on 2 shared cores)."""
+    cores = len(os.sched_getaffinity(0))
+    return max(1, min(torch.get_num_threads(), cores - 1))
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -56,11 +66,15 @@ class ModelRunner:
             raise ValueError(f"block_size must be a positive integer, got {block_size}")
         if not 0.0 < kv_cache_fraction <= 1.0:
             raise ValueError(f"kv_cache_fraction must be in (0, 1], got {kv_cache_fraction}")
-        if num_threads is not None:
-            torch.set_num_threads(num_threads)
         torch.manual_seed(seed)
         self.model_path = str(Path(model_path))
         self.device = resolve_device(device)
+        if num_threads is None and self.device.type == "cpu":
+            num_threads = default_num_threads()
+        if num_threads is not None:
+            if num_threads < 1:
+                raise ValueError(f"num_threads must be a positive integer, got {num_threads}")
+            torch.set_num_threads(num_threads)
         self.config: ModelConfig = load_model_config(model_path, max_model_len)
         self.dtype = resolve_dtype(dtype, self.config, self.device)
         self.backend = select_backend(self.device)
@@ -87,9 +101,11 @@ class ModelRunner:
             device=self.device,
         )
         log.info(
-            "%s on %s in %s (%s kernels): KV cache of %d blocks x %d = %d tokens (%.1f MiB)",
+            "%s on %s (%d threads) in %s (%s kernels): "
+            "KV cache of %d blocks x %d = %d tokens (%.1f MiB)",
             self.config.architecture,
             self.device,
+            torch.get_num_threads(),
             str(self.dtype).removeprefix("torch."),
             self.backend.name,
             self.num_blocks,
@@ -111,10 +127,10 @@ class ModelRunner:
             token_ids += chunk.token_ids
             if chunk.sample:
                 sample_rows.append(len(token_ids) - 1)
-        ids = torch.tensor(token_ids, dtype=torch.long)
-        if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+        if min(token_ids) < 0 or max(token_ids) >= vocab:
             bad = next(t for t in token_ids if not 0 <= t < vocab)
             raise ValueError(f"token id {bad} is out of range; expected 0 <= id < {vocab}")
+        ids = long_tensor(token_ids)
         attention = self.backend.build_attention_metadata(
             [len(chunk.token_ids) for chunk in chunks],
             [chunk.start_pos for chunk in chunks],
@@ -127,7 +143,7 @@ class ModelRunner:
         if not sample_rows:
             return torch.empty(0, vocab, dtype=torch.float32, device=self.device)
         if len(sample_rows) < hidden.shape[0]:
-            hidden = hidden[torch.tensor(sample_rows, device=self.device)]
+            hidden = hidden[long_tensor(sample_rows).to(self.device)]
         return self.model.compute_logits(hidden)
 
     def _check(self, chunks: Sequence[SeqChunk]) -> None:
