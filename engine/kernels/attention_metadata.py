@@ -1,11 +1,16 @@
 """Per-step index tensors for the torch paged-attention backend, built once and shared by every
 layer.
 
-A step's chunks split into two groups: decode (one token per chunk) and prefill (longer
-chunks). For each group the builder lists which cache slots to gather into a padded batch and
-which of them each query may see. Padding gathers the cache's zero slot, so nothing that was
-never written is read. Work is done in Python where it is per chunk and in torch where it is
-per token or per key, so a decode step of many sequences costs a handful of tensor ops.
+A step's chunks become a few attention calls ("pieces"), each one SDPA call per layer:
+- decode tokens (chunks of one token), gathered by block table into a padded
+  [seqs, max context] batch with a mask; sequences are bucketed by context length (powers of
+  two above 256) so one long context does not make every short one pay for its padding;
+- short prefill chunks (<= SHORT_CHUNK tokens, e.g. prompt suffixes after a prefix hit),
+  padded together the same way, with a causal mask offset by each chunk's start;
+- every other prefill chunk alone: plain causal attention over its own K/V when nothing is
+  cached before it, else its queries in tiles, each with the keys it may see.
+Padding gathers the cache's zero slot, so nothing that was never written is read. Work is done
+in Python where it is per chunk and in torch where it is per token or per key.
 """
 
 from __future__ import annotations
@@ -20,10 +25,16 @@ import torch
 
 from engine.kernels.kv_cache import PagedKVCache
 
+SHORT_CHUNK = 32  # prefill chunks up to this many tokens are batched with padding
+DECODE_BUCKET_MIN = 256  # decode contexts up to this share one bucket
+MASK_BUDGET = 1 << 25  # most mask elements one prefill tile may build
+
+Rows = torch.Tensor | tuple[int, int] | None  # token rows of a piece: index, [start, stop), all
+
 
 @dataclasses.dataclass
 class DecodeBatch:
-    rows: torch.Tensor | None  # the step's token rows that are decode tokens; None = all rows
+    rows: Rows
     kv_slots: torch.Tensor  # [seqs * kv_len] cache slots to gather (null slot as padding)
     mask: torch.Tensor  # [seqs, 1, 1, kv_len] bool, True = attend
     num_seqs: int
@@ -31,15 +42,31 @@ class DecodeBatch:
 
 
 @dataclasses.dataclass
-class PrefillBatch:
-    rows: torch.Tensor | None  # the step's token rows that are prefill tokens; None = all rows
-    query_rows: torch.Tensor  # [chunks * query_len] rows of the padded queries
+class PaddedPrefill:
+    """Several short chunks padded to the longest; queries sharing a KV head are folded."""
+
+    rows: Rows
+    query_rows: torch.Tensor  # [chunks * query_len] step rows of the padded queries
     kept: torch.Tensor | None  # positions of real queries among the padded ones; None = all
-    kv_slots: torch.Tensor | None  # [chunks * kv_len]; None = fresh causal (no gather)
-    mask: torch.Tensor | None  # [chunks, 1, group * query_len, kv_len], True = attend
+    kv_slots: torch.Tensor  # [chunks * kv_len]
+    mask: torch.Tensor  # [chunks, 1, group * query_len, kv_len], True = attend
     num_chunks: int
     query_len: int
     kv_len: int
+
+
+@dataclasses.dataclass
+class ChunkPrefill:
+    """Rows [start, stop) of one chunk: causal on their own K/V when kv_slots is None, else
+    attending to the gathered keys under `mask` [1, 1, group * rows, kv_len]."""
+
+    rows: tuple[int, int]
+    kv_slots: torch.Tensor | None
+    mask: torch.Tensor | None
+    kv_len: int
+
+
+Piece = DecodeBatch | PaddedPrefill | ChunkPrefill
 
 
 @dataclasses.dataclass
@@ -47,11 +74,10 @@ class AttentionMetadata:
     num_tokens: int
     positions: torch.Tensor  # [tokens] position of each token in its sequence
     slot_mapping: torch.Tensor  # [tokens] cache slot each token's K/V is written to
-    decode: DecodeBatch | None
-    prefill: PrefillBatch | None
+    pieces: list[Piece]  # one SDPA call each; together they cover every token row once
 
 
-_BatchT = TypeVar("_BatchT", DecodeBatch | None, PrefillBatch | None)
+_PieceT = TypeVar("_PieceT", DecodeBatch, PaddedPrefill, ChunkPrefill)
 _arange_cache = torch.arange(1024)
 
 
@@ -70,18 +96,11 @@ def build_attention_metadata(
     tables = _padded_block_tables(block_tables, context_lens, block_size, cache.num_blocks)
     first_rows = list(itertools.accumulate(query_lens, initial=0))
     num_tokens = first_rows.pop()
-    decode_chunks = [i for i, n in enumerate(query_lens) if n == 1]
-    prefill_chunks = [i for i, n in enumerate(query_lens) if n > 1]
+    layout = _StepLayout(
+        query_lens, start_positions, context_lens, first_rows, tables, cache, queries_per_kv
+    )
 
-    if prefill_chunks:
-        lens = long_tensor(query_lens)
-        token_chunk = torch.repeat_interleave(_arange(len(query_lens)), lens)
-        offsets = long_tensor([s - r for s, r in zip(start_positions, first_rows, strict=True)])
-        positions = offsets[token_chunk] + _arange(num_tokens)
-        slot_mapping = tables[token_chunk, positions // block_size] * block_size + (
-            positions % block_size
-        )
-    else:  # one token per chunk: plain Python is cheaper than tensor ops
+    if num_tokens == len(query_lens):  # one token per chunk: plain Python is cheaper
         positions = long_tensor(start_positions)
         slot_mapping = long_tensor(
             [
@@ -89,42 +108,35 @@ def build_attention_metadata(
                 for table, p in zip(block_tables, start_positions, strict=True)
             ]
         )
+    else:
+        token_chunk = torch.repeat_interleave(_arange(len(query_lens)), long_tensor(query_lens))
+        offsets = long_tensor([s - r for s, r in zip(start_positions, first_rows, strict=True)])
+        positions = offsets[token_chunk] + _arange(num_tokens)
+        slot_mapping = tables[token_chunk, positions // block_size] * block_size + (
+            positions % block_size
+        )
 
-    decode = None
-    if decode_chunks:
-        everything = not prefill_chunks
-        decode = _decode_batch(
-            None if everything else long_tensor([first_rows[i] for i in decode_chunks]),
-            tables if everything else tables[long_tensor(decode_chunks)],
-            [context_lens[i] for i in decode_chunks],
-            cache.null_slot,
-            block_size,
-        )
-    prefill = None
-    if prefill_chunks:
-        rows = None
-        if decode_chunks:
-            rows = long_tensor(
-                itertools.chain.from_iterable(
-                    range(first_rows[i], first_rows[i] + query_lens[i]) for i in prefill_chunks
-                )
-            )
-        prefill = _prefill_batch(
-            rows,
-            [first_rows[i] for i in prefill_chunks],
-            [query_lens[i] for i in prefill_chunks],
-            [start_positions[i] for i in prefill_chunks],
-            tables[long_tensor(prefill_chunks)] if decode_chunks else tables,
-            queries_per_kv=queries_per_kv,
-            null_slot=cache.null_slot,
-            block_size=block_size,
-        )
+    decode = [i for i, n in enumerate(query_lens) if n == 1]
+    short = [i for i, n in enumerate(query_lens) if 1 < n <= SHORT_CHUNK]
+    if len(short) == 1:
+        short = []  # alone, a short chunk is just a chunk
+    batched = set(short)
+    long = [i for i, n in enumerate(query_lens) if n > 1 and i not in batched]
+    pieces: list[Piece] = []
+    buckets: dict[int, list[int]] = {}
+    for i in decode:
+        buckets.setdefault(_decode_bucket(context_lens[i]), []).append(i)
+    for chunks in buckets.values():
+        pieces.append(layout.decode_batch(chunks, all_rows=len(chunks) == len(query_lens)))
+    if short:
+        pieces.append(layout.padded_prefill(short, all_rows=len(short) == len(query_lens)))
+    for i in long:
+        pieces.extend(layout.chunk_prefill(i))
     return AttentionMetadata(
         num_tokens,
         positions.to(device),
         slot_mapping.to(device),
-        _to(decode, device),
-        _to(prefill, device),
+        [_to(piece, device) for piece in pieces],
     )
 
 
@@ -139,6 +151,92 @@ def _arange(n: int) -> torch.Tensor:
     if n > _arange_cache.numel():
         _arange_cache = torch.arange(max(n, 2 * _arange_cache.numel()))
     return _arange_cache[:n]
+
+
+def _decode_bucket(context_len: int) -> int:
+    return 0 if context_len <= DECODE_BUCKET_MIN else (context_len - 1).bit_length()
+
+
+@dataclasses.dataclass
+class _StepLayout:
+    """The step's chunks, and how to turn groups of them into attention pieces."""
+
+    query_lens: Sequence[int]
+    start_positions: Sequence[int]
+    context_lens: list[int]
+    first_rows: list[int]
+    tables: torch.Tensor
+    cache: PagedKVCache
+    queries_per_kv: int
+
+    def decode_batch(self, chunks: list[int], *, all_rows: bool) -> DecodeBatch:
+        contexts = [self.context_lens[i] for i in chunks]
+        kv_len = max(contexts)
+        tables = self.tables if all_rows else self.tables[long_tensor(chunks)]
+        slots, visible = self._gather_slots(tables, contexts, kv_len)
+        rows = None if all_rows else long_tensor([self.first_rows[i] for i in chunks])
+        return DecodeBatch(rows, slots.view(-1), visible[:, None, None, :], len(chunks), kv_len)
+
+    def padded_prefill(self, chunks: list[int], *, all_rows: bool) -> PaddedPrefill:
+        lens = [self.query_lens[i] for i in chunks]
+        starts = [self.start_positions[i] for i in chunks]
+        contexts = [self.context_lens[i] for i in chunks]
+        first_rows = [self.first_rows[i] for i in chunks]
+        query_len, kv_len = max(lens), max(contexts)
+        offsets = _arange(query_len)
+        real_query = offsets < long_tensor(lens)[:, None]  # [chunks, query_len]
+        query_rows = torch.where(real_query, long_tensor(first_rows)[:, None] + offsets, 0)
+        key_positions = _arange(kv_len)
+        query_positions = long_tensor(starts)[:, None] + offsets
+        causal = key_positions <= query_positions[:, :, None]  # [chunks, query_len, kv_len]
+        # A padding query sees key 0 only, so its softmax stays finite.
+        mask = torch.where(real_query[:, :, None], causal, key_positions == 0)
+        mask = self._fold(mask[:, None]).reshape(len(chunks), 1, -1, kv_len)
+        tables = self.tables if all_rows else self.tables[long_tensor(chunks)]
+        slots, _ = self._gather_slots(tables, contexts, kv_len)
+        kept = None if min(lens) == query_len else torch.nonzero(real_query.view(-1)).view(-1)
+        rows = None
+        if not all_rows:
+            ranges = (range(r, r + n) for r, n in zip(first_rows, lens, strict=True))
+            rows = long_tensor(itertools.chain.from_iterable(ranges))
+        return PaddedPrefill(
+            rows, query_rows.view(-1), kept, slots.view(-1), mask, len(chunks), query_len, kv_len
+        )
+
+    def chunk_prefill(self, i: int) -> list[ChunkPrefill]:
+        first, length, start = self.first_rows[i], self.query_lens[i], self.start_positions[i]
+        if start == 0:  # nothing cached before it: causal over its own K/V, any length
+            return [ChunkPrefill((first, first + length), None, None, length)]
+        tile = max(16, MASK_BUDGET // (self.queries_per_kv * self.context_lens[i]))
+        pieces = []
+        for offset in range(0, length, tile):
+            rows = min(tile, length - offset)
+            kv_len = start + offset + rows
+            query_positions = _arange(start + offset + rows)[start + offset :]
+            mask = _arange(kv_len) <= query_positions[:, None]  # [rows, kv_len]
+            mask = self._fold(mask[None, None]).reshape(1, 1, -1, kv_len)
+            slots, _ = self._gather_slots(self.tables[i : i + 1], [kv_len], kv_len)
+            pieces.append(
+                ChunkPrefill((first + offset, first + offset + rows), slots.view(-1), mask, kv_len)
+            )
+        return pieces
+
+    def _fold(self, mask: torch.Tensor) -> torch.Tensor:
+        """[chunks, 1, queries, keys] -> [chunks, group, queries, keys]: the query heads that
+        share a KV head become extra query rows (see torch_attention)."""
+        return mask.expand(-1, self.queries_per_kv, -1, -1)
+
+    def _gather_slots(
+        self, tables: torch.Tensor, context_lens: Sequence[int], kv_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots of keys 0..kv_len-1 per chunk [chunks, kv_len] (the null slot past each
+        context) and which of them are real."""
+        block_size = self.cache.block_size
+        width = -(-kv_len // block_size)
+        slots = (tables[:, :width] * block_size).unsqueeze(2) + _arange(block_size)
+        slots = slots.view(tables.shape[0], width * block_size)[:, :kv_len]
+        visible = _arange(kv_len) < long_tensor(context_lens)[:, None]
+        return torch.where(visible, slots, self.cache.null_slot), visible
 
 
 def _padded_block_tables(
@@ -169,75 +267,13 @@ def _padded_block_tables(
     return torch.frombuffer(flat, dtype=torch.int64).view(len(rows), width)
 
 
-def _gather_slots(
-    tables: torch.Tensor, context_lens: Sequence[int], kv_len: int, null_slot: int, block_size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Slots of keys 0..kv_len-1 per chunk [chunks, kv_len] (null slot past each context) and
-    which of them are real."""
-    width = -(-kv_len // block_size)
-    slots = (tables[:, :width] * block_size).unsqueeze(2) + _arange(block_size)
-    slots = slots.view(tables.shape[0], width * block_size)[:, :kv_len]
-    visible = _arange(kv_len) < long_tensor(context_lens)[:, None]
-    return torch.where(visible, slots, null_slot), visible
-
-
-def _decode_batch(
-    rows: torch.Tensor | None,
-    tables: torch.Tensor,
-    context_lens: Sequence[int],
-    null_slot: int,
-    block_size: int,
-) -> DecodeBatch:
-    kv_len = max(context_lens)
-    slots, visible = _gather_slots(tables, context_lens, kv_len, null_slot, block_size)
-    return DecodeBatch(rows, slots.view(-1), visible[:, None, None, :], len(context_lens), kv_len)
-
-
-def _prefill_batch(
-    rows: torch.Tensor | None,
-    first_rows: list[int],
-    query_lens: list[int],
-    start_positions: list[int],
-    tables: torch.Tensor,
-    *,
-    queries_per_kv: int,
-    null_slot: int,
-    block_size: int,
-) -> PrefillBatch:
-    chunks = len(query_lens)
-    query_len = max(query_lens)
-    context_lens = [s + n for s, n in zip(start_positions, query_lens, strict=True)]
-    kv_len = max(context_lens)
-    if chunks == 1 and start_positions[0] == 0:  # nothing cached: causal over its own K/V
-        query_rows = _arange(first_rows[0] + query_len)[first_rows[0] :]
-        return PrefillBatch(rows, query_rows, None, None, None, 1, query_len, query_len)
-
-    offsets = _arange(query_len)
-    real_query = offsets < long_tensor(query_lens)[:, None]  # [chunks, query_len]
-    query_rows = torch.where(real_query, long_tensor(first_rows)[:, None] + offsets, 0)
-    key_positions = _arange(kv_len)
-    query_positions = long_tensor(start_positions)[:, None] + offsets
-    causal = key_positions <= query_positions[:, :, None]  # [chunks, query_len, kv_len]
-    mask = torch.where(real_query[:, :, None], causal, key_positions == 0)  # padding: key 0 only
-    # Queries that share a KV head are folded into the query axis (see torch_attention).
-    mask = mask[:, None].expand(-1, queries_per_kv, -1, -1)
-    mask = mask.reshape(chunks, 1, queries_per_kv * query_len, kv_len)
-    kv_slots, _ = _gather_slots(tables, context_lens, kv_len, null_slot, block_size)
-    kept = None
-    if min(query_lens) < query_len:
-        kept = torch.nonzero(real_query.view(-1)).view(-1)
-    return PrefillBatch(
-        rows, query_rows.view(-1), kept, kv_slots.view(-1), mask, chunks, query_len, kv_len
-    )
-
-
-def _to(batch: _BatchT, device: torch.device) -> _BatchT:
-    """The batch with its index tensors on `device` (built on the CPU, where Python lives)."""
-    if batch is None or device.type == "cpu":
-        return batch
+def _to(piece: _PieceT, device: torch.device) -> _PieceT:
+    """The piece with its index tensors on `device` (built on the CPU, where Python lives)."""
+    if device.type == "cpu":
+        return piece
     moved = {
         field.name: value.to(device, non_blocking=True)
-        for field in dataclasses.fields(batch)
-        if isinstance(value := getattr(batch, field.name), torch.Tensor)
+        for field in dataclasses.fields(piece)
+        if isinstance(value := getattr(piece, field.name), torch.Tensor)
     }
-    return dataclasses.replace(batch, **moved)
+    return dataclasses.replace(piece, **moved)

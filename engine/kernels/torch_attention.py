@@ -1,12 +1,9 @@
-"""Paged attention in plain torch: one SDPA call per layer for all decode tokens and one for all
-prefill chunks, over K/V gathered by the index tensors of `attention_metadata`.
+"""Paged attention in plain torch: one SDPA call per piece of the step (see attention_metadata)
+over K/V gathered from the paged cache.
 
-- decode: chunks of one token, gathered into a padded [seqs, max_context] batch with a mask.
-  The query heads that share one KV head are folded into SDPA's query-length axis, so
-  grouped-query attention needs no K/V copies.
-- prefill: longer chunks, padded to the longest. A chunk starting at `start_pos` attends to all
-  cached positions before it and causally to itself, which covers chunked prefill and prefix
-  hits with one mask. A single chunk with no cached context skips the gather (plain causal SDPA).
+Grouped-query attention without K/V copies: the query heads that share one KV head are folded
+into SDPA's query-length axis ([kv_heads, group * queries, head_dim] against [kv_heads, keys,
+head_dim]), with the mask repeated per group to match.
 """
 
 from __future__ import annotations
@@ -16,8 +13,10 @@ import torch.nn.functional as F
 
 from engine.kernels.attention_metadata import (
     AttentionMetadata,
+    ChunkPrefill,
     DecodeBatch,
-    PrefillBatch,
+    PaddedPrefill,
+    Piece,
     build_attention_metadata,
 )
 from engine.kernels.kv_cache import PagedKVCache
@@ -37,64 +36,98 @@ def paged_attention(
     """Write this step's K/V into the cache and attend. query [tokens, heads, head_dim], key and
     value [tokens, kv_heads, head_dim]; returns [tokens, heads * head_dim]."""
     cache.write(layer, meta.slot_mapping, key, value)
-    num_tokens, num_heads, head_dim = query.shape
-    decode_out = prefill_out = None
-    if meta.decode is not None:
-        decode_out = _decode_attention(query, cache, layer, meta.decode, scale)
-        if meta.decode.rows is None:
-            return decode_out
-    if meta.prefill is not None:
-        prefill_out = _prefill_attention(query, key, value, cache, layer, meta.prefill, scale)
-        if meta.prefill.rows is None:
-            return prefill_out
-    out = query.new_empty(num_tokens, num_heads * head_dim)
-    for part, group in ((decode_out, meta.decode), (prefill_out, meta.prefill)):
-        if part is not None and group is not None and group.rows is not None:
-            out.index_copy_(0, group.rows, part)
+    results = [
+        (piece.rows, _attend(piece, query, key, value, cache, layer, scale))
+        for piece in meta.pieces
+    ]
+    if len(results) == 1 and _covers_all(results[0][0], meta.num_tokens):
+        return results[0][1]
+    out = query.new_empty(meta.num_tokens, query.shape[1] * query.shape[2])
+    for rows, part in results:
+        if isinstance(rows, tuple):
+            out[rows[0] : rows[1]] = part
+        elif rows is not None:
+            out.index_copy_(0, rows, part)
     return out
 
 
-def _decode_attention(
-    query: torch.Tensor, cache: PagedKVCache, layer: int, batch: DecodeBatch, scale: float
-) -> torch.Tensor:
-    q = query if batch.rows is None else query.index_select(0, batch.rows)
-    kv_heads, head_dim = cache.keys[layer].shape[1:]
-    seqs, kv_len = batch.num_seqs, batch.kv_len
-    q = q.view(seqs, kv_heads, -1, head_dim)  # query heads of one KV head become query rows
-    k = cache.keys[layer].index_select(0, batch.kv_slots).view(seqs, kv_len, kv_heads, head_dim)
-    v = cache.values[layer].index_select(0, batch.kv_slots).view(seqs, kv_len, kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(
-        q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=batch.mask, scale=scale
-    )
-    return out.reshape(seqs, -1)
+def _covers_all(rows: torch.Tensor | tuple[int, int] | None, num_tokens: int) -> bool:
+    return rows is None or rows == (0, num_tokens)
 
 
-def _prefill_attention(
+def _attend(
+    piece: Piece,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
     cache: PagedKVCache,
     layer: int,
-    batch: PrefillBatch,
     scale: float,
 ) -> torch.Tensor:
-    if batch.kv_slots is None:  # one chunk, nothing cached before it: causal over its own K/V
-        rows = batch.query_rows
-        if batch.rows is not None:
-            query, key, value = (t.index_select(0, rows) for t in (query, key, value))
-        q, k, v = (t.transpose(0, 1)[None] for t in (query, key, value))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-        return out[0].transpose(0, 1).reshape(rows.numel(), -1)
+    if isinstance(piece, DecodeBatch):
+        return _decode(query, cache, layer, piece, scale)
+    if isinstance(piece, PaddedPrefill):
+        return _padded_prefill(query, cache, layer, piece, scale)
+    return _chunk_prefill(query, key, value, cache, layer, piece, scale)
+
+
+def _gather(
+    cache: PagedKVCache, layer: int, slots: torch.Tensor, batch: int, kv_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of the given slots as [batch, kv_heads, kv_len, head_dim] (strided views)."""
     kv_heads, head_dim = cache.keys[layer].shape[1:]
-    chunks, query_len, kv_len = batch.num_chunks, batch.query_len, batch.kv_len
-    group = query.shape[1] // kv_heads
-    q = query.index_select(0, batch.query_rows).view(chunks, query_len, kv_heads, group, head_dim)
-    q = q.permute(0, 2, 3, 1, 4).reshape(chunks, kv_heads, group * query_len, head_dim)
-    k = cache.keys[layer].index_select(0, batch.kv_slots).view(chunks, kv_len, kv_heads, head_dim)
-    v = cache.values[layer].index_select(0, batch.kv_slots).view(chunks, kv_len, kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(
-        q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=batch.mask, scale=scale
-    )
-    out = out.view(chunks, kv_heads, group, query_len, head_dim).permute(0, 3, 1, 2, 4)
-    out = out.reshape(chunks * query_len, kv_heads * group * head_dim)
+    shape = (batch, kv_len, kv_heads, head_dim)
+    k = cache.keys[layer].index_select(0, slots).view(shape)
+    v = cache.values[layer].index_select(0, slots).view(shape)
+    return k.transpose(1, 2), v.transpose(1, 2)
+
+
+def _decode(
+    query: torch.Tensor, cache: PagedKVCache, layer: int, batch: DecodeBatch, scale: float
+) -> torch.Tensor:
+    q = query if batch.rows is None else query.index_select(0, batch.rows)
+    kv_heads = cache.keys[layer].shape[1]
+    q = q.view(batch.num_seqs, kv_heads, -1, q.shape[-1])  # [seqs, kv_heads, group, head_dim]
+    k, v = _gather(cache, layer, batch.kv_slots, batch.num_seqs, batch.kv_len)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=batch.mask, scale=scale)
+    return out.reshape(batch.num_seqs, -1)
+
+
+def _padded_prefill(
+    query: torch.Tensor, cache: PagedKVCache, layer: int, batch: PaddedPrefill, scale: float
+) -> torch.Tensor:
+    chunks, query_len = batch.num_chunks, batch.query_len
+    heads, head_dim = query.shape[1:]
+    kv_heads = cache.keys[layer].shape[1]
+    q = query.index_select(0, batch.query_rows).view(chunks, query_len, kv_heads, -1, head_dim)
+    q = q.permute(0, 2, 3, 1, 4).reshape(chunks, kv_heads, -1, head_dim)
+    k, v = _gather(cache, layer, batch.kv_slots, chunks, batch.kv_len)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=batch.mask, scale=scale)
+    out = out.view(chunks, kv_heads, -1, query_len, head_dim).permute(0, 3, 1, 2, 4)
+    out = out.reshape(chunks * query_len, heads * head_dim)
     return out if batch.kept is None else out.index_select(0, batch.kept)
+
+
+def _chunk_prefill(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cache: PagedKVCache,
+    layer: int,
+    piece: ChunkPrefill,
+    scale: float,
+) -> torch.Tensor:
+    start, stop = piece.rows
+    rows = stop - start
+    heads, head_dim = query.shape[1:]
+    if piece.kv_slots is None:  # causal over the chunk's own K/V
+        q, k, v = (t[start:stop].transpose(0, 1)[None] for t in (query, key, value))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        return out[0].transpose(0, 1).reshape(rows, heads * head_dim)
+    kv_heads = cache.keys[layer].shape[1]
+    q = query[start:stop].view(rows, kv_heads, -1, head_dim).permute(1, 2, 0, 3)
+    q = q.reshape(1, kv_heads, -1, head_dim)  # [1, kv_heads, group * rows, head_dim]
+    k, v = _gather(cache, layer, piece.kv_slots, 1, piece.kv_len)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=piece.mask, scale=scale)
+    out = out.view(kv_heads, -1, rows, head_dim).permute(2, 0, 1, 3)
+    return out.reshape(rows, heads * head_dim)

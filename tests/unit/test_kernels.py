@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kernels import PagedKVCache, select_backend
+from engine.kernels import PagedKVCache, attention_metadata, select_backend
 from engine.kernels.attention_metadata import build_attention_metadata
 from engine.kernels.torch_attention import paged_attention
 from engine.kernels.torch_ops import apply_rotary, rms_norm
@@ -14,7 +14,7 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 8, 4
 SCALE = HEAD_DIM**-0.5
 
 
-def make_cache(num_blocks: int = 64) -> PagedKVCache:
+def make_cache(num_blocks: int = 512) -> PagedKVCache:
     cache = PagedKVCache(
         num_layers=1,
         num_blocks=num_blocks,
@@ -88,12 +88,24 @@ def run_step(chunks: list[tuple[int, int]], seed: int = 0) -> None:
         [(0, 9), (0, 3), (0, 16)],  # several prefills, padded to the longest
         [(10, 6), (5, 1)],  # a chunk after cached tokens (chunked prefill / prefix hit) + decode
         [(0, 5), (9, 1), (4, 7), (0, 1), (13, 2), (30, 1)],  # everything in one step
+        [(300, 1), (5, 1), (700, 1), (20, 1)],  # decode contexts in different length buckets
+        [(0, 5), (3, 7), (10, 40), (2, 1), (0, 50)],  # short chunks padded, long ones alone
     ],
 )
 def test_paged_attention_equals_per_sequence_causal_attention(
     chunks: list[tuple[int, int]],
 ) -> None:
     run_step(chunks)
+
+
+def test_long_chunks_after_cached_tokens_attend_in_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(attention_metadata, "MASK_BUDGET", 64)  # tiles of 16 query rows
+    cache = make_cache(64)
+    meta = build_attention_metadata(
+        [40], [10], [list(range(13))], cache=cache, queries_per_kv=2, device=torch.device("cpu")
+    )
+    assert [piece.rows for piece in meta.pieces] == [(0, 16), (16, 32), (32, 40)]
+    run_step([(10, 40), (0, 3), (6, 1)])
 
 
 def test_new_keys_and_values_land_in_their_slots() -> None:
