@@ -16,8 +16,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
+# SERVE_ARGS passes flags through, e.g. make serve SERVE_ARGS="--port 8080".
 serve: $(STAMP)
-	$(PY) -m engine
+	$(PY) -m engine $(SERVE_ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check engine tests tools
