@@ -96,6 +96,7 @@ def make_checkpoint(out_dir: str | Path, spec: CheckpointSpec, corpus: str | Non
     )
     model.save_pretrained(out, **save_kwargs)
     tokenizer.save_pretrained(out)
+    _make_tokenizer_config_portable(out)
     (out / "engine_checkpoint.json").write_text(
         json.dumps(
             {"made_by": "engine.model.checkpoint_maker", **dataclasses.asdict(spec)}, indent=2
@@ -103,6 +104,22 @@ def make_checkpoint(out_dir: str | Path, spec: CheckpointSpec, corpus: str | Non
     )
     log.info("made a random %s checkpoint in %s", spec.arch, out)
     return out
+
+
+def _make_tokenizer_config_portable(out: Path) -> None:
+    """transformers 5 names its tokenizer class TokenizersBackend and keeps the chat template in
+    chat_template.jinja; transformers 4 (which some vLLM builds pin) knows neither. Name the
+    class both understand and inline the template and special tokens as well."""
+    config_file = out / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    extra = config.get("extra_special_tokens")
+    if isinstance(extra, list):
+        config.setdefault("additional_special_tokens", extra)
+    template = out / "chat_template.jinja"
+    if template.is_file():
+        config.setdefault("chat_template", template.read_text())
+    config_file.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def _config_kwargs(spec: CheckpointSpec, eos_id: int) -> dict[str, Any]:

@@ -40,6 +40,9 @@ def test_cli_output_loads_in_transformers_with_chat_template(tmp_path: Path) -> 
     assert text == "<|im_start|>user\nHello there<|im_end|>\n<|im_start|>assistant\n"
     ids = tokenizer("The harbour at first light")["input_ids"]
     assert tokenizer.decode(ids) == "The harbour at first light"
+    portable = json.loads((out / "tokenizer_config.json").read_text())  # transformers 4 too
+    assert portable["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert portable["chat_template"] == CHATML_TEMPLATE
     eos = GenerationConfig.from_pretrained(out).eos_token_id
     assert eos == tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
     logits = model(torch.tensor([ids])).logits
