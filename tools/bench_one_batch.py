@@ -8,6 +8,7 @@ not fit are skipped with a note.
     python tools/bench_one_batch.py --batch-size 1 32 --input-len 128 --output-len 64
     python tools/bench_one_batch.py --correct            # greedy text for a few real prompts
     python tools/bench_one_batch.py --profile            # torch profiler trace of decode steps
+    python tools/bench_one_batch.py --compare-hf         # HF generate on the same batches
 
 The timing functions (`prefill_batch`, `raw_decode_step_seconds`, `bench_case`) take a
 ModelRunner and are meant to be imported by other benchmarks.
@@ -23,6 +24,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -184,6 +186,26 @@ def profile_decode(
     print(f"wrote a trace of {steps} decode steps (batch {batch_size}) to {out}")
 
 
+def hf_generate_seconds(
+    model_path: str, prompts: Sequence[list[int]], output_len: int, hf_model: Any = None
+) -> float:
+    """Seconds transformers' generate(do_sample=False) takes for the same static batch."""
+    from transformers import AutoModelForCausalLM
+
+    model = hf_model or AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    ids = torch.tensor(prompts)
+    with torch.inference_mode():
+        start = time.perf_counter()
+        model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=output_len,
+            min_new_tokens=output_len,
+        )
+        return time.perf_counter() - start
+
+
 def print_table(results: list[CaseResult]) -> None:
     header = (
         f"{'batch':>5} {'in':>5} {'out':>5} | {'prefill ms':>10} {'prefill tok/s':>13} | "
@@ -215,6 +237,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--profile", action="store_true", help="trace a window of decode steps")
     parser.add_argument("--profile-steps", type=int, default=8)
     parser.add_argument("--profile-out", default="bench_one_batch.trace.json.gz")
+    parser.add_argument(
+        "--compare-hf", action="store_true", help="also time HF generate on the same batches"
+    )
     return parser.parse_args(argv)
 
 
@@ -263,6 +288,26 @@ def main(argv: Sequence[str] | None = None) -> None:
                     continue
                 results.append(bench_case(runner, batch_size, input_len, output_len))
     print_table(results)
+    if args.compare_hf:
+        compare_with_hf(runner, results)
+
+
+def compare_with_hf(runner: ModelRunner, results: list[CaseResult]) -> None:
+    """Whole-batch throughput (prefill + decode) of ours and of HF generate, side by side."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(runner.model_path, dtype=torch.float32).eval()
+    hf_generate_seconds(runner.model_path, random_prompts(runner, 1, 16), 4, hf)  # warm-up
+    print(f"\n{'batch':>5} {'in':>5} {'out':>5} | {'ours tok/s':>10} {'HF tok/s':>9} {'ratio':>6}")
+    for r in results:
+        prompts = random_prompts(runner, r.batch_size, r.input_len)
+        hf_seconds = hf_generate_seconds(runner.model_path, prompts, r.output_len, hf)
+        ours = r.batch_size * r.output_len / r.total_seconds
+        theirs = r.batch_size * r.output_len / hf_seconds
+        print(
+            f"{r.batch_size:>5} {r.input_len:>5} {r.output_len:>5} | "
+            f"{ours:>10.0f} {theirs:>9.0f} {ours / theirs:>6.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ class KernelBackend:
     ]
     apply_rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    output_projection: Callable[[torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]
 
 
 TORCH_BACKEND = KernelBackend(
@@ -51,6 +52,7 @@ TORCH_BACKEND = KernelBackend(
     rotary_cos_sin=torch_ops.rotary_cos_sin,
     apply_rotary=torch_ops.apply_rotary,
     silu_and_mul=torch_ops.silu_and_mul,
+    output_projection=torch_ops.output_projection,
 )
 
 BACKENDS: dict[str, KernelBackend] = {"torch": TORCH_BACKEND}

@@ -15,6 +15,7 @@ from the checkpoint's separate tensors. Tokens of all sequences in a step are on
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -135,12 +136,15 @@ class DecoderForCausalLM(nn.Module):
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self.inv_freq: torch.Tensor = rope_inv_freq(config)
+        self.project_to_vocab: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def fuse_weights(self) -> None:
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer)
             layer.self_attn.fuse_weights()
         self.inv_freq = rope_inv_freq(self.config).to(self.embed_tokens.weight.device)
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self.project_to_vocab = self.ops.output_projection(weight)
 
     def forward(
         self, token_ids: torch.Tensor, attention: AttentionMetadata, kv_cache: PagedKVCache
@@ -155,5 +159,5 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [rows, vocab] of the given last-layer hidden rows."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(self.norm(hidden), weight).float()
+        assert self.project_to_vocab is not None, "fuse_weights() runs after loading"
+        return self.project_to_vocab(self.norm(hidden)).float()

@@ -8,7 +8,7 @@ import torch
 from engine.kernels import PagedKVCache, attention_metadata, select_backend
 from engine.kernels.attention_metadata import build_attention_metadata
 from engine.kernels.torch_attention import paged_attention
-from engine.kernels.torch_ops import apply_rotary, rms_norm
+from engine.kernels.torch_ops import apply_rotary, output_projection, rms_norm
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 8, 4
 SCALE = HEAD_DIM**-0.5
@@ -144,6 +144,14 @@ def test_rotary_and_rms_norm_match_the_reference_formulas() -> None:
     weight = torch.randn(HEAD_DIM)
     normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
     torch.testing.assert_close(rms_norm(x, weight, 1e-6), normed)
+
+
+def test_output_projection_equals_a_plain_matmul() -> None:
+    weight = torch.randn(1000, 64)
+    project = output_projection(weight)
+    for rows in (1, 7, 64):
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(project(x), x @ weight.T, atol=1e-4, rtol=1e-4)
 
 
 def test_backend_selection_names_what_it_accepts() -> None:
