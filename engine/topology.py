@@ -123,6 +123,7 @@ def plan_engine(settings: Settings, model_path: str) -> EnginePlan:
                     kv_cache_memory=num_blocks * block_bytes,
                     max_model_len=max_model_len,
                     seed=settings.model.seed,
+                    num_threads=runtime.worker_threads or None,
                 )
             ),
             heartbeat_interval=runtime.heartbeat_interval,

@@ -145,6 +145,10 @@ class RuntimeSettings(_Section, frozen=True):
     restart_period: Annotated[
         float, Meta(gt=0.0, description="window (seconds) in which restart_intensity counts")
     ] = 60.0
+    worker_threads: Annotated[
+        int,
+        Meta(ge=0, le=1024, description="torch threads per CPU worker rank; 0 = cores - 1"),
+    ] = 0
     quarantine_after: Annotated[
         int,
         Meta(ge=1, description="crashes a request may be part of before it is failed, not retried"),
