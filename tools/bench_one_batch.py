@@ -32,6 +32,7 @@ if __package__ in (None, ""):  # run as a script: make `engine` importable from 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.messages.steps import SeqChunk
+from engine.model.capacity import kv_block_bytes
 from engine.model.runner import ModelRunner
 
 CORRECTNESS_PROMPTS = [
@@ -240,6 +241,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--compare-hf", action="store_true", help="also time HF generate on the same batches"
     )
+    parser.add_argument(
+        "--no-engine-overhead",
+        dest="engine_overhead",
+        action="store_false",
+        help="skip timing decode steps through the full actor system",
+    )
     return parser.parse_args(argv)
 
 
@@ -288,8 +295,29 @@ def main(argv: Sequence[str] | None = None) -> None:
                     continue
                 results.append(bench_case(runner, batch_size, input_len, output_len))
     print_table(results)
+    if args.engine_overhead and results:
+        print_engine_overhead(runner, model, results, args)
     if args.compare_hf:
         compare_with_hf(runner, results)
+
+
+def print_engine_overhead(
+    runner: ModelRunner, model: str, results: list[CaseResult], args: argparse.Namespace
+) -> None:
+    """A decode step through the whole actor system over the raw forward of the same batch."""
+    from tools.engine_overhead import engine_decode_step_seconds
+
+    cases = sorted({(r.batch_size, r.input_len) for r in results})
+    output_len = max(args.output_len)
+    kv_bytes = runner.num_blocks * kv_block_bytes(runner.config, runner.block_size, runner.dtype)
+    engine = engine_decode_step_seconds(model, cases, output_len, kv_bytes, args.num_threads)
+    print(f"\n{'batch':>5} {'in':>5} | {'engine ms/step':>14} {'raw ms/step':>11} {'overhead':>8}")
+    for batch, input_len in cases:
+        raw = raw_decode_step_seconds(runner, batch, input_len + output_len // 2)
+        step = engine[(batch, input_len)]
+        print(
+            f"{batch:>5} {input_len:>5} | {step * 1e3:>14.3f} {raw * 1e3:>11.3f} {step / raw:>8.2f}"
+        )
 
 
 def compare_with_hf(runner: ModelRunner, results: list[CaseResult]) -> None:
