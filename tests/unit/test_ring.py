@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 import msgspec
 import pytest
 
-from engine.actors.runtime.doorbell import default_doorbell_dir
+from engine.actors.runtime.doorbell import default_doorbell_dir, doorbell_path
 from engine.actors.runtime.ring import (
     RECORD_OVERHEAD,
     FrameTooLarge,
@@ -222,6 +222,15 @@ def test_reader_index_and_spec_are_checked(make_ring: MakeRing, prefix: str) -> 
         RingReader(RingSpec(spec.name, spec.capacity, readers=1))
     with pytest.raises(FileNotFoundError, match="does not exist"):
         RingWriter(RingSpec(f"{prefix}missing", 1024))
+
+
+def test_a_missing_doorbell_is_a_clear_error_that_leaks_nothing(make_ring: MakeRing) -> None:
+    spec = make_ring(readers=3)
+    os.unlink(doorbell_path(spec.doorbell_dir, spec.name, "r2"))
+    open_fds = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(FileNotFoundError, match=r"doorbell .*\.r2\.bell' does not exist"):
+        RingWriter(spec)
+    assert len(os.listdir("/proc/self/fd")) == open_fds
 
 
 @pytest.mark.parametrize(

@@ -149,6 +149,19 @@ def _close_fds(fds: Iterable[int]) -> None:
         os.close(fd)
 
 
+def _open_doorbells(paths: Sequence[str], memory: shm.RingMemory) -> list[int]:
+    """Open every doorbell, or close what was opened (and the mapping) and raise."""
+    fds: list[int] = []
+    try:
+        for path in paths:
+            fds.append(open_doorbell(path))
+    except BaseException:
+        _close_fds(fds)
+        memory.close()
+        raise
+    return fds
+
+
 def _corrupted(spec: RingSpec, what: str) -> RingCorrupted:
     return RingCorrupted(f"ring {spec.name!r}: {what}")
 
@@ -168,16 +181,9 @@ class RingWriter:
         self._parked_words = [shm.w_parked(i) for i in range(spec.readers)]
         self._known_head = self._slowest_head()
         writer_bell, reader_bells = _bell_paths(spec)
-        self._bells: list[int] = []
-        try:
-            self.doorbell_fd = open_doorbell(writer_bell)  # rung by readers when space frees up
-            self._bells.append(self.doorbell_fd)
-            self._reader_bells = [open_doorbell(path) for path in reader_bells]
-            self._bells.extend(self._reader_bells)
-        except BaseException:
-            _close_fds(self._bells)
-            self._map.close()
-            raise
+        self._bells = _open_doorbells([writer_bell, *reader_bells], self._map)
+        self.doorbell_fd = self._bells[0]  # rung by readers when space frees up
+        self._reader_bells = self._bells[1:]
         self._space_waiters = 0
         self._waiter = Waiter(max_spin_us)
         self._closed = False
@@ -345,16 +351,10 @@ class RingReader:
         self._parked_word = shm.w_parked(reader)
         self._head: int = self._words[self._head_word]
         writer_bell, reader_bells = _bell_paths(spec)
-        try:
-            self.doorbell_fd = open_doorbell(reader_bells[reader])  # rung when frames arrive
-            try:
-                self._space_bell = open_doorbell(writer_bell)
-            except BaseException:
-                os.close(self.doorbell_fd)
-                raise
-        except BaseException:
-            self._map.close()
-            raise
+        # doorbell_fd is rung when frames arrive; the space bell wakes a writer waiting for room
+        self.doorbell_fd, self._space_bell = _open_doorbells(
+            [reader_bells[reader], writer_bell], self._map
+        )
         self._pending: deque[bytes] = deque()  # drained but not yet handed out by recv()
         self._parkers = 0
         self._waiter = Waiter(max_spin_us)
