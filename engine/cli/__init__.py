@@ -1,4 +1,4 @@
-"""Command line: `serve` (the default), `config show`, `admin`.
+"""Command line: `serve` (the default), `config show`, `admin`, `replay`, `trace import`.
 
 Usage errors print one line to stderr and exit 2; invalid settings exit 2 the same way.
 """
@@ -16,6 +16,9 @@ usage: python -m engine [serve] [MODEL] [flags]       start the OpenAI-compatibl
        python -m engine admin [--socket PATH] COMMAND [ARGS] [--json]
            COMMAND: health | stats | actors | requests | abort ID | drain | shutdown |
                     log-level LEVEL
+       python -m engine replay TRACE --url URL [--speed X] [--max-concurrency N] [--limit N]
+           [--model NAME] [--compare] [--json] [--plot OUT.png]   re-send a trace, report
+       python -m engine trace import mooncake|azure|poisson ... -o OUT   make a trace
 """
 
 
@@ -33,6 +36,14 @@ def main(argv: list[str]) -> int:
             from engine.cli.admin_client import run_admin
 
             return run_admin(rest, os.environ)
+        if command == "replay":
+            from engine.cli.replay_cmd import run_replay
+
+            return run_replay(rest, os.environ)
+        if command == "trace":
+            from engine.cli.trace_cmd import run_trace
+
+            return run_trace(rest, os.environ)
         if any(a in ("-h", "--help") for a in rest):
             _print_help()
             return 0
@@ -47,7 +58,7 @@ def main(argv: list[str]) -> int:
 
 
 def _split_command(argv: list[str]) -> tuple[str, list[str]]:
-    if argv and argv[0] in ("serve", "config", "admin", "help"):
+    if argv and argv[0] in ("serve", "config", "admin", "replay", "trace", "help"):
         return argv[0], argv[1:]
     return "serve", argv
 

@@ -93,7 +93,7 @@ async def _generate(request: Request, state: ServerState, parse: Parser, endpoin
     except ApiError as e:
         state.metrics.requests.labels(endpoint, outcome_of(e.status)).inc()
         raise
-    run = RequestRun(state, prepared, endpoint)
+    run = RequestRun(state, prepared, endpoint, body)
     if prepared.stream:
         firsts = await _until_disconnect(request, run.open())
         if firsts is None:  # left while queued or prefilling

@@ -12,12 +12,13 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from engine.http.errors import ApiError, outcome_of
 from engine.http.parsing import PreparedRequest
 from engine.http.responses import SSE_DONE, ResponseBuilder, sse_event
 from engine.outputs import EngineError, RequestOutput
+from engine.trace.recorder import RequestRecording
 
 if TYPE_CHECKING:
     from engine.http.state import ServerState
@@ -32,7 +33,9 @@ def api_error_from(error: EngineError) -> ApiError:
 
 
 class RequestRun:
-    def __init__(self, state: ServerState, prepared: PreparedRequest, endpoint: str) -> None:
+    def __init__(
+        self, state: ServerState, prepared: PreparedRequest, endpoint: str, body: bytes = b""
+    ) -> None:
         self.state = state
         self.prepared = prepared
         self.endpoint = endpoint
@@ -44,7 +47,13 @@ class RequestRun:
         self._first_token_at: float | None = None
         self._last_token_at: dict[int, float] = {}
         self.outcome = "aborted"
+        self.status = 200  # the HTTP status answered; an engine refusal's otherwise
         self._counted = False
+        self.recording = (
+            RequestRecording(endpoint, body, self.arrival_wall, len(self.builder.choices))
+            if state.trace is not None and state.trace.active
+            else None
+        )
 
     # ------------------------------------------------------------ opening
 
@@ -72,6 +81,7 @@ class RequestRun:
         if failure is not None:
             self.abort_unfinished()
             status = failure.status if isinstance(failure, EngineError) else 500
+            self.status = status
             self.outcome = outcome_of(status)
             self.finish()
             if isinstance(failure, EngineError):
@@ -136,6 +146,8 @@ class RequestRun:
                 self._first_token_at = now
                 metrics.ttft.observe(now - self.arrival)
             key = i * self.prepared.n + delta.index
+            if self.recording is not None:
+                self.recording.tokens_delivered(key, delta.token_ids, now - self.arrival)
             last = self._last_token_at.get(key)
             if last is not None:
                 per_token = (now - last) / count
@@ -221,20 +233,17 @@ class RequestRun:
         metrics.prompt_tokens.inc(usage.prompt_tokens)
         if self.outcome == "success":
             metrics.e2e.observe(now - self.arrival)
-        if self.state.trace is not None:
-            record: dict[str, Any] = {
-                "arrival": round(self.arrival_wall, 6),
-                "endpoint": self.endpoint,
-                "request_id": self.prepared.request_id,
-                "outcome": self.outcome,
-                "stream": self.prepared.stream,
-                "n": self.prepared.n,
-                "max_tokens": self.prepared.params.max_tokens,
-                "prompt_tokens": usage.prompt_tokens,
-                "completion_tokens": usage.completion_tokens,
-                "ttft": None
-                if self._first_token_at is None
-                else round(self._first_token_at - self.arrival, 6),
-                "e2e": round(now - self.arrival, 6),
-            }
-            self.state.trace.write(record)
+        if self.recording is not None and self.state.trace is not None:
+            first = self._first_token_at
+            self.state.trace.submit(
+                self.recording.record(
+                    self.prepared,
+                    self.builder.choices,
+                    outcome=self.outcome,
+                    status=self.status,
+                    prompt_tokens=usage.prompt_tokens,
+                    completion_tokens=usage.completion_tokens,
+                    ttft=None if first is None else first - self.arrival,
+                    e2e=now - self.arrival,
+                )
+            )

@@ -1,0 +1,180 @@
+"""Recording what the server served: `--record-trace FILE` appends one line per finished request.
+
+The serving path only collects references (token ids and delivery times per choice) and hands a
+finished `TraceRecord` to a queue; a writer thread encodes and writes it. Nothing on the event
+loop touches the file, so a slow disk never delays a response. A write that fails (a full disk,
+a vanished mount) stops recording with one log line; serving goes on. If the writer falls behind
+by more than `max_pending` records, new ones are dropped (counted, logged once) rather than
+letting memory grow.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+from collections.abc import Sequence
+from typing import IO, TYPE_CHECKING
+
+import msgspec
+
+from engine.trace.format import Endpoint, RecordedChoice, TraceRecord
+
+if TYPE_CHECKING:
+    from engine.http.parsing import PreparedRequest
+    from engine.http.responses import ChoiceState
+
+log = logging.getLogger("engine.trace")
+
+_STOP = None  # queued by close(): the writer drains what came before and exits
+
+
+class TraceRecorder:
+    """Appends records to a JSON Lines file from a background thread."""
+
+    def __init__(self, path: str, *, max_pending: int = 10_000) -> None:
+        self.path = path
+        self.written = 0
+        self.dropped = 0
+        self._queue: queue.Queue[TraceRecord | None] = queue.Queue(maxsize=max_pending)
+        self._file: IO[bytes] | None = None
+        self._failed = False
+        self._warned_full = False
+        try:
+            self._file = open(path, "ab")  # noqa: SIM115 - owned by the writer thread
+        except OSError as e:
+            self._stop_recording(f"cannot open {path}: {e}")
+        self._thread = threading.Thread(target=self._write_loop, name="trace-writer", daemon=True)
+        self._thread.start()
+
+    @property
+    def active(self) -> bool:
+        """False once recording has stopped (a write failed or the file could not be opened)."""
+        return not self._failed
+
+    def submit(self, record: TraceRecord) -> None:
+        """Queue one record; never blocks, never raises."""
+        if self._failed:
+            self.dropped += 1
+            return
+        try:
+            self._queue.put_nowait(record)
+        except queue.Full:
+            self.dropped += 1
+            if not self._warned_full:
+                self._warned_full = True
+                log.warning(
+                    "trace writer is %d records behind; dropping records until it catches up",
+                    self._queue.maxsize,
+                )
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Write what is queued, then close the file (waits at most `timeout` seconds)."""
+        with contextlib.suppress(queue.Full):
+            self._queue.put(_STOP, timeout=timeout)
+        self._thread.join(timeout)
+
+    def _write_loop(self) -> None:
+        encoder = msgspec.json.Encoder()
+        buffer = bytearray()
+        stopping = False
+        while not stopping:
+            batch = [self._queue.get()]
+            with contextlib.suppress(queue.Empty):
+                while len(batch) < 1024:
+                    batch.append(self._queue.get_nowait())
+            buffer.clear()
+            for record in batch:
+                if record is _STOP:
+                    stopping = True
+                    continue
+                _append_line(encoder, record, buffer)
+            if buffer and self._file is not None and not self._failed:
+                try:
+                    self._file.write(buffer)
+                    self._file.flush()
+                    self.written += len(batch) - stopping
+                except OSError as e:
+                    self.dropped += len(batch) - stopping
+                    self._stop_recording(f"cannot write {self.path}: {e}")
+        if self._file is not None:
+            with contextlib.suppress(OSError):
+                self._file.close()
+
+    def _stop_recording(self, why: str) -> None:
+        self._failed = True
+        log.error("trace recording stopped: %s (serving continues)", why)
+        if self._file is not None:
+            with contextlib.suppress(OSError):
+                self._file.close()
+            self._file = None
+
+
+def _append_line(encoder: msgspec.json.Encoder, record: TraceRecord, buffer: bytearray) -> None:
+    # A body a client sent pretty-printed holds newlines, which would split the line. JSON
+    # strings cannot hold raw CR/LF, so every such byte is whitespace and may become a space.
+    body = bytes(record.body)
+    if b"\n" in body or b"\r" in body:
+        record.body = msgspec.Raw(body.replace(b"\r", b" ").replace(b"\n", b" "))
+    encoder.encode_into(record, buffer, -1)
+    buffer.extend(b"\n")
+
+
+class RequestRecording:
+    """What one API request adds to the trace, collected while it is served."""
+
+    __slots__ = ("_arrival", "_body", "_endpoint", "_times", "_tokens")
+
+    def __init__(self, endpoint: str, body: bytes, arrival: float, num_choices: int) -> None:
+        self._endpoint = endpoint
+        self._body = body
+        self._arrival = arrival  # Unix time
+        self._tokens: list[list[int]] = [[] for _ in range(num_choices)]
+        self._times: list[list[float]] = [[] for _ in range(num_choices)]
+
+    def tokens_delivered(self, choice: int, token_ids: Sequence[int], after: float) -> None:
+        """`token_ids` of `choice` left the server `after` seconds from arrival."""
+        self._tokens[choice].extend(token_ids)
+        self._times[choice].extend([round(after, 6)] * len(token_ids))
+
+    def record(
+        self,
+        prepared: PreparedRequest,
+        choices: Sequence[ChoiceState],
+        *,
+        outcome: str,
+        status: int,
+        prompt_tokens: int,
+        completion_tokens: int,
+        ttft: float | None,
+        e2e: float,
+    ) -> TraceRecord:
+        endpoint: Endpoint = (
+            "chat_completions" if self._endpoint == "chat_completions" else "completions"
+        )
+        return TraceRecord(
+            arrival=round(self._arrival, 6),
+            endpoint=endpoint,
+            body=msgspec.Raw(self._body),
+            request_id=prepared.request_id,
+            stream=prepared.stream,
+            n=prepared.n,
+            max_tokens=prepared.params.max_tokens,
+            outcome=outcome,
+            status=status,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            ttft=None if ttft is None else round(ttft, 6),
+            e2e=round(e2e, 6),
+            choices=[
+                RecordedChoice(
+                    index=c.index,
+                    text=c.text,
+                    finish_reason=c.finish_reason,
+                    token_ids=self._tokens[k],
+                    token_times=self._times[k],
+                )
+                for k, c in enumerate(choices)
+            ],
+        )
