@@ -32,7 +32,10 @@ from collections.abc import Sequence
 from typing import Protocol
 
 SAFETY_RECHECK_S = 0.1
-DEFAULT_MAX_SPIN_US = 200.0
+DEFAULT_MAX_SPIN_US = 200.0  # readers: a reply often comes within tens of µs
+# A writer facing a full ring waits for its reader to get through a whole ring's worth of frames
+# (hundreds of µs); spinning through that only takes CPU from the reader on a busy machine.
+DEFAULT_WRITER_MAX_SPIN_US = 20.0
 _PIPE_DRAIN_BYTES = 4096
 
 _fence_lock = threading.Lock()

@@ -22,6 +22,7 @@ import msgspec
 from engine.actors.runtime import shm
 from engine.actors.runtime.doorbell import (
     DEFAULT_MAX_SPIN_US,
+    DEFAULT_WRITER_MAX_SPIN_US,
     Waiter,
     create_doorbell,
     default_doorbell_dir,
@@ -169,7 +170,7 @@ def _corrupted(spec: RingSpec, what: str) -> RingCorrupted:
 class RingWriter:
     """The single writing end of a ring. Not thread-safe; use from one thread (one loop)."""
 
-    def __init__(self, spec: RingSpec, *, max_spin_us: float = DEFAULT_MAX_SPIN_US) -> None:
+    def __init__(self, spec: RingSpec, *, max_spin_us: float = DEFAULT_WRITER_MAX_SPIN_US) -> None:
         self.spec = spec
         self._map = shm.RingMemory(spec.name, spec.capacity, spec.readers)
         self._segment: mmap.mmap = self._map.segment
