@@ -2,21 +2,26 @@
 
 It lives in the root process: it starts the supervisor, keeps the gateway (every unfinished
 request's truth), pumps the detokenizer's output into per-request streams, and after any restart
-on the request path resubmits every unfinished request under a new epoch (DESIGN §5).
+on the request path resubmits every unfinished request under a new epoch (DESIGN §5). A death
+that was a crash (not a kill from outside) is counted against the requests in flight at the
+actor, which the gateway retries alone and quarantines if they crash it again (see gateway).
+Past the restart intensity every request fails with 503 and `health()` says why.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from engine.actors.gateway import Gateway
+from engine.actors.gateway import Gateway, ToTokenizer
 from engine.actors.runtime.events import ChildDied, ChildRestarted, Escalated
+from engine.actors.runtime.ring import RingClosed
 from engine.actors.runtime.supervisor import Supervisor
 from engine.messages.outputs import DETOKENIZER_TO_GATEWAY
 from engine.messages.params import SamplingParams
@@ -25,7 +30,6 @@ from engine.messages.requests import (
     GATEWAY_TO_TOKENIZER,
     TOKENIZER_FAILURES,
     ChatMessage,
-    GenerateRequest,
 )
 from engine.outputs import EngineError, RequestOutput
 from engine.settings import Settings, resolve_home
@@ -37,12 +41,13 @@ log = logging.getLogger("engine")
 class AsyncLLM:
     def __init__(self, settings: Settings | None = None) -> None:
         self.settings = settings or Settings()
-        self.gateway = Gateway()
+        self.gateway = Gateway(self.settings.runtime.quarantine_after)
         self.model_name = ""
         self.max_model_len = 0
         self._plan: EnginePlan | None = None
         self._supervisor: Supervisor | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._sends: set[asyncio.Task[None]] = set()  # owed submissions on their way
         self._report: SchedulerReport | None = None
         self._failure: str | None = None  # why the engine can no longer serve
         self._closed = False
@@ -76,9 +81,9 @@ class AsyncLLM:
             return
         self._closed = True
         self.gateway.fail_all(EngineError(f"the engine is shutting down: {reason}", 503))
-        for task in self._tasks:
+        for task in [*self._tasks, *self._sends]:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *self._sends, return_exceptions=True)
         if self._supervisor is not None:
             await self._supervisor.shutdown(reason)
 
@@ -119,7 +124,8 @@ class AsyncLLM:
         )
         finished = False
         try:
-            await self._submit([submission])
+            if submission is not None:  # None: held back while a suspect is on probation
+                await self._submit([submission])
             while True:
                 item = await record.stream.get()
                 if isinstance(item, EngineError):
@@ -154,6 +160,7 @@ class AsyncLLM:
         if abort is None:
             return False
         await self._send([GATEWAY_TO_TOKENIZER.encode(abort)])
+        self._send_owed()
         return True
 
     # ---- what the admin socket, /health and /metrics show --------------------------------------
@@ -220,7 +227,7 @@ class AsyncLLM:
                 429,
             )
 
-    async def _submit(self, submissions: list[GenerateRequest]) -> None:
+    async def _submit(self, submissions: list[ToTokenizer]) -> None:
         await self._send([GATEWAY_TO_TOKENIZER.encode(s) for s in submissions])
 
     async def _send(self, frames: list[bytes]) -> None:
@@ -229,11 +236,25 @@ class AsyncLLM:
         # every restart carries these requests again.
         await self._supervisor.root.send_many("requests", frames)
 
+    def _send_owed(self) -> None:
+        """Send what the gateway owes (probation moved on) without holding up the caller."""
+        owed = self.gateway.take_submissions()
+        if owed:
+            task = asyncio.get_running_loop().create_task(self._submit(owed))
+            self._sends.add(task)
+            task.add_done_callback(self._sends.discard)
+
     async def _pump_outputs(self) -> None:
         assert self._supervisor is not None
         mailbox = self._supervisor.root.mailbox
         while True:
-            for ring, frames in await mailbox.recv():
+            try:
+                received = await mailbox.recv()
+            except RingClosed:
+                if self._failure is not None or self._closed:
+                    return  # the supervisor shut down (escalation) and closed the root's rings
+                raise
+            for ring, frames in received:
                 if ring == "outputs":
                     for batch in DETOKENIZER_TO_GATEWAY.decode_many(frames):
                         self.gateway.deliver(batch)
@@ -246,12 +267,16 @@ class AsyncLLM:
                     reports = SCHEDULER_REPORTS.decode_many(frames)
                     if reports:
                         self._report = reports[-1]
+            self._send_owed()
 
     async def _follow_supervisor(self, events: asyncio.Queue[Any]) -> None:
         while True:
             event = await events.get()
             if isinstance(event, ChildDied):
                 log.warning("actor %s died (%s); restarting it", event.name, event.reason)
+                if is_crash(event):
+                    tokenizer = self._role(event.name) == "TokenizerActor"
+                    self.gateway.record_crash(event.name, event.reason, tokenizer=tokenizer)
             elif isinstance(event, ChildRestarted):
                 # Every actor is on the request path: whatever was in flight through it is gone.
                 # A group restart reports each member: resubmit once for all of them.
@@ -268,6 +293,29 @@ class AsyncLLM:
             elif isinstance(event, Escalated):
                 self._failure = event.reason
                 self.gateway.fail_all(EngineError(f"the engine failed: {event.reason}", 503))
+
+    def _role(self, name: str) -> str:
+        rows = self._supervisor.status() if self._supervisor is not None else []
+        return next((row.entry.rpartition(":")[2] for row in rows if row.name == name), "")
+
+
+# Signals that only ever come from outside an actor: an operator, the OOM killer, a test.
+_EXTERNAL_SIGNALS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
+
+
+def is_crash(event: ChildDied) -> bool:
+    """Whether a death may be a request's doing: an exception that escaped (status != 0), a
+    native crash (SIGSEGV, SIGABRT, ...) or a hang the supervisor killed. A kill from outside
+    the engine is not; the supervisor names its own kills in the reason, nobody else does."""
+    if event.exitcode == 0:
+        return False
+    if event.exitcode > 0:
+        return True
+    try:
+        sig = signal.Signals(-event.exitcode)
+    except ValueError:
+        return True
+    return sig not in _EXTERNAL_SIGNALS or event.reason != f"was killed by {sig.name}"
 
 
 def _drain_restarts(events: asyncio.Queue[Any]) -> list[str]:

@@ -1,8 +1,9 @@
 """The detokenizer actor: the scheduler's token batches in, text deltas out to the gateway.
 
 The domain work (incremental, multi-byte safe text; stop strings; re-priming after a restart)
-is engine.text.Detokenizer. Samples ended by a stop string are reported to the scheduler on
-"stops" so it stops generating them. Never imports torch (see hf_tokenizer).
+is engine.text.Detokenizer. Samples ended by a stop string, and requests that failed here, are
+reported to the scheduler on "stops" so it stops generating them. Never imports torch (see
+hf_tokenizer).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import msgspec
 from engine.actors.hf_tokenizer import load_tokenizer_without_torch
 from engine.actors.runtime.actor import Actor
 from engine.messages.outputs import DETOKENIZER_TO_GATEWAY
-from engine.messages.scheduling import SCHEDULER_OUTPUTS, SCHEDULER_REQUESTS
+from engine.messages.scheduling import SCHEDULER_OUTPUTS, SCHEDULER_REQUESTS, AbortRequests
 from engine.text import Detokenizer
 
 
@@ -32,7 +33,10 @@ class DetokenizerActor(Actor):
 
     async def handle(self, ring: str, frames: list[bytes]) -> None:
         output = self.detokenizer.handle(SCHEDULER_OUTPUTS.decode_many(frames))
-        if output.stops:
-            await self.send_many("stops", [SCHEDULER_REQUESTS.encode(s) for s in output.stops])
+        to_scheduler = [SCHEDULER_REQUESTS.encode(stop) for stop in output.stops]
+        if output.aborts:  # requests that failed here: the scheduler stops generating them
+            to_scheduler.append(SCHEDULER_REQUESTS.encode(AbortRequests(list(output.aborts))))
+        if to_scheduler:
+            await self.send_many("stops", to_scheduler)
         if output.batch is not None:
             await self.send("outputs", DETOKENIZER_TO_GATEWAY.encode(output.batch))

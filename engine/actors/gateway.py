@@ -4,15 +4,37 @@ It runs in the root process. It assigns request ids and seeds, keeps each unfini
 record (prompt, params, what each sample has delivered to its client, epoch), fans detokenizer
 output to per-request streams, and after a restart on the request path produces the resubmission
 of every unfinished request under a new epoch. It does no I/O itself: the engine client sends
-what it returns.
+what it returns (and what `take_submissions` hands out).
+
+Crashes and quarantine. A request that crashes an actor every time it gets there must not
+crash-loop the engine, and a request that merely stood next to it must not pay for it:
+
+- A crash is a death the engine did not cause from outside: an exception that escaped, a native
+  crash, a hang killed by the heartbeat watchdog. A kill from outside (SIGKILL, SIGTERM by an
+  operator, the OOM killer, a chaos test) is evidence against no request and is not counted.
+- A crash counts once against every request in flight at the crashed actor (for the tokenizer:
+  the requests it had not passed on yet; for the others: every request not held back). Those
+  requests become suspects.
+- Suspects are put on probation, one at a time and alone: while one is on probation every other
+  request is held back at the gateway (new ones included), so if an actor crashes now, the
+  probationer alone can have caused it. A suspect is cleared by its first token after the crash
+  (it got past the point where the crash happened); then the next suspect goes, and when none is
+  left every held request is released.
+- A request is quarantined (failed with status 500, never retried) once it has been in flight at
+  `quarantine_after` crashes, the last of them while it was the only request in flight there.
+
+A cleared suspect starts from zero again. Probation costs one prefill and one token per suspect,
+during which the engine serves nobody else: acceptable for crashes, which should be rare.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import secrets
 import time
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +44,10 @@ from engine.messages.params import SamplingParams
 from engine.messages.requests import ChatMessage, GenerateRequest, RequestFailed
 from engine.messages.scheduling import AbortRequests, SampleResume
 from engine.outputs import CompletionOutput, EngineError, RequestOutput
+
+log = logging.getLogger(__name__)
+
+ToTokenizer = GenerateRequest | AbortRequests
 
 
 @dataclass
@@ -52,12 +78,18 @@ class RequestRecord:
     epoch: int = 0
     arrival: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
+    acknowledged: bool = False  # the detokenizer has seen the current epoch (past the tokenizer)
+    held: bool = False  # held back at the gateway while a suspect is on probation
+    strikes: int = 0  # crashes it was in flight at since it last made progress
+    suspect_epoch: int | None = None  # its epoch when it last became a suspect; None: cleared
 
     @property
     def finished(self) -> bool:
         return all(sample.finished for sample in self.samples)
 
     def state(self) -> str:
+        if self.held:
+            return "held"
         if self.prompt_token_ids is None:
             return "tokenizing"
         return "prefilling" if self.first_token_at is None else "decoding"
@@ -82,17 +114,29 @@ class RequestRecord:
 class Gateway:
     """Request registry; methods return the messages the caller must send to the tokenizer."""
 
-    def __init__(self) -> None:
+    def __init__(self, quarantine_after: int = 2) -> None:
+        if quarantine_after < 1:
+            raise ValueError(f"quarantine_after must be an integer >= 1, got {quarantine_after}")
+        self.quarantine_after = quarantine_after
         self._records: dict[str, RequestRecord] = {}
         self._ids = itertools.count()
         self._id_prefix = secrets.token_hex(4)
+        self._suspects: deque[str] = deque()  # waiting for probation, oldest first
+        self._probationer: str | None = None  # the suspect now in flight alone
+        self._outbox: list[ToTokenizer] = []  # owed submissions (probation turns, releases)
         self.resubmissions = 0
+        self.quarantined = 0
 
     def __len__(self) -> int:
         return len(self._records)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._records
+
+    @property
+    def on_probation(self) -> bool:
+        """A suspect is being retried alone: every other request is held back."""
+        return self._probationer is not None or bool(self._suspects)
 
     def open(
         self,
@@ -102,8 +146,9 @@ class Gateway:
         prompt_token_ids: list[int] | None = None,
         messages: list[ChatMessage] | None = None,
         request_id: str | None = None,
-    ) -> tuple[RequestRecord, GenerateRequest]:
-        """Register a new request; returns its record and the submission to send."""
+    ) -> tuple[RequestRecord, GenerateRequest | None]:
+        """Register a new request; its record and the submission to send (None: held back
+        while a suspect is on probation; it is sent when probation ends)."""
         if request_id is None:
             request_id = f"req-{self._id_prefix}-{next(self._ids)}"
         elif request_id in self._records:
@@ -119,9 +164,10 @@ class Gateway:
             messages=messages,
             samples=[SampleRecord(i) for i in range(params.n)],
             stream=asyncio.Queue(),
+            held=self.on_probation,
         )
         self._records[request_id] = record
-        return record, record.submission()
+        return record, None if record.held else record.submission()
 
     def close(self, request_id: str, reason: str = "abort") -> AbortRequests | None:
         """Finish a request early (client abort or disconnect); returns the abort to send."""
@@ -134,14 +180,18 @@ class Gateway:
                 sample.finish_reason = reason
                 deltas.append(CompletionOutput(sample.index, "", [], reason))
         record.stream.put_nowait(self._output(record, deltas, finished=True))
+        self._forget(record)
         return AbortRequests([request_id])
 
     def fail(self, request_id: str, error: EngineError) -> None:
         record = self._records.pop(request_id, None)
         if record is not None:
             record.stream.put_nowait(error)
+            self._forget(record)
 
     def fail_all(self, error: EngineError) -> None:
+        self._suspects.clear()
+        self._probationer = None
         for request_id in list(self._records):
             self.fail(request_id, error)
 
@@ -151,6 +201,7 @@ class Gateway:
             record = self._current(info.request_id, info.epoch)
             if record is not None:
                 record.prompt_token_ids = info.prompt_token_ids
+                record.acknowledged = True
         for failure in batch.failures:
             if self._current(failure.request_id, failure.epoch) is not None:
                 self.fail(failure.request_id, _engine_error(failure))
@@ -162,14 +213,70 @@ class Gateway:
             if record is not None:
                 self._apply(record, deltas)
 
-    def resubmit_all(self) -> list[GenerateRequest]:
-        """After a restart on the request path: every unfinished request, under a new epoch."""
-        submissions = []
+    def record_crash(self, actor: str, reason: str, *, tokenizer: bool = False) -> list[str]:
+        """Count a crash of `actor` against the requests in flight at it (see the module doc);
+        `tokenizer`: the actor is a tokenizer, which only holds requests not yet passed on.
+        Returns the ids of the requests this crash quarantined (their streams got the error)."""
+        at_actor = [
+            record
+            for record in self._records.values()
+            if not record.held and not (tokenizer and record.acknowledged)
+        ]
+        alone = len(at_actor) == 1
+        quarantined = []
+        for record in at_actor:
+            record.strikes += 1
+            if alone and record.strikes >= self.quarantine_after:
+                quarantined.append(record.request_id)
+                self._quarantine(record, actor, reason)
+                continue
+            if record.suspect_epoch is None and record.request_id != self._probationer:
+                self._suspects.append(record.request_id)
+            record.suspect_epoch = record.epoch
+        if at_actor:
+            log.warning(
+                "%s crashed (%s) with %d request(s) in flight at it: %s",
+                actor,
+                reason,
+                len(at_actor),
+                "quarantined" if quarantined else "suspects, to be retried alone",
+            )
+        return quarantined
+
+    def resubmit_all(self) -> list[ToTokenizer]:
+        """After a restart on the request path: every unfinished request, under a new epoch.
+
+        While suspects are on probation only the probationer goes; the others are held back,
+        and whatever older epoch of theirs is still running is aborted.
+        """
+        self._outbox.clear()  # whatever was owed goes in this resubmission, or stays held
         for record in self._records.values():
             record.epoch += 1
-            submissions.append(record.submission())
-        self.resubmissions += len(submissions)
-        return submissions
+            record.acknowledged = False
+        if self._probationer is None:
+            self._next_probationer()
+        if not self.on_probation:
+            for record in self._records.values():
+                record.held = False
+            submissions: list[ToTokenizer] = [r.submission() for r in self._records.values()]
+            self.resubmissions += len(submissions)
+            return submissions
+        held = []
+        for record in self._records.values():
+            if record.request_id != self._probationer:
+                record.held = True
+                held.append(record.request_id)
+        out: list[ToTokenizer] = [AbortRequests(held)] if held else []
+        probationer = self._records.get(self._probationer or "")
+        if probationer is not None:
+            out.append(probationer.submission())
+            self.resubmissions += 1
+        return out
+
+    def take_submissions(self) -> list[ToTokenizer]:
+        """Submissions owed since the last call (probation moved on, or ended); send them."""
+        out, self._outbox = self._outbox, []
+        return out
 
     def records(self) -> Iterable[RequestRecord]:
         return self._records.values()
@@ -183,6 +290,7 @@ class Gateway:
                 "epoch": r.epoch,
                 "prompt_tokens": len(r.prompt_token_ids or []),
                 "generated_tokens": sum(len(s.token_ids) for s in r.samples),
+                "strikes": r.strikes,
                 "age_s": round(now - r.arrival, 3),
             }
             for r in self._records.values()
@@ -193,6 +301,68 @@ class Gateway:
         if record is None or record.epoch != epoch:
             return None
         return record
+
+    # ---- probation -----------------------------------------------------------------------------
+
+    def _quarantine(self, record: RequestRecord, actor: str, reason: str) -> None:
+        self.quarantined += 1
+        message = (
+            f"request {record.request_id} was quarantined: it was in flight at {record.strikes} "
+            f"actor crashes, the last of them ({actor}: {reason}) while it was the only request "
+            f"in flight there (runtime.quarantine_after is {self.quarantine_after}); "
+            "it will not be retried"
+        )
+        log.error("%s", message)
+        self.fail(record.request_id, EngineError(message, 500))
+
+    def _clear(self, record: RequestRecord) -> None:
+        """A suspect made progress after its crash: it is no suspect any more."""
+        record.suspect_epoch = None
+        record.strikes = 0
+        if record.request_id == self._probationer:
+            self._probationer = None
+            if any(self._is_suspect(request_id) for request_id in self._suspects):
+                self._hold(record)  # the next suspect must be alone in the engine
+            self._advance()
+
+    def _hold(self, record: RequestRecord) -> None:
+        """Take a running request out of the engine until probation ends; it resumes then from
+        what its client has (its running epoch's late outputs are dropped)."""
+        record.held = True
+        record.epoch += 1
+        record.acknowledged = False
+        self._outbox.append(AbortRequests([record.request_id]))
+
+    def _is_suspect(self, request_id: str) -> bool:
+        record = self._records.get(request_id)
+        return record is not None and record.suspect_epoch is not None
+
+    def _forget(self, record: RequestRecord) -> None:
+        """`record` left the registry (finished, failed, aborted)."""
+        if record.request_id == self._probationer:
+            self._probationer = None
+            self._advance()
+
+    def _next_probationer(self) -> RequestRecord | None:
+        while self._suspects:
+            request_id = self._suspects.popleft()
+            if self._is_suspect(request_id):
+                record = self._records[request_id]
+                self._probationer = request_id
+                record.held = False
+                return record
+        return None
+
+    def _advance(self) -> None:
+        """The probationer is done: send the next suspect alone, or release everyone."""
+        record = self._next_probationer()
+        if record is not None:
+            self._outbox.append(record.submission())
+            return
+        for record in self._records.values():
+            if record.held:
+                record.held = False
+                self._outbox.append(record.submission())
 
     def _apply(self, record: RequestRecord, deltas: list[SampleDeltaText]) -> None:
         outputs = []
@@ -230,6 +400,10 @@ class Gateway:
         if finished:
             del self._records[record.request_id]
         record.stream.put_nowait(self._output(record, outputs, finished))
+        if finished:
+            self._forget(record)
+        elif record.suspect_epoch is not None and record.epoch > record.suspect_epoch:
+            self._clear(record)
 
     @staticmethod
     def _output(

@@ -1,8 +1,9 @@
 """The tokenizer actor: chat template + tokenization, and the first check of a request's size.
 
 Requests come from the gateway; tokenized ones go to the scheduler, refused ones straight back
-to the gateway. A request whose input breaks tokenization fails alone (status 400); the actor
-keeps serving. It never imports torch (see hf_tokenizer).
+to the gateway. A request that breaks tokenization fails alone and the actor keeps serving:
+status 400 when its input is at fault (a bad value, a chat template that refuses the messages),
+500 for anything else. It never imports torch (see hf_tokenizer).
 """
 
 from __future__ import annotations
@@ -107,10 +108,8 @@ class TokenizerActor(Actor):
                 continue
             try:
                 _, token_ids = self.builder.build(message)
-            except Exception as exc:  # bad input fails this request alone
-                param = exc.param if isinstance(exc, PromptTooLong) else _param_of(message)
-                failure = RequestFailed(message.request_id, message.epoch, 400, str(exc), param)
-                failures.append(TOKENIZER_FAILURES.encode(failure))
+            except Exception as exc:  # fails this request alone
+                failures.append(TOKENIZER_FAILURES.encode(_failure(message, exc)))
                 continue
             submit = SubmitRequest(
                 request_id=message.request_id,
@@ -125,6 +124,25 @@ class TokenizerActor(Actor):
             await self.send_many("failures", failures)
         if to_scheduler:
             await self.send_many("submit", to_scheduler)
+
+
+def _failure(request: GenerateRequest, exc: Exception) -> RequestFailed:
+    if isinstance(exc, PromptTooLong):
+        status, param, message = 400, exc.param, str(exc)
+    elif _input_error(exc):
+        status, param, message = 400, _param_of(request), str(exc)
+    else:
+        status, param = 500, None
+        message = f"could not tokenize this request: {type(exc).__name__}: {exc}"
+    return RequestFailed(request.request_id, request.epoch, status, message, param)
+
+
+def _input_error(exc: Exception) -> bool:
+    """Errors that say the input is wrong: bad values, and chat templates that refuse the
+    messages (jinja2's errors, raised from the template itself)."""
+    if isinstance(exc, ValueError | TypeError | LookupError):
+        return True
+    return any(cls.__module__.startswith("jinja2") for cls in type(exc).__mro__)
 
 
 def _param_of(request: GenerateRequest) -> str:

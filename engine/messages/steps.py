@@ -55,7 +55,9 @@ class StepResult(msgspec.Struct, tag=True, array_like=True):
 
 
 class WorkerFailed(msgspec.Struct, tag=True, array_like=True):
-    """A step failed on a rank; the scheduler fails the named sequences (or all, if empty)."""
+    """Rank 0 could not compute these sequences of a step (they failed even when run alone):
+    the scheduler fails their requests with status 500. The step's StepResult follows, with
+    the sequences that were computed; a plan without chunks gets no StepResult, as always."""
 
     step_id: int
     seq_ids: list[int]

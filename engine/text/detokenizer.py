@@ -3,11 +3,14 @@
 It learns each request (prompt, stop strings, resume points) from the SubmitRequest the
 scheduler forwards ahead of any of its tokens, keeps one SampleTextStream per unfinished sample,
 and drops whatever belongs to an older epoch. A sample that hits a stop string is finished here;
-`stops` tells the scheduler to stop generating it. Torch-free, no I/O.
+`stops` tells the scheduler to stop generating it. A request whose text cannot be made (an
+exception while handling it) fails alone with status 500 and `aborts` names it for the
+scheduler; the other requests go on. Torch-free, no I/O.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
@@ -32,10 +35,13 @@ from engine.messages.steps import TokenLogprobs
 from engine.text.incremental import as_decoder
 from engine.text.stream import SampleTextStream
 
+log = logging.getLogger(__name__)
+
 
 class DetokenizerOutput(NamedTuple):
     batch: OutputBatch | None  # for the gateway; None when there is nothing to say
     stops: list[StopSamples]  # for the scheduler: samples ended by a stop string
+    aborts: tuple[str, ...] = ()  # for the scheduler: requests that failed here
 
 
 class _RequestText:
@@ -61,18 +67,27 @@ class Detokenizer:
         samples: list[SampleDeltaText] = []
         failures: list[RequestFailed] = []
         stops: list[StopSamples] = []
+        aborts: list[str] = []
         for message in messages:
             if isinstance(message, TokenBatch):
                 for item in message.items:
-                    self._on_delta(item, samples, stops)
+                    try:
+                        self._on_delta(item, samples, stops)
+                    except Exception as exc:
+                        failures.append(self._fail(item.request_id, item.epoch, exc))
+                        aborts.append(item.request_id)
             elif isinstance(message, SubmitRequest):
-                prompts.append(self.submit(message))
+                try:
+                    prompts.append(self.submit(message))
+                except Exception as exc:
+                    failures.append(self._fail(message.request_id, message.epoch, exc))
+                    aborts.append(message.request_id)
             elif isinstance(message, AbortRequests):
                 self.abort(message.request_ids)
             elif isinstance(message, RequestRejected):
                 failures.append(self.reject(message))
         batch = OutputBatch(prompts, samples, failures) if prompts or samples or failures else None
-        return DetokenizerOutput(batch, stops)
+        return DetokenizerOutput(batch, stops, tuple(aborts))
 
     def submit(self, submit: SubmitRequest) -> PromptInfo:
         """Start (or, for a newer epoch, restart) a request's streams, primed when resumed."""
@@ -101,6 +116,12 @@ class Detokenizer:
         if current is not None and current.epoch == rejected.epoch:
             del self._requests[rejected.request_id]
         return RequestFailed(rejected.request_id, rejected.epoch, rejected.status, rejected.message)
+
+    def _fail(self, request_id: str, epoch: int, exc: Exception) -> RequestFailed:
+        log.exception("could not make the text of request %s", request_id)
+        self._requests.pop(request_id, None)
+        message = f"could not make this request's text: {type(exc).__name__}: {exc}"
+        return RequestFailed(request_id, epoch, 500, message)
 
     def token_text(self, token_id: int) -> str:
         """One token's own text, as logprobs show it (special tokens included)."""

@@ -4,6 +4,10 @@ Inbound: requests from the tokenizer ("submit"), one StepResult per step from wo
 ("results"), stop-string stops from the detokenizer ("stops"). Outbound: one StepPlan per step to
 every rank ("plan", broadcast), one TokenBatch per step to the detokenizer ("tokens"), and a
 periodic report to the root ("reports"). Exactly one step is in flight at a time.
+
+A request that breaks something here fails alone: a submission the scheduler cannot take in, or
+sequences the workers could not compute (WorkerFailed), become a RequestRejected with status
+500 for the detokenizer to pass on; the other requests go on.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from engine.messages.scheduling import (
     SCHEDULER_OUTPUTS,
     SCHEDULER_REQUESTS,
     AbortRequests,
+    RequestRejected,
     StopSamples,
     SubmitRequest,
 )
@@ -34,7 +39,8 @@ class SchedulerActor(Actor):
 
     async def on_start(self) -> dict[str, Any] | None:
         config = msgspec.msgpack.decode(self.config, type=SchedulerConfig)
-        self.scheduler = Scheduler(config)
+        # Ids past any a former generation can have used (the workers may still answer it).
+        self.scheduler = Scheduler(config, first_id=self.generation << 40)
         self._last_report = 0.0
         self._reported_idle = False
         self._publish_report()  # so the root's stats are complete from the start
@@ -46,8 +52,16 @@ class SchedulerActor(Actor):
             for message in STEP_RESULTS.decode_many(frames):
                 if isinstance(message, StepResult):
                     batch = self.scheduler.update(message)
-                else:  # WorkerFailed: a step crashed a rank; the rank restarts, we resubmit
-                    self.log.error("step %d failed on a worker: %s", message.step_id, message.error)
+                else:  # WorkerFailed: its StepResult follows with the sequences that ran
+                    self.log.error(
+                        "step %d: the workers could not compute sequences %s: %s",
+                        message.step_id,
+                        message.seq_ids,
+                        message.error,
+                    )
+                    error = f"the model failed on this request: {message.error}"
+                    failures = self.scheduler.fail(message.seq_ids, error)
+                    to_detokenizer.extend(SCHEDULER_OUTPUTS.encode(f) for f in failures)
                     continue
                 # Start the next step before telling the detokenizer: the workers are idle now.
                 await self._plan_next()
@@ -63,8 +77,12 @@ class SchedulerActor(Actor):
 
     async def on_rings_swapped(self, peer: str, rings: list[str]) -> None:
         if "plan" in rings or "results" in rings:
-            # The workers restarted: their KV cache and sequences are gone.
+            # The workers restarted: their KV cache and sequences are gone, and the gateway is
+            # about to resubmit every unfinished request under a new epoch. Keep none of the
+            # old epochs: rerunning them would recompute what is about to be replaced, and run
+            # requests the gateway holds back while it retries a crash suspect alone.
             self.scheduler.on_workers_restarted()
+            self.scheduler.abort(self.scheduler.request_ids())
             await self._plan_next()
 
     def _apply(self, message: SubmitRequest | AbortRequests | StopSamples) -> list[bytes]:
@@ -75,7 +93,13 @@ class SchedulerActor(Actor):
         if isinstance(message, AbortRequests):
             self.scheduler.abort(message.request_ids)
             return [SCHEDULER_OUTPUTS.encode(message)]
-        rejected = self.scheduler.add(message)
+        try:
+            rejected = self.scheduler.add(message)
+        except Exception as exc:  # this request's doing or not, the others go on
+            self.log.exception("could not take in request %s", message.request_id)
+            self.scheduler.abort([message.request_id])
+            error = f"the scheduler could not take in this request: {type(exc).__name__}: {exc}"
+            rejected = RequestRejected(message.request_id, message.epoch, error, 500)
         if rejected is not None:
             return [SCHEDULER_OUTPUTS.encode(rejected)]
         # The detokenizer learns stop strings and resume points ahead of any token (same ring).

@@ -41,8 +41,14 @@ class _InFlight(NamedTuple):
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, clock: Callable[[], float] = time.monotonic
+        self,
+        config: SchedulerConfig,
+        clock: Callable[[], float] = time.monotonic,
+        first_id: int = 0,
     ) -> None:
+        """`first_id`: where step and sequence ids start; a restarted scheduler starts past its
+        predecessor's, so that a late result of a dead one's step never passes for one of its
+        own (the workers outlive a scheduler restart)."""
         config.validate()
         self.config = config
         self.clock = clock
@@ -51,8 +57,8 @@ class Scheduler:
         self._eos_token_ids = frozenset(config.eos_token_ids)
         self._requests: dict[str, Request] = {}
         self._seqs: dict[int, Sequence] = {}
-        self._next_seq_id = 0
-        self._next_step_id = 0
+        self._next_seq_id = first_id
+        self._next_step_id = first_id
         self._in_flight: _InFlight | None = None
         self._retired_seq_ids: list[int] = []  # workers drop them with the next plan
         self._outbox: list[SampleDelta] = []  # finishes decided outside a step
@@ -89,6 +95,7 @@ class Scheduler:
             starts = [(index, []) for index in range(submit.params.n)]
         else:
             starts = [(item.index, item.delivered_token_ids) for item in submit.resume]
+        self._requests[request.request_id] = request  # first, so abort() can undo a partial add
         for index, delivered in starts:
             seq = Sequence(self._next_seq_id, request, index, delivered, self.config.block_size)
             self._next_seq_id += 1
@@ -105,8 +112,8 @@ class Scheduler:
             request.samples[index] = seq
             self._seqs[seq.seq_id] = seq
             self.planner.enqueue(seq)
-        if request.samples:
-            self._requests[request.request_id] = request
+        if not request.samples:
+            del self._requests[request.request_id]
         return None
 
     def abort(self, request_ids: Iterable[str]) -> None:
@@ -125,6 +132,17 @@ class Scheduler:
             seq = request.samples.get(index)
             if seq is not None:
                 self._retire(seq)
+
+    def fail(self, seq_ids: Iterable[int], message: str) -> list[RequestRejected]:
+        """Drop the requests of sequences the workers could not compute; their failures."""
+        failures = []
+        for seq_id in seq_ids:
+            seq = self._seqs.get(seq_id)
+            if seq is not None:
+                request = seq.request
+                self._drop_request(request)
+                failures.append(RequestRejected(request.request_id, request.epoch, message, 500))
+        return failures
 
     def on_workers_restarted(self) -> None:
         """The workers lost their KV cache and sequences: recompute everything from scratch."""
@@ -244,6 +262,9 @@ class Scheduler:
     @property
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
+
+    def request_ids(self) -> list[str]:
+        return list(self._requests)
 
     @property
     def step_in_flight(self) -> bool:

@@ -1,0 +1,303 @@
+"""Any actor can die and every in-flight request still completes (DESIGN §5, issue 6).
+
+One engine serves every test here (module scope, one event loop): each test disturbs it under a
+load of 8 concurrent streams, greedy and seeded, and compares every stream with the undisturbed
+run, token for token and character for character. The last test shuts it down and checks that
+nothing is left: no process, no segment, every KV block back in the pool.
+
+Poison requests use the worker's fault injection (a test facility, see engine/actors/worker.py):
+a prompt holding token POISON_RAISE makes the step raise, one holding POISON_EXIT ends the worker
+as a native crash would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from engine import AsyncLLM, EngineError, SamplingParams
+from engine.actors.runtime.doorbell import default_doorbell_dir
+from engine.actors.worker import FAULT_INJECTION_ENV
+from engine.llm import build_settings
+from tests.checkpoints import tiny_checkpoint
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+POISON_RAISE = 501
+POISON_EXIT = 502
+STREAMS = 8
+MAX_TOKENS = 300
+WAIT_S = 180.0  # any wait here; a restart takes seconds on a busy machine
+
+
+@dataclass(frozen=True)
+class Job:
+    prompt: str | list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class Outcome:
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    error: EngineError | None = None
+
+
+def workload(count: int = STREAMS, max_tokens: int = MAX_TOKENS) -> list[Job]:
+    """Greedy and seeded streams; half of them with a stop string that never matches, so the
+    detokenizer holds text back (and must be re-primed exactly) all along."""
+    jobs = []
+    for i in range(count):
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+        if i % 2:
+            params.temperature, params.top_p, params.seed = 0.9, 0.95, 1000 + i
+        if i % 4 < 2:
+            params.stop = ["<never seen>"]
+        jobs.append(Job(f"prompt number {i} says", params))
+    return jobs
+
+
+async def run_job(engine: AsyncLLM, job: Job, progress: list[int], slot: int) -> Outcome:
+    prompt: list[int] = []
+    tokens: list[int] = []
+    text, finish = "", None
+    try:
+        async for delta in engine.stream(job.prompt, job.params):
+            prompt = delta.prompt_token_ids or prompt
+            for output in delta.outputs:
+                tokens += output.token_ids
+                text += output.text
+                finish = output.finish_reason or finish
+            progress[slot] = len(tokens)
+    except EngineError as error:
+        return Outcome(prompt, tokens, text, finish, error)
+    return Outcome(prompt, tokens, text, finish)
+
+
+async def run_all(engine: AsyncLLM, jobs: list[Job], progress: list[int]) -> list[Outcome]:
+    runs = (run_job(engine, job, progress, slot) for slot, job in enumerate(jobs))
+    return list(await asyncio.wait_for(asyncio.gather(*runs), WAIT_S))
+
+
+async def wait_for(condition, what: str, timeout: float = WAIT_S) -> None:  # type: ignore[no-untyped-def]
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not condition():
+        if loop.time() > deadline:
+            raise AssertionError(f"{what}: not within {timeout:g} s")
+        await asyncio.sleep(0.01)
+
+
+def actor(engine: AsyncLLM, name: str) -> dict:  # type: ignore[type-arg]
+    return next(row for row in engine.actors() if row["name"] == name)
+
+
+def ipc_files() -> set[Path]:
+    """Segments and doorbells of runs rooted in this process."""
+    prefix = f"engine-{os.getpid()}-"
+    found: set[Path] = set()
+    for directory in (Path("/dev/shm"), Path(default_doorbell_dir())):
+        if directory.is_dir():
+            found.update(path for path in directory.iterdir() if path.name.startswith(prefix))
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Running or a zombie nobody reaped: either way, left behind."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def children_of(parent: int) -> list[str]:
+    """Child processes of `parent` ("pid: command line"), but multiprocessing's resource
+    tracker, which serves the test process for as long as it lives."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue  # gone meanwhile
+        if int(fields[1]) == parent:
+            cmdline = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            if "multiprocessing.resource_tracker" not in cmdline:
+                children.append(f"{stat.parent.name}: {cmdline}")
+    return children
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_segments() -> Iterator[None]:
+    """Replaces the suite's per-test check here: the shared engine gets fresh ring segments
+    whenever an actor restarts. The last test checks that none are left after shutdown."""
+    yield
+
+
+@dataclass
+class Shared:
+    engine: AsyncLLM
+    reference: list[Outcome]
+    ipc_before: set[Path]
+    pids: set[int]
+
+    def note_pids(self) -> None:
+        self.pids.update(row["pid"] for row in self.engine.actors() if row["pid"] is not None)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def shared() -> AsyncIterator[Shared]:
+    settings = build_settings(
+        **{
+            "model.path": str(tiny_checkpoint(arch="qwen3")),
+            "model.max_model_len": 512,
+            "cache.kv_cache_memory": 4 * 2**20,
+            "runtime.heartbeat_interval": 0.5,
+            "runtime.heartbeat_timeout": 4.0,
+            "runtime.restart_intensity": 100,
+            "runtime.quarantine_after": 2,
+        }
+    )
+    ipc_before = ipc_files()
+    previous = os.environ.get(FAULT_INJECTION_ENV)
+    os.environ[FAULT_INJECTION_ENV] = f"raise:{POISON_RAISE},exit:{POISON_EXIT}"
+    engine = AsyncLLM(settings)
+    watch: asyncio.Task[None] | None = None
+    try:
+        await engine.start()
+        reference = await run_all(engine, workload(), [0] * STREAMS)
+        state = Shared(engine, reference, ipc_before, set())
+        watch = asyncio.ensure_future(note_pids_all_along(state))
+        yield state
+    finally:
+        if watch is not None:
+            watch.cancel()
+        await engine.shutdown()
+        if previous is None:
+            os.environ.pop(FAULT_INJECTION_ENV, None)
+        else:
+            os.environ[FAULT_INJECTION_ENV] = previous
+
+
+async def note_pids_all_along(state: Shared) -> None:
+    """Every actor process the engine ever had, so that the last test can look for orphans."""
+    while True:
+        state.note_pids()
+        await asyncio.sleep(0.02)
+
+
+async def disturb_under_load(shared: Shared, disturb) -> list[Outcome]:  # type: ignore[no-untyped-def]
+    """Run the workload, call `disturb()` once every stream has tokens, then submit one more
+    request (it reaches whatever is down, or restarting); every outcome, the late one last."""
+    engine = shared.engine
+    jobs = workload()
+    progress = [0] * (STREAMS + 1)
+    streams = asyncio.ensure_future(run_all(engine, jobs, progress))
+    try:
+        await wait_for(lambda: min(progress[:STREAMS]) >= 20, "every stream under way")
+        disturb()
+        late = await asyncio.wait_for(run_job(engine, jobs[0], progress, STREAMS), WAIT_S)
+        outcomes = await streams
+    finally:
+        streams.cancel()
+    return [*outcomes, late]
+
+
+async def test_the_undisturbed_workload_runs_clean_of_poison(shared: Shared) -> None:
+    for outcome in shared.reference:
+        assert outcome.error is None and len(outcome.token_ids) == MAX_TOKENS
+        assert not {POISON_RAISE, POISON_EXIT} & set(outcome.prompt_token_ids)
+
+
+@pytest.mark.parametrize("victim", ["tokenizer", "scheduler", "worker0", "detokenizer"])
+async def test_sigkill_under_load_every_stream_completes_as_if_undisturbed(
+    shared: Shared, victim: str
+) -> None:
+    engine = shared.engine
+    before = actor(engine, victim)
+    resubmitted = engine.gateway.resubmissions
+    outcomes = await disturb_under_load(shared, lambda: os.kill(before["pid"], signal.SIGKILL))
+    assert outcomes == [*shared.reference, shared.reference[0]]
+    after = actor(engine, victim)
+    assert after["restarts"] > before["restarts"] and after["pid"] != before["pid"]
+    assert "SIGKILL" in after["last_restart_reason"]
+    assert engine.gateway.resubmissions > resubmitted
+    assert engine.gateway.quarantined == 0 and engine.health()["ready"]
+
+
+async def test_a_hung_actor_is_found_by_missed_heartbeats_killed_and_restarted(
+    shared: Shared,
+) -> None:
+    engine = shared.engine
+    before = actor(engine, "scheduler")
+    outcomes = await disturb_under_load(shared, lambda: os.kill(before["pid"], signal.SIGSTOP))
+    assert outcomes == [*shared.reference, shared.reference[0]]
+    after = actor(engine, "scheduler")
+    assert after["pid"] != before["pid"] and "no heartbeat" in after["last_restart_reason"]
+    assert not alive(before["pid"])
+    # A hang may be a request's doing: every stream was a suspect, retried alone, and cleared.
+    assert engine.gateway.quarantined == 0
+
+
+async def test_a_step_that_raises_fails_only_its_request_with_500(shared: Shared) -> None:
+    engine = shared.engine
+    restarts = actor(engine, "worker0")["restarts"]
+    jobs = workload(4, max_tokens=60)
+    poison = Job([11, 12, POISON_RAISE, 13], SamplingParams(max_tokens=60, temperature=0.0))
+    progress = [0] * 5
+    reference = await run_all(engine, jobs, progress)
+    outcomes = await run_all(engine, [*jobs, poison], progress)
+    assert outcomes[:4] == reference
+    error = outcomes[4].error
+    assert error is not None and error.status == 500
+    assert "InjectedFault" in error.message and "the model failed" in error.message
+    assert actor(engine, "worker0")["restarts"] == restarts  # the worker went on
+    assert await engine.generate(jobs[0].prompt, jobs[0].params) is not None
+
+
+async def test_a_request_that_keeps_crashing_the_worker_is_quarantined_alone(
+    shared: Shared,
+) -> None:
+    engine = shared.engine
+    restarts = actor(engine, "worker0")["restarts"]
+    jobs = workload(3, max_tokens=60)
+    poison = Job([11, 12, POISON_EXIT, 13], SamplingParams(max_tokens=60, temperature=0.0))
+    reference = await run_all(engine, jobs, [0] * 3)
+    # Submitted together: the first crash happens with all four in flight, so all four are
+    # suspects; retried one at a time, the innocent ones pass and the poison crashes it alone.
+    outcomes = await run_all(engine, [*jobs, poison], [0] * 4)
+    assert outcomes[:3] == reference
+    error = outcomes[3].error
+    assert error is not None and error.status == 500 and "quarantined" in error.message
+    assert "2 actor crashes" in error.message and "status 70" in error.message
+    assert actor(engine, "worker0")["restarts"] == restarts + 2
+    assert engine.gateway.quarantined == 1 and not engine.gateway.on_probation
+    assert all(row["strikes"] == 0 for row in engine.requests())
+
+
+async def test_after_everything_nothing_is_left_and_the_kv_pool_is_full(shared: Shared) -> None:
+    engine = shared.engine
+    await wait_for(
+        lambda: (
+            engine.stats().get("num_requests") == 0
+            and engine.stats()["num_free_blocks"] == engine.stats()["kv_cache_blocks"]
+        ),
+        "the scheduler reports every KV block free",
+        timeout=30,
+    )
+    assert len(engine.gateway) == 0
+    shared.note_pids()
+    await engine.shutdown()
+    assert len(shared.pids) >= len(engine.actors())
+    assert [pid for pid in shared.pids if alive(pid)] == []
+    assert children_of(os.getpid()) == []  # not even one the watch missed, nor a zombie
+    assert sorted(ipc_files() - shared.ipc_before) == []
