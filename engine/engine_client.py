@@ -87,6 +87,12 @@ class AsyncLLM:
         if self._supervisor is not None:
             await self._supervisor.shutdown(reason)
 
+    async def wait_closed(self) -> str:
+        """Wait until the actor system has shut down (asked to, or given up); the reason."""
+        if self._supervisor is None:
+            raise RuntimeError("the engine has not been started")
+        return await self._supervisor.wait_closed()
+
     async def drain(self, timeout: float) -> bool:
         """Wait up to `timeout` seconds for in-flight requests to finish; True if they did."""
         loop = asyncio.get_running_loop()
