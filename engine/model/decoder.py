@@ -10,6 +10,11 @@ The architectures differ only in `ModelConfig` flags. Projections that read the 
 fused (q|k|v, gate|up) so each layer runs two matmuls fewer; the loader fills the fused weights
 from the checkpoint's separate tensors. Tokens of all sequences in a step are one flat batch
 [tokens, hidden]; attention learns how they group from the step's `AttentionMetadata`.
+
+Under tensor parallelism (engine/model/parallel) each rank builds the same module tree with its
+slice of the sizes (`RankShape`): its query and KV heads, its MLP columns, its vocabulary rows.
+Hidden states stay whole on every rank; o_proj and down_proj sum their partial outputs over the
+ranks, the embedding sums its row lookups, and the logits are gathered on rank 0.
 """
 
 from __future__ import annotations
@@ -22,6 +27,9 @@ from torch import nn
 
 from engine.kernels import AttentionMetadata, KernelBackend, PagedKVCache
 from engine.model.config import ModelConfig
+from engine.model.parallel.group import TensorParallelGroup
+from engine.model.parallel.layers import RowParallelLinear, VocabParallelEmbedding
+from engine.model.parallel.layout import RankShape, rank_shape
 from engine.model.rope import rope_inv_freq
 
 
@@ -47,11 +55,18 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, ops: KernelBackend) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer: int,
+        ops: KernelBackend,
+        shape: RankShape,
+        group: TensorParallelGroup,
+    ) -> None:
         super().__init__()
         self.layer = layer
         self.ops = ops
-        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.num_heads, self.num_kv_heads = shape.num_heads, shape.num_kv_heads
         self.head_dim = config.head_dim
         self.scale = config.head_dim**-0.5
         self.eps = config.rms_norm_eps
@@ -60,8 +75,8 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(
             config.hidden_size, qk_size + self.num_kv_heads * self.head_dim, bias=config.qkv_bias
         )
-        self.o_proj = nn.Linear(
-            self.num_heads * self.head_dim, config.hidden_size, bias=config.o_bias
+        self.o_proj = RowParallelLinear(
+            self.num_heads * self.head_dim, config.hidden_size, config.o_bias, group
         )
         self.q_norm = RMSNorm(self.head_dim, self.eps, ops) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, self.eps, ops) if config.qk_norm else None
@@ -96,24 +111,33 @@ class Attention(nn.Module):
 class GatedMLP(nn.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, config: ModelConfig, ops: KernelBackend) -> None:
+    def __init__(
+        self, config: ModelConfig, ops: KernelBackend, shape: RankShape, group: TensorParallelGroup
+    ) -> None:
         super().__init__()
         self.ops = ops
-        size, hidden = config.intermediate_size, config.hidden_size
+        size, hidden = shape.intermediate_size, config.hidden_size
         self.gate_up_proj = nn.Linear(hidden, 2 * size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(size, hidden, bias=config.mlp_bias)
+        self.down_proj = RowParallelLinear(size, hidden, config.mlp_bias, group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, ops: KernelBackend) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer: int,
+        ops: KernelBackend,
+        shape: RankShape,
+        group: TensorParallelGroup,
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.self_attn = Attention(config, layer, ops)
+        self.self_attn = Attention(config, layer, ops, shape, group)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.mlp = GatedMLP(config, ops)
+        self.mlp = GatedMLP(config, ops, shape, group)
 
     def forward(self, h: torch.Tensor, step: StepContext) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), step)
@@ -121,19 +145,26 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, ops: KernelBackend) -> None:
+    def __init__(
+        self, config: ModelConfig, ops: KernelBackend, group: TensorParallelGroup | None = None
+    ) -> None:
         super().__init__()
         self.config = config
         self.ops = ops
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.group = group or TensorParallelGroup()
+        self.shape = shape = rank_shape(config, self.group.rank, self.group.size)
+        self.embed_tokens = VocabParallelEmbedding(
+            shape.vocab_per_rank, config.hidden_size, shape.vocab_start, self.group
+        )
         self.layers = nn.ModuleList(
-            DecoderLayer(config, layer, ops) for layer in range(config.num_layers)
+            DecoderLayer(config, layer, ops, shape, self.group)
+            for layer in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.lm_head = (
             None
             if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            else nn.Linear(config.hidden_size, shape.vocab_per_rank, bias=False)
         )
         self.inv_freq: torch.Tensor = rope_inv_freq(config)
         self.project_to_vocab: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -157,7 +188,13 @@ class DecoderForCausalLM(nn.Module):
             h = layer(h, step)
         return h
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits [rows, vocab] of the given last-layer hidden rows."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """float32 logits [rows, vocab] of the given last-layer hidden rows, on rank 0 (None on
+        the other ranks of a tensor-parallel group)."""
         assert self.project_to_vocab is not None, "fuse_weights() runs after loading"
-        return self.project_to_vocab(self.norm(hidden)).float()
+        logits = self.group.gather_columns(self.project_to_vocab(self.norm(hidden)))
+        if logits is None:
+            return None
+        if logits.shape[-1] != self.config.vocab_size:  # the last shard's padding rows
+            logits = logits[:, : self.config.vocab_size]
+        return logits.float()

@@ -1,5 +1,9 @@
 """Build a decoder from a Hugging Face checkpoint: dtype choice, safetensors (single file or
-sharded), and the mapping from the checkpoint's tensor names onto our fused parameters."""
+sharded), and the mapping from the checkpoint's tensor names onto our fused parameters.
+
+A tensor-parallel rank reads only its part of each tensor (engine/model/parallel/sharding.py)
+and places it by its own sizes (`RankShape`): the fused q|k|v rows of its heads, the gate|up
+rows of its MLP columns."""
 
 from __future__ import annotations
 
@@ -15,6 +19,9 @@ from tqdm import tqdm
 from engine.kernels import KernelBackend
 from engine.model.config import ModelConfig
 from engine.model.decoder import DecoderForCausalLM
+from engine.model.parallel.group import TensorParallelGroup
+from engine.model.parallel.layout import RankShape, rank_shape
+from engine.model.parallel.sharding import read_shard
 
 log = logging.getLogger(__name__)
 
@@ -63,11 +70,14 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     ops: KernelBackend,
+    group: TensorParallelGroup | None = None,
 ) -> DecoderForCausalLM:
-    """The model with every parameter filled from the checkpoint (no random init is spent)."""
+    """The model (this rank's shard of it) with every parameter filled from the checkpoint (no
+    random init is spent)."""
     with torch.device("meta"):
-        model = DecoderForCausalLM(config, ops).to(dtype)
+        model = DecoderForCausalLM(config, ops, group).to(dtype)
     model.to_empty(device=device)
+    shape = model.shape
     params = dict(model.named_parameters())
     filled: set[str] = set()
     ignored: list[str] = []
@@ -77,19 +87,21 @@ def load_model(
         for file in files:
             with safe_open(str(file), framework="pt", device="cpu") as tensors:
                 for name in tensors.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    target = map_weight_name(name, config)
+                    target = map_weight_name(name, config, shape)
                     progress.update(1)
                     if target is None or target[0] not in params:
                         ignored.append(name)
                         continue
                     param_name, row_start = target
-                    _copy_into(params[param_name], row_start, tensors.get_tensor(name), name)
+                    tensor = read_shard(tensors, name, config, shape)
+                    _copy_into(params[param_name], row_start, tensor, name)
                     filled.add(f"{param_name}@{row_start}")
-    missing = sorted(set(expected_weight_keys(params, config)) - filled)
+    missing = sorted(set(expected_weight_keys(params, config, shape)) - filled)
     if missing:
         raise ValueError(f"checkpoint {str(model_path)!r} lacks weights: {', '.join(missing)}")
     if ignored:
         log.warning("ignored %d checkpoint tensors: %s", len(ignored), ", ".join(ignored[:8]))
+    _zero_vocab_padding(model)
     model.fuse_weights()
     model.eval()
     return model
@@ -112,22 +124,26 @@ def checkpoint_files(path: Path) -> list[Path]:
     return found
 
 
-def map_weight_name(name: str, config: ModelConfig) -> tuple[str, int] | None:
+def map_weight_name(
+    name: str, config: ModelConfig, shape: RankShape | None = None
+) -> tuple[str, int] | None:
     """(our parameter name, first row within it) for a checkpoint tensor; None to skip it.
-    q/k/v land in row ranges of the fused qkv_proj, gate/up in gate_up_proj."""
+    q/k/v land in row ranges of the fused qkv_proj, gate/up in gate_up_proj (this rank's sizes
+    under tensor parallelism)."""
     name = name.removeprefix("model.")
     if "rotary_emb." in name:
         return None
     if name == "lm_head.weight" and config.tie_word_embeddings:
         return None
-    q_rows = config.num_heads * config.head_dim
-    kv_rows = config.num_kv_heads * config.head_dim
+    shape = shape or rank_shape(config, 0, 1)
+    q_rows = shape.num_heads * config.head_dim
+    kv_rows = shape.num_kv_heads * config.head_dim
     fused = {
         "self_attn.q_proj.": ("self_attn.qkv_proj.", 0),
         "self_attn.k_proj.": ("self_attn.qkv_proj.", q_rows),
         "self_attn.v_proj.": ("self_attn.qkv_proj.", q_rows + kv_rows),
         "mlp.gate_proj.": ("mlp.gate_up_proj.", 0),
-        "mlp.up_proj.": ("mlp.gate_up_proj.", config.intermediate_size),
+        "mlp.up_proj.": ("mlp.gate_up_proj.", shape.intermediate_size),
     }
     for part, (fused_part, row_start) in fused.items():
         if part in name:
@@ -135,16 +151,19 @@ def map_weight_name(name: str, config: ModelConfig) -> tuple[str, int] | None:
     return name, 0
 
 
-def expected_weight_keys(params: dict[str, torch.nn.Parameter], config: ModelConfig) -> list[str]:
+def expected_weight_keys(
+    params: dict[str, torch.nn.Parameter], config: ModelConfig, shape: RankShape | None = None
+) -> list[str]:
     """Every `param@row_start` piece the checkpoint has to provide."""
-    q_rows = config.num_heads * config.head_dim
-    kv_rows = config.num_kv_heads * config.head_dim
+    shape = shape or rank_shape(config, 0, 1)
+    q_rows = shape.num_heads * config.head_dim
+    kv_rows = shape.num_kv_heads * config.head_dim
     keys = []
     for name in params:
         if ".qkv_proj." in name:
             keys += [f"{name}@0", f"{name}@{q_rows}", f"{name}@{q_rows + kv_rows}"]
         elif ".gate_up_proj." in name:
-            keys += [f"{name}@0", f"{name}@{config.intermediate_size}"]
+            keys += [f"{name}@0", f"{name}@{shape.intermediate_size}"]
         else:
             keys.append(f"{name}@0")
     return keys
@@ -159,6 +178,15 @@ def _copy_into(param: torch.nn.Parameter, row_start: int, tensor: torch.Tensor, 
             f"expected {tuple(target.shape)} from config.json"
         )
     target.copy_(tensor)
+
+
+def _zero_vocab_padding(model: DecoderForCausalLM) -> None:
+    """The last rank's vocabulary shard may end in padding rows no checkpoint row filled: zero
+    them (their logits are cut off; zero keeps them finite)."""
+    real = model.shape.vocab_end - model.shape.vocab_start
+    for weight in (model.embed_tokens.weight, getattr(model.lm_head, "weight", None)):
+        if weight is not None and real < weight.shape[0]:
+            weight.data[real:].zero_()
 
 
 def _count_tensors(files: list[Path]) -> int:

@@ -3,6 +3,9 @@
 The runner knows nothing about scheduling: the chunks say which tokens to run, where they sit
 in their sequences and which cache blocks hold them. It writes their K/V and returns logits for
 the chunks that end a sequence's known tokens (sample=True).
+
+Under tensor parallelism every rank of the group runs the same chunks through its shard of the
+model (and its shard of the KV cache: its KV heads); the logits arrive on rank 0 only.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from engine.messages.steps import SeqChunk
 from engine.model.capacity import available_cpu_memory, kv_block_bytes, kv_cache_blocks
 from engine.model.config import ModelConfig, load_model_config
 from engine.model.loader import load_model, resolve_dtype
+from engine.model.parallel.group import TensorParallelGroup
 
 __all__ = ["ModelRunner", "kv_cache_blocks", "resolve_device"]
 
@@ -61,6 +65,7 @@ class ModelRunner:
         max_model_len: int | None = None,
         seed: int = 0,
         num_threads: int | None = None,
+        tensor_parallel: TensorParallelGroup | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size}")
@@ -68,6 +73,7 @@ class ModelRunner:
             raise ValueError(f"kv_cache_fraction must be in (0, 1], got {kv_cache_fraction}")
         torch.manual_seed(seed)
         self.model_path = str(Path(model_path))
+        self.group = tensor_parallel or TensorParallelGroup()
         self.device = resolve_device(device)
         if num_threads is None and self.device.type == "cpu":
             num_threads = default_num_threads()
@@ -79,31 +85,40 @@ class ModelRunner:
         self.dtype = resolve_dtype(dtype, self.config, self.device)
         self.backend = select_backend(self.device)
         self.model = load_model(
-            model_path, self.config, dtype=self.dtype, device=self.device, ops=self.backend
+            model_path,
+            self.config,
+            dtype=self.dtype,
+            device=self.device,
+            ops=self.backend,
+            group=self.group,
         )
+        self.shape = self.model.shape  # this rank's heads, KV heads, columns, vocabulary rows
         self.block_size = block_size
         if kv_cache_memory is None:
             kv_cache_memory = int(_free_memory(self.device) * kv_cache_fraction)
-        self.num_blocks = kv_cache_blocks(self.config, kv_cache_memory, block_size, self.dtype)
+        block_bytes = kv_block_bytes(self.config, block_size, self.dtype, self.group.size)
+        self.num_blocks = kv_cache_memory // block_bytes
         if self.num_blocks < 1:
             raise ValueError(
                 f"a KV cache of {kv_cache_memory} bytes holds no block: one block of "
-                f"{block_size} tokens needs {kv_block_bytes(self.config, block_size, self.dtype)}"
-                " bytes"
+                f"{block_size} tokens needs {block_bytes} bytes"
             )
         self.kv_cache = PagedKVCache(
             num_layers=self.config.num_layers,
             num_blocks=self.num_blocks,
             block_size=block_size,
-            num_kv_heads=self.config.num_kv_heads,
+            num_kv_heads=self.shape.num_kv_heads,
             head_dim=self.config.head_dim,
             dtype=self.dtype,
             device=self.device,
         )
         log.info(
-            "%s on %s (%d threads) in %s (%s kernels): "
+            "%s%s on %s (%d threads) in %s (%s kernels): "
             "KV cache of %d blocks x %d = %d tokens (%.1f MiB)",
             self.config.architecture,
+            f" (tensor-parallel rank {self.group.rank} of {self.group.size})"
+            if self.group.size > 1
+            else "",
             self.device,
             torch.get_num_threads(),
             str(self.dtype).removeprefix("torch."),
@@ -111,12 +126,13 @@ class ModelRunner:
             self.num_blocks,
             block_size,
             self.num_blocks * block_size,
-            self.num_blocks * kv_block_bytes(self.config, block_size, self.dtype) / 2**20,
+            self.num_blocks * block_bytes / 2**20,
         )
 
     @torch.inference_mode()
     def forward(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
-        """Run one step; float32 logits [chunks with sample=True, vocab], in plan order."""
+        """Run one step; float32 logits [chunks with sample=True, vocab], in plan order (on
+        tensor-parallel ranks other than 0: an empty [0, vocab] tensor)."""
         vocab = self.config.vocab_size
         if not chunks:
             return torch.empty(0, vocab, dtype=torch.float32, device=self.device)
@@ -136,7 +152,7 @@ class ModelRunner:
             [chunk.start_pos for chunk in chunks],
             [chunk.block_table for chunk in chunks],
             cache=self.kv_cache,
-            queries_per_kv=self.config.num_heads // self.config.num_kv_heads,
+            queries_per_kv=self.shape.queries_per_kv,
             device=self.device,
         )
         hidden = self.model(ids.to(self.device), attention, self.kv_cache)
@@ -144,7 +160,10 @@ class ModelRunner:
             return torch.empty(0, vocab, dtype=torch.float32, device=self.device)
         if len(sample_rows) < hidden.shape[0]:
             hidden = hidden[long_tensor(sample_rows).to(self.device)]
-        return self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden)
+        if logits is None:  # a rank other than 0: rank 0 has gathered the logits
+            return torch.empty(0, vocab, dtype=torch.float32, device=self.device)
+        return logits
 
     def _check(self, chunks: Sequence[SeqChunk]) -> None:
         limit = self.config.max_model_len

@@ -1,0 +1,104 @@
+"""One rank's tensor-parallel group: joining it (TCP store rendezvous) and the few collectives the
+model needs: all-reduce (row-parallel outputs, vocabulary-parallel embedding), gather to rank 0
+(logits), and the plan relay for ranks on other hosts (rank 0 broadcasts each step's frames).
+
+gloo on CPU, NCCL on CUDA. A group of one is the same object with every collective a no-op, so
+the model code has a single path.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+# Collectives wait this long. A dead peer breaks its connections at once (an error, not a wait);
+# a hung one stops heartbeating and its supervisor kills it. Ranks on another host also wait
+# here for the next plan, however long the engine stays idle.
+COLLECTIVE_TIMEOUT = datetime.timedelta(days=7)
+
+_FRAMES = msgspec.msgpack.Encoder()
+_FRAMES_DECODER = msgspec.msgpack.Decoder(list[bytes])
+
+
+class TensorParallelGroup:
+    def __init__(self, rank: int = 0, size: int = 1, device: torch.device | None = None) -> None:
+        self.rank = rank
+        self.size = size
+        self.device = device or torch.device("cpu")
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of x over the ranks, in place."""
+        if self.size > 1:
+            dist.all_reduce(x)
+        return x
+
+    def gather_columns(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Rank 0: every rank's x [rows, cols] side by side [rows, size * cols]; others: None."""
+        if self.size == 1:
+            return x
+        x = x.contiguous()
+        if not self.is_first:
+            dist.gather(x, None, dst=0)
+            return None
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.gather(x, parts, dst=0)
+        return torch.cat(parts, dim=-1)
+
+    def broadcast_frames(self, frames: list[bytes]) -> None:
+        """Rank 0: send one step's plan frames to every other rank (see receive_frames)."""
+        payload = _FRAMES.encode(frames)
+        length = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
+        dist.broadcast(length, src=0)
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device)
+        dist.broadcast(data, src=0)
+
+    def receive_frames(self) -> list[bytes]:
+        """Ranks > 0: the frames rank 0 broadcast next (blocks until it does)."""
+        length = torch.empty(1, dtype=torch.int64, device=self.device)
+        dist.broadcast(length, src=0)
+        payload = torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)
+        dist.broadcast(payload, src=0)
+        return _FRAMES_DECODER.decode(payload.cpu().numpy().tobytes())
+
+    def close(self) -> None:
+        if self.size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def open_store(
+    rank: int, size: int, master_addr: str, master_port: int, timeout_s: float
+) -> dist.TCPStore:
+    """Rank 0 serves the store (port 0: any free port, read back from `store.port`); the others
+    connect to it, retrying until it is up or `timeout_s` has passed."""
+    return dist.TCPStore(
+        master_addr,
+        master_port,
+        world_size=size,
+        is_master=rank == 0,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+
+
+def join_group(
+    store: dist.Store, rank: int, size: int, device: torch.device
+) -> TensorParallelGroup:
+    """Form the process group over `store`; returns when every rank has joined."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT
+    )
+    log.info("tensor-parallel rank %d of %d joined (%s on %s)", rank, size, backend, device)
+    return TensorParallelGroup(rank, size, device)
