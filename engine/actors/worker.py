@@ -44,6 +44,7 @@ from engine.messages.steps import (
     TokenLogprobs,
     WorkerFailed,
 )
+from engine.model.parallel.config import TensorParallelConfig
 
 FAULT_INJECTION_ENV = "ENGINE_FAULT_INJECTION"
 FAULT_EXIT_STATUS = 70  # EX_SOFTWARE: what an injected native crash exits with
@@ -62,6 +63,7 @@ class WorkerConfig(msgspec.Struct, frozen=True):
     max_model_len: int
     seed: int
     num_threads: int | None = None
+    tensor_parallel: TensorParallelConfig | None = None  # None: a group of one
 
 
 class InjectedFault(RuntimeError):
@@ -127,6 +129,11 @@ class WorkerActor(Actor):
         from engine.model.runner import ModelRunner
 
         config = msgspec.msgpack.decode(self.config, type=WorkerConfig)
+        group = None
+        if config.tensor_parallel is not None:  # a rank of a group: join it first
+            from engine.actors.tensor_parallel import join_group_of
+
+            config, group = await join_group_of(self, config)
         self.rank = config.rank
         self.faults = FaultInjection.from_environment(os.environ)
         if self.faults.rules:
@@ -140,6 +147,7 @@ class WorkerActor(Actor):
             max_model_len=config.max_model_len,
             seed=config.seed,
             num_threads=config.num_threads,
+            tensor_parallel=group,
         )
         self._new_sampler()
         self._scheduler_generation = 0  # bumped when the scheduler restarts (fresh plan ring)
@@ -202,6 +210,8 @@ class WorkerActor(Actor):
     def _compute(self, step_id: int, chunks: Sequence[SeqChunk]) -> StepResult:
         self.faults.trip(chunks)
         logits = self.runner.forward(chunks)
+        if self.rank != 0:  # tensor parallelism: the logits, and sampling, are rank 0's
+            return StepResult(step_id, [], [], None)
         seq_ids = [chunk.seq_id for chunk in chunks if chunk.sample]
         if not seq_ids:
             return StepResult(step_id, [], [], None)
