@@ -2,8 +2,18 @@
 
 The root decides the KV cache's size in blocks once, here, and hands the same number to the
 scheduler (which allocates blocks) and, as bytes, to the worker ranks (which allocate tensors);
-each rank checks it arrived at the same count. This module never imports torch: the root
-process only reads config.json.
+each rank checks it arrived at the same count. Under tensor parallelism a block's bytes are one
+rank's (its KV heads only), and every rank holds that many blocks of its own heads.
+
+Data parallelism: each of the M replicas is a whole pipeline (tokenizer, scheduler, detokenizer
+and its TP group of worker ranks) under a supervisor of its own; engine/actors/replicas.py puts
+them behind the one gateway. With M = 1 the one spec is the engine as it always was.
+
+Across hosts (nnodes > 1), node 0 runs everything above plus its share of every replica's ranks
+(rank 0 among them); node k > 0 runs only its ranks (`plan_worker_node`), which join rank 0's
+group at master_addr:master_port (+ replica index) and get each step's plan relayed by rank 0.
+
+This module never imports torch: the root process only reads config.json.
 """
 
 from __future__ import annotations
@@ -21,6 +31,8 @@ from engine.actors.tokenizer import TokenizerConfig
 from engine.actors.worker import WorkerConfig
 from engine.model.capacity import available_cpu_memory, kv_block_bytes
 from engine.model.config import ModelConfig, load_model_config
+from engine.model.parallel.config import Placement, TensorParallelConfig
+from engine.model.parallel.layout import check_tensor_parallel
 from engine.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -28,6 +40,9 @@ log = logging.getLogger(__name__)
 # On CPU an unset kv_cache_memory means this much at most (vLLM-CPU's default is 4 GiB).
 CPU_KV_CACHE_DEFAULT_BYTES = 2 * 2**30
 RING_BYTES = 8 * 2**20  # a ring holds several whole steps of a large batch
+WORKER = "engine.actors.worker:WorkerActor"
+RELAY_WORKER = "engine.actors.tensor_parallel:PlanRelayWorker"
+FOLLOWER_WORKER = "engine.actors.tensor_parallel:PlanFollowerWorker"
 
 
 @dataclass(frozen=True)
@@ -36,9 +51,14 @@ class EnginePlan:
     model_config: ModelConfig
     device: str
     dtype: str
-    num_blocks: int
+    num_blocks: int  # per replica (and per rank: each rank holds its heads of every block)
     max_model_len: int
-    spec: SupervisorSpec
+    spec: SupervisorSpec  # replica 0's (the whole engine's when data_parallel_size is 1)
+    replica_specs: tuple[SupervisorSpec, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.replica_specs:
+            object.__setattr__(self, "replica_specs", (self.spec,))
 
 
 def resolve_device(requested: str) -> str:
@@ -61,14 +81,58 @@ def resolve_dtype(requested: str, config: ModelConfig, device: str) -> str:
     return dtype
 
 
-def kv_cache_bytes(settings: Settings, device: str) -> int:
+def kv_cache_bytes(settings: Settings, device: str, ranks_on_host: int = 1) -> int:
+    """One rank's KV cache budget. On CPU the default share of free memory is split among the
+    ranks of this host (they all allocate from it)."""
     if settings.cache.kv_cache_memory is not None:
         return settings.cache.kv_cache_memory
     if device == "cpu":
-        budget = int(available_cpu_memory() * settings.cache.kv_cache_fraction)
+        budget = int(available_cpu_memory() * settings.cache.kv_cache_fraction) // ranks_on_host
         return min(budget, CPU_KV_CACHE_DEFAULT_BYTES)
     # On a GPU the worker knows free memory; a fixed share of a large card until it reports.
     raise ValueError("cache.kv_cache_memory must be set when running on a GPU")
+
+
+def check_parallel(settings: Settings, config: ModelConfig) -> Placement:
+    """The topology's placement; ValueError naming the setting, its value and what fits."""
+    parallel = settings.parallel
+    placement = Placement(
+        parallel.tensor_parallel_size,
+        parallel.data_parallel_size,
+        parallel.nnodes,
+        parallel.node_rank,
+    )
+    placement.validate()
+    check_tensor_parallel(config, parallel.tensor_parallel_size)
+    if parallel.nnodes > 1:
+        if parallel.master_port == 0:
+            raise ValueError(
+                f"parallel.master_port must be set (1..65535) when parallel.nnodes is "
+                f"{parallel.nnodes}: the ranks of every host meet rank 0's TCP store there"
+            )
+        last = parallel.master_port + parallel.data_parallel_size - 1
+        if last > 65535:
+            raise ValueError(
+                f"parallel.master_port {parallel.master_port} leaves no port for replica "
+                f"{parallel.data_parallel_size - 1} (it uses master_port + replica index, {last})"
+            )
+    return placement
+
+
+def threads_per_rank(settings: Settings, device: str, placement: Placement) -> int | None:
+    """torch threads of each worker rank: the setting, else the host's cores but one (left to
+    the other actors) shared by its ranks; None: the runner's own default (one rank)."""
+    if settings.runtime.worker_threads:
+        return settings.runtime.worker_threads
+    if device != "cpu" or placement.local_ranks == 1:
+        return None
+    cores = len(os.sched_getaffinity(0))
+    return max(1, (cores - 1) // placement.local_ranks)
+
+
+def replica_suffix(replica: int, data_parallel_size: int) -> str:
+    """What tells replica i's actors apart ("-r1"); none with a single replica."""
+    return f"-r{replica}" if data_parallel_size > 1 else ""
 
 
 def plan_engine(settings: Settings, model_path: str) -> EnginePlan:
@@ -79,15 +143,14 @@ def plan_engine(settings: Settings, model_path: str) -> EnginePlan:
             f"model.max_model_len {requested_len} exceeds the model's "
             f"max_position_embeddings {config.max_position_embeddings}"
         )
+    placement = check_parallel(settings, config)
     max_model_len = requested_len or config.max_position_embeddings
     device = resolve_device(settings.model.device)
     dtype = resolve_dtype(settings.model.dtype, config, device)
     block_size = settings.cache.block_size
-    block_bytes = kv_block_bytes(config, block_size, dtype)
-    num_blocks = kv_cache_bytes(settings, device) // block_bytes
     tp = settings.parallel.tensor_parallel_size
-    if tp != 1:
-        raise ValueError(f"parallel.tensor_parallel_size {tp} is not supported yet; use 1")
+    block_bytes = kv_block_bytes(config, block_size, dtype, tp)
+    num_blocks = kv_cache_bytes(settings, device, placement.local_ranks) // block_bytes
     scheduler = SchedulerConfig(
         num_blocks=num_blocks,
         block_size=block_size,
@@ -99,81 +162,171 @@ def plan_engine(settings: Settings, model_path: str) -> EnginePlan:
     )
     scheduler.validate()  # a KV cache too small for max_model_len fails here, naming both
     log.info(
-        "KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB, %s)",
+        "KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB per rank, %s)%s",
         num_blocks,
         block_size,
         num_blocks * block_size,
         num_blocks * block_bytes / 2**20,
         dtype,
+        f"; {settings.parallel.data_parallel_size} replicas x {tp} ranks"
+        if placement.local_ranks > 1 or placement.nnodes > 1
+        else "",
     )
+    worker = WorkerConfig(
+        model_path=model_path,
+        rank=0,
+        world_size=tp,
+        dtype=dtype,
+        device=device,
+        block_size=block_size,
+        kv_cache_memory=num_blocks * block_bytes,
+        max_model_len=max_model_len,
+        seed=settings.model.seed,
+        num_threads=threads_per_rank(settings, device, placement),
+    )
+    specs = tuple(
+        _replica_spec(settings, placement, replica, worker, scheduler, config)
+        for replica in range(settings.parallel.data_parallel_size)
+    )
+    return EnginePlan(model_path, config, device, dtype, num_blocks, max_model_len, specs[0], specs)
+
+
+def plan_worker_node(settings: Settings, model_path: str) -> tuple[SupervisorSpec, ...]:
+    """Node k > 0 of a multi-host topology: its ranks of every replica, one spec per replica.
+    They read no ring: rank 0 (on node 0) relays each plan, and tells them its KV cache size."""
+    config = load_model_config(model_path)
+    placement = check_parallel(settings, config)
+    if settings.parallel.node_rank == 0:
+        raise ValueError("parallel.node_rank 0 serves the API: run it as the engine, not a node")
+    device = resolve_device(settings.model.device)
+    worker = WorkerConfig(
+        model_path=model_path,
+        rank=0,
+        world_size=settings.parallel.tensor_parallel_size,
+        dtype=resolve_dtype(settings.model.dtype, config, device),
+        device=device,
+        block_size=settings.cache.block_size,
+        kv_cache_memory=0,  # rank 0's value arrives over the group's store
+        max_model_len=settings.model.max_model_len or config.max_position_embeddings,
+        seed=settings.model.seed,
+        num_threads=threads_per_rank(settings, device, placement),
+    )
+    specs = []
+    for replica in range(settings.parallel.data_parallel_size):
+        workers = _worker_specs(settings, placement, replica, worker)
+        specs.append(_supervisor_spec(settings, tuple(workers), ()))
+    return tuple(specs)
+
+
+def _replica_spec(
+    settings: Settings,
+    placement: Placement,
+    replica: int,
+    worker: WorkerConfig,
+    scheduler: SchedulerConfig,
+    config: ModelConfig,
+) -> SupervisorSpec:
+    suffix = replica_suffix(replica, settings.parallel.data_parallel_size)
     runtime = settings.runtime
-    workers = [
-        ChildSpec(
-            name=f"worker{rank}",
-            entry="engine.actors.worker:WorkerActor",
-            group="workers",
-            config=msgspec.msgpack.encode(
-                WorkerConfig(
-                    model_path=model_path,
-                    rank=rank,
-                    world_size=tp,
-                    dtype=dtype,
-                    device=device,
-                    block_size=block_size,
-                    kv_cache_memory=num_blocks * block_bytes,
-                    max_model_len=max_model_len,
-                    seed=settings.model.seed,
-                    num_threads=runtime.worker_threads or None,
-                )
-            ),
-            heartbeat_interval=runtime.heartbeat_interval,
-            heartbeat_timeout=runtime.heartbeat_timeout,
-            ready_timeout=runtime.start_timeout,
-        )
-        for rank in range(tp)
-    ]
-    tokenizer_config = TokenizerConfig(model_path, max_model_len, config.vocab_size)
-    detok_config = DetokenizerConfig(model_path)
+    timing = {
+        "heartbeat_interval": runtime.heartbeat_interval,
+        "heartbeat_timeout": runtime.heartbeat_timeout,
+        "ready_timeout": runtime.start_timeout,
+    }
+    workers = _worker_specs(settings, placement, replica, worker)
+    tokenizer_config = TokenizerConfig(worker.model_path, worker.max_model_len, config.vocab_size)
     children = (
         *workers,
         ChildSpec(
-            name="scheduler",
+            name=f"scheduler{suffix}",
             entry="engine.actors.scheduler.actor:SchedulerActor",
             config=msgspec.msgpack.encode(scheduler),
-            heartbeat_interval=runtime.heartbeat_interval,
-            heartbeat_timeout=runtime.heartbeat_timeout,
-            ready_timeout=runtime.start_timeout,
+            **timing,
         ),
         ChildSpec(
-            name="detokenizer",
+            name=f"detokenizer{suffix}",
             entry="engine.actors.detokenizer:DetokenizerActor",
-            config=msgspec.msgpack.encode(detok_config),
-            heartbeat_interval=runtime.heartbeat_interval,
-            heartbeat_timeout=runtime.heartbeat_timeout,
-            ready_timeout=runtime.start_timeout,
+            config=msgspec.msgpack.encode(DetokenizerConfig(worker.model_path)),
+            **timing,
         ),
         ChildSpec(
-            name="tokenizer",
+            name=f"tokenizer{suffix}",
             entry="engine.actors.tokenizer:TokenizerActor",
             config=msgspec.msgpack.encode(tokenizer_config),
-            heartbeat_interval=runtime.heartbeat_interval,
-            heartbeat_timeout=runtime.heartbeat_timeout,
-            ready_timeout=runtime.start_timeout,
+            **timing,
         ),
     )
-    worker_names = tuple(worker.name for worker in workers)
-    rings = (
-        RingDecl(name="requests", writer=ROOT, readers=("tokenizer",), capacity=RING_BYTES),
-        RingDecl(name="failures", writer="tokenizer", readers=(ROOT,), capacity=RING_BYTES),
-        RingDecl(name="submit", writer="tokenizer", readers=("scheduler",), capacity=RING_BYTES),
-        RingDecl(name="plan", writer="scheduler", readers=worker_names, capacity=RING_BYTES),
-        RingDecl(name="results", writer="worker0", readers=("scheduler",), capacity=RING_BYTES),
-        RingDecl(name="tokens", writer="scheduler", readers=("detokenizer",), capacity=RING_BYTES),
-        RingDecl(name="stops", writer="detokenizer", readers=("scheduler",), capacity=RING_BYTES),
-        RingDecl(name="outputs", writer="detokenizer", readers=(ROOT,), capacity=RING_BYTES),
-        RingDecl(name="reports", writer="scheduler", readers=(ROOT,), capacity=RING_BYTES),
-    )
-    spec = SupervisorSpec(
+    rank0 = workers[0].name
+    # Across hosts only rank 0 reads the plan ring; it relays each plan to the others.
+    plan_readers = (rank0,) if placement.nnodes > 1 else tuple(w.name for w in workers)
+
+    def ring(name: str, writer: str, *readers: str) -> RingDecl:
+        return RingDecl(name=name, writer=writer, readers=readers, capacity=RING_BYTES)
+
+    sched, detok, tokenizer = (child.name for child in children[len(workers) :])
+    rings = [
+        ring("requests", ROOT, tokenizer),
+        ring("failures", tokenizer, ROOT),
+        ring("submit", tokenizer, sched),
+        ring("plan", sched, *plan_readers),
+        ring("results", rank0, sched),
+        ring("tokens", sched, detok),
+        ring("stops", detok, sched),
+        ring("outputs", detok, ROOT),
+        ring("reports", sched, ROOT),
+    ]
+    if len(workers) > 1 and settings.parallel.master_port == 0:
+        # Rank 0 tells the other ranks of this host the port it bound (fresh at each restart).
+        rings.append(ring("rendezvous", rank0, *(w.name for w in workers[1:])))
+    return _supervisor_spec(settings, children, tuple(rings))
+
+
+def _worker_specs(
+    settings: Settings, placement: Placement, replica: int, worker: WorkerConfig
+) -> list[ChildSpec]:
+    """This host's ranks of one replica, one group (they restart together: one_for_all)."""
+    parallel = settings.parallel
+    tp = parallel.tensor_parallel_size
+    suffix = replica_suffix(replica, parallel.data_parallel_size)
+    spans_hosts = placement.nnodes > 1
+    port = parallel.master_port + replica if parallel.master_port else 0
+    runtime = settings.runtime
+    specs = []
+    for local_rank, rank in enumerate(placement.ranks_on(parallel.node_rank)):
+        group_config = None
+        if tp > 1:
+            group_config = TensorParallelConfig(
+                rank=rank,
+                size=tp,
+                master_addr=parallel.master_addr,
+                master_port=port,
+                relay_plans=spans_hosts,
+                local_rank=replica * placement.ranks_per_node + local_rank,
+                timeout_s=runtime.start_timeout,
+            )
+        entry = WORKER
+        if spans_hosts:
+            entry = RELAY_WORKER if rank == 0 else FOLLOWER_WORKER
+        config = msgspec.structs.replace(worker, rank=rank, tensor_parallel=group_config)
+        specs.append(
+            ChildSpec(
+                name=f"worker{rank}{suffix}",
+                entry=entry,
+                group=f"workers{suffix}",
+                config=msgspec.msgpack.encode(config),
+                heartbeat_interval=runtime.heartbeat_interval,
+                heartbeat_timeout=runtime.heartbeat_timeout,
+                ready_timeout=runtime.start_timeout,
+            )
+        )
+    return specs
+
+
+def _supervisor_spec(
+    settings: Settings, children: tuple[ChildSpec, ...], rings: tuple[RingDecl, ...]
+) -> SupervisorSpec:
+    runtime = settings.runtime
+    return SupervisorSpec(
         children=children,
         rings=rings,
         strategy=Strategy.ONE_FOR_ONE,
@@ -181,4 +334,3 @@ def plan_engine(settings: Settings, model_path: str) -> EnginePlan:
         max_seconds=runtime.restart_period,
         log_level=runtime.log_level.upper(),
     )
-    return EnginePlan(model_path, config, device, dtype, num_blocks, max_model_len, spec)

@@ -91,6 +91,25 @@ class ParallelSettings(_Section, frozen=True):
     data_parallel_size: Annotated[
         int, Meta(ge=1, le=64, description="independent model replicas")
     ] = 1
+    nnodes: Annotated[
+        int, Meta(ge=1, le=64, description="hosts the worker ranks span (one launch per host)")
+    ] = 1
+    node_rank: Annotated[
+        int,
+        Meta(ge=0, le=63, description="this host's index; 0 serves the API, others run ranks"),
+    ] = 0
+    master_addr: Annotated[
+        str,
+        Meta(min_length=1, description="address of node 0, where rank 0's TCP store listens"),
+    ] = "127.0.0.1"
+    master_port: Annotated[
+        int,
+        Meta(
+            ge=0,
+            le=65535,
+            description="rank 0's TCP store port (replica i: +i); 0 = a free one (one host only)",
+        ),
+    ] = 0
 
 
 class ServerSettings(_Section, frozen=True):
