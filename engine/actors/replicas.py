@@ -1,0 +1,266 @@
+"""Data-parallel replicas behind the one gateway: M supervisors presented to AsyncLLM as one.
+
+Each replica is a whole pipeline (tokenizer, scheduler, detokenizer, its TP group of worker
+ranks) with a supervisor of its own (engine/topology.py builds the specs), so:
+
+- the replicas start in parallel (every supervisor's start is awaited together);
+- a failing actor restarts within its replica; the others never stop (their supervisors are not
+  involved), and a replica that exceeds its restart intensity stops alone: its requests move to
+  the live replicas, and the engine gives up only when no replica is left;
+- each prompt is tokenized once, by the tokenizer of the replica it was routed to.
+
+`ReplicaSet` offers what AsyncLLM uses of a Supervisor: `root` (send requests: routed by
+`LeastPendingRouter`; receive outputs, failures and reports: merged from every replica),
+`subscribe`, `start`, `shutdown`, `wait_closed`, `status`, `set_log_level`. Scheduler reports
+are merged into one (counts summed, ratios averaged) for the engine-wide figures; `replica_stats`
+gives each replica's own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from engine.actors.gateway import Gateway
+from engine.actors.router import LeastPendingRouter, pending_tokens
+from engine.actors.runtime.child_spec import SupervisorSpec
+from engine.actors.runtime.events import (
+    ChildRestarted,
+    ChildStatus,
+    Escalated,
+    SupervisorEvent,
+)
+from engine.actors.runtime.ring import RingClosed
+from engine.actors.runtime.supervisor import Supervisor
+from engine.messages.reports import SCHEDULER_REPORTS, SchedulerReport
+from engine.messages.scheduling import SchedulerStats
+
+log = logging.getLogger(__name__)
+
+Received = list[tuple[str, list[bytes]]]
+
+
+class ReplicaSet:
+    def __init__(
+        self, specs: Sequence[SupervisorSpec], gateway: Gateway, max_model_len: int
+    ) -> None:
+        self.supervisors = [Supervisor(spec) for spec in specs]
+        self.router = LeastPendingRouter(len(specs), gateway, max_model_len)
+        self.reports: list[SchedulerReport | None] = [None] * len(specs)
+        self.failed: dict[int, str] = {}  # replica -> why it stopped
+        self.root = _MergedRoot(self)
+        self._subscribers: list[asyncio.Queue[SupervisorEvent]] = []
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # ---- the Supervisor interface --------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start every replica at once; if one fails to start, stop them all and raise."""
+        loop = asyncio.get_running_loop()
+        for replica, supervisor in enumerate(self.supervisors):
+            events = supervisor.subscribe()
+            self._tasks.append(
+                loop.create_task(self._forward_events(replica, events), name=f"replica{replica}")
+            )
+        results = await asyncio.gather(
+            *(supervisor.start() for supervisor in self.supervisors), return_exceptions=True
+        )
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            await self.shutdown(f"start-up failed: {errors[0]}")
+            raise errors[0]
+        for replica, supervisor in enumerate(self.supervisors):
+            self._tasks.append(
+                loop.create_task(self.root.pump(replica, supervisor), name=f"pump{replica}")
+            )
+
+    async def shutdown(self, reason: str = "shutdown requested") -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*(supervisor.shutdown(reason) for supervisor in self.supervisors))
+        self.root.close()
+
+    async def wait_closed(self) -> str:
+        reasons = await asyncio.gather(*(s.wait_closed() for s in self.supervisors))
+        return "; ".join(dict.fromkeys(reasons))
+
+    def subscribe(self) -> asyncio.Queue[SupervisorEvent]:
+        queue: asyncio.Queue[SupervisorEvent] = asyncio.Queue()
+        self._subscribers.append(queue)
+        return queue
+
+    def unsubscribe(self, queue: asyncio.Queue[SupervisorEvent]) -> None:
+        self._subscribers.remove(queue)
+
+    def status(self) -> list[ChildStatus]:
+        """Every actor of the live replicas (a replica that gave up is no longer the engine's:
+        `replica_stats` shows it as failed)."""
+        return [
+            row
+            for replica, supervisor in enumerate(self.supervisors)
+            if replica not in self.failed
+            for row in supervisor.status()
+        ]
+
+    def set_log_level(self, level: str) -> None:
+        for replica, supervisor in enumerate(self.supervisors):
+            if replica not in self.failed:
+                supervisor.set_log_level(level)
+
+    # ---- per replica ---------------------------------------------------------------------------
+
+    def replica_stats(self) -> list[dict[str, Any]]:
+        loads = self.router.loads()
+        requests = self.router.requests()
+        rows = []
+        for replica, report in enumerate(self.reports):
+            row: dict[str, Any] = {
+                "replica": replica,
+                "state": "failed" if replica in self.failed else "running",
+                "in_flight": requests[replica],
+                "pending_tokens": loads[replica],
+                "routed_requests": self.router.routed[replica],
+            }
+            if replica in self.failed:
+                row["reason"] = self.failed[replica]
+            row.update(_stats_of(report))
+            rows.append(row)
+        return rows
+
+    async def _forward_events(self, replica: int, events: asyncio.Queue[SupervisorEvent]) -> None:
+        while True:
+            event = await events.get()
+            if isinstance(event, Escalated):
+                event = self._replica_gave_up(replica, event.reason)
+            for queue in self._subscribers:
+                queue.put_nowait(event)
+
+    def _replica_gave_up(self, replica: int, reason: str) -> SupervisorEvent:
+        """One replica's supervisor escalated: the engine goes on with the others, if any."""
+        self.failed[replica] = reason
+        moved = self.router.mark_dead(replica)
+        live = self.router.live
+        if not live:
+            return Escalated(f"every replica gave up; replica {replica}: {reason}")
+        log.error(
+            "replica %d gave up (%s); its %d request(s) move to replica(s) %s",
+            replica,
+            reason,
+            len(moved),
+            live,
+        )
+        # To AsyncLLM this is a restart on the request path: it resubmits what was in flight,
+        # and the router sends this replica's requests to the live ones.
+        why = f"replica {replica} gave up ({reason}); its requests move to replicas {live}"
+        return ChildRestarted(f"replica{replica}", 0, 0, 0, why)
+
+
+class _MergedRoot:
+    """The root's ends of every replica as one: sends are routed, receipts merged."""
+
+    def __init__(self, replicas: ReplicaSet) -> None:
+        self._replicas = replicas
+        self.mailbox = self  # AsyncLLM reads `root.mailbox.recv()`
+        self._received: asyncio.Queue[Received | None] = asyncio.Queue()
+        self._pumping = len(replicas.supervisors)
+
+    async def send_many(self, ring: str, frames: Sequence[bytes]) -> bool:
+        """Gateway -> tokenizer frames ("requests"), each to its replica's tokenizer."""
+        sent = True
+        for replica, part in self._replicas.router.route(frames).items():
+            supervisor = self._replicas.supervisors[replica]
+            sent = await supervisor.root.send_many(ring, part) and sent
+        return sent
+
+    async def recv(self) -> Received:
+        """What any replica sent the root; RingClosed once every replica has stopped."""
+        while True:
+            batch = await self._received.get()
+            if batch is None:
+                self._pumping -= 1
+                if self._pumping <= 0:
+                    self._received.put_nowait(None)  # every later recv fails the same way
+                    raise RingClosed("every replica has stopped")
+                continue
+            return batch
+
+    async def pump(self, replica: int, supervisor: Supervisor) -> None:
+        """Move one replica's receipts into the merged queue (until its supervisor stops)."""
+        try:
+            while True:
+                try:
+                    received = await supervisor.root.mailbox.recv()
+                except RingClosed:
+                    return
+                batch: Received = []
+                for ring, frames in received:
+                    if ring == "reports":
+                        batch.append((ring, [self._merge_reports(replica, frames)]))
+                        continue
+                    if ring == "outputs":
+                        self._replicas.router.invalidate()  # progress: recount the loads
+                    batch.append((ring, frames))
+                self._received.put_nowait(batch)
+        finally:
+            self._received.put_nowait(None)
+
+    def _merge_reports(self, replica: int, frames: list[bytes]) -> bytes:
+        reports = SCHEDULER_REPORTS.decode_many(frames)
+        if reports:
+            self._replicas.reports[replica] = reports[-1]
+        live = [r for r in self._replicas.reports if r is not None]
+        return SCHEDULER_REPORTS.encode(merge_reports(live))
+
+    def close(self) -> None:
+        self._received.put_nowait(None)
+
+
+def merge_reports(reports: Sequence[SchedulerReport]) -> SchedulerReport:
+    """One report for several schedulers: counts summed, fractions (floats) averaged."""
+    fields: dict[str, Any] = {}
+    for report in reports:
+        for name, value in msgspec.structs.asdict(report.stats).items():
+            fields.setdefault(name, []).append(value)
+    merged = {
+        name: sum(values) / len(values) if isinstance(values[0], float) else sum(values)
+        for name, values in fields.items()
+    }
+    stats = msgspec.convert(merged, SchedulerStats)
+    return SchedulerReport(stats, [status for report in reports for status in report.requests])
+
+
+def supervise(
+    specs: Sequence[SupervisorSpec], gateway: Gateway, max_model_len: int
+) -> Supervisor | ReplicaSet:
+    """The supervisor AsyncLLM drives: the plain one for one replica, a ReplicaSet for more."""
+    if len(specs) == 1:
+        return Supervisor(specs[0])
+    return ReplicaSet(specs, gateway, max_model_len)
+
+
+def replica_stats(
+    supervisor: Supervisor | ReplicaSet | None,
+    gateway: Gateway,
+    report: SchedulerReport | None,
+    max_model_len: int,
+) -> list[dict[str, Any]]:
+    """`stats()["replicas"]`: one row per replica (one row for an engine of one replica)."""
+    if isinstance(supervisor, ReplicaSet):
+        return supervisor.replica_stats()
+    row: dict[str, Any] = {
+        "replica": 0,
+        "state": "running",
+        "in_flight": len(gateway),
+        "pending_tokens": sum(pending_tokens(r, max_model_len) for r in gateway.records()),
+    }
+    row.update(_stats_of(report))
+    return [row]
+
+
+def _stats_of(report: SchedulerReport | None) -> dict[str, Any]:
+    return msgspec.structs.asdict(report.stats) if report is not None else {}
