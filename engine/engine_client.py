@@ -20,6 +20,7 @@ from typing import Any
 import msgspec
 
 from engine.actors.gateway import Gateway, ToTokenizer
+from engine.actors.replicas import ReplicaSet, replica_stats, supervise
 from engine.actors.runtime.events import ChildDied, ChildRestarted, Escalated
 from engine.actors.runtime.ring import RingClosed
 from engine.actors.runtime.supervisor import Supervisor
@@ -45,7 +46,7 @@ class AsyncLLM:
         self.model_name = ""
         self.max_model_len = 0
         self._plan: EnginePlan | None = None
-        self._supervisor: Supervisor | None = None
+        self._supervisor: Supervisor | ReplicaSet | None = None  # ReplicaSet: DP > 1
         self._tasks: list[asyncio.Task[None]] = []
         self._sends: set[asyncio.Task[None]] = set()  # owed submissions on their way
         self._report: SchedulerReport | None = None
@@ -67,7 +68,9 @@ class AsyncLLM:
         self.model_name = self.settings.model.served_name or self.settings.model.path or "demo"
 
         self.max_model_len = self._plan.max_model_len
-        self._supervisor = Supervisor(self._plan.spec)
+        self._supervisor = supervise(
+            self._plan.replica_specs, self.gateway, self._plan.max_model_len
+        )
         events = self._supervisor.subscribe()
         await self._supervisor.start()
         loop = asyncio.get_running_loop()
@@ -187,6 +190,7 @@ class AsyncLLM:
             resubmitted_requests=self.gateway.resubmissions,
             restarts={row.name: row.restarts for row in rows},
             kv_cache_blocks=self._plan.num_blocks if self._plan else 0,
+            replicas=replica_stats(self._supervisor, self.gateway, report, self.max_model_len),
         )
         return stats
 
