@@ -45,6 +45,7 @@ class LLM:
         model: str | None = None,
         *,
         tensor_parallel_size: int = 1,
+        data_parallel_size: int = 1,
         max_model_len: int | None = None,
         dtype: str = "auto",
         kv_cache_memory: int | None = None,
@@ -60,6 +61,7 @@ class LLM:
             "model.seed": seed,
             "cache.kv_cache_memory": kv_cache_memory,
             "parallel.tensor_parallel_size": tensor_parallel_size,
+            "parallel.data_parallel_size": data_parallel_size,
         }
         fields.update({key.replace("__", "."): value for key, value in options.items()})
         self.engine = AsyncLLM(build_settings(settings, **fields))
