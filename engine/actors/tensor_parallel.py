@@ -28,13 +28,14 @@ from engine.model.parallel.config import TensorParallelConfig
 
 RENDEZVOUS_RING = "rendezvous"
 RELAY_TOKENS_IN_THREAD = 512  # as the worker: long steps leave the event loop free
+CONNECT_ATTEMPT_S = 2.0
 
 
 async def join_group_of(actor: Actor, config: WorkerConfig) -> tuple[WorkerConfig, Any]:
     """Join this rank's group; (config with this rank's device and KV bytes, the group)."""
     import torch
 
-    from engine.model.parallel.group import join_group, open_store
+    from engine.model.parallel.group import join_group, open_store, wait_for_ranks
 
     tp = config.tensor_parallel
     assert tp is not None
@@ -43,18 +44,20 @@ async def join_group_of(actor: Actor, config: WorkerConfig) -> tuple[WorkerConfi
         store = await asyncio.to_thread(
             open_store, 0, tp.size, tp.master_addr, tp.master_port, tp.timeout_s
         )
+        address, port = tp.master_addr, store.port
         if RENDEZVOUS_RING in actor.rings.outbound_names:
-            found = Rendezvous(tp.master_addr, store.port)
-            await actor.send(RENDEZVOUS_RING, RENDEZVOUS.encode(found))
+            await actor.send(RENDEZVOUS_RING, RENDEZVOUS.encode(Rendezvous(address, port)))
         # Ranks on other hosts size their KV cache as the root did for this one.
         store.set("kv_cache_memory", str(config.kv_cache_memory))
     else:
         address, port = tp.master_addr, tp.master_port
         if port == 0:
             address, port = await _rendezvous_from_rank0(actor, tp)
-        store = await asyncio.to_thread(open_store, tp.rank, tp.size, address, port, tp.timeout_s)
+        store = await _connect(tp, address, port)
         kv_bytes = int(store.get("kv_cache_memory"))
         config = msgspec.structs.replace(config, kv_cache_memory=kv_bytes)
+    where = f"{address}:{port}"
+    await asyncio.to_thread(wait_for_ranks, store, tp.size, tp.timeout_s, where)
     group = await asyncio.to_thread(join_group, store, tp.rank, tp.size, torch.device(device))
     actor.log.info("tensor-parallel rank %d of %d on %s", tp.rank, tp.size, device)
     return msgspec.structs.replace(config, device=device), group
@@ -69,6 +72,25 @@ def rank_device(device: str, local_rank: int) -> str:
             return f"cuda:{local_rank % torch.cuda.device_count()}"
         return "cpu"
     return device
+
+
+async def _connect(tp: TensorParallelConfig, address: str, port: int) -> Any:
+    """Rank 0's store, tried in short attempts (a stop request gets through between them)
+    until it answers or tp.timeout_s has passed."""
+    from engine.model.parallel.group import open_store
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + tp.timeout_s
+    while True:
+        attempt = min(CONNECT_ATTEMPT_S, max(deadline - loop.time(), 0.1))
+        try:
+            return await asyncio.to_thread(open_store, tp.rank, tp.size, address, port, attempt)
+        except (RuntimeError, TimeoutError) as exc:  # torch says "timed out" as RuntimeError
+            if loop.time() >= deadline:
+                raise TimeoutError(
+                    f"tensor-parallel rank {tp.rank}: no TCP store of rank 0 at {address}:{port} "
+                    f"within {tp.timeout_s:g} s ({exc})"
+                ) from None
 
 
 async def _rendezvous_from_rank0(actor: Actor, tp: TensorParallelConfig) -> tuple[str, int]:
@@ -109,6 +131,7 @@ class PlanFollowerWorker(WorkerActor):
 
     async def on_stop(self) -> None:
         self._following.cancel()
+        await super().on_stop()
 
     async def _follow(self) -> None:
         group = self.runner.group

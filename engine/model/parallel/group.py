@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import time
 
 import msgspec
 import torch
@@ -90,10 +91,25 @@ def open_store(
     )
 
 
+def wait_for_ranks(store: dist.Store, size: int, timeout_s: float, where: str) -> None:
+    """Count this rank in and wait until all `size` have; TimeoutError saying how many came.
+    (The process group's own timeout is the collectives' very long one: not for start-up.)"""
+    joined = store.add("ranks_joined", 1)
+    deadline = time.monotonic() + timeout_s
+    while joined < size:
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"only {joined} of {size} tensor-parallel ranks joined at {where} within "
+                f"{timeout_s:g} s (each host of the group must be started)"
+            )
+        time.sleep(0.05)
+        joined = store.add("ranks_joined", 0)
+
+
 def join_group(
     store: dist.Store, rank: int, size: int, device: torch.device
 ) -> TensorParallelGroup:
-    """Form the process group over `store`; returns when every rank has joined."""
+    """Form the process group over `store` (every rank is there: see wait_for_ranks)."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
