@@ -38,7 +38,7 @@ class RecordedChoice(msgspec.Struct, kw_only=True, omit_defaults=True):
 class TraceRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     """One request of a trace (format version 1)."""
 
-    v: int = TRACE_VERSION
+    v: int  # the format version: always written, checked on reading
     # Seconds on any clock: recordings use Unix time, imports the source trace's own clock.
     # Replay only uses differences between arrivals.
     arrival: float

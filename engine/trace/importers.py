@@ -26,6 +26,7 @@ from typing import IO
 import msgspec
 
 from engine.trace.format import (
+    TRACE_VERSION,
     Endpoint,
     TraceProblem,
     TraceRecord,
@@ -185,6 +186,7 @@ def _to_records(
         )
         result.records.append(
             TraceRecord(
+                v=TRACE_VERSION,
                 arrival=round(offset, 6),
                 endpoint=options.endpoint,
                 body=make_body(body),

@@ -71,18 +71,31 @@ def _cdf(ax: Any, seconds: Sequence[float], label: str, color: str) -> None:
     ax.step(values, fractions, where="post", color=color, label=f"{label} (n={len(values)})")
 
 
+def _bar_width(count: int) -> float:
+    """Thick bars for a few requests, thin ones for thousands."""
+    return max(0.8, min(6.0, 300.0 / max(1, count)))
+
+
+def _integer_ticks(ax: Any) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+
+
 def _replay_timeline(ax: Any, results: Sequence[ReplayResult], speed: float) -> None:
+    width = _bar_width(len(results))
     for r in results:
         y = r.request.position
         color = REPLAY_COLOR if r.ok else FAILED_COLOR
-        ax.hlines(y, r.sent_at, r.finished_at, color=color, linewidth=1.2)
+        ax.hlines(y, r.sent_at, r.finished_at, color=color, linewidth=width)
         if r.ttft is not None:
-            ax.plot(r.sent_at + r.ttft, y, ".", color="black", markersize=2.5)
+            ax.plot(r.sent_at + r.ttft, y, ".", color="black", markersize=3)
     speed_text = "no waiting" if speed == float("inf") else f"speed {speed:g}x"
     ax.set_title(f"replay timeline ({speed_text}; red = failed, dot = first token)")
     ax.set_xlabel("seconds since the first request")
     ax.set_ylabel("request (arrival order)")
     ax.grid(alpha=0.3)
+    _integer_ticks(ax)
 
 
 def _recorded_timeline(ax: Any, records: Sequence[TraceRecord]) -> None:
@@ -93,12 +106,13 @@ def _recorded_timeline(ax: Any, records: Sequence[TraceRecord]) -> None:
         ax.plot([r.arrival - start for r in records], range(len(records)), "|", color="gray")
         ax.set_title("trace arrivals (imported trace: no recorded outcome)")
     else:
+        width = _bar_width(len(records))
         for y, r in enumerate(records):
             begin = r.arrival - start
             color = RECORDED_COLOR if r.outcome == "success" else FAILED_COLOR
-            ax.hlines(y, begin, begin + (r.e2e or 0.0), color=color, linewidth=1.2)
+            ax.hlines(y, begin, begin + (r.e2e or 0.0), color=color, linewidth=width)
             if r.ttft is not None:
-                ax.plot(begin + r.ttft, y, ".", color="black", markersize=2.5)
+                ax.plot(begin + r.ttft, y, ".", color="black", markersize=3)
         ax.set_title("recorded timeline (red = not a success, dot = first token)")
     ax.set_xlabel("seconds since the first request")
     ax.grid(alpha=0.3)

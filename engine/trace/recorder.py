@@ -19,7 +19,7 @@ from typing import IO, TYPE_CHECKING
 
 import msgspec
 
-from engine.trace.format import Endpoint, RecordedChoice, TraceRecord
+from engine.trace.format import TRACE_VERSION, Endpoint, RecordedChoice, TraceRecord
 
 if TYPE_CHECKING:
     from engine.http.parsing import PreparedRequest
@@ -154,6 +154,7 @@ class RequestRecording:
             "chat_completions" if self._endpoint == "chat_completions" else "completions"
         )
         return TraceRecord(
+            v=TRACE_VERSION,
             arrival=round(self._arrival, 6),
             endpoint=endpoint,
             body=msgspec.Raw(self._body),
@@ -176,5 +177,6 @@ class RequestRecording:
                     token_times=self._times[k],
                 )
                 for k, c in enumerate(choices)
+                if status == 200  # a refused request produced no choice
             ],
         )

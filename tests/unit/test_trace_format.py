@@ -21,6 +21,7 @@ from engine.trace.format import (
 
 def a_record(**overrides: object) -> TraceRecord:
     fields: dict[str, object] = {
+        "v": TRACE_VERSION,
         "arrival": 100.5,
         "endpoint": "completions",
         "body": make_body({"prompt": "hello", "max_tokens": 2, "temperature": 0}),
@@ -56,29 +57,31 @@ def test_malformed_lines_are_reported_by_number_and_the_rest_is_kept(tmp_path: P
     lines = [
         good,
         b"{not json\n",
-        b'{"arrival": 1.0, "body": {"prompt": "x"}}\n',  # no endpoint
+        b'{"v": 1, "arrival": 1.0, "body": {"prompt": "x"}}\n',  # no endpoint
         b"\n",  # blank lines are allowed
         encode_record(a_record(v=99)),
         encode_record(a_record(body=msgspec.Raw(b"[1, 2]"))),
-        b'{"arrival": "soon", "endpoint": "completions", "body": {}}\n',
+        b'{"v": 1, "arrival": "soon", "endpoint": "completions", "body": {}}\n',
+        b'{"arrival": 1.0, "endpoint": "completions", "body": {}}\n',  # no version
         good,
     ]
     path = tmp_path / "trace.jsonl"
     path.write_bytes(b"".join(lines))
     trace = read_trace(path)
-    assert [e.line for e in trace.entries] == [1, 8]
+    assert [e.line for e in trace.entries] == [1, 9]
     problems = {p.line: p.message for p in trace.problems}
-    assert set(problems) == {2, 3, 5, 6, 7}
+    assert set(problems) == {2, 3, 5, 6, 7, 8}
     assert "not valid JSON" in problems[2]
     assert "missing required field `endpoint`" in problems[3]
     assert "version 99" in problems[5] and f"expected {TRACE_VERSION}" in problems[5]
     assert "'body' must be a JSON object" in problems[6]
     assert "$.arrival" in problems[7]
+    assert "missing required field `v`" in problems[8]
     assert str(trace.problems[0]).startswith("line 2: ")
 
 
 def test_imported_lines_need_no_outcome() -> None:
-    line = b'{"arrival": 0.5, "endpoint": "chat_completions", "body": {"messages": []}}'
+    line = b'{"v": 1, "arrival": 0.5, "endpoint": "chat_completions", "body": {"messages": []}}'
     (entry,) = parse_lines([line]).entries
     assert not entry.record.recorded and entry.record.choices == []
     assert entry.record.source == "recorded"  # the default, for lines that do not say
@@ -86,6 +89,6 @@ def test_imported_lines_need_no_outcome() -> None:
 
 @pytest.mark.parametrize("endpoint", ["embeddings", ""])
 def test_an_unknown_endpoint_is_a_problem(endpoint: str) -> None:
-    line = f'{{"arrival": 0, "endpoint": "{endpoint}", "body": {{}}}}'.encode()
+    line = f'{{"v": 1, "arrival": 0, "endpoint": "{endpoint}", "body": {{}}}}'.encode()
     (problem,) = parse_lines([line]).problems
     assert problem.line == 1 and "endpoint" in problem.message

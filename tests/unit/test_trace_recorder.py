@@ -16,6 +16,7 @@ from engine.trace.recorder import TraceRecorder
 
 def record(i: int, body: msgspec.Raw | None = None) -> TraceRecord:
     return TraceRecord(
+        v=1,
         arrival=float(i),
         endpoint="completions",
         body=body or make_body({"prompt": f"p{i}", "max_tokens": 1}),

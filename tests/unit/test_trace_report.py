@@ -28,12 +28,15 @@ def test_percentiles_interpolate_between_ranks() -> None:
 
 def test_recorded_itl_counts_tokens_delivered_together_once() -> None:
     choice = RecordedChoice(index=0, token_ids=[1, 2, 3, 4], token_times=[0.1, 0.3, 0.3, 0.6])
-    record = TraceRecord(arrival=0, endpoint="completions", body=make_body({}), choices=[choice])
+    record = TraceRecord(
+        v=1, arrival=0, endpoint="completions", body=make_body({}), choices=[choice]
+    )
     assert recorded_itls(record) == pytest.approx([0.2, 0.3])
 
 
 def recorded(i: int, text: str, body: dict[str, object]) -> TraceEntry:
     record = TraceRecord(
+        v=1,
         arrival=10.0 + i, endpoint="completions", body=make_body(body), request_id=f"r{i}",
         outcome="success", status=200, completion_tokens=2, ttft=0.1, e2e=0.5,
         choices=[RecordedChoice(index=0, text=text, finish_reason="length",
@@ -104,7 +107,7 @@ def test_text_and_json_renderings() -> None:
 def test_an_imported_trace_has_no_recorded_column() -> None:
     body = {"prompt": [1, 2], "max_tokens": 1}
     entry = TraceEntry(
-        1, TraceRecord(arrival=0, endpoint="completions", body=make_body(body)), body
+        1, TraceRecord(v=1, arrival=0, endpoint="completions", body=make_body(body)), body
     )
     (request,) = build_schedule([entry])
     result = ReplayResult(request, sent_at=0.0, finished_at=1.0, status=200)

@@ -17,7 +17,7 @@ def entries(arrivals: list[float] = ARRIVALS) -> list[TraceEntry]:
     out = []
     for i, arrival in enumerate(arrivals):
         body = {"prompt": f"p{i}", "max_tokens": 4, "model": "recorded-model", "stream": False}
-        record = TraceRecord(arrival=arrival, endpoint="completions", body=make_body(body))
+        record = TraceRecord(v=1, arrival=arrival, endpoint="completions", body=make_body(body))
         out.append(TraceEntry(line=i + 1, record=record, body=body))
     return out
 
