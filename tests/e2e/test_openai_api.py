@@ -8,7 +8,7 @@ import openai
 import pytest
 
 from tests.e2e.conftest import MAX_MODEL_LEN
-from tests.e2e.harness import Server
+from tests.e2e.harness import Server, wait_until
 
 PROMPT = "Once upon a time"
 CHAT = [{"role": "system", "content": "You tell stories."}, {"role": "user", "content": "Hello"}]
@@ -188,8 +188,13 @@ def test_unknown_route_gets_an_openai_error_body(server: Server) -> None:
 
 def test_record_trace_appends_one_line_per_request(client: openai.OpenAI, server: Server) -> None:
     resp = client.completions.create(model=server.model, prompt=PROMPT, max_tokens=3)
-    records = [json.loads(line) for line in server.extra["trace"].read_text().splitlines()]
-    (mine,) = [r for r in records if r["request_id"] == resp.id]
+
+    def my_records() -> list[dict]:  # type: ignore[type-arg]
+        lines = server.extra["trace"].read_text().splitlines()
+        return [r for r in map(json.loads, lines) if r["request_id"] == resp.id]
+
+    # A writer thread appends the line after the response has gone out: wait for it.
+    (mine,) = wait_until(my_records, timeout=10)
     assert mine["endpoint"] == "completions" and mine["outcome"] == "success"
     assert mine["completion_tokens"] == resp.usage.completion_tokens
     assert mine["prompt_tokens"] == resp.usage.prompt_tokens

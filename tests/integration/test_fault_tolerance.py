@@ -120,20 +120,25 @@ def alive(pid: int) -> bool:
     return True
 
 
-def children_of(parent: int) -> list[str]:
-    """Child processes of `parent` ("pid: command line"), but multiprocessing's resource
-    tracker, which serves the test process for as long as it lives."""
-    children = []
+def children_of(parent: int) -> dict[int, str]:
+    """Child processes of `parent` (pid: command line), but multiprocessing's resource tracker,
+    which serves the test process for as long as it lives."""
+    children = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rpartition(")")[2].split()
+            cmdline = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
         except OSError:
             continue  # gone meanwhile
-        if int(fields[1]) == parent:
-            cmdline = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            if "multiprocessing.resource_tracker" not in cmdline:
-                children.append(f"{stat.parent.name}: {cmdline}")
+        if int(fields[1]) == parent and "multiprocessing.resource_tracker" not in cmdline:
+            children[int(stat.parent.name)] = cmdline
     return children
+
+
+def children_started_since(before: set[int]) -> list[str]:
+    """This process's children that were not there at `before` (the pids then): a server that
+    another test module shares for the whole session is not this engine's leftover."""
+    return [f"{pid}: {cmd}" for pid, cmd in children_of(os.getpid()).items() if pid not in before]
 
 
 @pytest.fixture(autouse=True)
@@ -148,6 +153,7 @@ class Shared:
     engine: AsyncLLM
     reference: list[Outcome]
     ipc_before: set[Path]
+    children_before: set[int]
     pids: set[int]
 
     def note_pids(self) -> None:
@@ -168,6 +174,7 @@ async def shared() -> AsyncIterator[Shared]:
         }
     )
     ipc_before = ipc_files()
+    children_before = set(children_of(os.getpid()))
     previous = os.environ.get(FAULT_INJECTION_ENV)
     os.environ[FAULT_INJECTION_ENV] = f"raise:{POISON_RAISE},exit:{POISON_EXIT}"
     engine = AsyncLLM(settings)
@@ -175,7 +182,7 @@ async def shared() -> AsyncIterator[Shared]:
     try:
         await engine.start()
         reference = await run_all(engine, workload(), [0] * STREAMS)
-        state = Shared(engine, reference, ipc_before, set())
+        state = Shared(engine, reference, ipc_before, children_before, set())
         watch = asyncio.ensure_future(note_pids_all_along(state))
         yield state
     finally:
@@ -299,5 +306,6 @@ async def test_after_everything_nothing_is_left_and_the_kv_pool_is_full(shared: 
     await engine.shutdown()
     assert len(shared.pids) >= len(engine.actors())
     assert [pid for pid in shared.pids if alive(pid)] == []
-    assert children_of(os.getpid()) == []  # not even one the watch missed, nor a zombie
+    # Not even one the watch missed, nor a zombie.
+    assert children_started_since(shared.children_before) == []
     assert sorted(ipc_files() - shared.ipc_before) == []

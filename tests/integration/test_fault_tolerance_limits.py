@@ -23,6 +23,7 @@ from tests.integration.test_fault_tolerance import (
     actor,
     alive,
     children_of,
+    children_started_since,
     ipc_files,
     run_all,
     wait_for,
@@ -41,8 +42,14 @@ def greedy_jobs(count: int) -> list[Job]:
     return [Job(f"story {i} begins like this", params) for i in range(count)]
 
 
+@pytest.fixture(scope="module")
+def children_before() -> set[int]:
+    """This process's children before the engine starts."""
+    return set(children_of(os.getpid()))
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def engine() -> AsyncIterator[AsyncLLM]:
+async def engine(children_before: set[int]) -> AsyncIterator[AsyncLLM]:
     settings = build_settings(
         **{
             "model.path": str(tiny_checkpoint(arch="qwen3")),
@@ -81,7 +88,7 @@ async def test_kv_exhaustion_preempts_and_every_request_completes_unchanged(
 
 
 async def test_past_the_restart_intensity_everything_fails_with_the_reason_and_stops(
-    engine: AsyncLLM,
+    engine: AsyncLLM, children_before: set[int]
 ) -> None:
     jobs = greedy_jobs(8)
     progress = [0] * len(jobs)
@@ -115,6 +122,6 @@ async def test_past_the_restart_intensity_everything_fails_with_the_reason_and_s
     # In order: every actor stopped, every segment removed, before anyone called shutdown().
     assert all(row["pid"] is None for row in engine.actors())
     assert [pid for pid in pids if alive(pid)] == []
-    assert children_of(os.getpid()) == []
+    assert children_started_since(children_before) == []
     assert ipc_files() == set()
     await asyncio.wait_for(engine.shutdown(), 60)
