@@ -2,7 +2,8 @@
 
 It lives in the root process: it starts the supervisor, keeps the gateway (every unfinished
 request's truth), pumps the detokenizer's output into per-request streams, and after any restart
-on the request path resubmits every unfinished request under a new epoch (DESIGN §5). A death
+on the request path resubmits every unfinished request under a new epoch (DESIGN §5; with
+data-parallel replicas, every unfinished request of the restarted actor's replica). A death
 that was a crash (not a kill from outside) is counted against the requests in flight at the
 actor, which the gateway retries alone and quarantines if they crash it again (see gateway).
 Past the restart intensity every request fails with 503 and `health()` says why.
@@ -210,7 +211,12 @@ class AsyncLLM:
         ]
 
     def requests(self) -> list[dict[str, Any]]:
-        return self.gateway.describe()
+        rows = self.gateway.describe()
+        if isinstance(self._supervisor, ReplicaSet):  # which replica serves each request
+            where = self._supervisor.router.replica_of
+            for row in rows:
+                row["replica"] = where.get(row["request_id"])
+        return rows
 
     def set_log_level(self, level: str) -> None:
         """Every actor's log level (the root's own is the caller's to set)."""
@@ -291,7 +297,11 @@ class AsyncLLM:
                 # Every actor is on the request path: whatever was in flight through it is gone.
                 # A group restart reports each member: resubmit once for all of them.
                 restarted = [event.name, *_drain_restarts(events)]
-                submissions = self.gateway.resubmit_all()
+                # With replicas, only those of the restarted actors: the others run on.
+                only = None
+                if isinstance(self._supervisor, ReplicaSet):
+                    only = self._supervisor.requests_of(restarted)
+                submissions = self.gateway.resubmit_all(only)
                 log.warning(
                     "%s restarted (%s): resubmitting %d unfinished request(s)",
                     ", ".join(restarted),

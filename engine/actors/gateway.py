@@ -35,7 +35,7 @@ import logging
 import secrets
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -243,12 +243,23 @@ class Gateway:
             )
         return quarantined
 
-    def resubmit_all(self) -> list[ToTokenizer]:
+    def resubmit_all(self, only: Collection[str] | None = None) -> list[ToTokenizer]:
         """After a restart on the request path: every unfinished request, under a new epoch.
 
         While suspects are on probation only the probationer goes; the others are held back,
         and whatever older epoch of theirs is still running is aborted.
+
+        `only`: the requests the restart concerned (one data-parallel replica's); the others run
+        on under their epoch. Probation is engine-wide, so while it is under way, or a release is
+        still owed, `only` is ignored and every request goes as above.
         """
+        if only is not None and not self._in_probation_or_owed():
+            records = [record for record in self._records.values() if record.request_id in only]
+            for record in records:
+                record.epoch += 1
+                record.acknowledged = False
+            self.resubmissions += len(records)
+            return [record.submission() for record in records]
         self._outbox.clear()  # whatever was owed goes in this resubmission, or stays held
         for record in self._records.values():
             record.epoch += 1
@@ -332,6 +343,13 @@ class Gateway:
         record.epoch += 1
         record.acknowledged = False
         self._outbox.append(AbortRequests([record.request_id]))
+
+    def _in_probation_or_owed(self) -> bool:
+        return (
+            self.on_probation
+            or bool(self._outbox)
+            or any(record.held for record in self._records.values())
+        )
 
     def _is_suspect(self, request_id: str) -> bool:
         record = self._records.get(request_id)

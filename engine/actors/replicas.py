@@ -5,8 +5,9 @@ ranks) with a supervisor of its own (engine/topology.py builds the specs), so:
 
 - the replicas start in parallel (every supervisor's start is awaited together);
 - a failing actor restarts within its replica; the others never stop (their supervisors are not
-  involved), and a replica that exceeds its restart intensity stops alone: its requests move to
-  the live replicas, and the engine gives up only when no replica is left;
+  involved, and only the restarted replica's requests are resubmitted), and a replica that
+  exceeds its restart intensity stops alone: its requests move to the live replicas, and the
+  engine gives up only when no replica is left;
 - each prompt is tokenized once, by the tokenizer of the replica it was routed to.
 
 `ReplicaSet` offers what AsyncLLM uses of a Supervisor: `root` (send requests: routed by
@@ -49,6 +50,9 @@ class ReplicaSet:
         self, specs: Sequence[SupervisorSpec], gateway: Gateway, max_model_len: int
     ) -> None:
         self.supervisors = [Supervisor(spec) for spec in specs]
+        self.replica_of_actor = {
+            child.name: replica for replica, spec in enumerate(specs) for child in spec.children
+        }
         self.router = LeastPendingRouter(len(specs), gateway, max_model_len)
         self.reports: list[SchedulerReport | None] = [None] * len(specs)
         self.failed: dict[int, str] = {}  # replica -> why it stopped
@@ -113,6 +117,12 @@ class ReplicaSet:
                 supervisor.set_log_level(level)
 
     # ---- per replica ---------------------------------------------------------------------------
+
+    def requests_of(self, restarted: Sequence[str]) -> set[str]:
+        """The requests a restart of these actors concerns: those of their replicas (a replica
+        that gave up is named `replica<i>`; its requests are routed nowhere until resubmitted)."""
+        replicas = {self.replica_of_actor[n] for n in restarted if n in self.replica_of_actor}
+        return self.router.requests_on(replicas)
 
     def replica_stats(self) -> list[dict[str, Any]]:
         loads = self.router.loads()
@@ -187,6 +197,10 @@ class _MergedRoot:
                     self._received.put_nowait(None)  # every later recv fails the same way
                     raise RingClosed("every replica has stopped")
                 continue
+            # Outputs and failures change the loads once AsyncLLM has applied them, which it
+            # does before it next awaits: recount at the next use (not earlier, or a count
+            # taken in between would keep requests that have finished).
+            self._replicas.router.invalidate()
             return batch
 
     async def pump(self, replica: int, supervisor: Supervisor) -> None:
@@ -202,8 +216,6 @@ class _MergedRoot:
                     if ring == "reports":
                         batch.append((ring, [self._merge_reports(replica, frames)]))
                         continue
-                    if ring == "outputs":
-                        self._replicas.router.invalidate()  # progress: recount the loads
                     batch.append((ring, frames))
                 self._received.put_nowait(batch)
         finally:

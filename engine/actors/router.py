@@ -19,7 +19,7 @@ the new request's own size, only on the others'.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from engine.actors.gateway import Gateway, RequestRecord
 from engine.messages.requests import GATEWAY_TO_TOKENIZER, GenerateRequest
@@ -139,6 +139,16 @@ class LeastPendingRouter:
                 abort = type(message)(ids)
                 out.setdefault(replica, []).append(GATEWAY_TO_TOKENIZER.encode(abort))
         return out
+
+    def requests_on(self, replicas: Collection[int]) -> set[str]:
+        """Unfinished requests routed to any of `replicas`, and those routed nowhere now (a dead
+        replica's, waiting to be routed afresh)."""
+        return {
+            record.request_id
+            for record in self.gateway.records()
+            if self.replica_of.get(record.request_id, -1) in replicas
+            or record.request_id not in self.replica_of
+        }
 
     def mark_dead(self, replica: int) -> list[str]:
         """`replica` serves no more; its requests are routed afresh when resubmitted. Returns

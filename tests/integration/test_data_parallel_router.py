@@ -1,6 +1,7 @@
 """The data-parallel router on a real Gateway (no processes): least pending tokens, each request
-counted once, sticky per request, aborts to where the request runs, failover of a dead replica;
-and the merged scheduler report."""
+counted once, sticky per request, aborts to where the request runs, failover of a dead replica,
+a restart resubmitting only its replica's requests (unless probation is under way); and the
+merged scheduler report."""
 
 from __future__ import annotations
 
@@ -156,3 +157,40 @@ def test_merged_report_sums_counts_and_averages_fractions() -> None:
     merged = merge_reports([report(2, 0.5), report(4, 0.25)]).stats
     assert (merged.num_running, merged.num_waiting, merged.num_free_blocks) == (6, 2, 20)
     assert merged.kv_usage == pytest.approx(0.375)
+
+
+def test_a_restart_in_one_replica_resubmits_only_its_requests(gateway: Gateway) -> None:
+    router = LeastPendingRouter(2, gateway, MAX_MODEL_LEN)
+    requests = [_open(gateway, 10, 10) for _ in range(4)]
+    assert _route(router, *requests) == [0, 1, 0, 1]
+    on_one = router.requests_on({1})
+    assert on_one == {requests[1].request_id, requests[3].request_id}
+    resubmitted = gateway.resubmit_all(on_one)
+    assert [(s.request_id, s.epoch) for s in resubmitted if isinstance(s, GenerateRequest)] == [
+        (requests[1].request_id, 1),
+        (requests[3].request_id, 1),
+    ]
+    assert [r.epoch for r in gateway.records()] == [0, 1, 0, 1]  # replica 0's run on
+    assert _route(router, *resubmitted) == [1, 1]  # back where they ran
+
+
+def test_a_dead_replicas_requests_are_the_ones_resubmitted(gateway: Gateway) -> None:
+    router = LeastPendingRouter(2, gateway, MAX_MODEL_LEN)
+    requests = [_open(gateway, 10, 10) for _ in range(4)]
+    _route(router, *requests)
+    router.mark_dead(1)
+    moved = router.requests_on(set())  # only those routed nowhere now
+    assert moved == {requests[1].request_id, requests[3].request_id}
+    resubmitted = [s for s in gateway.resubmit_all(moved) if isinstance(s, GenerateRequest)]
+    assert _route(router, *resubmitted) == [0, 0]
+
+
+def test_probation_makes_any_resubmission_engine_wide(gateway: Gateway) -> None:
+    router = LeastPendingRouter(2, gateway, MAX_MODEL_LEN)
+    requests = [_open(gateway, 10, 10) for _ in range(2)]
+    _route(router, *requests)
+    gateway.record_crash("worker0-r1", "exited with status 1")  # both were in flight: suspects
+    out = gateway.resubmit_all(router.requests_on({1}))
+    # One suspect goes alone, the other is held back (aborted where it runs), whichever replica.
+    assert [type(message).__name__ for message in out] == ["AbortRequests", "GenerateRequest"]
+    assert all(record.epoch == 1 for record in gateway.records())
