@@ -1,0 +1,144 @@
+"""Parallel topologies, without processes: which sizes split a model, where ranks live across
+hosts, and that every invalid topology fails at planning time with a message naming the setting
+and the numbers at fault (the CLI prints it as one line: tests/e2e/test_multi_host.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from engine.llm import build_settings
+from engine.model.config import ModelConfig, load_model_config
+from engine.model.parallel.config import Placement
+from engine.model.parallel.layout import check_tensor_parallel, rank_shape
+from engine.settings import Settings
+from engine.topology import check_parallel, plan_engine, plan_worker_node
+from tests.checkpoints import tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def path() -> Path:
+    return tiny_checkpoint(arch="llama")  # 4 heads, 2 KV heads, 128 MLP columns, 512 ids
+
+
+@pytest.fixture(scope="module")
+def config(path: Path) -> ModelConfig:
+    return load_model_config(path)
+
+
+def with_sizes(config: ModelConfig, **sizes: int) -> ModelConfig:
+    return dataclasses.replace(config, **sizes)
+
+
+@pytest.mark.parametrize("size", [1, 2, 4])
+def test_sizes_that_divide_heads_and_columns_are_accepted(config: ModelConfig, size: int) -> None:
+    check_tensor_parallel(config, size)
+    shapes = [rank_shape(config, rank, size) for rank in range(size)]
+    assert sum(shape.num_heads for shape in shapes) == config.num_heads
+    assert sum(shape.intermediate_size for shape in shapes) == config.intermediate_size
+
+
+def test_a_size_that_does_not_divide_the_heads_names_both_numbers(config: ModelConfig) -> None:
+    with pytest.raises(ValueError) as error:
+        check_tensor_parallel(config, 3)
+    message = str(error.value)
+    assert message.startswith("tensor_parallel_size 3 does not divide the model")
+    assert "num_attention_heads 4 is not divisible by 3" in message
+    assert "intermediate_size 128 is not divisible by 3" in message
+
+
+def test_more_ranks_than_kv_heads_must_be_a_multiple_of_them(config: ModelConfig) -> None:
+    three_kv = with_sizes(config, num_heads=12, num_kv_heads=3, intermediate_size=96)
+    check_tensor_parallel(three_kv, 3)
+    check_tensor_parallel(three_kv, 6)  # each KV head replicated on two ranks
+    with pytest.raises(ValueError, match=r"num_key_value_heads 3 .* not divisible by 4"):
+        check_tensor_parallel(three_kv, 4)
+
+
+def test_mlp_columns_that_do_not_split_are_named(config: ModelConfig) -> None:
+    with pytest.raises(ValueError, match=r"intermediate_size 130 is not divisible by 4$"):
+        check_tensor_parallel(with_sizes(config, intermediate_size=130), 4)
+
+
+def test_each_host_runs_an_equal_share_of_every_replicas_ranks() -> None:
+    head = Placement(tensor_parallel_size=4, data_parallel_size=3, nnodes=2, node_rank=0)
+    head.validate()
+    assert (list(head.ranks_on(0)), list(head.ranks_on(1))) == ([0, 1], [2, 3])
+    assert head.local_ranks == 6  # 2 ranks x 3 replicas share a host's cores
+
+
+@pytest.mark.parametrize(
+    ("placement", "message"),
+    [
+        (Placement(2, 1, nnodes=2, node_rank=2), "node_rank 2 is out of range for nnodes 2"),
+        (Placement(2, 1, nnodes=1, node_rank=1), "node_rank 1 is out of range for nnodes 1"),
+        (Placement(3, 1, nnodes=2), "tensor_parallel_size 3 is not divisible by parallel.nnodes 2"),
+        (Placement(1, 2, nnodes=2), "tensor_parallel_size 1 is not divisible by parallel.nnodes 2"),
+    ],
+)
+def test_placements_that_cannot_be_laid_out_fail(placement: Placement, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        placement.validate()
+
+
+def settings_of(**parallel: object) -> Settings:
+    return build_settings(**{f"parallel.{name}": value for name, value in parallel.items()})
+
+
+def test_across_hosts_a_master_port_is_required_and_must_leave_room_for_replicas(
+    config: ModelConfig,
+) -> None:
+    with pytest.raises(ValueError, match=r"master_port must be set .*nnodes is 2"):
+        check_parallel(settings_of(tensor_parallel_size=2, nnodes=2), config)
+    crowded = settings_of(tensor_parallel_size=2, data_parallel_size=3, nnodes=2, master_port=65534)
+    with pytest.raises(ValueError, match="master_port 65534 leaves no port for replica 2"):
+        check_parallel(crowded, config)
+    roomy = settings_of(tensor_parallel_size=2, data_parallel_size=2, nnodes=2, master_port=65534)
+    assert check_parallel(roomy, config).ranks_per_node == 1
+
+
+def test_planning_an_engine_that_does_not_fit_the_checkpoint_fails_naming_both(
+    path: Path,
+) -> None:
+    settings = build_settings(
+        **{"parallel.tensor_parallel_size": 8, "cache.kv_cache_memory": 2**20}
+    )
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 8 .*num_attention_heads 4"):
+        plan_engine(settings, str(path))
+
+
+def test_a_dp_by_tp_plan_has_one_supervised_pipeline_per_replica(path: Path) -> None:
+    settings = build_settings(
+        **{
+            "parallel.tensor_parallel_size": 2,
+            "parallel.data_parallel_size": 2,
+            "cache.kv_cache_memory": 2**20,
+            "model.max_model_len": 256,
+        }
+    )
+    plan = plan_engine(settings, str(path))
+    names = [[child.name for child in spec.children] for spec in plan.replica_specs]
+    assert names == [
+        ["worker0-r0", "worker1-r0", "scheduler-r0", "detokenizer-r0", "tokenizer-r0"],
+        ["worker0-r1", "worker1-r1", "scheduler-r1", "detokenizer-r1", "tokenizer-r1"],
+    ]
+    groups = {child.group for spec in plan.replica_specs for child in spec.children[:2]}
+    assert groups == {"workers-r0", "workers-r1"}  # each TP group restarts as one
+
+
+def test_a_worker_node_plans_only_its_ranks_and_node_zero_is_not_one(path: Path) -> None:
+    flags = {
+        "parallel.tensor_parallel_size": 4,
+        "parallel.nnodes": 2,
+        "parallel.master_port": 29500,
+    }
+    node1 = build_settings(**flags, **{"parallel.node_rank": 1, "parallel.data_parallel_size": 2})
+    specs = plan_worker_node(node1, str(path))
+    assert [[child.name for child in spec.children] for spec in specs] == [
+        ["worker2-r0", "worker3-r0"],
+        ["worker2-r1", "worker3-r1"],
+    ]
+    with pytest.raises(ValueError, match="node_rank 0 serves the API"):
+        plan_worker_node(build_settings(**flags), str(path))
