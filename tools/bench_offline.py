@@ -2,11 +2,14 @@
 
     python tools/bench_offline.py --num-requests 32 --input-len 32 --output-len 64 --peer hf
     python tools/bench_offline.py --num-requests 1 --peer vllm --vllm-python ~/vllm-peer/bin/python
+    python tools/bench_offline.py --tp 2 --dp 2 --peer none    # against TP=1 / DP=1, same run
 
 Prompts are random token ids (seeded); every request decodes exactly its output length (greedy,
 EOS ignored), so both sides do the same work. Peers: `hf` (transformers' generate, batched, in
 this process), `vllm` (vLLM's LLM in its own virtual environment, PEERS.md; a subprocess), or
-`none`. The figures of one run are comparable; across runs on a 2-core machine they drift.
+`none`. With --tp or --dp above 1 the engine also runs the workload at TP=1 / DP=1 first, and
+the parallel figures are reported against it. The figures of one run are comparable; across runs
+on a 2-core machine they drift.
 """
 
 from __future__ import annotations
@@ -52,12 +55,19 @@ def make_workload(args: argparse.Namespace, vocab_size: int) -> tuple[list[list[
 
 
 def run_engine(
-    args: argparse.Namespace, path: str, prompts: list[list[int]], outs: list[int]
+    args: argparse.Namespace,
+    path: str,
+    prompts: list[list[int]],
+    outs: list[int],
+    tp: int = 1,
+    dp: int = 1,
+    name: str = "engine",
 ) -> Run:
     from engine import LLM, SamplingParams
 
     options = {
-        "tensor_parallel_size": args.tp,
+        "tensor_parallel_size": tp,
+        "data_parallel_size": dp,
         "kv_cache_memory": args.kv_cache_memory,
         "scheduler__max_num_seqs": max(len(prompts), 1),
     }
@@ -68,7 +78,7 @@ def run_engine(
         results = llm.generate(prompts, params)
         seconds = time.perf_counter() - start
     tokens = [r.outputs[0].token_ids for r in results]
-    return Run("engine", seconds, sum(map(len, tokens)), tokens)
+    return Run(name, seconds, sum(map(len, tokens)), tokens)
 
 
 def run_hf(args: argparse.Namespace, path: str, prompts: list[list[int]], outs: list[int]) -> Run:
@@ -158,7 +168,8 @@ def main() -> None:
     parser.add_argument("--peer", choices=["hf", "vllm", "none"], default="hf")
     parser.add_argument("--hf-batch-size", type=int, default=64)
     parser.add_argument("--vllm-python", default="~/vllm-peer/bin/python")
-    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per replica")
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
     parser.add_argument("--kv-cache-memory", type=int, default=512 * 2**20)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
@@ -168,36 +179,58 @@ def main() -> None:
 
     path = args.model or ensure_default_model()
     prompts, outs = make_workload(args, load_model_config(path).vocab_size)
-    runs = [run_engine(args, path, prompts, outs)]
+    baseline = None
+    if args.tp > 1 or args.dp > 1:  # the same workload on TP=1 / DP=1 first, same run
+        baseline = run_engine(args, path, prompts, outs, name=BASELINE)
+    runs = [run_engine(args, path, prompts, outs, args.tp, args.dp)]
     if args.peer != "none":
         runs.append(PEERS[args.peer](args, path, prompts, outs))
-    report(args, runs)
+    report(args, runs, baseline)
 
 
-def report(args: argparse.Namespace, runs: list[Run]) -> None:
+BASELINE = "engine_tp1_dp1"
+
+
+def report(args: argparse.Namespace, runs: list[Run], baseline: Run | None) -> None:
     ours = runs[0]
     summary: dict[str, object] = {
         "num_requests": args.num_requests,
         "input_len": args.input_len,
         "output_len": args.output_len,
+        "tp": args.tp,
+        "dp": args.dp,
     }
-    for run in runs:
+    for run in ([baseline] if baseline else []) + runs:
         summary[f"{run.name}_tok_per_s"] = round(run.tokens_per_s, 1)
         summary[f"{run.name}_seconds"] = round(run.seconds, 3)
+    if baseline is not None:
+        summary["parallel_ratio"] = round(ours.tokens_per_s / baseline.tokens_per_s, 3)
+        summary["same_greedy_as_tp1_dp1"] = _same(ours, baseline)
     if len(runs) > 1:
         peer = runs[1]
         summary["ratio"] = round(ours.tokens_per_s / peer.tokens_per_s, 3)
-        same = sum(a == b for a, b in zip(ours.outputs, peer.outputs, strict=True))
-        summary["same_greedy_outputs"] = f"{same}/{len(ours.outputs)}"
+        summary["same_greedy_outputs"] = _same(ours, peer)
     if args.json:
         print(json.dumps(summary))
         return
-    print(f"{args.num_requests} requests, {args.input_len} in / {args.output_len} out, greedy")
-    for run in runs:
-        print(f"  {run.name:7s} {run.tokens_per_s:9.1f} output tok/s  ({run.seconds:.2f} s)")
+    print(
+        f"{args.num_requests} requests, {args.input_len} in / {args.output_len} out, greedy; "
+        f"engine at TP={args.tp} x DP={args.dp}"
+    )
+    for run in ([baseline] if baseline else []) + runs:
+        print(f"  {run.name:15s} {run.tokens_per_s:9.1f} output tok/s  ({run.seconds:.2f} s)")
+    if baseline is not None:
+        print(f"  ratio TP={args.tp} x DP={args.dp} / TP=1 x DP=1: "
+              f"{summary['parallel_ratio']:.2f}x; identical greedy outputs: "
+              f"{summary['same_greedy_as_tp1_dp1']}")  # fmt: skip
     if len(runs) > 1:
         print(f"  ratio engine / {runs[1].name}: {summary['ratio']:.2f}x; "
               f"identical greedy outputs: {summary['same_greedy_outputs']}")  # fmt: skip
+
+
+def _same(a: Run, b: Run) -> str:
+    same = sum(x == y for x, y in zip(a.outputs, b.outputs, strict=True))
+    return f"{same}/{len(a.outputs)}"
 
 
 if __name__ == "__main__":

@@ -9,6 +9,10 @@ not fit are skipped with a note.
     python tools/bench_one_batch.py --correct            # greedy text for a few real prompts
     python tools/bench_one_batch.py --profile            # torch profiler trace of decode steps
     python tools/bench_one_batch.py --compare-hf         # HF generate on the same batches
+    python tools/bench_one_batch.py --tp 2 --dp 2        # also on 2 x 2 rank processes
+
+With --tp or --dp above 1 the same cases also run on tp x dp rank processes (each replica a share
+of the batch; tools/parallel_batch.py), printed against the TP=1 / DP=1 figures of the same run.
 
 The timing functions (`prefill_batch`, `raw_decode_step_seconds`, `bench_case`) take a
 ModelRunner and are meant to be imported by other benchmarks.
@@ -22,7 +26,7 @@ import logging
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -90,8 +94,20 @@ def random_prompts(runner: ModelRunner, batch_size: int, input_len: int) -> list
     return ids.tolist()
 
 
+def greedy_tokens(logits: torch.Tensor) -> list[int]:
+    return logits.argmax(-1).tolist()
+
+
+# How a step's logits become next tokens: greedy here; tensor-parallel ranks pass one that
+# shares rank 0's pick (tools/parallel_batch.py).
+Pick = Callable[[torch.Tensor], list[int]]
+
+
 def prefill_batch(
-    runner: ModelRunner, prompts: Sequence[list[int]], tables: Sequence[list[int]]
+    runner: ModelRunner,
+    prompts: Sequence[list[int]],
+    tables: Sequence[list[int]],
+    pick: Pick = greedy_tokens,
 ) -> tuple[list[int], float]:
     """Prefill every prompt in one step; (greedy next tokens, seconds)."""
     chunks = [
@@ -99,7 +115,7 @@ def prefill_batch(
     ]
     start = time.perf_counter()
     logits = runner.forward(chunks)
-    next_tokens = logits.argmax(-1).tolist()
+    next_tokens = pick(logits)
     return next_tokens, time.perf_counter() - start
 
 
@@ -109,6 +125,7 @@ def decode_steps(
     context_len: int,
     tables: Sequence[list[int]],
     steps: int,
+    pick: Pick = greedy_tokens,
 ) -> tuple[list[list[int]], list[float]]:
     """Greedy-decode `steps` steps from `tokens` at position context_len; (tokens, step seconds)."""
     generated: list[list[int]] = [[t] for t in tokens]
@@ -119,7 +136,7 @@ def decode_steps(
             for i, table in enumerate(tables)
         ]
         start = time.perf_counter()
-        next_tokens = runner.forward(chunks).argmax(-1).tolist()
+        next_tokens = pick(runner.forward(chunks))
         seconds.append(time.perf_counter() - start)
         for seq, token in zip(generated, next_tokens, strict=True):
             seq.append(token)
@@ -138,12 +155,18 @@ def raw_decode_step_seconds(runner: ModelRunner, batch: int, ctx_len: int, steps
     return statistics.median(seconds)
 
 
-def bench_case(runner: ModelRunner, batch_size: int, input_len: int, output_len: int) -> CaseResult:
+def bench_case(
+    runner: ModelRunner,
+    batch_size: int,
+    input_len: int,
+    output_len: int,
+    pick: Pick = greedy_tokens,
+) -> CaseResult:
     tables = static_block_tables(runner, batch_size, input_len + output_len)
     tokens, prefill_seconds = prefill_batch(
-        runner, random_prompts(runner, batch_size, input_len), tables
+        runner, random_prompts(runner, batch_size, input_len), tables, pick
     )
-    _, seconds = decode_steps(runner, tokens, input_len, tables, max(output_len - 1, 1))
+    _, seconds = decode_steps(runner, tokens, input_len, tables, max(output_len - 1, 1), pick)
     return CaseResult(
         batch_size, input_len, output_len, prefill_seconds, statistics.median(seconds)
     )
@@ -233,7 +256,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-cache-memory", type=int, help="bytes (default: a fraction of free)")
-    parser.add_argument("--num-threads", type=int, help="torch intra-op threads")
+    parser.add_argument("--num-threads", type=int, help="torch intra-op threads (per rank)")
+    parser.add_argument(
+        "--tp", type=int, default=1, help="also run each case on this many TP ranks per replica"
+    )
+    parser.add_argument(
+        "--dp", type=int, default=1, help="... and this many replicas, each a share of the batch"
+    )
     parser.add_argument("--correct", action="store_true", help="print greedy text for prompts")
     parser.add_argument("--profile", action="store_true", help="trace a window of decode steps")
     parser.add_argument("--profile-steps", type=int, default=8)
@@ -295,10 +324,53 @@ def main(argv: Sequence[str] | None = None) -> None:
                     continue
                 results.append(bench_case(runner, batch_size, input_len, output_len))
     print_table(results)
+    if (args.tp > 1 or args.dp > 1) and results:
+        print_parallel(runner, model, results, args)
     if args.engine_overhead and results:
         print_engine_overhead(runner, model, results, args)
     if args.compare_hf:
         compare_with_hf(runner, results)
+
+
+def print_parallel(
+    runner: ModelRunner, model: str, results: list[CaseResult], args: argparse.Namespace
+) -> None:
+    """The same cases on --tp x --dp rank processes, against the TP=1 / DP=1 figures above."""
+    from tools.parallel_batch import parallel_cases, shares
+
+    cases = [(r.batch_size, r.input_len, r.output_len) for r in results]
+    num_blocks = max(
+        blocks_per_sequence(runner, 20),  # the warm-up case
+        *(shares(b, args.dp)[0] * blocks_per_sequence(runner, i + o) for b, i, o in cases),
+    )
+    split = parallel_cases(
+        model,
+        args.tp,
+        args.dp,
+        cases,
+        dtype=args.dtype,
+        device=args.device,
+        block_size=args.block_size,
+        num_blocks=num_blocks,
+        num_threads=args.num_threads,
+    )
+    print(
+        f"\nTP={args.tp} x DP={args.dp} ({args.tp * args.dp} processes); "
+        "ratio: throughput over TP=1 / DP=1 above (> 1: faster)"
+    )
+    print(
+        f"{'batch':>5} {'in':>5} {'out':>5} | {'prefill tok/s':>13} {'ratio':>6} | "
+        f"{'decode ms/step':>14} {'decode tok/s':>12} {'ratio':>6} | {'total s':>7} {'ratio':>6}"
+    )
+    for one, many in zip(results, split, strict=True):
+        print(
+            f"{many.batch_size:>5} {many.input_len:>5} {many.output_len:>5} | "
+            f"{many.prefill_tokens_per_second:>13.0f} "
+            f"{many.prefill_tokens_per_second / one.prefill_tokens_per_second:>6.2f} | "
+            f"{many.decode_step_seconds * 1e3:>14.3f} {many.decode_tokens_per_second:>12.0f} "
+            f"{many.decode_tokens_per_second / one.decode_tokens_per_second:>6.2f} | "
+            f"{many.total_seconds:>7.3f} {one.total_seconds / many.total_seconds:>6.2f}"
+        )
 
 
 def print_engine_overhead(
