@@ -1,6 +1,6 @@
 """What `--record-trace` costs serving: the same workload against two servers, one recording.
 
-    python tools/bench_trace_overhead.py --model /path/to/ckpt --requests 300 --rounds 5
+    python tools/bench_trace_overhead.py [--model /path/to/ckpt] --requests 300 --rounds 5
 
 Two servers (same settings; one with `--record-trace`) start side by side; a Poisson workload
 (seeded, greedy, EOS ignored: every request decodes exactly --output-len tokens) is replayed
@@ -75,13 +75,17 @@ def cpu_seconds(pid: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True, help="checkpoint directory")
+    parser.add_argument("--model", help="checkpoint directory (default: the built-in demo model)")
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--input-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=16)
     args = parser.parse_args()
+    if args.model is None:
+        from engine.model.default_model import ensure_default_model
+
+        args.model = ensure_default_model()
 
     work = Path(tempfile.mkdtemp(prefix="trace-overhead-"))
     workload = poisson_workload(
