@@ -75,8 +75,8 @@ def load_model(
     """The model (this rank's shard of it) with every parameter filled from the checkpoint (no
     random init is spent)."""
     with torch.device("meta"):
-        model = DecoderForCausalLM(config, ops, group).to(dtype)
-    model.to_empty(device=device)
+        model = DecoderForCausalLM(config, ops, group)
+    _materialize(model, dtype, device)
     shape = model.shape
     params = dict(model.named_parameters())
     filled: set[str] = set()
@@ -105,6 +105,19 @@ def load_model(
     model.fuse_weights()
     model.eval()
     return model
+
+
+def _materialize(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Give every meta parameter uninitialised storage of `dtype` on `device`.
+
+    What `model.to(dtype).to_empty(device)` does, without running an op on a meta tensor: those
+    run through torch._refs, whose first use imports torch._dynamo and sympy (seconds of every
+    worker start and restart).
+    """
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            storage = torch.empty(param.shape, dtype=dtype, device=device)
+            setattr(module, name, torch.nn.Parameter(storage, requires_grad=False))
 
 
 def checkpoint_files(path: Path) -> list[Path]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -113,3 +115,21 @@ def test_dtype_resolution_per_device() -> None:
         resolve_dtype("float16", fp32, cpu)
     with pytest.raises(ValueError, match="unknown dtype 'int8'"):
         resolve_dtype("int8", fp32, cpu)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_loading_imports_neither_dynamo_nor_sympy(arch: str) -> None:
+    """A worker (re)start pays for what loading imports: ops on meta tensors would pull in
+    torch._dynamo and sympy (seconds), so the loader runs none. Checked in a fresh process."""
+    path = tiny_checkpoint(arch)
+    script = (
+        "import sys\n"
+        "from engine.model.runner import ModelRunner\n"
+        f"ModelRunner({str(path)!r}, kv_cache_memory=1 << 20)\n"
+        "print(sorted(m for m in ('torch._dynamo', 'sympy') if m in sys.modules))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

@@ -39,7 +39,12 @@ class VocabParallelEmbedding(nn.Embedding):
     def __init__(
         self, num_embeddings: int, embedding_dim: int, vocab_start: int, group: TensorParallelGroup
     ) -> None:
-        super().__init__(num_embeddings, embedding_dim)
+        # An uninitialised weight (the loader fills it): nn.Embedding's random init on the meta
+        # device runs through torch._refs, whose first use imports torch._dynamo (~1.3 s of
+        # every worker start and restart).
+        super().__init__(
+            num_embeddings, embedding_dim, _weight=torch.empty(num_embeddings, embedding_dim)
+        )
         self.vocab_start = vocab_start
         self.group = group
 
