@@ -197,8 +197,9 @@ async def chaos_phase(args: argparse.Namespace, jobs: list[Job]) -> tuple[list[S
     return streams, await killer
 
 
-def recovery_times(streams: list[Stream], kills: list[Kill]) -> list[float]:
-    """Per kill: until every stream in flight at the kill (and not yet done) got a new token."""
+def recovery_times(streams: list[Stream], kills: list[Kill]) -> list[tuple[str, float]]:
+    """Per kill (victim, seconds): until every stream in flight at the kill (and not yet done)
+    got a new token."""
     out = []
     for kill in kills:
         waits = []
@@ -209,7 +210,7 @@ def recovery_times(streams: list[Stream], kills: list[Kill]) -> list[float]:
             if following:
                 waits.append(following[0] - kill.at)
         if waits:
-            out.append(max(waits))
+            out.append((kill.name, max(waits)))
     return out
 
 
@@ -272,8 +273,13 @@ async def main_async(args: argparse.Namespace) -> int:
     reference_s = time.monotonic() - started
 
     summary = compare(chaos, reference)
-    recoveries = recovery_times(chaos, kills)
+    recovered = recovery_times(chaos, kills)
+    recoveries = [seconds for _, seconds in recovered]
+    by_victim: dict[str, list[float]] = {}
+    for name, seconds in recovered:
+        by_victim.setdefault(name, []).append(seconds)
     summary.update(
+        recovery_p50_by_actor_s={name: percentile(v, 50) for name, v in sorted(by_victim.items())},
         kills=len(kills),
         kills_by_actor=dict(Counter(kill.name for kill in kills)),
         restarts_by_actor=dict(restarts_by_actor(before, after)),
@@ -309,6 +315,9 @@ def print_summary(s: dict[str, Any]) -> None:
         ("restarts by actor", by_actor(s["restarts_by_actor"])),
         ("recovery p50 / p99", f"{seconds(s['recovery_p50_s'])} / {seconds(s['recovery_p99_s'])}"
          f" (max {seconds(s['recovery_max_s'])}; kill -> next token on every stream in flight)"),
+        ("recovery p50 by victim", ", ".join(
+            f"{name} {value:.3f} s" for name, value in s["recovery_p50_by_actor_s"].items()
+        ) or "n/a"),
         ("longest stall", seconds(s["longest_stall_s"])),
         ("phases", f"chaos {s['chaos_phase_s']:.1f} s, reference {s['reference_phase_s']:.1f} s"),
     ]  # fmt: skip
