@@ -70,6 +70,27 @@ async def test_a_crashed_child_is_restarted_with_fresh_rings_and_serves_again() 
         assert not pid_running(second_pid)
 
 
+async def test_children_that_die_together_restart_together_and_serve_again() -> None:
+    spec = supervisor_spec(child("first"), child("second"), rings=chain_rings())
+    async with supervised(spec) as run:
+        assert await run.roundtrip("hello") == "second:first:hello"
+        pids = {name: run.pid(name) for name in ("first", "second")}
+        for pid in pids.values():
+            os.kill(pid, signal.SIGKILL)
+        # Blocking the loop until both are dead: both deaths are queued before the supervisor
+        # handles either.
+        for name, pid in pids.items():
+            wait_until(lambda pid=pid: not pid_running(pid), EVENT_TIMEOUT, f"{name} to die")  # type: ignore[misc]
+        restarted = [await run.next(ChildRestarted) for _ in range(2)]
+
+        assert sorted(event.name for event in restarted) == ["first", "second"]
+        for event in restarted:  # one restart for both: each names both deaths as its reason
+            assert event.restarts == 1
+            assert "first was killed by SIGKILL" in event.reason
+            assert "second was killed by SIGKILL" in event.reason
+        assert await run.roundtrip("again") == "second:first:again"
+
+
 async def test_a_group_member_crash_restarts_the_whole_group() -> None:
     spec = supervisor_spec(child("rank0", group="tp"), child("rank1", group="tp"), child("other"))
     async with supervised(spec) as run:

@@ -3,10 +3,13 @@
 - start: sweep segments left by dead runs, create this run's rings, start the children unit by
   unit (a group is one unit: all spawned, then all awaited), each Ready within its ready_timeout.
 - supervise: a death is seen through the process sentinel, a hang through missed heartbeats
-  (the hung child is SIGKILLed, which makes it a death). One task handles deaths one at a time,
-  like the EXIT messages of an OTP supervisor: the restart type says whether to restart, the
+  (the hung child is SIGKILLed, which makes it a death). One task handles deaths in turn, like
+  the EXIT messages of an OTP supervisor: the restart type says whether to restart, the
   strategy says which children go with it, the restart intensity says whether restarting is
   still allowed; beyond it the supervisor escalates to an orderly shutdown that states why.
+  Deaths that queued up meanwhile (while a restart was under way) are handled as one: each
+  counts against the intensity, and their children restart together, paying one backoff and,
+  under one_for_one, starting side by side rather than one after the other.
 - restart: the children chosen are stopped (reverse start order), their rings get fresh
   segments, every live peer is told to swap (the root's own ends are swapped in place), and the
   children are started again.
@@ -18,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -27,6 +31,7 @@ from engine.actors.runtime.child_spec import (
     ROOT,
     ChildSpec,
     Restart,
+    Strategy,
     SupervisorSpec,
     start_units,
 )
@@ -219,45 +224,62 @@ class Supervisor:
 
     async def _supervise(self) -> None:
         while True:
-            process = await self._exits.get()
-            child = self._children[process.name]
-            await self._release(process)
-            if process is not child.process or process.stopping:
-                continue  # the supervisor stopped it, or it was replaced already
-            if not await self._on_failure(child, process):
+            failures = await self._next_failures()
+            if failures and not await self._on_failures(failures):
                 return
 
-    async def _on_failure(self, child: _Child, process: ChildProcess) -> bool:
+    async def _next_failures(self) -> list[ChildProcess]:
+        """The next death and every other one already queued, less the exits the supervisor
+        caused itself (a stop, a process replaced meanwhile)."""
+        exited = [await self._exits.get()]
+        while not self._exits.empty():
+            exited.append(self._exits.get_nowait())
+        failures = []
+        for process in exited:
+            await self._release(process)
+            if process is self._children[process.name].process and not process.stopping:
+                failures.append(process)
+        return failures
+
+    async def _on_failures(self, processes: list[ChildProcess]) -> bool:
         """Restart as the policy says; False once the supervisor has escalated."""
-        exitcode = process.exited.result()
-        how = process.describe_exit()
-        self._emit(ChildDied(process.name, process.pid or 0, exitcode, how))
-        if not child.spec.restart.wants_restart(exitcode):
-            child.state = "exited"
-            return True
-        reason = f"{process.name} {how}"
-        if not self._intensity.record():
-            self._escalate(
-                f"restart intensity reached, {self._intensity.describe()}; last: {reason}"
-            )
-            return False
-        await self._restart(process.name, reason)
+        failed: list[str] = []
+        reasons: list[str] = []
+        for process in processes:
+            exitcode = process.exited.result()
+            how = process.describe_exit()
+            self._emit(ChildDied(process.name, process.pid or 0, exitcode, how))
+            if not self._children[process.name].spec.restart.wants_restart(exitcode):
+                self._children[process.name].state = "exited"
+                continue
+            reason = f"{process.name} {how}"
+            if not self._intensity.record():
+                self._escalate(
+                    f"restart intensity reached, {self._intensity.describe()}; last: {reason}"
+                )
+                return False
+            failed.append(process.name)
+            reasons.append(reason)
+        if failed:
+            await self._restart(failed, "; ".join(reasons))
         return True
 
-    async def _restart(self, failed: str, reason: str) -> None:
+    async def _restart(self, failed: list[str], reason: str) -> None:
         assert self._rings is not None
-        chosen = restart_set(self.spec.strategy, self._units, failed)
+        chosen_sets = [restart_set(self.spec.strategy, self._units, name) for name in failed]
+        chosen = [name for name in self._start_order if any(name in c for c in chosen_sets)]
+        peer = ", ".join(failed)
         for name in reversed(chosen):  # siblings go in reverse start order, as at shutdown
             sibling = self._children[name]
-            if name != failed and sibling.process is not None and sibling.process.alive:
+            if name not in failed and sibling.process is not None and sibling.process.alive:
                 sibling.state = "stopping"
-                await sibling.process.stop(f"restarting with {failed}")
+                await sibling.process.stop(f"restarting with {peer}")
                 sibling.state = "stopped"
         # Temporary children are never restarted, and children that finished stay finished.
         restarting = [
             name
             for name in chosen
-            if name == failed
+            if name in failed
             or (
                 self._children[name].spec.restart is not Restart.TEMPORARY
                 and self._children[name].state != "exited"
@@ -274,15 +296,23 @@ class Supervisor:
             await asyncio.sleep(delay)
         log.info("restarting %s: %s", restarting, reason)
         renewed = self._rings.renew_touching(restarting)
-        await self._hand_out_rings(renewed, restarted=set(restarting), peer=failed)
+        await self._hand_out_rings(renewed, restarted=set(restarting), peer=peer)
+        units = [[n for n in unit if n in restarting] for unit in self._units]
+        starts = [self._start_unit(members, restart_reason=reason) for members in units if members]
         try:
-            for unit in self._units:
-                members = [name for name in unit if name in restarting]
-                if members:
-                    await self._start_unit(members, restart_reason=reason)
-        except ChildStartError as exc:
-            # The child was killed (or died): its exit comes back through the queue as a failure.
-            log.error("restart failed: %s", exc)
+            if self.spec.strategy is Strategy.ONE_FOR_ONE:
+                # Independent units: none waits for another to be ready.
+                results = await asyncio.gather(*starts, return_exceptions=True)
+            else:  # later units may need the earlier ones running, as at start-up
+                results = []
+                for start in starts:
+                    results.append(await _outcome(start))
+            for result in results:
+                if isinstance(result, ChildStartError):
+                    # The child was killed (or died): its exit comes back through the queue.
+                    log.error("restart failed: %s", result)
+                elif isinstance(result, BaseException):
+                    raise result
         finally:
             self._rings.destroy_retired()
 
@@ -367,7 +397,20 @@ class Supervisor:
             self._processes.discard(process)
             await process.release()
 
+    @property
+    def _start_order(self) -> list[str]:
+        return [name for unit in self._units for name in unit]
+
     def _emit(self, event: SupervisorEvent) -> None:
         log.debug("event %r", event)
         for queue in self._subscribers:
             queue.put_nowait(event)
+
+
+async def _outcome(awaitable: Awaitable[None]) -> BaseException | None:
+    """The exception `awaitable` raised, if any (as gather(return_exceptions=True) gives it)."""
+    try:
+        await awaitable
+    except Exception as exc:
+        return exc
+    return None
