@@ -297,16 +297,20 @@ class Supervisor:
         log.info("restarting %s: %s", restarting, reason)
         renewed = self._rings.renew_touching(restarting)
         await self._hand_out_rings(renewed, restarted=set(restarting), peer=peer)
-        units = [[n for n in unit if n in restarting] for unit in self._units]
-        starts = [self._start_unit(members, restart_reason=reason) for members in units if members]
+        units = [
+            members for unit in self._units if (members := [n for n in unit if n in restarting])
+        ]
         try:
+            results: list[BaseException | None]
             if self.spec.strategy is Strategy.ONE_FOR_ONE:
                 # Independent units: none waits for another to be ready.
+                starts = (self._start_unit(members, restart_reason=reason) for members in units)
                 results = await asyncio.gather(*starts, return_exceptions=True)
             else:  # later units may need the earlier ones running, as at start-up
-                results = []
-                for start in starts:
-                    results.append(await _outcome(start))
+                results = [
+                    await _outcome(self._start_unit(members, restart_reason=reason))
+                    for members in units
+                ]
             for result in results:
                 if isinstance(result, ChildStartError):
                     # The child was killed (or died): its exit comes back through the queue.
