@@ -59,24 +59,36 @@ def test_intensity_allows_r_restarts_in_t_seconds_with_doubling_backoff() -> Non
     intensity = RestartIntensity(3, 10.0, 0.1, 0.3, clock=lambda: now[0])
     delays = []
     for _ in range(3):
-        assert intensity.record()
-        delays.append(intensity.backoff())
+        assert intensity.record("a")
+        delays.append(intensity.backoff(["a"]))
         now[0] += 1.0
     assert delays == [0.0, 0.1, 0.2]
-    assert not intensity.record()  # a 4th within 10 s
+    assert not intensity.record("b")  # a 4th within 10 s, whichever child
     assert "4 restarts within 10 s (at most 3 allowed)" in intensity.describe()
 
     now[0] += 11.0  # the window has moved past all of them
-    assert intensity.record() and intensity.backoff() == 0.0
+    assert intensity.record("a") and intensity.backoff(["a"]) == 0.0
 
 
 def test_backoff_stops_growing_at_its_maximum() -> None:
     intensity = RestartIntensity(10, 60.0, 0.1, 0.3, clock=lambda: 0.0)
     delays = []
     for _ in range(5):
-        intensity.record()
-        delays.append(intensity.backoff())
+        intensity.record("a")
+        delays.append(intensity.backoff(["a"]))
     assert delays == [0.0, 0.1, 0.2, 0.3, 0.3]
+
+
+def test_children_failing_independently_do_not_delay_each_others_restarts() -> None:
+    intensity = RestartIntensity(10, 60.0, 0.1, 1.0, clock=lambda: 0.0)
+    for child in ("a", "b", "c"):
+        intensity.record(child)
+        assert intensity.backoff([child]) == 0.0  # each one's first restart: at once
+    intensity.record("a")
+    intensity.record("c")
+    assert intensity.backoff(["a", "c"]) == 0.1  # restarted together: the longer wait
+    intensity.record("a")
+    assert intensity.backoff(["a", "b"]) == 0.2
 
 
 @pytest.mark.parametrize(

@@ -72,7 +72,7 @@ class SupervisorSpec(msgspec.Struct, frozen=True, kw_only=True):
     strategy: Strategy = Strategy.ONE_FOR_ONE
     max_restarts: int = 3  # intensity: more than this many restarts ...
     max_seconds: float = 5.0  # ... within this many seconds escalates to shutdown
-    backoff_initial: float = 0.1  # delay before the 2nd restart in the window; doubles after
+    backoff_initial: float = 0.1  # delay before a child's 2nd restart in the window; doubles after
     backoff_max: float = 5.0
     log_level: str = "INFO"
 

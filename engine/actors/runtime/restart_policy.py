@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from engine.actors.runtime.child_spec import Strategy
 
@@ -27,9 +27,11 @@ def restart_set(strategy: Strategy, units: list[list[str]], failed: str) -> list
 class RestartIntensity:
     """At most `max_restarts` restarts in any `max_seconds` window; within it, growing delays.
 
-    The first restart in a window happens at once (as in OTP); each further one waits twice as
-    long as the one before, from `backoff_initial` up to `backoff_max`, so a child that fails on
-    start-up does not spin the machine before the intensity check stops it.
+    The intensity counts every child's restarts together, as OTP's does. The backoff is each
+    child's own: its first restart in a window happens at once (as in OTP), each further one of
+    the same child waits twice as long as the one before, from `backoff_initial` up to
+    `backoff_max`. So a child that fails on start-up does not spin the machine before the
+    intensity check stops it, while children failing independently do not delay each other.
     """
 
     def __init__(
@@ -45,22 +47,25 @@ class RestartIntensity:
         self.backoff_initial = backoff_initial
         self.backoff_max = backoff_max
         self._clock = clock
-        self._recent: deque[float] = deque()
+        self._recent: deque[tuple[float, str]] = deque()  # (when, child) within the window
 
-    def record(self) -> bool:
-        """Count a restart now; False when it would exceed the intensity (time to escalate)."""
+    def record(self, child: str) -> bool:
+        """Count a restart of `child` now; False when it would exceed the intensity (time to
+        escalate)."""
         now = self._clock()
-        while self._recent and now - self._recent[0] > self.max_seconds:
+        while self._recent and now - self._recent[0][0] > self.max_seconds:
             self._recent.popleft()
-        self._recent.append(now)
+        self._recent.append((now, child))
         return len(self._recent) <= self.max_restarts
 
-    def backoff(self) -> float:
-        """Seconds to wait before the restart just recorded."""
-        earlier = len(self._recent) - 1
-        if earlier <= 0:
-            return 0.0
-        return min(self.backoff_initial * 2.0 ** (earlier - 1), self.backoff_max)
+    def backoff(self, children: Iterable[str]) -> float:
+        """Seconds to wait before restarting `children` (just recorded): the longest of theirs."""
+        delays = [0.0]
+        for child in children:
+            earlier = sum(1 for _, name in self._recent if name == child) - 1
+            if earlier > 0:
+                delays.append(min(self.backoff_initial * 2.0 ** (earlier - 1), self.backoff_max))
+        return max(delays)
 
     def describe(self) -> str:
         return (

@@ -253,7 +253,7 @@ class Supervisor:
                 self._children[process.name].state = "exited"
                 continue
             reason = f"{process.name} {how}"
-            if not self._intensity.record():
+            if not self._intensity.record(process.name):
                 self._escalate(
                     f"restart intensity reached, {self._intensity.describe()}; last: {reason}"
                 )
@@ -290,7 +290,7 @@ class Supervisor:
             child.state = "restarting"
             child.restarts += 1
             child.last_restart_reason = reason
-        delay = self._intensity.backoff()
+        delay = self._intensity.backoff(failed)
         if delay:
             log.info("restarting %s in %.2f s (backoff)", restarting, delay)
             await asyncio.sleep(delay)
