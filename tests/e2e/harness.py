@@ -60,17 +60,21 @@ class Server:
         return self.log_path.read_text(errors="replace")
 
     def stop(self, timeout: float = 30.0) -> int:
-        """Terminate (SIGTERM → drain), wait, kill if it will not go; return the exit status."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
-        return self.proc.returncode
+        return stop_process(self.proc, timeout)
+
+
+def stop_process(proc: subprocess.Popen[str], timeout: float) -> int:
+    """Terminate (SIGTERM → drain), wait, kill if it will not go; return the exit status."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+    if proc.stdout is not None:
+        proc.stdout.close()
+    return proc.returncode
 
 
 def start_server(

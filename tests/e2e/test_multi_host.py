@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import selectors
-import signal
 import socket
 import subprocess
 import sys
@@ -23,7 +22,7 @@ import torch
 
 from tests.checkpoints import hf_greedy
 from tests.e2e.conftest import server_args
-from tests.e2e.harness import REPO, Server, leftover_ipc, start_server
+from tests.e2e.harness import REPO, Server, leftover_ipc, start_server, stop_process
 from tests.hf_reference import hf_tokenizer
 from tests.integration.test_fault_tolerance import alive, children_of
 
@@ -58,16 +57,7 @@ class WorkerNode:
         return self.log_path.read_text(errors="replace")
 
     def stop(self, timeout: float = 60.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
-        return self.proc.returncode
+        return stop_process(self.proc, timeout)
 
 
 def start_worker_node(args: list[str], log_dir: Path) -> WorkerNode:
