@@ -2,8 +2,8 @@
 
 The domain work (incremental, multi-byte safe text; stop strings; re-priming after a restart)
 is engine.text.Detokenizer. Samples ended by a stop string, and requests that failed here, are
-reported to the scheduler on "stops" so it stops generating them. Never imports torch (see
-hf_tokenizer).
+reported to the scheduler on "stops" so it stops generating them. Never imports torch, and
+usually not transformers either (see hf_tokenizer).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 
 import msgspec
 
-from engine.actors.hf_tokenizer import load_tokenizer_without_torch
+from engine.actors.hf_tokenizer import load_token_decoder
 from engine.actors.runtime.actor import Actor
 from engine.messages.outputs import DETOKENIZER_TO_GATEWAY
 from engine.messages.scheduling import SCHEDULER_OUTPUTS, SCHEDULER_REQUESTS, AbortRequests
@@ -28,7 +28,7 @@ class DetokenizerActor(Actor):
 
     async def on_start(self) -> dict[str, Any] | None:
         config = msgspec.msgpack.decode(self.config, type=DetokenizerConfig)
-        self.detokenizer = Detokenizer(load_tokenizer_without_torch(config.model_path))
+        self.detokenizer = Detokenizer(load_token_decoder(config.model_path))
         return None
 
     async def handle(self, ring: str, frames: list[bytes]) -> None:

@@ -4,10 +4,12 @@ The tokenizer and detokenizer actors only need transformers' tokenizers, but `tr
 imports torch whenever torch is installed, which costs a spawned process seconds and hundreds of
 MB (DESIGN §2). Marking torch as absent in `sys.modules` before the first transformers import
 makes transformers take its torch-free path; only processes that never use torch call this.
+The detokenizer needs less still: `load_token_decoder` skips transformers when it can.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from typing import Any
@@ -21,3 +23,35 @@ def load_tokenizer_without_torch(model_path: str) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_path)
+
+
+def load_token_decoder(model_path: str) -> Any:
+    """What the detokenizer needs of a tokenizer: `decode(ids, skip_special_tokens)`.
+
+    A transformers fast tokenizer decodes through a `tokenizers.Tokenizer` built from the
+    checkpoint's tokenizer.json (its backend_tokenizer). Reading that file with the `tokenizers`
+    library alone takes ~50 ms, where importing transformers costs ~1 s of every detokenizer
+    start and restart. A checkpoint without tokenizer.json, or whose tokenizer_config.json
+    declares added tokens that tokenizer.json lacks (transformers would add them), loads through
+    transformers instead.
+    """
+    from tokenizers import Tokenizer
+
+    tokenizer_json = os.path.join(model_path, "tokenizer.json")
+    if not os.path.isfile(tokenizer_json):
+        return load_tokenizer_without_torch(model_path)
+    decoder = Tokenizer.from_file(tokenizer_json)
+    known = {token.content for token in decoder.get_added_tokens_decoder().values()}
+    if not _declared_added_tokens(model_path) <= known:
+        return load_tokenizer_without_torch(model_path)
+    return decoder
+
+
+def _declared_added_tokens(model_path: str) -> set[str]:
+    try:
+        with open(os.path.join(model_path, "tokenizer_config.json")) as file:
+            config = json.load(file)
+    except FileNotFoundError:
+        return set()
+    declared = config.get("added_tokens_decoder") or {}
+    return {entry["content"] for entry in declared.values() if isinstance(entry, dict)}
