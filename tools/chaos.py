@@ -52,6 +52,7 @@ class Job:
 
 @dataclass
 class Stream:
+    request_id: str = ""
     tokens: list[str] = field(default_factory=list)
     times: list[float] = field(default_factory=list)  # arrival of each token (monotonic)
     text: str = ""
@@ -109,6 +110,7 @@ async def stream_one(client: httpx.AsyncClient, job: Job, timeout: float) -> Str
                 if data == "[DONE]":
                     break
                 event = json.loads(data)
+                out.request_id = out.request_id or event.get("id", "")
                 if "error" in event:
                     out.error = str(event["error"].get("message", event["error"]))
                     break
@@ -239,9 +241,26 @@ def compare(chaos: list[Stream], reference: list[Stream]) -> dict[str, Any]:
         "duplicated_tokens": duplicated,
         "reference_failures": sum(1 for r in reference if not r.completed),
         "lost_examples": [(i, chaos[i].error) for i in lost[:5]],
-        "mismatched_examples": mismatched[:5],
+        "mismatched_examples": [
+            describe_mismatch(i, chaos[i], reference[i]) for i in mismatched[:5]
+        ],
         "tokens": sum(len(s.tokens) for s in chaos),
     }
+
+
+def describe_mismatch(index: int, chaos: Stream, reference: Stream) -> str:
+    """Where request `index` first differs from its undisturbed twin, with its id to find it in
+    the server log."""
+    pairs = zip(chaos.tokens, reference.tokens, strict=False)
+    at = next((k for k, (a, b) in enumerate(pairs) if a != b), None)
+    if at is None:
+        at = min(len(chaos.tokens), len(reference.tokens))
+    return (
+        f"request {index} ({chaos.request_id}): tokens differ from #{at} "
+        f"({len(chaos.tokens)} vs {len(reference.tokens)} tokens): "
+        f"{chaos.tokens[at : at + 3]!r} vs {reference.tokens[at : at + 3]!r}; "
+        f"text equal: {chaos.text == reference.text}"
+    )
 
 
 def restarts_by_actor(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> Counter[str]:
@@ -326,7 +345,8 @@ def print_summary(s: dict[str, Any]) -> None:
     if s["lost_examples"]:
         print(f"lost, e.g.: {s['lost_examples']}")
     if s["mismatched_examples"]:
-        print(f"mismatched requests, e.g.: {s['mismatched_examples']}")
+        for example in s["mismatched_examples"]:
+            print(f"mismatched: {example}")
     if s["reference_failures"]:
         print(f"warning: {s['reference_failures']} request(s) failed in the undisturbed run too")
 
