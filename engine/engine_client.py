@@ -294,13 +294,17 @@ class AsyncLLM:
                     tokenizer = self._role(event.name) == "TokenizerActor"
                     self.gateway.record_crash(event.name, event.reason, tokenizer=tokenizer)
             elif isinstance(event, ChildRestarted):
-                # Every actor is on the request path: whatever was in flight through it is gone.
-                # A group restart reports each member: resubmit once for all of them.
+                # Every actor is on the request path: whatever was in flight through it is gone
+                # (for a tokenizer, only what it had not passed on yet). A group restart reports
+                # each member: resubmit once for all of them.
                 restarted = [event.name, *_drain_restarts(events)]
                 # With replicas, only those of the restarted actors: the others run on.
-                only = None
+                only: set[str] | None = None
                 if isinstance(self._supervisor, ReplicaSet):
                     only = self._supervisor.requests_of(restarted)
+                if all(self._role(name) == "TokenizerActor" for name in restarted):
+                    lost = self.gateway.not_past_tokenizer()
+                    only = lost if only is None else only & lost
                 submissions = self.gateway.resubmit_all(only)
                 log.warning(
                     "%s restarted (%s): resubmitting %d unfinished request(s)",

@@ -243,15 +243,22 @@ class Gateway:
             )
         return quarantined
 
+    def not_past_tokenizer(self) -> set[str]:
+        """Requests a tokenizer may still hold: those not yet acknowledged under their current
+        epoch. A tokenizer keeps nothing of a request it has passed on, so when one restarts,
+        only these are lost."""
+        return {r.request_id for r in self._records.values() if not r.acknowledged}
+
     def resubmit_all(self, only: Collection[str] | None = None) -> list[ToTokenizer]:
         """After a restart on the request path: every unfinished request, under a new epoch.
 
         While suspects are on probation only the probationer goes; the others are held back,
         and whatever older epoch of theirs is still running is aborted.
 
-        `only`: the requests the restart concerned (one data-parallel replica's); the others run
-        on under their epoch. Probation is engine-wide, so while it is under way, or a release is
-        still owed, `only` is ignored and every request goes as above.
+        `only`: the requests the restart concerned (one data-parallel replica's, or those a
+        restarted tokenizer may have held); the others run on under their epoch. Probation is
+        engine-wide, so while it is under way, or a release is still owed, `only` is ignored
+        and every request goes as above.
         """
         if only is not None and not self._in_probation_or_owed():
             records = [record for record in self._records.values() if record.request_id in only]
