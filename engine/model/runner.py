@@ -22,6 +22,7 @@ from engine.kernels.attention_metadata import long_tensor
 from engine.messages.steps import SeqChunk
 from engine.model.capacity import available_cpu_memory, kv_block_bytes, kv_cache_blocks
 from engine.model.config import ModelConfig, load_model_config
+from engine.model.host_memory import keep_freed_memory
 from engine.model.loader import load_model, resolve_dtype
 from engine.model.parallel.group import TensorParallelGroup
 
@@ -75,6 +76,8 @@ class ModelRunner:
         self.model_path = str(Path(model_path))
         self.group = tensor_parallel or TensorParallelGroup()
         self.device = resolve_device(device)
+        if self.device.type == "cpu":
+            keep_freed_memory()
         if num_threads is None and self.device.type == "cpu":
             num_threads = default_num_threads()
         if num_threads is not None:

@@ -1,0 +1,40 @@
+"""glibc malloc tuning for a process that runs the model on the CPU.
+
+A decode step allocates and frees large temporaries (K and V gathered from the paged cache:
+21 MB each per layer at 128 sequences of 320 tokens). By default glibc serves such blocks with
+fresh mmaps, or returns the freed top of its heap to the kernel, so every step pays page faults
+and zeroing for memory it had a moment ago. Measured on the demo model, 128 sequences at context
+320: 155 ms per decode step as glibc comes, 60 ms with freed memory kept. Whether a process was
+fast depended on what it happened to run first: a large prefill raises glibc's adaptive mmap
+threshold, and a run with smaller prefill chunks never got that raise.
+
+`keep_freed_memory()` serves blocks up to glibc's largest mmap threshold from the heap and trims
+the heap only past 2 GiB of free top: the process keeps its peak working set, as a serving worker
+does anyway.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+
+log = logging.getLogger(__name__)
+
+M_TRIM_THRESHOLD = -1  # mallopt parameters (malloc.h)
+M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD_MAX = 32 << 20  # the largest value glibc accepts on 64-bit
+TRIM_THRESHOLD = 2**31 - 1  # mallopt takes an int: 2 GiB of free heap top is kept
+
+
+def keep_freed_memory() -> bool:
+    """Tune this process's malloc (glibc only); False where there is nothing to tune."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt  # the C library this process runs on
+    except (OSError, AttributeError):  # not glibc (musl, macOS): leave it as it is
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    tuned = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX) == 1
+    tuned = mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1 and tuned
+    if not tuned:
+        log.warning("mallopt refused the settings; large CPU steps may pay page faults")
+    return tuned
