@@ -9,7 +9,7 @@ class SchedulerConfig(msgspec.Struct, kw_only=True):
     num_blocks: int  # KV blocks in the pool (what the workers allocated)
     block_size: int = 16  # tokens per KV block
     max_num_seqs: int = 256  # sequences holding KV blocks at once
-    max_num_batched_tokens: int = 8192  # tokens run through the model in one step
+    max_num_batched_tokens: int = 2048  # tokens run through the model in one step
     max_model_len: int = 4096  # prompt + output tokens of one sequence
     enable_prefix_caching: bool = True
     eos_token_ids: list[int] = msgspec.field(default_factory=list)
