@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import random
-import subprocess
-import sys
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -21,6 +19,7 @@ from engine.messages.scheduling import (
 )
 from engine.messages.steps import TokenLogprobs
 from engine.text import Detokenizer, IncrementalDetokenizer, SampleTextStream, StopStrings
+from tests.fresh_process import imported_after
 
 CORPUS = [
     "hello world, the quick brown fox jumps over the lazy dog",
@@ -271,5 +270,4 @@ def test_aborts_rejections_and_logprobs(tokenizer: PreTrainedTokenizerFast) -> N
 
 
 def test_engine_text_does_not_import_torch() -> None:
-    code = "import sys, engine.text; assert 'torch' not in sys.modules, 'torch was imported'"
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    assert imported_after("import engine.text", ("torch",)) == []

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +15,7 @@ from engine.model.config import load_model_config, parse_model_config
 from engine.model.loader import resolve_dtype
 from engine.model.runner import ModelRunner
 from tests.checkpoints import tiny_checkpoint
+from tests.fresh_process import imported_after
 
 BASE = {
     "architectures": ["LlamaForCausalLM"],
@@ -121,15 +120,8 @@ def test_dtype_resolution_per_device() -> None:
 def test_loading_imports_neither_dynamo_nor_sympy(arch: str) -> None:
     """A worker (re)start pays for what loading imports: ops on meta tensors would pull in
     torch._dynamo and sympy (seconds), so the loader runs none. Checked in a fresh process."""
-    path = tiny_checkpoint(arch)
-    script = (
-        "import sys\n"
+    code = (
         "from engine.model.runner import ModelRunner\n"
-        f"ModelRunner({str(path)!r}, kv_cache_memory=1 << 20)\n"
-        "print(sorted(m for m in ('torch._dynamo', 'sympy') if m in sys.modules))\n"
+        f"ModelRunner({str(tiny_checkpoint(arch))!r}, kv_cache_memory=1 << 20)"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "[]"
+    assert imported_after(code, ("torch._dynamo", "sympy")) == []
