@@ -10,6 +10,7 @@ import os
 import re
 import selectors
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -92,7 +93,7 @@ def start_server(
             text=True,
         )
     try:
-        line = _read_ready_line(proc, START_TIMEOUT_S)
+        line = read_line_starting(proc, "engine ready:", START_TIMEOUT_S)
     except BaseException:
         if proc.poll() is None:
             proc.kill()
@@ -112,7 +113,9 @@ def start_server(
     )
 
 
-def _read_ready_line(proc: subprocess.Popen[str], timeout: float) -> str:
+def read_line_starting(proc: subprocess.Popen[str], prefix: str, timeout: float) -> str:
+    """The first line `proc` prints that starts with `prefix` (others are skipped), within
+    `timeout` seconds; an error if it exits or closes stdout first."""
     assert proc.stdout is not None
     deadline = time.monotonic() + timeout
     with selectors.DefaultSelector() as sel:
@@ -120,14 +123,21 @@ def _read_ready_line(proc: subprocess.Popen[str], timeout: float) -> str:
         while time.monotonic() < deadline:
             if not sel.select(timeout=0.5):
                 if proc.poll() is not None:
-                    raise RuntimeError(f"server exited with {proc.returncode}")
+                    raise RuntimeError(f"exited with {proc.returncode} before {prefix!r}")
                 continue
             line = proc.stdout.readline()
             if not line:
-                raise RuntimeError(f"server closed stdout (exit {proc.wait(10)})")
-            if line.startswith("engine ready:"):
+                raise RuntimeError(f"stdout closed before {prefix!r} (exit {proc.wait(10)})")
+            if line.startswith(prefix):
                 return line.strip()
-    raise TimeoutError("server did not report ready in time")
+    raise TimeoutError(f"no line starting with {prefix!r} within {timeout:g} s")
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (another process may still take it first)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def wait_until(predicate: Any, timeout: float = 30.0, interval: float = 0.05) -> Any:

@@ -9,7 +9,7 @@ import time
 
 import httpx
 
-from tests.e2e.harness import READY_RE, REPO, _read_ready_line
+from tests.e2e.harness import READY_RE, REPO, read_line_starting
 
 START_TIMEOUT_S = 300.0  # the first start on a machine builds the demo model
 
@@ -29,7 +29,7 @@ def test_make_serve_answers_a_completion_on_the_demo_model(tmp_path) -> None:  #
             start_new_session=True,
         )
     try:
-        line = _read_ready_line(make, START_TIMEOUT_S)
+        line = read_line_starting(make, "engine ready:", START_TIMEOUT_S)
         match = READY_RE.match(line)
         assert match, line
         reply = httpx.post(

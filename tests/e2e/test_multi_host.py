@@ -8,11 +8,8 @@ non-zero exit and one line that names the numbers at fault.
 from __future__ import annotations
 
 import os
-import selectors
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +19,15 @@ import torch
 
 from tests.checkpoints import hf_greedy
 from tests.e2e.conftest import server_args
-from tests.e2e.harness import REPO, Server, leftover_ipc, start_server, stop_process
+from tests.e2e.harness import (
+    REPO,
+    Server,
+    free_port,
+    leftover_ipc,
+    read_line_starting,
+    start_server,
+    stop_process,
+)
 from tests.hf_reference import hf_tokenizer
 from tests.integration.test_fault_tolerance import alive, children_of
 
@@ -30,12 +35,6 @@ NEW_TOKENS = 12
 NO_TIE = 1e-3  # HF's top-2 logits at least this far apart at every step of the chosen prompt
 START_TIMEOUT_S = 180.0
 CANDIDATE_PROMPTS = [[5 + 13 * i + k for k in range(9)] for i in range(12)]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def topology_flags(node_rank: int, port: int) -> list[str]:
@@ -76,20 +75,6 @@ def start_worker_node(args: list[str], log_dir: Path) -> WorkerNode:
     return WorkerNode(proc, log_path)
 
 
-def read_line(proc: subprocess.Popen[str], timeout: float) -> str:
-    """The next line `proc` prints, within `timeout` seconds."""
-    assert proc.stdout is not None
-    deadline = time.monotonic() + timeout
-    with selectors.DefaultSelector() as selector:
-        selector.register(proc.stdout, selectors.EVENT_READ)
-        while time.monotonic() < deadline:
-            if selector.select(timeout=0.5):
-                return proc.stdout.readline().strip()
-            if proc.poll() is not None:
-                raise RuntimeError(f"exited with {proc.returncode} before printing a line")
-    raise TimeoutError(f"no line within {timeout:g} s")
-
-
 @dataclass
 class TwoHosts:
     head: Server
@@ -109,7 +94,7 @@ def two_hosts(
     try:
         args = server_args(model_args, work / "admin.sock", *topology_flags(0, port))
         head = start_server(args, work, name="node0")
-        ready = read_line(node.proc, START_TIMEOUT_S)
+        ready = read_line_starting(node.proc, "engine worker node", START_TIMEOUT_S)
         assert ready.startswith("engine worker node 1/2 ready: worker1"), node.log()
         processes = {head.pid: "node 0", node.proc.pid: "node 1"}
         for launch in (head.pid, node.proc.pid):

@@ -10,7 +10,6 @@ import multiprocessing
 import os
 import queue
 import signal
-import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,6 +21,7 @@ from engine.model.capacity import kv_block_bytes
 from engine.model.config import load_model_config
 from engine.model.runner import ModelRunner
 from tests.checkpoints import TIE_TOLERANCE, greedy_generate, tiny_checkpoint
+from tests.e2e.harness import free_port
 from tests.hf_reference import assert_greedy_matches_hf
 from tests.integration.test_fault_tolerance import ipc_files
 
@@ -35,12 +35,6 @@ ARCHS = {
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [40, 41, 42], list(range(100, 137))]
 NEW_TOKENS = 8
 RESULT_TIMEOUT_S = 240.0
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class _LogitsOnEveryRank:
@@ -94,7 +88,7 @@ def tp2_results() -> Iterator[dict[str, tuple[list[list[int]], list[list[float]]
     paths = [str(tiny_checkpoint(**spec)) for spec in ARCHS.values()]
     context = multiprocessing.get_context("spawn")
     out = context.Queue()
-    port = _free_port()
+    port = free_port()
     ranks = [context.Process(target=_rank_main, args=(r, 2, port, paths, out)) for r in range(2)]
     for process in ranks:
         process.start()
