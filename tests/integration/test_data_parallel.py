@@ -31,6 +31,7 @@ from tests.integration.test_fault_tolerance import (
     children_of,
     children_started_since,
     ipc_files,
+    wait_for,
 )
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -197,15 +198,6 @@ async def kill_replica_1_worker_with_replica_0_paused(engine: AsyncLLM, seen: Re
         seen.epochs = {row["request_id"]: row["epoch"] for row in engine.requests()}
     finally:
         os.kill(workers["worker0-r0"]["pid"], signal.SIGCONT)
-
-
-async def wait_for(condition: Callable[[], bool], what: str, timeout: float = WAIT_S) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not condition():
-        if loop.time() > deadline:
-            raise AssertionError(f"{what}: not within {timeout:g} s")
-        await asyncio.sleep(0.01)
 
 
 def actors(engine: AsyncLLM) -> dict[str, dict[str, Any]]:
