@@ -25,6 +25,7 @@ from engine.actors.replicas import ReplicaSet, replica_stats, supervise
 from engine.actors.runtime.events import ChildDied, ChildRestarted, Escalated
 from engine.actors.runtime.ring import RingClosed
 from engine.actors.runtime.supervisor import Supervisor
+from engine.admission import check_params, check_prompt_size, check_queue
 from engine.messages.outputs import DETOKENIZER_TO_GATEWAY
 from engine.messages.params import SamplingParams
 from engine.messages.reports import SCHEDULER_REPORTS, SchedulerReport
@@ -33,6 +34,7 @@ from engine.messages.requests import (
     TOKENIZER_FAILURES,
     ChatMessage,
 )
+from engine.output_stream import merge_into
 from engine.outputs import EngineError, RequestOutput
 from engine.settings import Settings, resolve_home
 from engine.topology import EnginePlan, plan_engine
@@ -43,7 +45,12 @@ log = logging.getLogger("engine")
 class AsyncLLM:
     def __init__(self, settings: Settings | None = None) -> None:
         self.settings = settings or Settings()
-        self.gateway = Gateway(self.settings.runtime.quarantine_after)
+        server = self.settings.server
+        self.gateway = Gateway(
+            self.settings.runtime.quarantine_after,
+            stream_buffer=server.stream_buffer,
+            stalled_stream_timeout=server.stalled_stream_timeout,
+        )
         self.model_name = ""
         self.max_model_len = 0
         self._plan: EnginePlan | None = None
@@ -124,13 +131,12 @@ class AsyncLLM:
     ) -> AsyncIterator[RequestOutput]:
         """Incremental outputs: each holds the new text / tokens of the samples that advanced."""
         params = params or SamplingParams()
-        self._check_can_accept(params)
+        text = prompt if isinstance(prompt, str) else None
+        token_ids = list(prompt) if isinstance(prompt, list) else None
+        chat = _chat_messages(messages) if messages is not None else None
+        self._check_can_accept(params, text, token_ids, chat)
         record, submission = self.gateway.open(
-            params,
-            prompt=prompt if isinstance(prompt, str) else None,
-            prompt_token_ids=list(prompt) if isinstance(prompt, list) else None,
-            messages=_chat_messages(messages) if messages is not None else None,
-            request_id=request_id,
+            params, prompt=text, prompt_token_ids=token_ids, messages=chat, request_id=request_id
         )
         finished = False
         try:
@@ -225,23 +231,23 @@ class AsyncLLM:
 
     # ---- internals -----------------------------------------------------------------------------
 
-    def _check_can_accept(self, params: SamplingParams) -> None:
+    def _check_can_accept(
+        self,
+        params: SamplingParams,
+        prompt: str | None,
+        prompt_token_ids: list[int] | None,
+        messages: list[ChatMessage] | None,
+    ) -> None:
         if self._failure is not None:
             raise EngineError(f"the engine cannot serve: {self._failure}", 503)
         if self._supervisor is None or self._closed:
             raise EngineError("the engine is not running", 503)
-        try:
-            params.validate()
-        except ValueError as exc:  # the message starts with the field's name
-            raise EngineError(str(exc), 400, str(exc).split(" ", 1)[0]) from None
-        limit = self.settings.scheduler.max_queued_requests
-        waiting = sum(1 for record in self.gateway.records() if record.first_token_at is None)
-        if waiting >= limit:
-            raise EngineError(
-                f"too many requests waiting ({waiting}, max_queued_requests is {limit}); "
-                "retry shortly",
-                429,
-            )
+        limits = self.settings.limits
+        check_params(params, limits, self.max_model_len)
+        contents = (message.content for message in messages or ())
+        check_prompt_size(prompt, prompt_token_ids, contents, limits, self.max_model_len)
+        waiting = sum(r.params.n for r in self.gateway.records() if r.first_token_at is None)
+        check_queue(waiting, params.n, self.settings.scheduler.max_queued_samples)
 
     async def _submit(self, submissions: list[ToTokenizer]) -> None:
         await self._send([GATEWAY_TO_TOKENIZER.encode(s) for s in submissions])
@@ -374,17 +380,5 @@ def _merge(total: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
     if total is None:
         total = RequestOutput(delta.request_id, delta.prompt, delta.prompt_token_ids, [])
     total.prompt_token_ids = delta.prompt_token_ids or total.prompt_token_ids
-    total.finished = delta.finished
-    by_index = {output.index: output for output in total.outputs}
-    for part in delta.outputs:
-        output = by_index.get(part.index)
-        if output is None:
-            output = type(part)(part.index, "", [], None, [] if part.logprobs is not None else None)
-            by_index[part.index] = output
-            total.outputs.append(output)
-        output.text += part.text
-        output.token_ids.extend(part.token_ids)
-        output.finish_reason = part.finish_reason or output.finish_reason
-        if part.logprobs is not None:
-            output.logprobs = (output.logprobs or []) + part.logprobs
+    merge_into(total, delta)
     return total

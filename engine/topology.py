@@ -234,7 +234,12 @@ def _replica_spec(
         "ready_timeout": runtime.start_timeout,
     }
     workers = _worker_specs(settings, placement, replica, worker)
-    tokenizer_config = TokenizerConfig(worker.model_path, worker.max_model_len, config.vocab_size)
+    tokenizer_config = TokenizerConfig(
+        worker.model_path,
+        worker.max_model_len,
+        config.vocab_size,
+        settings.server.allow_special_tokens_in_chat,
+    )
     children = (
         *workers,
         ChildSpec(

@@ -48,7 +48,7 @@ def start(name: str, args: argparse.Namespace, work: Path, extra: list[str]) -> 
     cmd = [
         sys.executable, "-m", "engine", "serve", "--model", args.model, "--host", "127.0.0.1",
         "--port", "0", "--device", "cpu", "--max-model-len", "1024",
-        "--max-num-seqs", str(args.concurrency), "--max-queued-requests", "1024",
+        "--max-num-seqs", str(args.concurrency), "--max-queued-samples", "1024",
         "--kv-cache-memory", "64MiB", "--admin.socket", str(work / f"{name}.sock"), *extra,
     ]  # fmt: skip
     log = open(work / f"{name}.log", "w")  # noqa: SIM115 - lives as long as the server

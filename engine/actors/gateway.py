@@ -29,7 +29,6 @@ during which the engine serves nobody else: acceptable for crashes, which should
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import secrets
@@ -43,6 +42,7 @@ from engine.messages.outputs import OutputBatch, SampleDeltaText
 from engine.messages.params import SamplingParams
 from engine.messages.requests import ChatMessage, GenerateRequest, RequestFailed
 from engine.messages.scheduling import AbortRequests, SampleResume
+from engine.output_stream import OutputStream
 from engine.outputs import CompletionOutput, EngineError, RequestOutput
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ class RequestRecord:
     prompt_token_ids: list[int] | None
     messages: list[ChatMessage] | None
     samples: list[SampleRecord]
-    stream: asyncio.Queue[RequestOutput | EngineError]
+    stream: OutputStream
     epoch: int = 0
     arrival: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
@@ -114,10 +114,19 @@ class RequestRecord:
 class Gateway:
     """Request registry; methods return the messages the caller must send to the tokenizer."""
 
-    def __init__(self, quarantine_after: int = 2) -> None:
+    def __init__(
+        self,
+        quarantine_after: int = 2,
+        *,
+        stream_buffer: int = 64,
+        stalled_stream_timeout: float = 60.0,
+    ) -> None:
         if quarantine_after < 1:
             raise ValueError(f"quarantine_after must be an integer >= 1, got {quarantine_after}")
         self.quarantine_after = quarantine_after
+        self.stream_buffer = stream_buffer
+        self.stalled_stream_timeout = stalled_stream_timeout
+        self._stalled: list[str] = []  # requests aborted for a stalled client; abort owed
         self._records: dict[str, RequestRecord] = {}
         self._ids = itertools.count()
         self._id_prefix = secrets.token_hex(4)
@@ -126,6 +135,7 @@ class Gateway:
         self._outbox: list[ToTokenizer] = []  # owed submissions (probation turns, releases)
         self.resubmissions = 0
         self.quarantined = 0
+        self.stalled_aborts = 0
 
     def __len__(self) -> int:
         return len(self._records)
@@ -163,7 +173,7 @@ class Gateway:
             prompt_token_ids=prompt_token_ids,
             messages=messages,
             samples=[SampleRecord(i) for i in range(params.n)],
-            stream=asyncio.Queue(),
+            stream=OutputStream(self.stream_buffer),
             held=self.on_probation,
         )
         self._records[request_id] = record
@@ -292,8 +302,12 @@ class Gateway:
         return out
 
     def take_submissions(self) -> list[ToTokenizer]:
-        """Submissions owed since the last call (probation moved on, or ended); send them."""
+        """Messages owed since the last call (probation moved on or ended, streams found
+        stalled); send them."""
         out, self._outbox = self._outbox, []
+        if self._stalled:
+            out.append(AbortRequests(self._stalled))
+            self._stalled = []
         return out
 
     def records(self) -> Iterable[RequestRecord]:
@@ -427,8 +441,24 @@ class Gateway:
         record.stream.put_nowait(self._output(record, outputs, finished))
         if finished:
             self._forget(record)
+        elif record.stream.stalled_for() > self.stalled_stream_timeout:
+            self._abort_stalled(record)
         elif record.suspect_epoch is not None and record.epoch > record.suspect_epoch:
             self._clear(record)
+
+    def _abort_stalled(self, record: RequestRecord) -> None:
+        """Its client has left a full stream unread past the timeout: stop generating for it
+        (its KV blocks are freed); the client gets what was generated, then finish "abort"."""
+        log.warning(
+            "request %s aborted: its client has not read its full output buffer (%d outputs) "
+            "for %.0f s (server.stalled_stream_timeout)",
+            record.request_id,
+            self.stream_buffer,
+            self.stalled_stream_timeout,
+        )
+        self.close(record.request_id)
+        self.stalled_aborts += 1
+        self._stalled.append(record.request_id)
 
     @staticmethod
     def _output(

@@ -8,6 +8,8 @@ status 400 when its input is at fault (a bad value, a chat template that refuses
 
 from __future__ import annotations
 
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import msgspec
@@ -21,73 +23,21 @@ from engine.messages.requests import (
     RequestFailed,
 )
 from engine.messages.scheduling import SCHEDULER_REQUESTS, AbortRequests, SubmitRequest
+from engine.outputs import EngineError
+from engine.text.prompt import PromptBuilder
 
 
 class TokenizerConfig(msgspec.Struct, frozen=True):
     model_path: str
     max_model_len: int
     vocab_size: int
+    allow_special_tokens_in_chat: bool = False
 
 
-class PromptTooLong(ValueError):
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-class PromptBuilder:
-    """Turns a request's prompt, token ids or chat messages into checked prompt token ids."""
-
-    def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int) -> None:
-        self.tokenizer = tokenizer
-        self.max_model_len = max_model_len
-        self.vocab_size = vocab_size
-
-    def build(self, request: GenerateRequest) -> tuple[str | None, list[int]]:
-        """(prompt text, prompt token ids); raises PromptTooLong / ValueError naming the field."""
-        prompt = request.prompt
-        if request.prompt_token_ids is not None:
-            token_ids = request.prompt_token_ids
-            self._check_ids(token_ids)
-        elif request.messages is not None:
-            conversation = [{"role": m.role, "content": m.content} for m in request.messages]
-            prompt = self.tokenizer.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=True
-            )
-            # The template already wrote the special tokens it wants.
-            token_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
-        elif prompt is not None:
-            token_ids = self.tokenizer.encode(prompt)
-        else:
-            raise ValueError("a request needs a prompt, prompt token ids or messages")
-        if not token_ids:
-            raise ValueError("the prompt is empty: it must have at least one token")
-        self._check_length(len(token_ids), request)
-        return prompt, token_ids
-
-    def _check_ids(self, token_ids: list[int]) -> None:
-        for token_id in token_ids:
-            if not 0 <= token_id < self.vocab_size:
-                raise ValueError(
-                    f"prompt token id {token_id} is out of range: the vocabulary has "
-                    f"{self.vocab_size} tokens (ids 0..{self.vocab_size - 1})"
-                )
-
-    def _check_length(self, prompt_len: int, request: GenerateRequest) -> None:
-        limit = self.max_model_len
-        if prompt_len >= limit:
-            raise PromptTooLong(
-                f"the prompt has {prompt_len} tokens, but max_model_len is {limit}: "
-                f"it must have fewer than {limit} tokens to leave room for output",
-                "prompt",
-            )
-        max_tokens = request.params.max_tokens
-        if request.resume is None and max_tokens is not None and prompt_len + max_tokens > limit:
-            raise PromptTooLong(
-                f"the prompt has {prompt_len} tokens and max_tokens is {max_tokens}: "
-                f"{prompt_len + max_tokens} exceeds max_model_len {limit}",
-                "max_tokens",
-            )
+# Prompts with more characters than this are tokenized on a thread: a multi-megabyte prompt takes
+# seconds, during which the loop must keep beating the heart and serving the other requests.
+# Below it, a thread's hand-off costs more than the tokenizing.
+INLINE_CHARS = 16_384
 
 
 class TokenizerActor(Actor):
@@ -96,39 +46,94 @@ class TokenizerActor(Actor):
     async def on_start(self) -> dict[str, Any] | None:
         config = msgspec.msgpack.decode(self.config, type=TokenizerConfig)
         tokenizer = load_tokenizer_without_torch(config.model_path)
-        self.builder = PromptBuilder(tokenizer, config.max_model_len, config.vocab_size)
+        self.builder = PromptBuilder(
+            tokenizer, config.max_model_len, config.vocab_size, config.allow_special_tokens_in_chat
+        )
+        # One thread: big prompts wait for each other, not for the model's cores.
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        self._on_thread: dict[str, int] = {}  # request id -> epoch being tokenized there
+        self._tasks: set[asyncio.Task[None]] = set()
         return None
+
+    async def on_stop(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def handle(self, ring: str, frames: list[bytes]) -> None:
         to_scheduler: list[bytes] = []
         failures: list[bytes] = []
         for message in GATEWAY_TO_TOKENIZER.decode_many(frames):
             if isinstance(message, AbortRequests):
+                for request_id in message.request_ids:  # its thread's result will be dropped
+                    self._on_thread.pop(request_id, None)
                 to_scheduler.append(SCHEDULER_REQUESTS.encode(message))
-                continue
-            try:
-                _, token_ids = self.builder.build(message)
-            except Exception as exc:  # fails this request alone
-                failures.append(TOKENIZER_FAILURES.encode(_failure(message, exc)))
-                continue
-            submit = SubmitRequest(
-                request_id=message.request_id,
-                epoch=message.epoch,
-                prompt_token_ids=token_ids,
-                params=message.params,
-                seed=message.seed,
-                resume=message.resume,
+            elif _prompt_chars(message) > INLINE_CHARS:
+                self._tokenize_on_thread(message)
+            else:
+                self._tokenize(message, to_scheduler, failures)
+        await self._send(to_scheduler, failures)
+
+    def _tokenize(
+        self, message: GenerateRequest, to_scheduler: list[bytes], failures: list[bytes]
+    ) -> None:
+        try:
+            token_ids = self.builder.build(message)
+        except Exception as exc:  # fails this request alone
+            failures.append(TOKENIZER_FAILURES.encode(_failure(message, exc)))
+            return
+        to_scheduler.append(SCHEDULER_REQUESTS.encode(_submission(message, token_ids)))
+
+    def _tokenize_on_thread(self, message: GenerateRequest) -> None:
+        self._on_thread[message.request_id] = message.epoch
+        task = asyncio.get_running_loop().create_task(self._finish_on_thread(message))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _finish_on_thread(self, message: GenerateRequest) -> None:
+        loop = asyncio.get_running_loop()
+        to_scheduler: list[bytes] = []
+        failures: list[bytes] = []
+        try:
+            await loop.run_in_executor(
+                self._executor, self._tokenize, message, to_scheduler, failures
             )
-            to_scheduler.append(SCHEDULER_REQUESTS.encode(submit))
+        finally:
+            # Aborted, or resubmitted under a newer epoch, while it was on the thread: its
+            # result would run a request nobody waits for.
+            current = self._on_thread.get(message.request_id) == message.epoch
+            if current:
+                del self._on_thread[message.request_id]
+        if current:
+            await self._send(to_scheduler, failures)
+
+    async def _send(self, to_scheduler: list[bytes], failures: list[bytes]) -> None:
         if failures:
             await self.send_many("failures", failures)
         if to_scheduler:
             await self.send_many("submit", to_scheduler)
 
 
+def _prompt_chars(request: GenerateRequest) -> int:
+    if request.prompt_token_ids is not None:
+        return 0
+    if request.messages is not None:
+        return sum(len(message.content) for message in request.messages)
+    return len(request.prompt or "")
+
+
+def _submission(request: GenerateRequest, token_ids: list[int]) -> SubmitRequest:
+    return SubmitRequest(
+        request_id=request.request_id,
+        epoch=request.epoch,
+        prompt_token_ids=token_ids,
+        params=request.params,
+        seed=request.seed,
+        resume=request.resume,
+    )
+
+
 def _failure(request: GenerateRequest, exc: Exception) -> RequestFailed:
-    if isinstance(exc, PromptTooLong):
-        status, param, message = 400, exc.param, str(exc)
+    if isinstance(exc, EngineError):
+        status, param, message = exc.status, exc.param, exc.message
     elif _input_error(exc):
         status, param, message = 400, _param_of(request), str(exc)
     else:

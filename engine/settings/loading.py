@@ -39,7 +39,7 @@ FLAG_ALIASES: dict[str, str] = {
     "--enable-prefix-caching": "cache.enable_prefix_caching",
     "--max-num-seqs": "scheduler.max_num_seqs",
     "--max-num-batched-tokens": "scheduler.max_num_batched_tokens",
-    "--max-queued-requests": "scheduler.max_queued_requests",
+    "--max-queued-samples": "scheduler.max_queued_samples",
     "--tensor-parallel-size": "parallel.tensor_parallel_size",
     "--tp": "parallel.tensor_parallel_size",
     "-tp": "parallel.tensor_parallel_size",

@@ -82,9 +82,46 @@ class SchedulerSettings(_Section, frozen=True):
     max_num_batched_tokens: Annotated[
         int, Meta(ge=1, description="most tokens in one step (longer prefills are chunked)")
     ] = 2048
-    max_queued_requests: Annotated[
-        int, Meta(ge=1, description="waiting requests beyond which new ones get 429")
+    max_queued_samples: Annotated[
+        int,
+        Meta(
+            ge=1,
+            description="waiting samples (a request with n samples counts n) beyond which new "
+            "requests get 429",
+        ),
     ] = 1024
+
+
+class LimitsSettings(_Section, frozen=True):
+    """What one request may ask for; beyond it the request is refused with 400 naming the limit.
+
+    Each bounds something that grows with a request's input through every actor it passes
+    (samples run, stop strings matched at every token, prompt text tokenized).
+    """
+
+    max_n: Annotated[int, Meta(ge=1, description="most samples (n) one request may ask for")] = 128
+    max_stop_strings: Annotated[
+        int, Meta(ge=0, description="most stop strings one request may give")
+    ] = 64
+    max_stop_chars: Annotated[
+        int, Meta(ge=0, description="most characters in all of a request's stop strings")
+    ] = 8192
+    max_request_tokens: Annotated[
+        int,
+        Meta(
+            ge=1,
+            description="most tokens one request may ask to generate: n x max_tokens "
+            "(max_tokens unset counts as max_model_len)",
+        ),
+    ] = 1 << 20
+    max_prompt_chars_per_token: Annotated[
+        int,
+        Meta(
+            ge=1,
+            description="prompt text (or chat contents) longer than max_model_len x this many "
+            "characters is refused before it is tokenized",
+        ),
+    ] = 32
 
 
 class ParallelSettings(_Section, frozen=True):
@@ -136,6 +173,29 @@ class ServerSettings(_Section, frozen=True):
         str | None,
         Meta(description="append each request's arrival, sizes and timings to this .jsonl file"),
     ] = None
+    stream_buffer: Annotated[
+        int,
+        Meta(
+            ge=1,
+            description="outputs buffered per request for a client that is not reading; more "
+            "are merged into the last one",
+        ),
+    ] = 64
+    stalled_stream_timeout: Annotated[
+        float,
+        Meta(
+            gt=0.0,
+            description="seconds a client may leave a full stream buffer unread before its "
+            "request is aborted",
+        ),
+    ] = 60.0
+    allow_special_tokens_in_chat: Annotated[
+        bool,
+        Meta(
+            description="tokenize special tokens written in chat message contents as control "
+            "tokens (trusted clients only); off: as plain text",
+        ),
+    ] = False
 
 
 class AdminSettings(_Section, frozen=True):
@@ -181,6 +241,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     model: ModelSettings = msgspec.field(default_factory=ModelSettings)
     cache: CacheSettings = msgspec.field(default_factory=CacheSettings)
     scheduler: SchedulerSettings = msgspec.field(default_factory=SchedulerSettings)
+    limits: LimitsSettings = msgspec.field(default_factory=LimitsSettings)
     parallel: ParallelSettings = msgspec.field(default_factory=ParallelSettings)
     server: ServerSettings = msgspec.field(default_factory=ServerSettings)
     admin: AdminSettings = msgspec.field(default_factory=AdminSettings)
@@ -191,6 +252,7 @@ SECTIONS: dict[str, type[_Section]] = {
     "model": ModelSettings,
     "cache": CacheSettings,
     "scheduler": SchedulerSettings,
+    "limits": LimitsSettings,
     "parallel": ParallelSettings,
     "server": ServerSettings,
     "admin": AdminSettings,

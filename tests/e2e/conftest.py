@@ -39,7 +39,7 @@ def server_args(model_args: list[str], socket: Path | None, *extra: str) -> list
         "--api-key", API_KEY,
         "--max-model-len", str(MAX_MODEL_LEN),
         "--max-num-seqs", str(MAX_NUM_SEQS),
-        "--max-queued-requests", str(MAX_QUEUED),
+        "--max-queued-samples", str(MAX_QUEUED),
         "--max-request-bytes", str(MAX_REQUEST_BYTES),
         "--kv-cache-memory", "16MiB",
         "--drain-timeout", "30",

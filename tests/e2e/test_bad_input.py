@@ -100,7 +100,7 @@ def test_missing_or_wrong_api_key_is_401(server: Server) -> None:
     assert_still_serves(server)
 
 
-async def test_queue_over_max_queued_requests_is_429_with_retry_after(server: Server) -> None:
+async def test_queue_over_max_queued_samples_is_429_with_retry_after(server: Server) -> None:
     body = {"prompt": "tell me", "max_tokens": 100, "ignore_eos": True, "stream": True}
     burst = MAX_NUM_SEQS + MAX_QUEUED + 6
 

@@ -42,7 +42,7 @@ WORKLOAD: list[tuple[str, dict[str, Any]]] = [
     ("/v1/completions", {"prompt": "too long", "max_tokens": 5000, **GREEDY}),  # refused: 400
 ]  # fmt: skip
 DETERMINISTIC_OK = 7  # every request above but the free sample and the refused one
-EXTRA_ARGS = ["--max-queued-requests", "64", "--max-num-seqs", "8"]
+EXTRA_ARGS = ["--max-queued-samples", "64", "--max-num-seqs", "8"]
 
 
 def run_cli(*args: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:

@@ -4,6 +4,7 @@ from engine.actors.gateway import Gateway
 from engine.messages.outputs import OutputBatch, PromptInfo, SampleDeltaText
 from engine.messages.params import SamplingParams
 from engine.messages.requests import RequestFailed
+from engine.messages.scheduling import AbortRequests
 from engine.outputs import EngineError, RequestOutput
 
 
@@ -63,3 +64,22 @@ async def test_abort_finishes_the_stream_and_returns_the_abort_to_send() -> None
     [final] = _drain(record)
     assert final.finished and {o.finish_reason for o in final.outputs} == {"abort"}
     assert gateway.close("a") is None
+
+
+async def test_a_stream_left_full_and_unread_past_the_timeout_is_aborted() -> None:
+    # Timeout 0: the output that fills the buffer already finds it stalled.
+    gateway = Gateway(stream_buffer=2, stalled_stream_timeout=0.0)
+    record, _ = gateway.open(SamplingParams(max_tokens=100), prompt="x", request_id="slow")
+    reader_keeps_up, _ = gateway.open(SamplingParams(max_tokens=100), prompt="x", request_id="ok")
+    for step in range(3):
+        gateway.deliver(
+            OutputBatch(
+                [], [_delta("slow", 0, 0, [step], "t"), _delta("ok", 0, 0, [step], "t")], []
+            )
+        )
+        _drain(reader_keeps_up)
+    assert "slow" not in gateway and "ok" in gateway
+    assert gateway.take_submissions() == [AbortRequests(["slow"])]
+    outputs = _drain(record)
+    assert [t for out in outputs for o in out.outputs for t in o.token_ids] == [0, 1]
+    assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "abort"

@@ -33,20 +33,20 @@ def test_defaults_when_nothing_is_given() -> None:
 def test_each_layer_overrides_the_one_below(tmp_path: Path) -> None:
     config = write_toml(
         tmp_path,
-        "[scheduler]\nmax_num_seqs = 3\nmax_num_batched_tokens = 300\nmax_queued_requests = 30\n"
+        "[scheduler]\nmax_num_seqs = 3\nmax_num_batched_tokens = 300\nmax_queued_samples = 30\n"
         "[cache]\nblock_size = 32\n",
     )
     environ = {
         "ENGINE_SCHEDULER__MAX_NUM_BATCHED_TOKENS": "400",
-        "ENGINE_SCHEDULER__MAX_QUEUED_REQUESTS": "40",
+        "ENGINE_SCHEDULER__MAX_QUEUED_SAMPLES": "40",
     }
-    argv = ["--config", config, "--scheduler.max_queued_requests", "50"]
+    argv = ["--config", config, "--scheduler.max_queued_samples", "50"]
     settings, sources = load_settings(argv, environ)
     assert settings.scheduler.max_num_seqs == 3 and sources["scheduler.max_num_seqs"] == "file"
     assert settings.scheduler.max_num_batched_tokens == 400
     assert sources["scheduler.max_num_batched_tokens"] == "env"
-    assert settings.scheduler.max_queued_requests == 50
-    assert sources["scheduler.max_queued_requests"] == "flag"
+    assert settings.scheduler.max_queued_samples == 50
+    assert sources["scheduler.max_queued_samples"] == "flag"
     assert settings.cache.block_size == 32 and sources["cache.block_size"] == "file"
     assert sources["model.seed"] == "default"
 

@@ -1,0 +1,72 @@
+"""What one request may ask for: every limit refuses with 400 naming the field and the setting,
+and the waiting queue counts samples."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.admission import check_params, check_prompt_size, check_queue
+from engine.messages.params import SamplingParams
+from engine.outputs import EngineError
+from engine.settings.schema import LimitsSettings
+
+LIMITS = LimitsSettings(max_n=8, max_stop_strings=4, max_stop_chars=40, max_request_tokens=1000)
+MAX_MODEL_LEN = 256
+
+
+def refusal(**params: object) -> EngineError:
+    with pytest.raises(EngineError) as caught:
+        check_params(SamplingParams(**params), LIMITS, MAX_MODEL_LEN)  # type: ignore[arg-type]
+    return caught.value
+
+
+def test_a_request_within_every_limit_is_accepted() -> None:
+    check_params(SamplingParams(n=8, max_tokens=125, stop=["a" * 10] * 4), LIMITS, MAX_MODEL_LEN)
+
+
+@pytest.mark.parametrize(
+    ("params", "param", "setting"),
+    [
+        ({"n": 9}, "n", "limits.max_n"),
+        ({"n": 20000, "max_tokens": 1}, "n", "limits.max_n"),
+        ({"stop": ["x"] * 5}, "stop", "limits.max_stop_strings"),
+        ({"stop": ["x" * 41]}, "stop", "limits.max_stop_chars"),
+        ({"n": 8, "max_tokens": 126}, "n", "limits.max_request_tokens"),
+        ({"n": 4, "max_tokens": None}, "n", "limits.max_request_tokens"),  # counts max_model_len
+    ],
+)
+def test_each_limit_refuses_with_400_naming_the_field_and_the_setting(
+    params: dict[str, object], param: str, setting: str
+) -> None:
+    error = refusal(**params)
+    assert error.status == 400 and error.param == param
+    assert setting in error.message
+
+
+def test_an_invalid_value_still_names_its_field() -> None:
+    error = refusal(temperature=-1.0)
+    assert error.status == 400 and error.param == "temperature"
+
+
+def test_the_queue_counts_samples_and_asks_to_retry_when_full() -> None:
+    check_queue(waiting_samples=6, n=4, max_queued_samples=10)
+    with pytest.raises(EngineError) as full:
+        check_queue(waiting_samples=7, n=4, max_queued_samples=10)
+    assert full.value.status == 429
+    with pytest.raises(EngineError) as never:  # could never fit, however long it waits
+        check_queue(waiting_samples=0, n=11, max_queued_samples=10)
+    assert never.value.status == 400 and never.value.param == "n"
+
+
+def test_prompts_that_could_never_fit_are_refused_before_tokenizing() -> None:
+    max_chars = MAX_MODEL_LEN * LIMITS.max_prompt_chars_per_token
+    check_prompt_size("x" * max_chars, None, [], LIMITS, MAX_MODEL_LEN)
+    for prompt, ids, contents, param in [
+        ("x" * (max_chars + 1), None, [], "prompt"),
+        (None, None, ["x" * max_chars, "y"], "messages"),
+        (None, [1] * MAX_MODEL_LEN, [], "prompt"),
+    ]:
+        with pytest.raises(EngineError) as caught:
+            check_prompt_size(prompt, ids, contents, LIMITS, MAX_MODEL_LEN)
+        assert caught.value.status == 400 and caught.value.param == param
+        assert str(MAX_MODEL_LEN) in caught.value.message
