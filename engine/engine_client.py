@@ -195,6 +195,7 @@ class AsyncLLM:
         stats.update(
             in_flight=len(self.gateway),
             resubmitted_requests=self.gateway.resubmissions,
+            stalled_stream_aborts=self.gateway.stalled_aborts,
             restarts={row.name: row.restarts for row in rows},
             kv_cache_blocks=self._plan.num_blocks if self._plan else 0,
             replicas=replica_stats(self._supervisor, self.gateway, report, self.max_model_len),
