@@ -20,9 +20,11 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)
 	$(PY) -m engine $(SERVE_ARGS)
 
+# mypy --strict on the packages listed in pyproject.toml's [tool.mypy] files.
 lint: $(STAMP)
 	$(PY) -m ruff check engine tests tools
 	$(PY) -m ruff format --check engine tests tools
+	$(PY) -m mypy
 
 test: $(STAMP) lint
 	$(PY) -m pytest -q

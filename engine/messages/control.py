@@ -12,8 +12,8 @@ from typing import Any
 
 import msgspec
 
-from engine.actors.runtime.ring import RingSpec
 from engine.messages.codec import Channel
+from engine.messages.rings import RingSpec
 
 
 class InboundRing(msgspec.Struct, frozen=True, array_like=True):

@@ -17,8 +17,6 @@ from array import array
 from collections import deque
 from collections.abc import Iterable, Sequence
 
-import msgspec
-
 from engine.actors.runtime import shm
 from engine.actors.runtime.doorbell import (
     DEFAULT_MAX_SPIN_US,
@@ -34,6 +32,7 @@ from engine.actors.runtime.doorbell import (
     unlink_quietly,
 )
 from engine.actors.runtime.shm import run_prefix
+from engine.messages.rings import RECORD_OVERHEAD, RingSpec
 
 __all__ = [
     "FrameTooLarge",
@@ -49,38 +48,9 @@ __all__ = [
     "sweep_stale_segments",
 ]
 
-MIN_CAPACITY = 64
-MAX_CAPACITY = 1 << 31
-MAX_READERS = 64
-RECORD_OVERHEAD = shm.RECORD_OVERHEAD
+
 _DIRECT_COPY_BYTES = 64 * 1024  # records this big whose frames average
 _DIRECT_COPY_MIN_FRAME = 8 * 1024  # this much are not joined before the copy
-
-
-class RingSpec(msgspec.Struct, frozen=True):
-    """Everything a process needs to open one end of a ring (plain data: crosses `spawn`)."""
-
-    name: str  # shm segment name; starts with the run prefix, e.g. "engine-4242-a1b2-tok2sched"
-    capacity: int  # bytes of frame data
-    readers: int = 1  # 1 = SPSC; N > 1 = broadcast (every reader sees every frame)
-    doorbell_dir: str = ""  # owner-only directory of the doorbell FIFOs; "" = per-user default
-
-    def __post_init__(self) -> None:
-        shm.validate_name(self.name)
-        if not MIN_CAPACITY <= self.capacity <= MAX_CAPACITY:
-            raise ValueError(
-                f"ring capacity must be {MIN_CAPACITY}..{MAX_CAPACITY} bytes, got {self.capacity!r}"
-            )
-        if not 1 <= self.readers <= MAX_READERS:
-            raise ValueError(f"ring readers must be 1..{MAX_READERS}, got {self.readers!r}")
-        if self.doorbell_dir and not os.path.isabs(self.doorbell_dir):
-            raise ValueError(
-                f"doorbell_dir must be an absolute path or '', got {self.doorbell_dir!r}"
-            )
-
-    @property
-    def max_frame_bytes(self) -> int:
-        return self.capacity - RECORD_OVERHEAD
 
 
 class RingFull(Exception):

@@ -41,8 +41,6 @@ from functools import lru_cache
 
 SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "engine-"
-MAX_NAME_CHARS = 200  # NAME_MAX is 255; doorbells add a suffix to the ring's name
-_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _OWNER_PID_RE = re.compile(r"engine-(\d+)-")
 
 
@@ -52,15 +50,6 @@ def run_prefix(root_pid: int | None = None) -> str:
     if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
         raise ValueError(f"root_pid must be a positive process id, got {root_pid!r}")
     return f"{SEGMENT_PREFIX}{pid}-{secrets.token_hex(2)}-"
-
-
-def validate_name(name: str) -> None:
-    if not (isinstance(name, str) and _NAME_RE.fullmatch(name) and len(name) <= MAX_NAME_CHARS):
-        raise ValueError(
-            f"ring name must be 1-{MAX_NAME_CHARS} characters of letters, digits, '.', '_' or "
-            f"'-', starting with a letter or digit (e.g. 'engine-4242-a1b2-tok2sched'); "
-            f"got {name!r}"
-        )
 
 
 def segment_path(name: str) -> str:
@@ -201,7 +190,6 @@ class RingMemory:
 
 # -- records ---------------------------------------------------------------------------------
 
-RECORD_OVERHEAD = 8  # count + one length: what a one-frame record costs beyond its payload
 COUNT = struct.Struct("=I")
 
 
