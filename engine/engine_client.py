@@ -21,10 +21,11 @@ from typing import Any
 import msgspec
 
 from engine.actors.gateway import Gateway, ToTokenizer
-from engine.actors.replicas import ReplicaSet, replica_stats, supervise
-from engine.actors.runtime.events import ChildDied, ChildRestarted, Escalated
+from engine.actors.replicas import Replicas, supervise
+from engine.actors.roles import Role
+from engine.actors.runtime.events import ChildDied, ChildRestarted, Escalated, ReplicaFailed
 from engine.actors.runtime.ring import RingClosed
-from engine.actors.runtime.supervisor import Supervisor
+from engine.actors.runtime.supervision import Supervision
 from engine.admission import check_params, check_prompt_size, check_queue
 from engine.messages.outputs import DETOKENIZER_TO_GATEWAY
 from engine.messages.params import SamplingParams
@@ -54,7 +55,8 @@ class AsyncLLM:
         self.model_name = ""
         self.max_model_len = 0
         self._plan: EnginePlan | None = None
-        self._supervisor: Supervisor | ReplicaSet | None = None  # ReplicaSet: DP > 1
+        self._supervisor: Supervision | None = None
+        self._replicas: Replicas | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._sends: set[asyncio.Task[None]] = set()  # owed submissions on their way
         self._report: SchedulerReport | None = None
@@ -76,7 +78,7 @@ class AsyncLLM:
         self.model_name = self.settings.model.served_name or self.settings.model.path or "demo"
 
         self.max_model_len = self._plan.max_model_len
-        self._supervisor = supervise(
+        self._supervisor, self._replicas = supervise(
             self._plan.replica_specs, self.gateway, self._plan.max_model_len
         )
         events = self._supervisor.subscribe()
@@ -198,7 +200,7 @@ class AsyncLLM:
             stalled_stream_aborts=self.gateway.stalled_aborts,
             restarts={row.name: row.restarts for row in rows},
             kv_cache_blocks=self._plan.num_blocks if self._plan else 0,
-            replicas=replica_stats(self._supervisor, self.gateway, report, self.max_model_len),
+            replicas=self._replicas.replica_stats(report) if self._replicas else [],
         )
         return stats
 
@@ -207,7 +209,7 @@ class AsyncLLM:
         return [
             {
                 "name": row.name,
-                "role": row.entry.rpartition(":")[2],
+                "role": row.role,
                 "pid": row.pid,
                 "state": row.state,
                 "restarts": row.restarts,
@@ -219,10 +221,9 @@ class AsyncLLM:
 
     def requests(self) -> list[dict[str, Any]]:
         rows = self.gateway.describe()
-        if isinstance(self._supervisor, ReplicaSet):  # which replica serves each request
-            where = self._supervisor.router.replica_of
+        if self._replicas is not None:
             for row in rows:
-                row["replica"] = where.get(row["request_id"])
+                row["replica"] = self._replicas.replica_of(row["request_id"])
         return rows
 
     def set_log_level(self, level: str) -> None:
@@ -269,10 +270,10 @@ class AsyncLLM:
 
     async def _pump_outputs(self) -> None:
         assert self._supervisor is not None
-        mailbox = self._supervisor.root.mailbox
+        root = self._supervisor.root
         while True:
             try:
-                received = await mailbox.recv()
+                received = await root.recv()
             except RingClosed:
                 if self._failure is not None or self._closed:
                     return  # the supervisor shut down (escalation) and closed the root's rings
@@ -298,7 +299,7 @@ class AsyncLLM:
             if isinstance(event, ChildDied):
                 log.warning("actor %s died (%s); restarting it", event.name, event.reason)
                 if is_crash(event):
-                    tokenizer = self._role(event.name) == "TokenizerActor"
+                    tokenizer = self._role(event.name) == Role.TOKENIZER
                     self.gateway.record_crash(event.name, event.reason, tokenizer=tokenizer)
             elif isinstance(event, ChildRestarted):
                 # Every actor is on the request path: whatever was in flight through it is gone
@@ -306,10 +307,9 @@ class AsyncLLM:
                 # each member: resubmit once for all of them.
                 restarted = [event.name, *_drain_restarts(events)]
                 # With replicas, only those of the restarted actors: the others run on.
-                only: set[str] | None = None
-                if isinstance(self._supervisor, ReplicaSet):
-                    only = self._supervisor.requests_of(restarted)
-                if all(self._role(name) == "TokenizerActor" for name in restarted):
+                assert self._replicas is not None
+                only = self._replicas.requests_concerned(restarted)
+                if all(self._role(name) == Role.TOKENIZER for name in restarted):
                     lost = self.gateway.not_past_tokenizer()
                     only = lost if only is None else only & lost
                 submissions = self.gateway.resubmit_all(only)
@@ -321,13 +321,27 @@ class AsyncLLM:
                 )
                 if submissions:
                     await self._submit(submissions)
+            elif isinstance(event, ReplicaFailed):
+                assert self._replicas is not None
+                submissions = self.gateway.resubmit_all(
+                    self._replicas.requests_of_failed(event.replica)
+                )
+                log.warning(
+                    "replica %d gave up (%s): resubmitting its %d unfinished request(s) to the "
+                    "others",
+                    event.replica,
+                    event.reason,
+                    len(submissions),
+                )
+                if submissions:
+                    await self._submit(submissions)
             elif isinstance(event, Escalated):
                 self._failure = event.reason
                 self.gateway.fail_all(EngineError(f"the engine failed: {event.reason}", 503))
 
     def _role(self, name: str) -> str:
         rows = self._supervisor.status() if self._supervisor is not None else []
-        return next((row.entry.rpartition(":")[2] for row in rows if row.name == name), "")
+        return next((row.role for row in rows if row.name == name), "")
 
 
 # Signals that only ever come from outside an actor: an operator, the OOM killer, a test.

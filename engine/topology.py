@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import msgspec
 
 from engine.actors.detokenizer import DetokenizerConfig
+from engine.actors.roles import Role
 from engine.actors.runtime.child_spec import ROOT, ChildSpec, RingDecl, Strategy, SupervisorSpec
 from engine.actors.scheduler.config import SchedulerConfig
 from engine.actors.tokenizer import TokenizerConfig
@@ -245,18 +246,21 @@ def _replica_spec(
         ChildSpec(
             name=f"scheduler{suffix}",
             entry="engine.actors.scheduler.actor:SchedulerActor",
+            role=Role.SCHEDULER,
             config=msgspec.msgpack.encode(scheduler),
             **timing,
         ),
         ChildSpec(
             name=f"detokenizer{suffix}",
             entry="engine.actors.detokenizer:DetokenizerActor",
+            role=Role.DETOKENIZER,
             config=msgspec.msgpack.encode(DetokenizerConfig(worker.model_path)),
             **timing,
         ),
         ChildSpec(
             name=f"tokenizer{suffix}",
             entry="engine.actors.tokenizer:TokenizerActor",
+            role=Role.TOKENIZER,
             config=msgspec.msgpack.encode(tokenizer_config),
             **timing,
         ),
@@ -317,6 +321,7 @@ def _worker_specs(
             ChildSpec(
                 name=f"worker{rank}{suffix}",
                 entry=entry,
+                role=Role.WORKER,
                 group=f"workers{suffix}",
                 config=msgspec.msgpack.encode(config),
                 heartbeat_interval=runtime.heartbeat_interval,

@@ -10,11 +10,13 @@ ranks) with a supervisor of its own (engine/topology.py builds the specs), so:
   engine gives up only when no replica is left;
 - each prompt is tokenized once, by the tokenizer of the replica it was routed to.
 
-`ReplicaSet` offers what AsyncLLM uses of a Supervisor: `root` (send requests: routed by
+`ReplicaSet` implements `Supervision` as a Supervisor does: `root` (send requests: routed by
 `LeastPendingRouter`; receive outputs, failures and reports: merged from every replica),
-`subscribe`, `start`, `shutdown`, `wait_closed`, `status`, `set_log_level`. Scheduler reports
-are merged into one (counts summed, ratios averaged) for the engine-wide figures; `replica_stats`
-gives each replica's own.
+`subscribe`, `start`, `shutdown`, `wait_closed`, `status`, `set_log_level`; a replica that gives
+up is reported as `ReplicaFailed`. It also implements `Replicas`, the questions AsyncLLM asks
+about placement (which requests a restart concerns, which replica serves a request, per-replica
+figures), which `OneReplica` answers for an engine of one. Scheduler reports are merged into one
+(counts summed, ratios averaged) for the engine-wide figures.
 """
 
 from __future__ import annotations
@@ -22,27 +24,67 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
 from engine.actors.gateway import Gateway
 from engine.actors.router import LeastPendingRouter, pending_tokens
 from engine.actors.runtime.child_spec import SupervisorSpec
-from engine.actors.runtime.events import (
-    ChildRestarted,
-    ChildStatus,
-    Escalated,
-    SupervisorEvent,
-)
+from engine.actors.runtime.events import ChildStatus, Escalated, ReplicaFailed, SupervisorEvent
 from engine.actors.runtime.ring import RingClosed
+from engine.actors.runtime.supervision import Received, RootEnds, Supervision
 from engine.actors.runtime.supervisor import Supervisor
 from engine.messages.reports import SCHEDULER_REPORTS, SchedulerReport
 from engine.messages.scheduling import SchedulerStats
 
 log = logging.getLogger(__name__)
 
-Received = list[tuple[str, list[bytes]]]
+
+class Replicas(Protocol):
+    """What AsyncLLM asks about where requests run."""
+
+    def requests_concerned(self, restarted: Sequence[str]) -> set[str] | None:
+        """The requests a restart of these actors concerns; None: every request."""
+        ...
+
+    def requests_of_failed(self, replica: int) -> set[str]:
+        """The requests a failed replica held, now to be resubmitted elsewhere."""
+        ...
+
+    def replica_of(self, request_id: str) -> int | None: ...
+
+    def replica_stats(self, report: SchedulerReport | None) -> list[dict[str, Any]]:
+        """One row per replica: state, load and its scheduler's figures."""
+        ...
+
+
+class OneReplica:
+    """`Replicas` for an engine of one replica: every request is on it."""
+
+    def __init__(self, gateway: Gateway, max_model_len: int) -> None:
+        self._gateway = gateway
+        self._max_model_len = max_model_len
+
+    def requests_concerned(self, restarted: Sequence[str]) -> set[str] | None:
+        return None
+
+    def requests_of_failed(self, replica: int) -> set[str]:
+        return set()  # one replica failing is the engine failing (Escalated)
+
+    def replica_of(self, request_id: str) -> int | None:
+        return 0 if request_id in self._gateway else None
+
+    def replica_stats(self, report: SchedulerReport | None) -> list[dict[str, Any]]:
+        records = self._gateway.records()
+        row: dict[str, Any] = {
+            "replica": 0,
+            "state": "running",
+            "in_flight": len(self._gateway),
+            "pending_tokens": sum(pending_tokens(r, self._max_model_len) for r in records),
+        }
+        row.update(_stats_of(report))
+        return [row]
 
 
 class ReplicaSet:
@@ -56,11 +98,15 @@ class ReplicaSet:
         self.router = LeastPendingRouter(len(specs), gateway, max_model_len)
         self.reports: list[SchedulerReport | None] = [None] * len(specs)
         self.failed: dict[int, str] = {}  # replica -> why it stopped
-        self.root = _MergedRoot(self)
+        self._root = _MergedRoot(self)
         self._subscribers: list[asyncio.Queue[SupervisorEvent]] = []
         self._tasks: list[asyncio.Task[None]] = []
 
-    # ---- the Supervisor interface --------------------------------------------------------------
+    # ---- Supervision ---------------------------------------------------------------------------
+
+    @property
+    def root(self) -> RootEnds:
+        return self._root
 
     async def start(self) -> None:
         """Start every replica at once; if one fails to start, stop them all and raise."""
@@ -79,7 +125,7 @@ class ReplicaSet:
             raise errors[0]
         for replica, supervisor in enumerate(self.supervisors):
             self._tasks.append(
-                loop.create_task(self.root.pump(replica, supervisor), name=f"pump{replica}")
+                loop.create_task(self._root.pump(replica, supervisor), name=f"pump{replica}")
             )
 
     async def shutdown(self, reason: str = "shutdown requested") -> None:
@@ -87,7 +133,7 @@ class ReplicaSet:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await asyncio.gather(*(supervisor.shutdown(reason) for supervisor in self.supervisors))
-        self.root.close()
+        self._root.close()
 
     async def wait_closed(self) -> str:
         reasons = await asyncio.gather(*(s.wait_closed() for s in self.supervisors))
@@ -97,9 +143,6 @@ class ReplicaSet:
         queue: asyncio.Queue[SupervisorEvent] = asyncio.Queue()
         self._subscribers.append(queue)
         return queue
-
-    def unsubscribe(self, queue: asyncio.Queue[SupervisorEvent]) -> None:
-        self._subscribers.remove(queue)
 
     def status(self) -> list[ChildStatus]:
         """Every actor of the live replicas (a replica that gave up is no longer the engine's:
@@ -116,15 +159,21 @@ class ReplicaSet:
             if replica not in self.failed:
                 supervisor.set_log_level(level)
 
-    # ---- per replica ---------------------------------------------------------------------------
+    # ---- Replicas ------------------------------------------------------------------------------
 
-    def requests_of(self, restarted: Sequence[str]) -> set[str]:
-        """The requests a restart of these actors concerns: those of their replicas (a replica
-        that gave up is named `replica<i>`; its requests are routed nowhere until resubmitted)."""
+    def requests_concerned(self, restarted: Sequence[str]) -> set[str] | None:
+        """Those of the restarted actors' replicas (and any routed nowhere now)."""
         replicas = {self.replica_of_actor[n] for n in restarted if n in self.replica_of_actor}
         return self.router.requests_on(replicas)
 
-    def replica_stats(self) -> list[dict[str, Any]]:
+    def requests_of_failed(self, replica: int) -> set[str]:
+        """Its requests were unrouted when it failed: they go wherever the router sends them."""
+        return self.router.requests_on({replica})
+
+    def replica_of(self, request_id: str) -> int | None:
+        return self.router.replica_of.get(request_id)
+
+    def replica_stats(self, report: SchedulerReport | None = None) -> list[dict[str, Any]]:
         loads = self.router.loads()
         requests = self.router.requests()
         rows = []
@@ -164,10 +213,8 @@ class ReplicaSet:
             len(moved),
             live,
         )
-        # To AsyncLLM this is a restart on the request path: it resubmits what was in flight,
-        # and the router sends this replica's requests to the live ones.
-        why = f"replica {replica} gave up ({reason}); its requests move to replicas {live}"
-        return ChildRestarted(f"replica{replica}", 0, 0, 0, why)
+        # AsyncLLM resubmits what was in flight there; the router sends it to the live ones.
+        return ReplicaFailed(replica, reason)
 
 
 class _MergedRoot:
@@ -175,7 +222,6 @@ class _MergedRoot:
 
     def __init__(self, replicas: ReplicaSet) -> None:
         self._replicas = replicas
-        self.mailbox = self  # AsyncLLM reads `root.mailbox.recv()`
         self._received: asyncio.Queue[Received | None] = asyncio.Queue()
         self._pumping = len(replicas.supervisors)
 
@@ -208,7 +254,7 @@ class _MergedRoot:
         try:
             while True:
                 try:
-                    received = await supervisor.root.mailbox.recv()
+                    received = await supervisor.root.recv()
                 except RingClosed:
                     return
                 batch: Received = []
@@ -248,30 +294,12 @@ def merge_reports(reports: Sequence[SchedulerReport]) -> SchedulerReport:
 
 def supervise(
     specs: Sequence[SupervisorSpec], gateway: Gateway, max_model_len: int
-) -> Supervisor | ReplicaSet:
-    """The supervisor AsyncLLM drives: the plain one for one replica, a ReplicaSet for more."""
+) -> tuple[Supervision, Replicas]:
+    """What AsyncLLM drives: a plain Supervisor for one replica, a ReplicaSet for more."""
     if len(specs) == 1:
-        return Supervisor(specs[0])
-    return ReplicaSet(specs, gateway, max_model_len)
-
-
-def replica_stats(
-    supervisor: Supervisor | ReplicaSet | None,
-    gateway: Gateway,
-    report: SchedulerReport | None,
-    max_model_len: int,
-) -> list[dict[str, Any]]:
-    """`stats()["replicas"]`: one row per replica (one row for an engine of one replica)."""
-    if isinstance(supervisor, ReplicaSet):
-        return supervisor.replica_stats()
-    row: dict[str, Any] = {
-        "replica": 0,
-        "state": "running",
-        "in_flight": len(gateway),
-        "pending_tokens": sum(pending_tokens(r, max_model_len) for r in gateway.records()),
-    }
-    row.update(_stats_of(report))
-    return [row]
+        return Supervisor(specs[0]), OneReplica(gateway, max_model_len)
+    replicas = ReplicaSet(specs, gateway, max_model_len)
+    return replicas, replicas
 
 
 def _stats_of(report: SchedulerReport | None) -> dict[str, Any]:

@@ -44,6 +44,9 @@ class Strategy(enum.StrEnum):
 class ChildSpec(msgspec.Struct, frozen=True, kw_only=True):
     name: str
     entry: str  # "module:Class" of an Actor subclass, imported in the child
+    # What the child is to the application (typically a StrEnum member); the supervisor only
+    # reports it in ChildStatus, so that callers never guess a role from a class name.
+    role: str = ""
     config: bytes = b""  # handed to the actor as is
     restart: Restart = Restart.PERMANENT
     # Children sharing a group start together (all spawned, then all awaited: ranks whose
@@ -101,12 +104,6 @@ class SupervisorSpec(msgspec.Struct, frozen=True, kw_only=True):
             f">= backoff_initial ({self.backoff_initial})",
         )
         _require(self.log_level in LOG_LEVELS, "log_level", self.log_level, str(LOG_LEVELS))
-
-    def child(self, name: str) -> ChildSpec:
-        for child in self.children:
-            if child.name == name:
-                return child
-        raise KeyError(f"no child named {name!r}; children: {[c.name for c in self.children]}")
 
 
 def start_units(children: tuple[ChildSpec, ...]) -> list[list[str]]:

@@ -50,12 +50,21 @@ class Escalated(msgspec.Struct, frozen=True):
     reason: str
 
 
-SupervisorEvent = ChildReady | ChildDied | RingsSwapped | ChildRestarted | Escalated
+class ReplicaFailed(msgspec.Struct, frozen=True):
+    """One of several replicas (identical supervisors run side by side) gave up and stopped;
+    the others go on. Sent by the replica set, never by a single supervisor."""
+
+    replica: int
+    reason: str
+
+
+SupervisorEvent = ChildReady | ChildDied | RingsSwapped | ChildRestarted | Escalated | ReplicaFailed
 
 
 class ChildStatus(msgspec.Struct, frozen=True):
     name: str
     entry: str
+    role: str  # the child's ChildSpec.role
     group: str
     pid: int | None
     state: str  # starting | running | restarting | stopping | stopped | exited

@@ -51,6 +51,10 @@ class RingEnds:
             known = self.inbound_names
             raise KeyError(f"no inbound ring {ring!r}; inbound rings: {known}") from None
 
+    async def recv(self) -> list[tuple[str, list[bytes]]]:
+        """What arrived on any inbound ring (the mailbox's receipt)."""
+        return await self.mailbox.recv()
+
     async def send_many(self, ring: str, frames: Sequence[bytes]) -> bool:
         """Write `frames` to `ring`, waiting for space (backpressure, never loss).
 

@@ -139,9 +139,6 @@ class Supervisor:
         self._subscribers.append(queue)
         return queue
 
-    def unsubscribe(self, queue: asyncio.Queue[SupervisorEvent]) -> None:
-        self._subscribers.remove(queue)
-
     def status(self) -> list[ChildStatus]:
         rows = []
         for child in self._children.values():
@@ -150,6 +147,7 @@ class Supervisor:
                 ChildStatus(
                     name=child.spec.name,
                     entry=child.spec.entry,
+                    role=child.spec.role,
                     group=child.spec.group,
                     pid=process.pid if process is not None and process.alive else None,
                     state=child.state,
