@@ -51,6 +51,7 @@ class AsyncLLM:
             self.settings.runtime.quarantine_after,
             stream_buffer=server.stream_buffer,
             stalled_stream_timeout=server.stalled_stream_timeout,
+            seed=self.settings.model.seed,
         )
         self.model_name = ""
         self.max_model_len = 0

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import random
 import secrets
 import time
 from collections import deque
@@ -120,7 +121,10 @@ class Gateway:
         *,
         stream_buffer: int = 64,
         stalled_stream_timeout: float = 60.0,
+        seed: int | None = None,
     ) -> None:
+        """`seed`: where the seeds of requests that bring none are drawn from (model.seed: the
+        same requests in the same order sample the same outputs in every run); None: at random."""
         if quarantine_after < 1:
             raise ValueError(f"quarantine_after must be an integer >= 1, got {quarantine_after}")
         self.quarantine_after = quarantine_after
@@ -129,6 +133,7 @@ class Gateway:
         self._stalled: list[str] = []  # requests aborted for a stalled client; abort owed
         self._records: dict[str, RequestRecord] = {}
         self._ids = itertools.count()
+        self._seeds = random.Random(seed)
         self._id_prefix = secrets.token_hex(4)
         self._suspects: deque[str] = deque()  # waiting for probation, oldest first
         self._probationer: str | None = None  # the suspect now in flight alone
@@ -164,7 +169,7 @@ class Gateway:
         elif request_id in self._records:
             raise EngineError(f"request id {request_id!r} is already in flight", 400, "request_id")
         # A seed is always chosen here so that a resubmitted request samples exactly as before.
-        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         record = RequestRecord(
             request_id=request_id,
             params=params,

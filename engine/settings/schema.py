@@ -46,7 +46,12 @@ class ModelSettings(_Section, frozen=True):
         | None
     ) = None
     seed: Annotated[
-        int, Meta(ge=0, description="base seed for requests that do not set their own")
+        int,
+        Meta(
+            ge=0,
+            description="seeds the seeds of requests that set none: the same requests in the "
+            "same order sample alike in every run",
+        ),
     ] = 0
 
 

@@ -83,3 +83,13 @@ async def test_a_stream_left_full_and_unread_past_the_timeout_is_aborted() -> No
     outputs = _drain(record)
     assert [t for out in outputs for o in out.outputs for t in o.token_ids] == [0, 1]
     assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "abort"
+
+
+def test_unseeded_requests_draw_their_seeds_from_the_engine_seed() -> None:
+    def seeds(gateway: Gateway) -> list[int]:
+        return [gateway.open(SamplingParams(), prompt="x")[0].seed for _ in range(3)]
+
+    first, again, other = seeds(Gateway(seed=0)), seeds(Gateway(seed=0)), seeds(Gateway(seed=1))
+    assert first == again and len(set(first)) == 3  # reproducible, yet distinct per request
+    assert first != other
+    assert Gateway(seed=0).open(SamplingParams(seed=7), prompt="x")[0].seed == 7
