@@ -12,7 +12,7 @@ from engine.messages.params import SamplingParams
 from engine.outputs import CompletionOutput, EngineError, RequestOutput
 
 if TYPE_CHECKING:
-    from engine.engine_client import AsyncLLM
+    from engine.async_llm import AsyncLLM
     from engine.llm import LLM
 
 __all__ = ["LLM", "AsyncLLM", "CompletionOutput", "EngineError", "RequestOutput", "SamplingParams"]
@@ -26,7 +26,7 @@ def __getattr__(name: str) -> Any:
 
         return LLM
     if name == "AsyncLLM":
-        from engine.engine_client import AsyncLLM
+        from engine.async_llm import AsyncLLM
 
         return AsyncLLM
     raise AttributeError(f"module 'engine' has no attribute {name!r}")

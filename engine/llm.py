@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import msgspec
 import uvloop
 
-from engine.engine_client import AsyncLLM
+from engine.async_llm import AsyncLLM
 from engine.messages.params import SamplingParams
 from engine.outputs import RequestOutput
 from engine.settings import Settings

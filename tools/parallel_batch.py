@@ -130,7 +130,7 @@ def _run_rank(job: RankJob, barrier: Any) -> list[tuple[float, float] | None]:
     from engine.model.config import load_model_config
     from engine.model.parallel.group import join_group, open_store, wait_for_ranks
     from engine.model.runner import ModelRunner
-    from engine.topology import resolve_dtype
+    from engine.plan import resolve_dtype
 
     group = None
     if job.tp > 1:

@@ -10,9 +10,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from engine.actors.gateway import Gateway
-from engine.actors.replicas import merge_reports
-from engine.actors.router import LeastPendingRouter, pending_tokens
+from engine.gateway.registry import Gateway
+from engine.gateway.replicas import merge_reports
+from engine.gateway.router import LeastPendingRouter, pending_tokens
 from engine.messages.outputs import OutputBatch, PromptInfo, SampleDeltaText
 from engine.messages.params import SamplingParams
 from engine.messages.reports import SchedulerReport

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from engine.actors.gateway import Gateway
+from engine.gateway.registry import Gateway
 from engine.messages.outputs import OutputBatch, PromptInfo, SampleDeltaText
 from engine.messages.params import SamplingParams
 from engine.messages.requests import RequestFailed

@@ -3,7 +3,7 @@ says how long it has been stalled."""
 
 from __future__ import annotations
 
-from engine.output_stream import OutputStream
+from engine.gateway.output_stream import OutputStream
 from engine.outputs import CompletionOutput, EngineError, RequestOutput
 
 

@@ -39,11 +39,11 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.gateway.output_stream import OutputStream
 from engine.messages.outputs import OutputBatch, SampleDeltaText
 from engine.messages.params import SamplingParams
 from engine.messages.requests import ChatMessage, GenerateRequest, RequestFailed
 from engine.messages.scheduling import AbortRequests, SampleResume
-from engine.output_stream import OutputStream
 from engine.outputs import CompletionOutput, EngineError, RequestOutput
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
-from engine.actors.gateway import Gateway, RequestRecord
+from engine.gateway.registry import Gateway, RequestRecord
 from engine.messages.requests import GATEWAY_TO_TOKENIZER, GenerateRequest
 
 CHARS_PER_TOKEN = 4  # a rough count for text not yet tokenized

@@ -20,13 +20,14 @@ from typing import Any
 
 import msgspec
 
-from engine.actors.gateway import Gateway, ToTokenizer
-from engine.actors.replicas import Replicas, supervise
 from engine.actors.roles import Role
 from engine.actors.runtime.events import ChildDied, ChildRestarted, Escalated, ReplicaFailed
 from engine.actors.runtime.ring import RingClosed
 from engine.actors.runtime.supervision import Supervision
 from engine.admission import check_params, check_prompt_size, check_queue
+from engine.gateway.output_stream import merge_into
+from engine.gateway.registry import Gateway, ToTokenizer
+from engine.gateway.replicas import Replicas, supervise
 from engine.messages.outputs import DETOKENIZER_TO_GATEWAY
 from engine.messages.params import SamplingParams
 from engine.messages.reports import SCHEDULER_REPORTS, SchedulerReport
@@ -35,10 +36,9 @@ from engine.messages.requests import (
     TOKENIZER_FAILURES,
     ChatMessage,
 )
-from engine.output_stream import merge_into
 from engine.outputs import EngineError, RequestOutput
+from engine.plan import EnginePlan, plan_engine
 from engine.settings import Settings, resolve_home
-from engine.topology import EnginePlan, plan_engine
 
 log = logging.getLogger("engine")
 

@@ -13,8 +13,8 @@ from engine.llm import build_settings
 from engine.model.config import ModelConfig, load_model_config
 from engine.model.parallel.config import Placement
 from engine.model.parallel.layout import check_tensor_parallel, rank_shape
+from engine.plan import check_parallel, plan_engine, plan_worker_node
 from engine.settings import Settings
-from engine.topology import check_parallel, plan_engine, plan_worker_node
 from tests.checkpoints import tiny_checkpoint
 
 

@@ -1,7 +1,7 @@
 """Data-parallel replicas behind the one gateway: M supervisors presented to AsyncLLM as one.
 
 Each replica is a whole pipeline (tokenizer, scheduler, detokenizer, its TP group of worker
-ranks) with a supervisor of its own (engine/topology.py builds the specs), so:
+ranks) with a supervisor of its own (engine/plan.py builds the specs), so:
 
 - the replicas start in parallel (every supervisor's start is awaited together);
 - a failing actor restarts within its replica; the others never stop (their supervisors are not
@@ -28,13 +28,13 @@ from typing import Any, Protocol
 
 import msgspec
 
-from engine.actors.gateway import Gateway
-from engine.actors.router import LeastPendingRouter, pending_tokens
 from engine.actors.runtime.child_spec import SupervisorSpec
 from engine.actors.runtime.events import ChildStatus, Escalated, ReplicaFailed, SupervisorEvent
 from engine.actors.runtime.ring import RingClosed
 from engine.actors.runtime.supervision import Received, RootEnds, Supervision
 from engine.actors.runtime.supervisor import Supervisor
+from engine.gateway.registry import Gateway
+from engine.gateway.router import LeastPendingRouter, pending_tokens
 from engine.messages.reports import SCHEDULER_REPORTS, SchedulerReport
 from engine.messages.scheduling import SchedulerStats
 
