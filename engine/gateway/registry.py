@@ -36,80 +36,19 @@ import secrets
 import time
 from collections import deque
 from collections.abc import Collection, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 from engine.gateway.output_stream import OutputStream
+from engine.gateway.records import RequestRecord, SampleRecord
 from engine.messages.outputs import OutputBatch, SampleDeltaText
 from engine.messages.params import SamplingParams
 from engine.messages.requests import ChatMessage, GenerateRequest, RequestFailed
-from engine.messages.scheduling import AbortRequests, SampleResume
+from engine.messages.scheduling import AbortRequests
 from engine.outputs import CompletionOutput, EngineError, RequestOutput
 
 log = logging.getLogger(__name__)
 
 ToTokenizer = GenerateRequest | AbortRequests
-
-
-@dataclass
-class SampleRecord:
-    index: int
-    token_ids: list[int] = field(default_factory=list)
-    text_parts: list[str] = field(default_factory=list)
-    finish_reason: str | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    def resume(self) -> SampleResume:
-        return SampleResume(self.index, list(self.token_ids))
-
-
-@dataclass
-class RequestRecord:
-    request_id: str
-    params: SamplingParams
-    seed: int
-    prompt: str | None
-    prompt_token_ids: list[int] | None
-    messages: list[ChatMessage] | None
-    samples: list[SampleRecord]
-    stream: OutputStream
-    epoch: int = 0
-    arrival: float = field(default_factory=time.monotonic)
-    first_token_at: float | None = None
-    acknowledged: bool = False  # the detokenizer has seen the current epoch (past the tokenizer)
-    held: bool = False  # held back at the gateway while a suspect is on probation
-    strikes: int = 0  # crashes it was in flight at since it last made progress
-    suspect_epoch: int | None = None  # its epoch when it last became a suspect; None: cleared
-
-    @property
-    def finished(self) -> bool:
-        return all(sample.finished for sample in self.samples)
-
-    def state(self) -> str:
-        if self.held:
-            return "held"
-        if self.prompt_token_ids is None:
-            return "tokenizing"
-        return "prefilling" if self.first_token_at is None else "decoding"
-
-    def submission(self) -> GenerateRequest:
-        resume = None
-        if self.epoch > 0:
-            resume = [sample.resume() for sample in self.samples if not sample.finished]
-        return GenerateRequest(
-            request_id=self.request_id,
-            epoch=self.epoch,
-            params=self.params,
-            seed=self.seed,
-            prompt=self.prompt,
-            # Once tokenized, a resubmission skips re-tokenizing (and cannot tokenize differently).
-            prompt_token_ids=self.prompt_token_ids,
-            messages=self.messages if self.prompt_token_ids is None else None,
-            resume=resume,
-        )
 
 
 class Gateway:

@@ -5,9 +5,6 @@ merged scheduler report."""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Iterator
-
 import pytest
 
 from engine.gateway.registry import Gateway
@@ -23,12 +20,8 @@ MAX_MODEL_LEN = 1000
 
 
 @pytest.fixture
-def gateway() -> Iterator[Gateway]:
-    loop = asyncio.new_event_loop()  # records hold asyncio queues
-    asyncio.set_event_loop(loop)
-    yield Gateway()
-    asyncio.set_event_loop(None)
-    loop.close()
+def gateway() -> Gateway:
+    return Gateway()
 
 
 def _open(gateway: Gateway, prompt_len: int, max_tokens: int, n: int = 1) -> GenerateRequest:

@@ -19,14 +19,14 @@ def _drain(record) -> list[RequestOutput | EngineError]:
     return items
 
 
-async def test_a_request_gets_a_seed_even_without_one_so_resubmission_is_exact() -> None:
+def test_a_request_gets_a_seed_even_without_one_so_resubmission_is_exact() -> None:
     gateway = Gateway()
     record, submission = gateway.open(SamplingParams(temperature=1.0), prompt="hi")
     assert submission.seed == record.seed
     assert submission.epoch == 0 and submission.resume is None
 
 
-async def test_outputs_of_a_stale_epoch_are_dropped_and_resume_carries_what_was_delivered() -> None:
+def test_outputs_of_a_stale_epoch_are_dropped_and_resume_carries_what_was_delivered() -> None:
     gateway = Gateway()
     record, _ = gateway.open(SamplingParams(n=2, max_tokens=8), prompt="hi", request_id="r")
     gateway.deliver(OutputBatch([PromptInfo("r", 0, [1, 2, 3])], [], []))
@@ -47,7 +47,7 @@ async def test_outputs_of_a_stale_epoch_are_dropped_and_resume_carries_what_was_
     assert outputs[-1].finished and "r" not in gateway
 
 
-async def test_a_failure_reaches_the_stream_as_an_error_and_forgets_the_request() -> None:
+def test_a_failure_reaches_the_stream_as_an_error_and_forgets_the_request() -> None:
     gateway = Gateway()
     record, _ = gateway.open(SamplingParams(), prompt="x", request_id="bad")
     gateway.deliver(OutputBatch([], [], [RequestFailed("bad", 0, 400, "too long", "prompt")]))
@@ -56,7 +56,7 @@ async def test_a_failure_reaches_the_stream_as_an_error_and_forgets_the_request(
     assert len(gateway) == 0
 
 
-async def test_abort_finishes_the_stream_and_returns_the_abort_to_send() -> None:
+def test_abort_finishes_the_stream_and_returns_the_abort_to_send() -> None:
     gateway = Gateway()
     record, _ = gateway.open(SamplingParams(n=2), prompt="x", request_id="a")
     abort = gateway.close("a")
@@ -66,7 +66,7 @@ async def test_abort_finishes_the_stream_and_returns_the_abort_to_send() -> None
     assert gateway.close("a") is None
 
 
-async def test_a_stream_left_full_and_unread_past_the_timeout_is_aborted() -> None:
+def test_a_stream_left_full_and_unread_past_the_timeout_is_aborted() -> None:
     # Timeout 0: the output that fills the buffer already finds it stalled.
     gateway = Gateway(stream_buffer=2, stalled_stream_timeout=0.0)
     record, _ = gateway.open(SamplingParams(max_tokens=100), prompt="x", request_id="slow")
