@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
-from engine.gateway.registry import Gateway, RequestRecord
+from engine.gateway.records import RequestRecord
+from engine.gateway.registry import Gateway
 from engine.messages.requests import GATEWAY_TO_TOKENIZER, GenerateRequest
 
 CHARS_PER_TOKEN = 4  # a rough count for text not yet tokenized
