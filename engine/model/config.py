@@ -64,11 +64,6 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
 
-    @property
-    def kv_size_per_token(self) -> int:
-        """Elements of K plus V that one token occupies in one layer."""
-        return 2 * self.num_kv_heads * self.head_dim
-
 
 def supported_architectures_message() -> str:
     return ", ".join(sorted(ARCHITECTURES))

@@ -69,9 +69,6 @@ class PromptSynth:
             return " ".join(units)
         return units
 
-    def unique_prompt(self, length: int, unique_key: str) -> list[int] | str:
-        return self.prompt(length, [], unique_key)
-
     def _block(self, block_id: int) -> list[int] | list[str]:
         block = self._cache.get(block_id)
         if block is None:
