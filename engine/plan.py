@@ -19,7 +19,6 @@ This module never imports torch: the root process only reads config.json.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 import msgspec
@@ -34,12 +33,19 @@ from engine.model.capacity import available_cpu_memory, kv_block_bytes
 from engine.model.config import ModelConfig, load_model_config
 from engine.model.parallel.config import Placement, TensorParallelConfig
 from engine.model.parallel.layout import check_tensor_parallel
+from engine.placement import (
+    available_cores,
+    device_type,
+    resolve_device,
+    resolve_dtype,
+    weight_bytes,
+    worker_threads,
+)
+from engine.placement import kv_cache_bytes as placement_kv_cache_bytes
 from engine.settings import Settings
 
 log = logging.getLogger(__name__)
 
-# On CPU an unset kv_cache_memory means this much at most (vLLM-CPU's default is 4 GiB).
-CPU_KV_CACHE_DEFAULT_BYTES = 2 * 2**30
 RING_BYTES = 8 * 2**20  # a ring holds several whole steps of a large batch
 WORKER = "engine.actors.worker:WorkerActor"
 RELAY_WORKER = "engine.actors.tensor_parallel:PlanRelayWorker"
@@ -60,38 +66,6 @@ class EnginePlan:
     def __post_init__(self) -> None:
         if not self.replica_specs:
             object.__setattr__(self, "replica_specs", (self.spec,))
-
-
-def resolve_device(requested: str) -> str:
-    if requested != "auto":
-        return requested
-    has_gpu = os.path.exists("/dev/nvidiactl") and os.environ.get("CUDA_VISIBLE_DEVICES") != ""
-    return "cuda" if has_gpu else "cpu"
-
-
-def resolve_dtype(requested: str, config: ModelConfig, device: str) -> str:
-    """Same rule as the loader's: auto = the checkpoint's, float32 for float16 on CPU,
-    bfloat16 for float32 on a GPU."""
-    if requested != "auto":
-        return requested
-    dtype = config.torch_dtype or "float32"
-    if device == "cpu" and dtype == "float16":
-        return "float32"
-    if device == "cuda" and dtype == "float32":
-        return "bfloat16"
-    return dtype
-
-
-def kv_cache_bytes(settings: Settings, device: str, ranks_on_host: int = 1) -> int:
-    """One rank's KV cache budget. On CPU the default share of free memory is split among the
-    ranks of this host (they all allocate from it)."""
-    if settings.cache.kv_cache_memory is not None:
-        return settings.cache.kv_cache_memory
-    if device == "cpu":
-        budget = int(available_cpu_memory() * settings.cache.kv_cache_fraction) // ranks_on_host
-        return min(budget, CPU_KV_CACHE_DEFAULT_BYTES)
-    # On a GPU the worker knows free memory; a fixed share of a large card until it reports.
-    raise ValueError("cache.kv_cache_memory must be set when running on a GPU")
 
 
 def check_parallel(settings: Settings, config: ModelConfig) -> Placement:
@@ -121,14 +95,25 @@ def check_parallel(settings: Settings, config: ModelConfig) -> Placement:
 
 
 def threads_per_rank(settings: Settings, device: str, placement: Placement) -> int | None:
-    """torch threads of each worker rank: the setting, else the host's cores but one (left to
-    the other actors) shared by its ranks; None: the runner's own default (one rank)."""
-    if settings.runtime.worker_threads:
-        return settings.runtime.worker_threads
-    if device != "cpu" or placement.local_ranks == 1:
+    """torch threads of each worker rank; None on a GPU (torch's own default)."""
+    if device_type(device) != "cpu":
         return None
-    cores = len(os.sched_getaffinity(0))
-    return max(1, (cores - 1) // placement.local_ranks)
+    return worker_threads(settings.runtime.worker_threads, available_cores(), placement.local_ranks)
+
+
+def kv_cache_bytes(
+    settings: Settings, config: ModelConfig, device: str, dtype: str, ranks: int
+) -> int:
+    """One rank's KV cache budget (see placement.kv_cache_bytes)."""
+    tp = settings.parallel.tensor_parallel_size
+    return placement_kv_cache_bytes(
+        kv_cache_memory=settings.cache.kv_cache_memory,
+        memory_fraction=settings.cache.kv_cache_fraction,
+        available_memory=available_cpu_memory() if device_type(device) == "cpu" else 0,
+        weights_per_rank=weight_bytes(config, dtype, tp),
+        ranks_on_device=ranks,
+        device=device,
+    )
 
 
 def replica_suffix(replica: int, data_parallel_size: int) -> str:
@@ -147,11 +132,13 @@ def plan_engine(settings: Settings, model_path: str) -> EnginePlan:
     placement = check_parallel(settings, config)
     max_model_len = requested_len or config.max_position_embeddings
     device = resolve_device(settings.model.device)
-    dtype = resolve_dtype(settings.model.dtype, config, device)
+    dtype = resolve_dtype(settings.model.dtype, config.torch_dtype, device)
     block_size = settings.cache.block_size
     tp = settings.parallel.tensor_parallel_size
     block_bytes = kv_block_bytes(config, block_size, dtype, tp)
-    num_blocks = kv_cache_bytes(settings, device, placement.local_ranks) // block_bytes
+    num_blocks = (
+        kv_cache_bytes(settings, config, device, dtype, placement.local_ranks) // block_bytes
+    )
     scheduler = SchedulerConfig(
         num_blocks=num_blocks,
         block_size=block_size,
@@ -204,7 +191,7 @@ def plan_worker_node(settings: Settings, model_path: str) -> tuple[SupervisorSpe
         model_path=model_path,
         rank=0,
         world_size=settings.parallel.tensor_parallel_size,
-        dtype=resolve_dtype(settings.model.dtype, config, device),
+        dtype=resolve_dtype(settings.model.dtype, config.torch_dtype, device),
         device=device,
         block_size=settings.cache.block_size,
         kv_cache_memory=0,  # rank 0's value arrives over the group's store

@@ -130,7 +130,7 @@ def _run_rank(job: RankJob, barrier: Any) -> list[tuple[float, float] | None]:
     from engine.model.config import load_model_config
     from engine.model.parallel.group import join_group, open_store, wait_for_ranks
     from engine.model.runner import ModelRunner
-    from engine.plan import resolve_dtype
+    from engine.placement import resolve_dtype
 
     group = None
     if job.tp > 1:
@@ -138,7 +138,7 @@ def _run_rank(job: RankJob, barrier: Any) -> list[tuple[float, float] | None]:
         wait_for_ranks(store, job.tp, 120.0, f"127.0.0.1:{job.port}")
         group = join_group(store, job.rank, job.tp, torch.device(job.device))
     config = load_model_config(job.model)
-    dtype = resolve_dtype(job.dtype, config, job.device)
+    dtype = resolve_dtype(job.dtype, config.torch_dtype, job.device)
     runner = ModelRunner(
         job.model,
         dtype=job.dtype,

@@ -70,7 +70,13 @@ class CacheSettings(_Section, frozen=True):
     ) = None
     kv_cache_fraction: Annotated[
         float,
-        Meta(gt=0.0, le=1.0, description="fraction of device memory for weights + KV cache"),
+        Meta(
+            gt=0.0,
+            le=1.0,
+            description="share of the memory available at start that the weights and the KV "
+            "cache may take together (the KV cache gets what the weights leave; CPU: at most "
+            "2 GiB per rank)",
+        ),
     ] = 0.9
     enable_prefix_caching: Annotated[
         bool, Meta(description="reuse KV blocks of identical prompt prefixes")

@@ -1,0 +1,136 @@
+"""Where and how the model runs: device, dtype, threads and the KV cache budget, decided once.
+
+Pure rules over plain values (no torch: the root plans with them before any worker exists, and
+the runner and loader apply the same ones), so that each rule has one home and one wording.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from engine.model.capacity import dtype_bytes
+from engine.model.config import ModelConfig
+
+DEVICES = "'auto', 'cpu', 'cuda' or 'cuda:N'"
+SUPPORTED_DTYPES = {
+    "cpu": ("float32", "bfloat16"),
+    "cuda": ("float16", "bfloat16", "float32"),
+}
+# On CPU an unset kv_cache_memory means this much at most per rank (vLLM-CPU's default is 4 GiB).
+CPU_KV_CACHE_MAX_BYTES = 2 * 2**30
+_CUDA_INDEX = re.compile(r"cuda:(\d+)")
+
+
+def gpu_visible() -> bool:
+    """Whether an NVIDIA GPU is visible to this process (without importing torch)."""
+    return os.path.exists("/dev/nvidiactl") and os.environ.get("CUDA_VISIBLE_DEVICES") != ""
+
+
+def resolve_device(requested: str) -> str:
+    """ "auto" is cuda when a GPU is visible, else cpu; anything but a known device is refused."""
+    if requested == "auto":
+        return "cuda" if gpu_visible() else "cpu"
+    if requested in ("cpu", "cuda") or _CUDA_INDEX.fullmatch(requested):
+        return requested
+    raise ValueError(f"unsupported device {requested!r}; expected {DEVICES}")
+
+
+def device_type(device: str) -> str:
+    return device.partition(":")[0]
+
+
+def rank_device(device: str, local_rank: int, device_count: int) -> str:
+    """The device of the `local_rank`-th rank on this host: on CUDA, GPU `local_rank`."""
+    if device != "cuda":
+        return device
+    if local_rank >= device_count:
+        raise ValueError(
+            f"rank {local_rank} of this host needs GPU cuda:{local_rank}, but {device_count} "
+            f"GPU(s) are visible: run at most {device_count} ranks per host"
+        )
+    return f"cuda:{local_rank}"
+
+
+def resolve_dtype(requested: str, checkpoint_dtype: str | None, device: str) -> str:
+    """The dtype to run in. "auto" is the checkpoint's, except float16 on the CPU (slow and
+    unsupported there: float32) and float32 on a GPU (bfloat16)."""
+    kind = device_type(device)
+    if requested == "auto":
+        dtype = checkpoint_dtype if checkpoint_dtype in SUPPORTED_DTYPES["cuda"] else "float32"
+        if kind == "cpu" and dtype == "float16":
+            return "float32"
+        if kind == "cuda" and dtype == "float32":
+            return "bfloat16"
+        return dtype
+    allowed = SUPPORTED_DTYPES[kind]
+    if requested not in allowed:
+        raise ValueError(
+            f"dtype {requested!r} is not supported on {kind}; use {', '.join(allowed)}"
+        )
+    return requested
+
+
+def worker_threads(requested: int, cores: int, local_ranks: int) -> int:
+    """torch threads of each CPU worker rank: `requested` when set (> 0), else the host's cores
+    but one (left to the other actors) shared by its ranks. An OpenMP thread that loses its core
+    to another busy process stalls every op of its team (measured: 20x slower steps with 2
+    threads on 2 shared cores)."""
+    if requested > 0:
+        return requested
+    return max(1, (cores - 1) // max(1, local_ranks))
+
+
+def available_cores() -> int:
+    return len(os.sched_getaffinity(0))
+
+
+def weight_bytes(config: ModelConfig, dtype: str, tensor_parallel_size: int = 1) -> int:
+    """Bytes of one rank's weights (each rank holds about 1/tp of every sharded matrix)."""
+    hidden, heads, kv_heads = config.hidden_size, config.num_heads, config.num_kv_heads
+    q_out, kv_out = heads * config.head_dim, kv_heads * config.head_dim
+    per_layer = (
+        hidden * (q_out + 2 * kv_out) + q_out * hidden + 3 * hidden * config.intermediate_size
+    )
+    per_layer += 2 * hidden  # the two norms
+    if config.qk_norm:
+        per_layer += 2 * config.head_dim
+    if config.qkv_bias:
+        per_layer += q_out + 2 * kv_out
+    if config.o_bias:
+        per_layer += hidden
+    if config.mlp_bias:
+        per_layer += 2 * config.intermediate_size + hidden
+    embeddings = config.vocab_size * hidden * (1 if config.tie_word_embeddings else 2)
+    params = config.num_layers * per_layer + embeddings + hidden
+    return params * dtype_bytes(dtype) // tensor_parallel_size
+
+
+def kv_cache_bytes(
+    *,
+    kv_cache_memory: int | None,
+    memory_fraction: float,
+    available_memory: int,
+    weights_per_rank: int,
+    ranks_on_device: int,
+    device: str,
+) -> int:
+    """One rank's KV cache budget.
+
+    `kv_cache_memory` when set. Otherwise `memory_fraction` (cache.kv_cache_fraction) is the
+    share of the memory available at start that the engine's weights and KV cache may take
+    together; the KV cache gets what the weights leave of it, split among the ranks sharing the
+    memory, and on CPU at most CPU_KV_CACHE_MAX_BYTES per rank.
+    """
+    if kv_cache_memory is not None:
+        return kv_cache_memory
+    if device_type(device) != "cpu":
+        raise ValueError("cache.kv_cache_memory must be set when running on a GPU")
+    share = int(available_memory * memory_fraction) // ranks_on_device - weights_per_rank
+    if share <= 0:
+        raise ValueError(
+            f"cache.kv_cache_fraction {memory_fraction} of the {available_memory / 2**30:.1f} "
+            f"GiB available leaves no room for a KV cache after {weights_per_rank / 2**30:.2f} "
+            f"GiB of weights per rank; raise it or set cache.kv_cache_memory"
+        )
+    return min(share, CPU_KV_CACHE_MAX_BYTES)

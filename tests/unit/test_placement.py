@@ -1,0 +1,89 @@
+"""The placement rules (device, dtype, threads, KV budget) as pure functions."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.model.config import load_model_config
+from engine.placement import (
+    CPU_KV_CACHE_MAX_BYTES,
+    kv_cache_bytes,
+    rank_device,
+    resolve_device,
+    resolve_dtype,
+    weight_bytes,
+    worker_threads,
+)
+from tests.checkpoints import hf_model, tiny_checkpoint
+
+MIB = 2**20
+
+
+def test_devices_are_validated_and_ranks_get_their_own_gpu() -> None:
+    assert resolve_device("cpu") == "cpu" and resolve_device("cuda:1") == "cuda:1"
+    with pytest.raises(ValueError, match=r"'tpu'.*'auto', 'cpu', 'cuda' or 'cuda:N'"):
+        resolve_device("tpu")
+    assert [rank_device("cuda", rank, 2) for rank in range(2)] == ["cuda:0", "cuda:1"]
+    assert rank_device("cpu", 3, 0) == "cpu"
+    with pytest.raises(ValueError, match="needs GPU cuda:2, but 2 GPU"):
+        rank_device("cuda", 2, 2)
+
+
+@pytest.mark.parametrize(
+    ("requested", "checkpoint", "device", "expected"),
+    [
+        ("auto", "bfloat16", "cpu", "bfloat16"),
+        ("auto", "float16", "cpu", "float32"),
+        ("auto", "float32", "cuda", "bfloat16"),
+        ("auto", None, "cpu", "float32"),
+        ("float16", "float32", "cuda:0", "float16"),
+    ],
+)
+def test_dtype_rule(requested: str, checkpoint: str | None, device: str, expected: str) -> None:
+    assert resolve_dtype(requested, checkpoint, device) == expected
+
+
+def test_an_unsupported_dtype_names_what_works() -> None:
+    with pytest.raises(
+        ValueError, match="'float16' is not supported on cpu; use float32, bfloat16"
+    ):
+        resolve_dtype("float16", None, "cpu")
+
+
+@pytest.mark.parametrize(
+    ("requested", "cores", "ranks", "expected"),
+    [(0, 2, 1, 1), (0, 16, 1, 15), (0, 16, 4, 3), (0, 2, 2, 1), (6, 2, 1, 6)],
+)
+def test_worker_threads(requested: int, cores: int, ranks: int, expected: int) -> None:
+    assert worker_threads(requested, cores, ranks) == expected
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_weight_bytes_count_every_parameter_of_the_checkpoint(arch: str) -> None:
+    path = tiny_checkpoint(arch)
+    config = load_model_config(str(path))
+    counted = sum(p.numel() for p in hf_model(path).parameters())
+    assert weight_bytes(config, "float32") == counted * 4
+    assert weight_bytes(config, "bfloat16", tensor_parallel_size=2) == counted * 2 // 2
+
+
+def test_the_kv_budget_is_the_share_the_weights_leave() -> None:
+    def budget(**overrides: object) -> int:
+        given: dict[str, object] = {
+            "kv_cache_memory": None,
+            "memory_fraction": 0.5,
+            "available_memory": 1024 * MIB,
+            "weights_per_rank": 100 * MIB,
+            "ranks_on_device": 1,
+            "device": "cpu",
+        }
+        return kv_cache_bytes(**{**given, **overrides})  # type: ignore[arg-type]
+
+    assert budget() == 512 * MIB - 100 * MIB
+    assert budget(ranks_on_device=2) == 256 * MIB - 100 * MIB  # each rank: its share, its weights
+    assert budget(kv_cache_memory=12345) == 12345
+    assert budget(available_memory=2**40) == CPU_KV_CACHE_MAX_BYTES
+    with pytest.raises(ValueError, match="leaves no room for a KV cache"):
+        budget(weights_per_rank=512 * MIB)
+    with pytest.raises(ValueError, match="kv_cache_memory must be set"):
+        budget(device="cuda")
