@@ -62,6 +62,7 @@ class AsyncLLM:
         self._sends: set[asyncio.Task[None]] = set()  # owed submissions on their way
         self._report: SchedulerReport | None = None
         self._failure: str | None = None  # why the engine can no longer serve
+        self._closing: asyncio.Task[None] | None = None  # a shutdown a root task's death began
         self._closed = False
 
     # ---- life cycle ----------------------------------------------------------------------------
@@ -89,6 +90,24 @@ class AsyncLLM:
             loop.create_task(self._pump_outputs(), name="gateway-outputs"),
             loop.create_task(self._follow_supervisor(events), name="gateway-events"),
         ]
+        for task in self._tasks:
+            task.add_done_callback(self._on_root_task_done)
+
+    def _on_root_task_done(self, task: asyncio.Task[None]) -> None:
+        """These tasks carry every output and every restart: one that ends while the engine
+        runs would leave each stream hanging. It is escalated like a supervisor giving up."""
+        if self._closed or task.cancelled():
+            return
+        error = task.exception()
+        if error is None and self._failure is not None:
+            return  # the output pump ends when an escalation closed the rings: not news
+        what = f"{error!r}" if error is not None else "it returned"
+        reason = f"the engine's {task.get_name()} task died ({what})"
+        log.error("%s; shutting down", reason, exc_info=error)
+        self._failure = reason
+        self.gateway.fail_all(EngineError(f"the engine failed: {reason}", 503))
+        # Held here, not in _sends: shutdown cancels those, and must not cancel itself.
+        self._closing = asyncio.get_running_loop().create_task(self.shutdown(reason))
 
     async def shutdown(self, reason: str = "shutdown requested") -> None:
         if self._closed:
