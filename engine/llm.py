@@ -18,6 +18,7 @@ from engine.async_llm import AsyncLLM
 from engine.messages.params import SamplingParams
 from engine.outputs import RequestOutput
 from engine.settings import Settings
+from engine.settings.schema import cross_field_problems
 
 T = TypeVar("T")
 
@@ -34,9 +35,12 @@ def build_settings(settings: Settings | None = None, **fields: Any) -> Settings:
         section, _, name = dotted.partition(".")
         raw[section][name] = value
     try:
-        return msgspec.convert(raw, Settings)
+        settings = msgspec.convert(raw, Settings)
     except msgspec.ValidationError as exc:
         raise ValueError(f"invalid setting: {exc}") from None
+    for key, problem in cross_field_problems(settings):
+        raise ValueError(f"invalid setting {key}: {problem}")
+    return settings
 
 
 class LLM:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.settings.fields import _FALSE, _TRUE, FIELDS, FieldSpec
-from engine.settings.schema import SECTIONS, Settings
+from engine.settings.schema import SECTIONS, Settings, cross_field_problems
 
 ENV_PREFIX = "ENGINE_"
 CONFIG_ENV = "ENGINE_CONFIG"
@@ -234,13 +234,8 @@ def _assemble(values: Mapping[str, Any]) -> Settings:
 
 
 def _check_cross_field(settings: Settings, sources: Sources) -> None:
-    rt = settings.runtime
-    if rt.heartbeat_timeout <= rt.heartbeat_interval:
-        raise SettingsError(
-            f"invalid setting runtime.heartbeat_timeout ({sources['runtime.heartbeat_timeout']}): "
-            f"must be greater than runtime.heartbeat_interval ({rt.heartbeat_interval}), "
-            f"got {rt.heartbeat_timeout}"
-        )
+    for key, problem in cross_field_problems(settings):
+        raise SettingsError(f"invalid setting {key} ({sources[key]}): {problem}")
 
 
 def default_settings() -> Settings:

@@ -269,3 +269,24 @@ SECTIONS: dict[str, type[_Section]] = {
     "admin": AdminSettings,
     "runtime": RuntimeSettings,
 }
+
+
+def cross_field_problems(settings: Settings) -> list[tuple[str, str]]:
+    """Rules between settings, as (the setting at fault, what is wrong with it)."""
+    problems = []
+    runtime, scheduler = settings.runtime, settings.scheduler
+    if runtime.heartbeat_timeout <= runtime.heartbeat_interval:
+        problems.append((
+            "runtime.heartbeat_timeout",
+            f"must be greater than runtime.heartbeat_interval ({runtime.heartbeat_interval}), "
+            f"got {runtime.heartbeat_timeout}",
+        ))  # fmt: skip
+    if scheduler.max_num_batched_tokens < scheduler.max_num_seqs:
+        # A step gives each running sequence at least one token: with fewer tokens than
+        # sequences, the later ones would wait forever while holding their KV blocks.
+        problems.append((
+            "scheduler.max_num_batched_tokens",
+            f"must be at least scheduler.max_num_seqs ({scheduler.max_num_seqs}) so that every "
+            f"running sequence gets a token each step, got {scheduler.max_num_batched_tokens}",
+        ))  # fmt: skip
+    return problems

@@ -9,6 +9,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from engine.llm import build_settings
 from engine.settings import FIELDS, Settings, SettingsError, load_settings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -98,6 +99,8 @@ def test_every_setting_is_reachable_as_section_dot_field() -> None:
             text = "value-for-test"
         elif spec.kind == "int":
             text = str(int(spec.le) if spec.le is not None else 7)
+            if key == "scheduler.max_num_batched_tokens":  # must cover max_num_seqs (256)
+                text = "4096"
         else:
             text = "0.5" if key != "runtime.heartbeat_timeout" else "50"
         settings, sources = load_settings([f"--{key}", text], {})
@@ -258,3 +261,15 @@ def test_help_lists_every_setting() -> None:
         assert spec.flag in proc.stdout
         assert spec.env_var in proc.stdout
     assert "--tensor-parallel-size" in proc.stdout and "--tp" in proc.stdout
+
+
+def test_a_step_budget_below_the_running_sequences_is_refused_on_every_path() -> None:
+    # With fewer tokens per step than running sequences, the later ones would starve.
+    argv = ["--max-num-seqs", "64", "--max-num-batched-tokens", "32"]
+    with pytest.raises(SettingsError) as cli:
+        load_settings(argv, {})
+    message = str(cli.value)
+    assert "scheduler.max_num_batched_tokens (flag)" in message
+    assert "max_num_seqs (64)" in message and "got 32" in message
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens: .*\(64\).*got 32"):
+        build_settings(**{"scheduler.max_num_seqs": 64, "scheduler.max_num_batched_tokens": 32})
