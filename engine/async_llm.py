@@ -35,9 +35,11 @@ from engine.messages.requests import (
     GATEWAY_TO_TOKENIZER,
     TOKENIZER_FAILURES,
     ChatMessage,
+    ChatOptions,
 )
-from engine.outputs import EngineError, RequestOutput
+from engine.outputs import CompletionOutput, EngineError, RequestOutput
 from engine.plan import EnginePlan, plan_engine
+from engine.prompts import Prompt, split_prompt
 from engine.settings import Settings, resolve_home
 
 log = logging.getLogger("engine")
@@ -54,6 +56,7 @@ class AsyncLLM:
             seed=self.settings.model.seed,
         )
         self.model_name = ""
+        self.model_path = ""  # the checkpoint directory, once started
         self.max_model_len = 0
         self._plan: EnginePlan | None = None
         self._supervisor: Supervision | None = None
@@ -75,6 +78,7 @@ class AsyncLLM:
             model_path = ensure_default_model(str(resolve_home(self.settings)))
             log.info("serving the built-in demo model (random weights) from %s", model_path)
         model_path = str(Path(model_path).expanduser().resolve())
+        self.model_path = model_path
         self._plan = plan_engine(self.settings, model_path)
         # As vLLM: the name clients use is the --model value as given, unless one is set.
         self.model_name = self.settings.model.served_name or self.settings.model.path or "demo"
@@ -145,20 +149,36 @@ class AsyncLLM:
 
     async def stream(
         self,
-        prompt: str | list[int] | None = None,
+        prompt: Prompt | None = None,
         params: SamplingParams | None = None,
         *,
         messages: list[Mapping[str, Any]] | None = None,
+        chat_template: str | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        add_generation_prompt: bool = True,
         request_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Incremental outputs: each holds the new text / tokens of the samples that advanced."""
+        """Incremental outputs: each holds the new text / tokens of the samples that advanced.
+
+        `prompt`: text, token ids, {"prompt": text} or {"prompt_token_ids": ids}; or chat
+        `messages`, rendered with the model's chat template (or `chat_template`, given
+        `chat_template_kwargs`)."""
         params = params or SamplingParams()
-        text = prompt if isinstance(prompt, str) else None
-        token_ids = list(prompt) if isinstance(prompt, list) else None
+        text, token_ids = split_prompt(prompt)
         chat = _chat_messages(messages) if messages is not None else None
+        options = None
+        if chat is not None:
+            options = ChatOptions(
+                chat_template, dict(chat_template_kwargs or {}), add_generation_prompt
+            )
         self._check_can_accept(params, text, token_ids, chat)
         record, submission = self.gateway.open(
-            params, prompt=text, prompt_token_ids=token_ids, messages=chat, request_id=request_id
+            params,
+            prompt=text,
+            prompt_token_ids=token_ids,
+            messages=chat,
+            chat=options,
+            request_id=request_id,
         )
         finished = False
         try:
@@ -177,21 +197,33 @@ class AsyncLLM:
             if not finished:  # the consumer went away (client disconnect, cancel): abort
                 await self.abort(record.request_id)
 
-    async def generate(
+    async def complete(
         self,
-        prompt: str | list[int] | None = None,
+        prompt: Prompt | None = None,
         params: SamplingParams | None = None,
-        *,
-        messages: list[Mapping[str, Any]] | None = None,
-        request_id: str | None = None,
+        **options: Any,
     ) -> RequestOutput:
-        """The whole result of one request."""
+        """The whole result of one request (`options` as for `stream`)."""
         final: RequestOutput | None = None
-        async for delta in self.stream(prompt, params, messages=messages, request_id=request_id):
+        async for delta in self.stream(prompt, params, **options):
             final = _merge(final, delta)
         assert final is not None
         final.outputs.sort(key=lambda output: output.index)
         return final
+
+    async def generate(
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        **options: Any,
+    ) -> AsyncIterator[RequestOutput]:
+        """As vLLM's AsyncLLM.generate: each output holds everything generated so far (the
+        last one has finished=True). `stream` gives only what is new in each."""
+        total: RequestOutput | None = None
+        async for delta in self.stream(prompt, sampling_params, request_id=request_id, **options):
+            total = _merge(total, delta)
+            yield _snapshot(total)
 
     async def abort(self, request_id: str) -> bool:
         abort = self.gateway.close(request_id)
@@ -409,6 +441,23 @@ def _chat_messages(messages: list[Mapping[str, Any]]) -> list[ChatMessage]:
             )
         out.append(ChatMessage(role, content))
     return out
+
+
+def _snapshot(total: RequestOutput) -> RequestOutput:
+    """A copy the caller may keep while `total` goes on growing."""
+    outputs = [
+        CompletionOutput(
+            o.index,
+            o.text,
+            list(o.token_ids),
+            o.finish_reason,
+            None if o.logprobs is None else list(o.logprobs),
+        )
+        for o in sorted(total.outputs, key=lambda output: output.index)
+    ]
+    return RequestOutput(
+        total.request_id, total.prompt, list(total.prompt_token_ids), outputs, total.finished
+    )
 
 
 def _merge(total: RequestOutput | None, delta: RequestOutput) -> RequestOutput:

@@ -7,25 +7,53 @@ The actor system runs on an event loop in a background thread of the calling pro
 from __future__ import annotations
 
 import asyncio
+import difflib
 import threading
 from collections.abc import Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 
 import msgspec
 import uvloop
+from tqdm import tqdm
 
+from engine.actors.hf_tokenizer import load_tokenizer_without_torch
 from engine.async_llm import AsyncLLM
 from engine.messages.params import SamplingParams
 from engine.outputs import RequestOutput
+from engine.prompts import Prompt
 from engine.settings import Settings
 from engine.settings.schema import cross_field_problems
 
 T = TypeVar("T")
 
-Prompt = str | list[int]
 Conversation = list[Mapping[str, Any]]
 
 START_TIMEOUT_S = 600.0
+
+# vLLM's engine arguments (LLM(...) keywords) that mean one of our settings.
+ENGINE_ARGS = {
+    "model": "model.path",
+    "served_model_name": "model.served_name",
+    "dtype": "model.dtype",
+    "device": "model.device",
+    "seed": "model.seed",
+    "max_model_len": "model.max_model_len",
+    "tensor_parallel_size": "parallel.tensor_parallel_size",
+    "data_parallel_size": "parallel.data_parallel_size",
+    "gpu_memory_utilization": "cache.kv_cache_fraction",
+    "kv_cache_memory": "cache.kv_cache_memory",
+    "kv_cache_memory_bytes": "cache.kv_cache_memory",
+    "block_size": "cache.block_size",
+    "enable_prefix_caching": "cache.enable_prefix_caching",
+    "max_num_seqs": "scheduler.max_num_seqs",
+    "max_num_batched_tokens": "scheduler.max_num_batched_tokens",
+}
+# vLLM's engine arguments that change nothing here, accepted so that vLLM code runs unchanged.
+NO_OP_ENGINE_ARGS = {
+    "enforce_eager": "steps always run eagerly",
+    "trust_remote_code": "checkpoints run through our own architectures, never remote code",
+    "disable_log_stats": "the library logs no periodic stats",
+}
 
 
 def build_settings(settings: Settings | None = None, **fields: Any) -> Settings:
@@ -43,32 +71,31 @@ def build_settings(settings: Settings | None = None, **fields: Any) -> Settings:
     return settings
 
 
+def engine_settings(settings: Settings | None, engine_args: Mapping[str, Any]) -> Settings:
+    """Settings from vLLM-style engine arguments (and ours as `section__field`); a TypeError
+    names an unknown argument and the known ones closest to it."""
+    fields: dict[str, Any] = {}
+    for name, value in engine_args.items():
+        if name in ENGINE_ARGS:
+            fields[ENGINE_ARGS[name]] = value
+        elif "__" in name:
+            fields[name.replace("__", ".")] = value
+        elif name not in NO_OP_ENGINE_ARGS:
+            known = [*ENGINE_ARGS, *NO_OP_ENGINE_ARGS]
+            close = difflib.get_close_matches(name, known, n=3)
+            hint = f"; did you mean {' or '.join(close)}?" if close else ""
+            raise TypeError(f"LLM() got an unknown engine argument {name!r}{hint}")
+    return build_settings(settings, **fields)
+
+
 class LLM:
     def __init__(
-        self,
-        model: str | None = None,
-        *,
-        tensor_parallel_size: int = 1,
-        data_parallel_size: int = 1,
-        max_model_len: int | None = None,
-        dtype: str = "auto",
-        kv_cache_memory: int | None = None,
-        seed: int = 0,
-        settings: Settings | None = None,
-        **options: Any,
+        self, model: str | None = None, *, settings: Settings | None = None, **engine_args: Any
     ) -> None:
-        """`options` are further settings as `section__field=value`, e.g. `cache__block_size=8`."""
-        fields = {
-            "model.path": model,
-            "model.max_model_len": max_model_len,
-            "model.dtype": dtype,
-            "model.seed": seed,
-            "cache.kv_cache_memory": kv_cache_memory,
-            "parallel.tensor_parallel_size": tensor_parallel_size,
-            "parallel.data_parallel_size": data_parallel_size,
-        }
-        fields.update({key.replace("__", "."): value for key, value in options.items()})
-        self.engine = AsyncLLM(build_settings(settings, **fields))
+        """`engine_args`: vLLM's names (tensor_parallel_size, max_model_len, dtype, seed,
+        gpu_memory_utilization, max_num_seqs, ..., see ENGINE_ARGS), or any of our settings as
+        `section__field=value` (e.g. `cache__block_size=8`)."""
+        self.engine = AsyncLLM(engine_settings(settings, {"model": model, **engine_args}))
         self._loop = uvloop.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="engine", daemon=True)
         self._thread.start()
@@ -82,22 +109,39 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in order; `sampling_params` may be one per prompt."""
+        """One RequestOutput per prompt, in order; `sampling_params` may be one per prompt.
+        A prompt is text, token ids, {"prompt": text} or {"prompt_token_ids": ids}."""
         batch = _as_prompt_list(prompts)
-        return self._run(self._gather([{"prompt": p} for p in batch], sampling_params))
+        requests = [{"prompt": prompt} for prompt in batch]
+        return self._run(self._gather(requests, sampling_params, use_tqdm))
 
     def chat(
         self,
-        conversations: Conversation | Sequence[Conversation],
+        messages: Conversation | Sequence[Conversation],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        *,
+        chat_template: str | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
-        batch: Sequence[Conversation]
-        if conversations and isinstance(conversations[0], Mapping):
-            batch = [conversations]  # type: ignore[list-item]
-        else:
-            batch = conversations  # type: ignore[assignment]
-        return self._run(self._gather([{"messages": list(c)} for c in batch], sampling_params))
+        """One RequestOutput per conversation, rendered with the model's chat template (or
+        `chat_template`, with `chat_template_kwargs`, e.g. {"enable_thinking": False})."""
+        one = bool(messages) and isinstance(messages[0], Mapping)
+        batch: Sequence[Conversation] = [messages] if one else messages  # type: ignore[list-item,assignment]
+        options = {
+            "chat_template": chat_template,
+            "chat_template_kwargs": chat_template_kwargs,
+            "add_generation_prompt": add_generation_prompt,
+        }
+        requests = [{"messages": list(conversation), **options} for conversation in batch]
+        return self._run(self._gather(requests, sampling_params, use_tqdm))
+
+    def get_tokenizer(self) -> Any:
+        """The model's tokenizer (a transformers tokenizer, loaded without torch)."""
+        return load_tokenizer_without_torch(self.engine.model_path)
 
     def close(self) -> None:
         if not self._thread.is_alive():
@@ -119,6 +163,7 @@ class LLM:
         self,
         requests: list[dict[str, Any]],
         params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool,
     ) -> list[RequestOutput]:
         if params is None or isinstance(params, SamplingParams):
             per_request = [params or SamplingParams()] * len(requests)
@@ -129,11 +174,15 @@ class LLM:
                     f"got {len(per_request)} sampling params for {len(requests)} prompts; "
                     "pass one, or one per prompt"
                 )
-        runs = (
-            self.engine.generate(params=p, **request)
-            for request, p in zip(requests, per_request, strict=True)
-        )
-        return list(await asyncio.gather(*runs))
+        with tqdm(total=len(requests), desc="requests", unit="req", disable=not use_tqdm) as bar:
+
+            async def run(request: dict[str, Any], params: SamplingParams) -> RequestOutput:
+                output = await self.engine.complete(params=params, **request)
+                bar.update(1)
+                return output
+
+            runs = (run(r, p) for r, p in zip(requests, per_request, strict=True))
+            return list(await asyncio.gather(*runs))
 
     def stats(self) -> dict[str, Any]:
         """The engine's figures (scheduler, KV cache, restarts), as the admin socket shows."""
@@ -144,8 +193,8 @@ class LLM:
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
+    if isinstance(prompts, str | Mapping):
         return [prompts]
     if prompts and all(isinstance(token, int) for token in prompts):
         return [list(prompts)]  # type: ignore[arg-type]  # one prompt of token ids
-    return [p if isinstance(p, str) else list(p) for p in prompts]  # type: ignore[arg-type]
+    return list(prompts)  # type: ignore[arg-type]

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from engine.gateway.output_stream import OutputStream
 from engine.messages.params import SamplingParams
-from engine.messages.requests import ChatMessage, GenerateRequest
+from engine.messages.requests import ChatMessage, ChatOptions, GenerateRequest
 from engine.messages.scheduling import SampleResume
 
 
@@ -43,6 +43,7 @@ class RequestRecord:
     held: bool = False  # held back at the gateway while a suspect is on probation
     strikes: int = 0  # crashes it was in flight at since it last made progress
     suspect_epoch: int | None = None  # its epoch when it last became a suspect; None: cleared
+    chat: ChatOptions | None = None  # how to render `messages`
 
     @property
     def finished(self) -> bool:
@@ -69,4 +70,5 @@ class RequestRecord:
             prompt_token_ids=self.prompt_token_ids,
             messages=self.messages if self.prompt_token_ids is None else None,
             resume=resume,
+            chat=self.chat if self.prompt_token_ids is None else None,
         )

@@ -42,7 +42,7 @@ from engine.gateway.output_stream import OutputStream
 from engine.gateway.records import RequestRecord, SampleRecord
 from engine.messages.outputs import OutputBatch, SampleDeltaText
 from engine.messages.params import SamplingParams
-from engine.messages.requests import ChatMessage, GenerateRequest, RequestFailed
+from engine.messages.requests import ChatMessage, ChatOptions, GenerateRequest, RequestFailed
 from engine.messages.scheduling import AbortRequests
 from engine.outputs import CompletionOutput, EngineError, RequestOutput
 
@@ -99,6 +99,7 @@ class Gateway:
         prompt: str | None = None,
         prompt_token_ids: list[int] | None = None,
         messages: list[ChatMessage] | None = None,
+        chat: ChatOptions | None = None,
         request_id: str | None = None,
     ) -> tuple[RequestRecord, GenerateRequest | None]:
         """Register a new request; its record and the submission to send (None: held back
@@ -119,6 +120,7 @@ class Gateway:
             samples=[SampleRecord(i) for i in range(params.n)],
             stream=OutputStream(self.stream_buffer),
             held=self.on_probation,
+            chat=chat,
         )
         self._records[request_id] = record
         return record, None if record.held else record.submission()

@@ -7,6 +7,8 @@ new epoch with `resume` naming each unfinished sample and what was already deliv
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from engine.messages.codec import Channel
@@ -19,6 +21,16 @@ class ChatMessage(msgspec.Struct, array_like=True):
     content: str
 
 
+class ChatOptions(msgspec.Struct, array_like=True):
+    """How to render a request's messages: a chat template of its own (None: the model's),
+    variables for the template (e.g. {"enable_thinking": False}), and whether to open the
+    assistant's turn."""
+
+    template: str | None = None
+    template_kwargs: dict[str, Any] = msgspec.field(default_factory=dict)
+    add_generation_prompt: bool = True
+
+
 class GenerateRequest(msgspec.Struct, tag=True, array_like=True):
     request_id: str
     epoch: int
@@ -28,6 +40,7 @@ class GenerateRequest(msgspec.Struct, tag=True, array_like=True):
     prompt_token_ids: list[int] | None = None
     messages: list[ChatMessage] | None = None
     resume: list[SampleResume] | None = None  # None: a fresh request, every sample from the start
+    chat: ChatOptions | None = None  # with messages; None: the model's template, defaults
 
 
 class RequestFailed(msgspec.Struct, tag=True, array_like=True):

@@ -12,7 +12,7 @@ import re
 from typing import Any
 
 from engine.admission import check_prompt_length
-from engine.messages.requests import GenerateRequest
+from engine.messages.requests import ChatOptions, GenerateRequest
 
 # Stands in for a special token found in a chat content while the template renders: private-use
 # code points no template writes, numbered so each one maps back to the text it replaced.
@@ -43,7 +43,8 @@ class PromptBuilder:
             token_ids = request.prompt_token_ids
             self._check_ids(token_ids)
         elif request.messages is not None:
-            token_ids = self._chat_token_ids([(m.role, m.content) for m in request.messages])
+            messages = [(m.role, m.content) for m in request.messages]
+            token_ids = self._chat_token_ids(messages, request.chat or ChatOptions())
         elif request.prompt is not None:
             token_ids = self.tokenizer.encode(request.prompt)
         else:
@@ -54,7 +55,7 @@ class PromptBuilder:
         check_prompt_length(len(token_ids), max_tokens, self.max_model_len)
         return list(token_ids)
 
-    def _chat_token_ids(self, messages: list[tuple[str, str]]) -> list[int]:
+    def _chat_token_ids(self, messages: list[tuple[str, str]], chat: ChatOptions) -> list[int]:
         literals: list[str] = []  # special-token text taken out of contents, by placeholder
 
         def shield(content: str) -> str:
@@ -69,7 +70,11 @@ class PromptBuilder:
 
         conversation = [{"role": role, "content": shield(content)} for role, content in messages]
         rendered = self.tokenizer.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=True
+            conversation,
+            chat_template=chat.template,
+            tokenize=False,
+            add_generation_prompt=chat.add_generation_prompt,
+            **chat.template_kwargs,
         )
         if not literals:  # the template already wrote the special tokens it wants
             return list(self.tokenizer.encode(rendered, add_special_tokens=False))

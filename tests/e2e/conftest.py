@@ -13,7 +13,7 @@ from tests.e2e.harness import API_KEY, Server, start_server
 
 MAX_MODEL_LEN = 1024  # long enough that a long request is still running when a test acts
 MAX_NUM_SEQS = 4
-MAX_QUEUED = 2
+MAX_QUEUED = 8  # samples: a request with n samples counts n
 MAX_REQUEST_BYTES = 64 * 1024
 
 

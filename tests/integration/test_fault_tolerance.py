@@ -270,7 +270,7 @@ async def test_a_step_that_raises_fails_only_its_request_with_500(shared: Shared
     assert error is not None and error.status == 500
     assert "InjectedFault" in error.message and "the model failed" in error.message
     assert actor(engine, "worker0")["restarts"] == restarts  # the worker went on
-    assert await engine.generate(jobs[0].prompt, jobs[0].params) is not None
+    assert await engine.complete(jobs[0].prompt, jobs[0].params) is not None
 
 
 async def test_a_request_that_keeps_crashing_the_worker_is_quarantined_alone(

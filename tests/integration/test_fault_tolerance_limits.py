@@ -117,7 +117,7 @@ async def test_past_the_restart_intensity_everything_fails_with_the_reason_and_s
     health = engine.health()
     assert not health["ready"] and "restart intensity" in health["reason"]
     with pytest.raises(EngineError) as refused:
-        await engine.generate("anyone there?", SamplingParams(max_tokens=4))
+        await engine.complete("anyone there?", SamplingParams(max_tokens=4))
     assert refused.value.status == 503 and "restart intensity" in refused.value.message
     # In order: every actor stopped, every segment removed, before anyone called shutdown().
     assert all(row["pid"] is None for row in engine.actors())

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from engine import LLM, AsyncLLM, EngineError, SamplingParams
+from engine import LLM, AsyncLLM, EngineError, RequestOutput, SamplingParams
 from engine.llm import build_settings
 from tests.checkpoints import tiny_checkpoint
 
@@ -21,8 +21,68 @@ def model_path() -> str:
 
 @pytest.fixture(scope="module")
 def llm(model_path: str) -> Iterator[LLM]:
-    with LLM(model_path, kv_cache_memory=4 * 2**20, max_model_len=256) as engine:
+    # vLLM's engine argument names, as a vLLM user would write them.
+    with LLM(
+        model_path,
+        kv_cache_memory_bytes=4 * 2**20,
+        max_model_len=256,
+        max_num_seqs=64,
+        gpu_memory_utilization=0.5,
+        enforce_eager=True,
+    ) as engine:
         yield engine
+
+
+def test_vllm_engine_arguments_reach_the_settings(llm: LLM) -> None:
+    settings = llm.engine.settings
+    assert settings.scheduler.max_num_seqs == 64 and settings.cache.kv_cache_fraction == 0.5
+    assert settings.cache.kv_cache_memory == 4 * 2**20 and settings.model.max_model_len == 256
+
+
+def test_an_unknown_engine_argument_is_a_type_error_naming_it_and_close_matches() -> None:
+    with pytest.raises(TypeError, match=r"'max_num_seq'.*did you mean max_num_seqs"):
+        LLM("unused", max_num_seq=4)
+    with pytest.raises(TypeError, match="'speculative_model'"):
+        LLM("unused", speculative_model="x")
+
+
+def test_prompt_dicts_and_token_ids_give_what_text_gives(llm: LLM) -> None:
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    (text,) = llm.generate(PROMPTS[0], params, use_tqdm=False)
+    as_dicts = llm.generate(
+        [{"prompt": PROMPTS[0]}, {"prompt_token_ids": text.prompt_token_ids}], params
+    )
+    for out in as_dicts:
+        assert out.outputs[0].token_ids == text.outputs[0].token_ids
+    with pytest.raises(EngineError, match="prompt dict must be"):
+        llm.generate({"text": "x"}, params)  # type: ignore[arg-type]
+
+
+def test_get_tokenizer_is_the_model_tokenizer(llm: LLM) -> None:
+    tokenizer = llm.get_tokenizer()
+    (out,) = llm.generate(PROMPTS[2], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert tokenizer.encode(PROMPTS[2]) == out.prompt_token_ids
+
+
+def test_use_tqdm_shows_progress_by_default(llm: LLM, capsys: pytest.CaptureFixture[str]) -> None:
+    llm.generate(PROMPTS, SamplingParams(max_tokens=2))
+    assert "4/4" in capsys.readouterr().err
+    llm.generate(PROMPTS, SamplingParams(max_tokens=2), use_tqdm=False)
+    assert "4/4" not in capsys.readouterr().err
+
+
+def test_chat_takes_a_template_its_variables_and_the_generation_prompt_switch(llm: LLM) -> None:
+    template = "{% for m in messages %}<{{ m['content'] }}>{% endfor %}{% if loud %}!{% endif %}"
+    template += "{% if add_generation_prompt %}=>{% endif %}"
+    chat = [{"role": "user", "content": "hi"}]
+    tokenizer = llm.get_tokenizer()
+    params = SamplingParams(max_tokens=2)
+    for kwargs, rendered in [
+        ({"chat_template_kwargs": {"loud": True}}, "<hi>!=>"),
+        ({"add_generation_prompt": False}, "<hi>"),
+    ]:
+        (out,) = llm.chat(chat, params, use_tqdm=False, chat_template=template, **kwargs)
+        assert out.prompt_token_ids == tokenizer.encode(rendered, add_special_tokens=False)
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch(llm: LLM) -> None:
@@ -94,13 +154,21 @@ async def test_streamed_deltas_add_up_and_abort_frees_every_block(model_path: st
     )
     async with AsyncLLM(settings) as engine:
         params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-        whole = await engine.generate(PROMPTS[0], params)
+        whole = await engine.complete(PROMPTS[0], params)
         text, tokens = "", []
         async for delta in engine.stream(PROMPTS[0], params):
             for part in delta.outputs:
                 text += part.text
                 tokens += part.token_ids
         assert (text, tokens) == (whole.outputs[0].text, whole.outputs[0].token_ids)
+
+        # vLLM's generate: each output holds everything so far; the last one is finished.
+        seen: list[RequestOutput] = [out async for out in engine.generate(PROMPTS[0], params)]
+        lengths = [len(out.outputs[0].token_ids) for out in seen]
+        assert lengths == sorted(lengths) and seen[-1].finished
+        assert not any(out.finished for out in seen[:-1])
+        assert seen[-1].outputs[0].token_ids == whole.outputs[0].token_ids
+        assert seen[-1].outputs[0].text == whole.outputs[0].text
 
         long_run = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
         stream = engine.stream(list(range(5, 80)), long_run, request_id="to-abort")

@@ -46,7 +46,7 @@ async def assert_shut_down_naming(engine: AsyncLLM, task: str) -> None:
     assert f"{task} task died" in reason and "injected fault" in reason
     assert not engine.health()["ready"] and task in engine.health()["reason"]
     with pytest.raises(EngineError) as refused:
-        await asyncio.wait_for(engine.generate("more", SamplingParams(max_tokens=2)), WAIT_S)
+        await asyncio.wait_for(engine.complete("more", SamplingParams(max_tokens=2)), WAIT_S)
     assert refused.value.status == 503
 
 
@@ -55,7 +55,7 @@ async def test_a_dead_output_pump_fails_the_streams_and_shuts_the_engine_down(
 ) -> None:
     engine.gateway.deliver = injected_fault  # type: ignore[method-assign]
     with pytest.raises(EngineError) as failed:
-        await asyncio.wait_for(engine.generate("hello", SamplingParams(max_tokens=4)), WAIT_S)
+        await asyncio.wait_for(engine.complete("hello", SamplingParams(max_tokens=4)), WAIT_S)
     assert failed.value.status == 503 and "gateway-outputs" in failed.value.message
     await assert_shut_down_naming(engine, "gateway-outputs")
 

@@ -1,0 +1,39 @@
+"""The prompt forms the library accepts, as vLLM's: text, token ids, `{"prompt": text}`
+(TextPrompt) or `{"prompt_token_ids": [...]}` (TokensPrompt)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from engine.outputs import EngineError
+
+Prompt = str | list[int] | Mapping[str, Any]
+
+
+def split_prompt(prompt: Prompt | None) -> tuple[str | None, list[int] | None]:
+    """(text, token ids) of a prompt; EngineError(400) naming what is wrong with it."""
+    if prompt is None or isinstance(prompt, str):
+        return prompt, None
+    if isinstance(prompt, Mapping):
+        if set(prompt) == {"prompt"} and isinstance(prompt["prompt"], str):
+            return prompt["prompt"], None
+        if set(prompt) == {"prompt_token_ids"}:
+            return None, _token_ids(prompt["prompt_token_ids"])
+        raise EngineError(
+            "a prompt dict must be {'prompt': text} or {'prompt_token_ids': [ids]}, got keys "
+            f"{sorted(map(str, prompt))}",
+            400,
+            "prompt",
+        )
+    return None, _token_ids(prompt)
+
+
+def _token_ids(ids: Any) -> list[int]:
+    if isinstance(ids, list | tuple) and all(
+        isinstance(i, int) and not isinstance(i, bool) for i in ids
+    ):
+        return list(ids)
+    raise EngineError(
+        f"prompt token ids must be a list of integers, got {ids!r:.80}", 400, "prompt"
+    )
