@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from http import HTTPStatus
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -26,6 +27,9 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from engine.http.errors import ApiError
 
 log = logging.getLogger("engine.http")
+
+_WARN_INTERVAL_S = 10.0  # a flood of refused connections logs one line per interval
+_last_refusal_warning = -_WARN_INTERVAL_S
 
 
 def guarded_http_protocol(header_timeout: float, max_connections: int) -> type[asyncio.Protocol]:
@@ -45,7 +49,7 @@ class GuardedH11Protocol(H11Protocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)  # counts this connection in self.connections
         if len(self.connections) > self.max_connections:
-            log.warning("refused a connection: %d open", len(self.connections) - 1)
+            _warn_refusal(self.max_connections)
             message = (
                 f"the server has {self.max_connections} connections open "
                 "(server.max_connections); retry shortly"
@@ -102,3 +106,11 @@ def _answer_and_close(transport: asyncio.Transport, error: ApiError) -> None:
     ]
     transport.write("\r\n".join(head).encode() + b"\r\n\r\n" + body)
     transport.close()
+
+
+def _warn_refusal(max_connections: int) -> None:
+    global _last_refusal_warning
+    now = time.monotonic()
+    if now - _last_refusal_warning >= _WARN_INTERVAL_S:
+        _last_refusal_warning = now
+        log.warning("refusing connections: %d open (server.max_connections)", max_connections)
