@@ -94,6 +94,12 @@ def number(value: int) -> bytes:
          [str(2**31 - 1)]),
         ("/v1/completions", b'{"prompt": "x", "n": ' + number(HUGE) + b"}", "n", ["128"]),
     ],
+    ids=[
+        "utf8-prompt", "utf8-unknown-field", "utf8-chat-content", "deep-arrays", "deep-objects",
+        "seed-huge", "seed-negative-huge", "max_tokens-huge", "max_completion_tokens-huge",
+        "stop_token_ids-huge", "stop_token_ids-negative", "prompt-token-id-huge", "top_k-huge",
+        "n-huge",
+    ],
 )  # fmt: skip
 def test_malformed_input_is_400_naming_the_field_without_internals(
     unharmed: Server, path: str, raw: bytes, param: str, fragments: list[str]
@@ -118,87 +124,105 @@ def test_non_ascii_authorization_header_is_400_naming_it(unharmed: Server) -> No
 
 # ---------------------------------------------------------------- random bodies
 
-TEXT = st.text(max_size=12) | st.sampled_from(["", "\x00", "\ud800", "\U0001f4a5", "é" * 40])
-INTS = st.integers(-3, 520) | st.integers(-(2**80), 2**80)
+# A body is a valid request (per the OpenAI schema, bounded so that it is a short generation:
+# a few tokens, a few samples) with up to three mutations: a field set to junk (another type, a
+# huge or negative number, odd unicode, a nested structure), a field dropped (never max_tokens,
+# whose absence means a long generation), an unknown field of junk, bytes cut or inserted.
+TEXT = st.text(max_size=12) | st.sampled_from(["\x00", "\ud800", "\U0001f4a5", "é" * 40, "🙂x"])
+WORDS = st.text(min_size=1, max_size=12)
+EXTREME_INTS = st.integers(-(2**80), 0) | st.integers(2**31 - 1, 2**80)
 JUNK = st.recursive(
-    st.none() | st.booleans() | INTS | st.floats() | TEXT,
+    st.none() | st.booleans() | st.integers(-3, 8) | EXTREME_INTS | st.floats() | TEXT,
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(TEXT, inner, max_size=3),
     max_leaves=8,
 )
-# Bounded so that a valid body is a short generation: at most a few tokens, a few samples.
-SMALL_LENGTH = st.integers(1, 4)
-TOKEN_IDS = st.lists(INTS, max_size=6)
-ROLES = st.sampled_from(["system", "user", "assistant", "developer", "tool", "", "USER"])
-TEXT_PART = st.fixed_dictionaries(
-    {"type": st.sampled_from(["text", "image"])}, optional={"text": TEXT | JUNK}
-)
-CONTENT = TEXT | st.lists(TEXT_PART, max_size=3)
-MESSAGE = st.fixed_dictionaries({}, optional={"role": ROLES | JUNK, "content": CONTENT | JUNK})
-
-SHARED_FIELDS = {
-    "model": TEXT,
-    "temperature": st.floats(-1, 3) | JUNK,
-    "top_p": st.floats(-0.5, 1.5) | JUNK,
-    "top_k": INTS | JUNK,
-    "min_p": st.floats(-1, 2) | JUNK,
-    "n": st.integers(1, 3) | st.integers(-(2**70), 0) | st.integers(129, 2**70) | JUNK,
-    "stop": TEXT | st.lists(TEXT, max_size=4) | JUNK,
-    "seed": INTS | JUNK,
-    "presence_penalty": st.floats(-3, 3) | JUNK,
-    "frequency_penalty": st.floats(-3, 3) | JUNK,
-    "repetition_penalty": st.floats(-1, 3) | JUNK,
-    "stream": st.booleans() | JUNK,
-    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans() | JUNK}) | JUNK,
-    "min_tokens": st.integers(0, 2) | INTS | JUNK,
-    "ignore_eos": st.booleans() | JUNK,
-    "stop_token_ids": TOKEN_IDS | JUNK,
-    "skip_special_tokens": st.booleans() | JUNK,
-    "user": TEXT | JUNK,
+TOKEN_IDS = st.lists(st.integers(0, 511), min_size=1, max_size=6)
+UNIT = st.floats(0.01, 1.0)
+PENALTY = st.floats(-2.0, 2.0)
+SHARED = {
+    "temperature": st.floats(0.0, 2.0),
+    "top_p": UNIT,
+    "top_k": st.integers(-1, 50),
+    "min_p": st.floats(0.0, 1.0),
+    "n": st.integers(1, 3),
+    "stop": WORDS | st.lists(WORDS, max_size=4),
+    "seed": st.integers(-(2**63), 2**63 - 1),
+    "presence_penalty": PENALTY,
+    "frequency_penalty": PENALTY,
+    "repetition_penalty": st.floats(0.5, 2.0),
+    "stream": st.booleans(),
+    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
+    "min_tokens": st.integers(0, 1),
+    "ignore_eos": st.booleans(),
+    "stop_token_ids": st.lists(st.integers(0, 511), max_size=4),
+    "skip_special_tokens": st.booleans(),
+    "user": TEXT,
 }
-LENGTH = SMALL_LENGTH | st.integers(-(2**70), 0) | st.integers(2**31, 2**70) | JUNK
+PROMPT = WORDS | TOKEN_IDS | st.lists(WORDS, min_size=1, max_size=3)
+PROMPT |= st.lists(TOKEN_IDS, min_size=1, max_size=3)
 COMPLETION = st.fixed_dictionaries(
-    {"max_tokens": LENGTH},
-    optional={
-        **SHARED_FIELDS,
-        "prompt": TEXT | TOKEN_IDS | st.lists(TEXT, max_size=3)
-        | st.lists(TOKEN_IDS, max_size=3) | JUNK,
-        "logprobs": st.integers(-1, 21) | JUNK,
-        "echo": st.booleans(),
-        "junk": JUNK,
-    },
-)  # fmt: skip
+    {"prompt": PROMPT, "max_tokens": st.integers(1, 4)},
+    optional={**SHARED, "logprobs": st.integers(0, 5)},
+)
+TEXT_PART = st.fixed_dictionaries({"type": st.just("text"), "text": TEXT})
+MESSAGE = st.fixed_dictionaries(
+    {
+        "role": st.sampled_from(["system", "user", "assistant", "developer"]),
+        "content": TEXT | st.lists(TEXT_PART, min_size=1, max_size=3),
+    }
+)
 CHAT = st.fixed_dictionaries(
-    {"max_tokens": LENGTH},
-    optional={
-        **SHARED_FIELDS,
-        "messages": st.lists(MESSAGE, max_size=3) | JUNK,
-        "max_completion_tokens": LENGTH,
-        "logprobs": st.booleans() | JUNK,
-        "top_logprobs": st.integers(-1, 21) | JUNK,
-        "junk": JUNK,
-    },
+    {"messages": st.lists(MESSAGE, min_size=1, max_size=3), "max_tokens": st.integers(1, 4)},
+    optional={**SHARED, "logprobs": st.booleans(), "top_logprobs": st.integers(0, 5)},
+)
+FIELDS = sorted({*SHARED, "prompt", "messages", "max_tokens", "max_completion_tokens",
+                 "logprobs", "top_logprobs", "echo", "model"})  # fmt: skip
+MUTATION = (
+    st.tuples(st.just("set"), st.sampled_from(FIELDS), JUNK)
+    | st.tuples(st.just("drop"), st.sampled_from(FIELDS), st.none())
+    | st.tuples(st.just("add"), TEXT, JUNK)
+    | st.tuples(st.just("bytes"), st.integers(0, 2**16), st.binary(max_size=2))
 )
 REQUESTS = st.tuples(st.just("/v1/completions"), COMPLETION) | st.tuples(
     st.just("/v1/chat/completions"), CHAT
 )
 
 
-def encode(body: dict[str, Any], ascii_only: bool) -> bytes:
-    # Not ASCII-only, a lone surrogate ("\ud800") becomes bytes that are not UTF-8: one more kind
-    # of bad body.
-    return json.dumps(body, ensure_ascii=ascii_only).encode("utf-8", errors="surrogatepass")
+def mutated(body: dict[str, Any], mutations: list[tuple[str, Any, Any]], ascii_only: bool) -> bytes:
+    body = dict(body)
+    for kind, key, value in mutations:
+        if kind in ("set", "add"):
+            body[key] = value
+        elif kind == "drop" and key != "max_tokens":
+            body.pop(key, None)
+    # Not ASCII-only, a lone surrogate ("\ud800") becomes bytes that are not UTF-8.
+    raw = json.dumps(body, ensure_ascii=ascii_only).encode("utf-8", errors="surrogatepass")
+    for kind, at, inserted in mutations:
+        if kind == "bytes":
+            at %= len(raw) + 1
+            raw = raw[:at] + inserted + (raw[at + 1 :] if inserted == b"" else raw[at:])
+    return raw
 
 
 def test_random_bodies_get_no_5xx_and_leave_the_server_serving(unharmed: Server) -> None:
     before = restarts(unharmed)
 
     @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-    @given(request=REQUESTS, ascii_only=st.booleans())
-    def post_one(request: tuple[str, dict[str, Any]], ascii_only: bool) -> None:
+    @given(
+        request=REQUESTS,
+        mutations=st.just([]) | st.lists(MUTATION, min_size=1, max_size=3),
+        ascii_only=st.booleans(),
+    )
+    def post_one(
+        request: tuple[str, dict[str, Any]],
+        mutations: list[tuple[str, Any, Any]],
+        ascii_only: bool,
+    ) -> None:
         path, body = request
+        raw = mutated(body, mutations, ascii_only)
         with unharmed.http(timeout=30.0) as http:
-            resp = http.post(path, content=encode(body, ascii_only))
-        assert resp.status_code < 500, (resp.status_code, resp.text, body)
+            resp = http.post(path, content=raw)
+        assert resp.status_code < 500, (resp.status_code, resp.text, raw)
         if resp.status_code >= 400:
             message = resp.json()["error"]["message"]
             assert not INTERNAL_TEXT.search(message), message
