@@ -71,18 +71,20 @@ def _from_validation_error(error: msgspec.ValidationError, root: Any) -> ApiErro
     detail = _PATH_RE.sub("", text).rstrip(" -")
     if not path:
         return ApiError(400, f"invalid request body: {detail}")
-    if _INT_BOUND_RE.match(detail):
-        detail = "must be an integer " + _int_range(root, path)
+    bounds = _int_range(root, path) if _INT_BOUND_RE.match(detail) else None
+    if bounds is not None:
+        detail = "must be an integer " + bounds
     return ApiError(400, f"invalid value for '{path}': {detail}", param=path)
 
 
-def _int_range(root: Any, path: str) -> str:
+def _int_range(root: Any, path: str) -> str | None:
     """`in [lo, hi]`, `>= lo` or `<= hi`: the bounds protocol.py sets on the integer at `path`."""
     node: mi.Type | None = mi.type_info(root)
     for step in _PATH_STEP_RE.findall(path):
         node = _child(node, step)
     bounds = _member(node, mi.IntType)
-    assert isinstance(bounds, mi.IntType)  # msgspec reported an int bound at this path
+    if not isinstance(bounds, mi.IntType):
+        return None
     if bounds.ge is not None and bounds.le is not None:
         return f"in [{bounds.ge}, {bounds.le}]"
     return f">= {bounds.ge}" if bounds.ge is not None else f"<= {bounds.le}"
@@ -113,9 +115,9 @@ def _field_at(body: bytes, offset: int) -> str | None:
     field = None
     for start, _, current in _scan(body):
         if start > offset:
-            break
+            return field
         field = current
-    return field
+    return None  # the scan gave up before `offset`, or the body ends inside the bad value
 
 
 def _deep_field(body: bytes) -> str | None:
