@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import secrets
 from collections.abc import Awaitable, Callable
 from importlib.metadata import PackageNotFoundError, version
@@ -25,6 +26,8 @@ from engine.http.parsing import PreparedRequest, parse_chat, parse_completion
 from engine.http.protocol import ModelCard, ModelList, encode
 from engine.http.runs import RequestRun
 from engine.http.state import ServerState
+
+log = logging.getLogger("engine.http")
 
 JSON = "application/json"
 # Past this many bytes an oversized body is no longer read to the end before answering 413.
@@ -89,7 +92,7 @@ async def _generate(request: Request, state: ServerState, parse: Parser, endpoin
             raise ApiError(503, "the server is shutting down", headers={"Retry-After": "5"})
         _check_auth(request, state)
         body = await _read_body(request, state.settings.server.max_request_bytes)
-        prepared = parse(body, state.model_name)
+        prepared = _parse(parse, body, state.model_name, request.url.path)
     except ApiError as e:
         state.metrics.requests.labels(endpoint, outcome_of(e.status)).inc()
         raise
@@ -111,12 +114,34 @@ async def _generate(request: Request, state: ServerState, parse: Parser, endpoin
     return Response(result, media_type=JSON, headers={"X-Request-Id": prepared.request_id})
 
 
+def _parse(parse: Parser, body: bytes, model_name: str, path: str) -> PreparedRequest:
+    """Parse a body; a failure the parser did not foresee is still the body's fault (a 400),
+    logged with its traceback so that the gap in the parser can be closed."""
+    try:
+        return parse(body, model_name)
+    except ApiError:
+        raise
+    except Exception:
+        log.exception("unforeseen failure parsing a %s request body", path)
+        raise ApiError(400, f"the request body is not a valid {path} request") from None
+
+
 def _check_auth(request: Request, state: ServerState) -> None:
     key = state.settings.server.api_key
     if not key:
         return
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), key):
+    header = request.headers.get("authorization", "")
+    if not header.isascii():  # a bearer token is ASCII (RFC 6750)
+        raise ApiError(
+            400,
+            "the Authorization header holds non-ASCII bytes; send 'Authorization: Bearer <key>'",
+            param="Authorization",
+        )
+    scheme, _, token = header.partition(" ")
+    # As bytes: compare_digest refuses a str holding non-ASCII, which the configured key may.
+    if scheme.lower() != "bearer" or not secrets.compare_digest(
+        token.strip().encode(), key.encode()
+    ):
         raise ApiError(
             401,
             "missing or invalid API key: send 'Authorization: Bearer <key>'",
@@ -187,7 +212,9 @@ async def _http_exception_response(request: Request, exc: Exception) -> Response
 
 
 async def _internal_error_response(request: Request, exc: Exception) -> Response:
-    error = ApiError(500, f"internal error: {type(exc).__name__}: {exc}")
+    # The details go to the server log (uvicorn logs the exception Starlette re-raises after
+    # this answer), not to the client: they may describe internals.
+    error = ApiError(500, "internal server error; the server log has the details")
     return Response(error.encoded(), status_code=500, media_type=JSON)
 
 

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import re
-
-import msgspec
-
 from engine.http.protocol import ErrorBody, ErrorDetail, encode
 
 _TYPE_BY_STATUS = {
@@ -13,6 +9,7 @@ _TYPE_BY_STATUS = {
     401: ("invalid_request_error", "invalid_api_key"),
     404: ("invalid_request_error", "model_not_found"),
     405: ("invalid_request_error", "method_not_allowed"),
+    408: ("invalid_request_error", "request_timeout"),
     413: ("invalid_request_error", "request_too_large"),
     429: ("rate_limit_error", "rate_limit_exceeded"),
     503: ("server_error", "service_unavailable"),
@@ -27,9 +24,6 @@ _OUTCOME_BY_STATUS = {
     429: "rejected",
     503: "unavailable",
 }
-
-_PATH_RE = re.compile(r"at `\$\.?(?P<path>[^`]*)`")
-_MISSING_RE = re.compile(r"missing required field `(?P<field>[^`]+)`")
 
 
 class ApiError(Exception):
@@ -62,24 +56,6 @@ class ApiError(Exception):
 
     def encoded(self) -> bytes:
         return encode(self.body())
-
-
-def from_decode_error(error: msgspec.DecodeError) -> ApiError:
-    """A msgspec failure on a request body → 400 naming the field (`messages[0].role`)."""
-    text = str(error)
-    if not isinstance(error, msgspec.ValidationError):
-        return ApiError(400, f"request body is not valid JSON: {text}")
-    missing = _MISSING_RE.search(text)
-    path_match = _PATH_RE.search(text)
-    path = path_match.group("path") if path_match else ""
-    if missing:
-        field = missing.group("field")
-        param = f"{path}.{field}" if path else field
-        return ApiError(400, f"missing required field '{param}'", param=param)
-    detail = _PATH_RE.sub("", text).rstrip(" -")
-    if not path:
-        return ApiError(400, f"invalid request body: {detail}")
-    return ApiError(400, f"invalid value for '{path}': {detail}", param=path)
 
 
 def outcome_of(status: int) -> str:

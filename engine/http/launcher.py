@@ -27,6 +27,7 @@ import uvloop
 from engine.http.admin import AdminServer
 from engine.http.admin_paths import prepare_default_socket
 from engine.http.app import build_app
+from engine.http.connections import guarded_http_protocol
 from engine.http.state import ServerState
 from engine.settings import Settings
 
@@ -132,6 +133,10 @@ async def _run(
             access_log=settings.runtime.log_level == "debug",
             timeout_graceful_shutdown=int(_CONNECTION_GRACE_S),
             timeout_keep_alive=5,
+            http=guarded_http_protocol(
+                settings.server.header_timeout, settings.server.max_connections
+            ),
+            ws="none",  # no websocket routes; an upgrade would also escape the head deadline
         )
     )
     serve_task: asyncio.Task[None] | None = None

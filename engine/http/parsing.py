@@ -13,7 +13,8 @@ from typing import Any, Literal
 
 import msgspec
 
-from engine.http.errors import ApiError, from_decode_error
+from engine.http.decoding import decode_request
+from engine.http.errors import ApiError
 from engine.http.protocol import ChatCompletionRequest, ChatMessageIn, CompletionRequest
 from engine.messages.params import SamplingParams
 
@@ -46,6 +47,11 @@ class PreparedRequest:
     def n(self) -> int:
         return self.params.n
 
+    @property
+    def num_choices(self) -> int:
+        """Choices of the response: n per prompt."""
+        return self.params.n * len(self.prompts)
+
     def engine_request_id(self, prompt_index: int) -> str:
         """Each prompt of a batched completions request is its own engine request."""
         if len(self.prompts) == 1:
@@ -54,10 +60,7 @@ class PreparedRequest:
 
 
 def parse_completion(body: bytes, served_model: str) -> PreparedRequest:
-    try:
-        req = _COMPLETION_DECODER.decode(body)
-    except msgspec.DecodeError as e:
-        raise from_decode_error(e) from None
+    req = decode_request(_COMPLETION_DECODER, body)
     model = _check_model(req.model, served_model)
     prompts = _prompts_of(req.prompt)
     if req.echo:
@@ -86,10 +89,7 @@ def parse_completion(body: bytes, served_model: str) -> PreparedRequest:
 
 
 def parse_chat(body: bytes, served_model: str) -> PreparedRequest:
-    try:
-        req = _CHAT_DECODER.decode(body)
-    except msgspec.DecodeError as e:
-        raise from_decode_error(e) from None
+    req = decode_request(_CHAT_DECODER, body)
     model = _check_model(req.model, served_model)
     messages = [_message_dict(i, m) for i, m in enumerate(req.messages)]
     if not messages:
@@ -159,9 +159,6 @@ def _prompts_of(prompt: str | list[str | int | list[int]]) -> list[Prompt]:
         where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
         if len(p) == 0:
             raise ApiError(400, f"'{where}' must not be empty", param=where)
-        if isinstance(p, list) and any(t < 0 for t in p):
-            bad = next(t for t in p if t < 0)
-            raise ApiError(400, f"'{where}' holds a negative token id ({bad})", param=where)
     return prompts
 
 

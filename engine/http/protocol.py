@@ -6,11 +6,19 @@ Unknown request fields are ignored, as OpenAI clients send fields a server may n
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
 # ---------------------------------------------------------------- requests
+
+# Integer bounds. JSON integers are unbounded and msgspec decodes them into Python ints, but
+# what the engine accepts must travel on its msgpack wire (64-bit at most) and fit its tensors.
+# Lower bounds of counts are SamplingParams.validate's (its messages name the API's rule).
+MAX_COUNT = 2**31 - 1
+Count = Annotated[int, msgspec.Meta(le=MAX_COUNT)]
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)]
+Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]  # vLLM's: a signed 64-bit seed
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -32,24 +40,24 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     """Fields both endpoints share."""
 
     model: str | None = None
-    max_tokens: int | None = None
+    max_tokens: Count | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: int = 1
+    n: Count = 1  # its limit is limits.max_n, checked with the request's other limits
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM extensions
-    top_k: int | None = None
+    top_k: Count | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: int = 0
+    min_tokens: Count = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
 
@@ -57,14 +65,14 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
 class CompletionRequest(_SamplingFields, kw_only=True):
     # str | list[str] | list[int] | list[list[int]]: msgspec allows one array type per union,
     # so elements are typed here and their mix is checked in parsing.
-    prompt: str | list[str | int | list[int]]
+    prompt: str | list[str | TokenId | list[TokenId]]
     logprobs: int | None = None
     echo: bool = False
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
     messages: list[ChatMessageIn]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Count | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
 

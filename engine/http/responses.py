@@ -54,9 +54,16 @@ class ChoiceState:
 class ResponseBuilder:
     def __init__(self, prepared: PreparedRequest) -> None:
         self.prepared = prepared
-        n = prepared.n
-        self.choices = [ChoiceState(i) for i in range(n * len(prepared.prompts))]
+        # Made as outputs arrive, not up front: n x prompts is only known to be within the
+        # limits once the engine has admitted the request.
+        self._choices: dict[int, ChoiceState] = {}
         self.prompt_tokens: dict[int, int] = {}
+
+    @property
+    def choices(self) -> list[ChoiceState]:
+        """Every choice in index order (those without output yet empty); read only once the
+        engine has admitted the request."""
+        return [self._choices.get(i) or ChoiceState(i) for i in range(self.prepared.num_choices)]
 
     # ------------------------------------------------------------ absorbing engine output
 
@@ -67,7 +74,8 @@ class ResponseBuilder:
         self.prompt_tokens[prompt_index] = len(out.prompt_token_ids)
         advanced = []
         for delta in out.outputs:
-            choice = self.choices[prompt_index * self.prepared.n + delta.index]
+            key = prompt_index * self.prepared.n + delta.index
+            choice = self._choices.get(key) or self._choices.setdefault(key, ChoiceState(key))
             offset = choice.text_length
             _apply(choice, delta)
             advanced.append((choice, offset, delta))
@@ -130,14 +138,14 @@ class ResponseBuilder:
             self._chat_chunk(
                 [
                     ChatChunkChoice(
-                        index=c.index,
+                        index=index,
                         delta=ChatDelta(role="assistant", content=""),
                         logprobs=None,
                         finish_reason=None,
                     )
                 ]
             )
-            for c in self.choices
+            for index in range(self.prepared.num_choices)  # sent once the engine admitted them
         ]
 
     def delta_events(self, prompt_index: int, out: RequestOutput) -> list[bytes]:

@@ -50,7 +50,7 @@ class RequestRun:
         self.status = 200  # the HTTP status answered; an engine refusal's otherwise
         self._counted = False
         self.recording = (
-            RequestRecording(endpoint, body, self.arrival_wall, len(self.builder.choices))
+            RequestRecording(endpoint, body, self.arrival_wall, self.prepared.num_choices)
             if state.trace is not None and state.trace.active
             else None
         )

@@ -207,6 +207,18 @@ class ServerSettings(_Section, frozen=True):
             "tokens (trusted clients only); off: as plain text",
         ),
     ] = False
+    header_timeout: Annotated[
+        float,
+        Meta(
+            gt=0.0,
+            description="seconds a connection gets to send a complete request head; then "
+            "it is answered 408 and closed",
+        ),
+    ] = 10.0
+    max_connections: Annotated[
+        int,
+        Meta(ge=1, description="open HTTP connections; one more is answered 503 and closed"),
+    ] = 2048
 
 
 class AdminSettings(_Section, frozen=True):

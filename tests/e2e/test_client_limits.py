@@ -37,6 +37,7 @@ def unchanged_restarts(server: Server) -> Iterator[None]:
     ("body", "param", "named"),
     [
         ({"n": 20000, "max_tokens": 1}, "n", "limits.max_n"),
+        ({"n": 2**31 - 1, "max_tokens": 1}, "n", "limits.max_n"),  # nothing built per sample
         ({"n": MAX_QUEUED + 1, "max_tokens": 1}, "n", "max_queued_samples"),
         ({"stop": [f"s{i}" for i in range(100)]}, "stop", "limits.max_stop_strings"),
         ({"stop": ["x" * 5000, "y" * 5000]}, "stop", "limits.max_stop_chars"),

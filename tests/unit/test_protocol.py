@@ -144,7 +144,7 @@ def test_unknown_request_fields_are_ignored() -> None:
         (body(prompt=[]), "prompt", "must not be empty"),
         (body(prompt=""), "prompt", "must not be empty"),
         (body(prompt=[[1], []]), "prompt[1]", "must not be empty"),
-        (body(prompt=[1, -2]), "prompt", "negative token id (-2)"),
+        (body(prompt=[1, -2]), "prompt[1]", "must be an integer in [0, 2147483647]"),
         (body(prompt="x", temperature="hot"), "temperature", "Expected `float | null`"),
         (body(prompt="x", temperature=-1), "temperature", ">= 0"),
         (body(prompt="x", top_p=0), "top_p", "(0, 1]"),

@@ -1,0 +1,116 @@
+"""uvicorn's HTTP/1.1 protocol with the two connection guards uvicorn lacks.
+
+- A deadline for the request head (`server.header_timeout`). uvicorn (0.3x–0.5x) closes idle
+  keep-alive connections, but sets no deadline on a head: a client that connects and sends half a
+  head, or nothing, is held forever, and a few thousand such clients take every file descriptor
+  (slowloris). A connection that has not completed its head in time is answered 408 and closed,
+  as nginx, Apache and Node do. The deadline runs from the connection's start or the end of its
+  previous response, not from the last byte, so trickling bytes does not extend it.
+- A cap on open connections (`server.max_connections`). uvicorn's `limit_concurrency` answers
+  503 only once a head has arrived, and counts every open connection, so past the limit the next
+  request of an existing client is refused too. Here a connection over the cap is answered 503
+  and closed as it opens, and those already open keep working.
+
+The protocol is uvicorn's h11 one, subclassed (passed as `uvicorn.Config(http=...)`): it is the
+one uvicorn picks without httptools, which the engine does not depend on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from http import HTTPStatus
+
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from engine.http.errors import ApiError
+
+log = logging.getLogger("engine.http")
+
+_WARN_INTERVAL_S = 10.0  # a flood of refused connections logs one line per interval
+_last_refusal_warning = -_WARN_INTERVAL_S
+
+
+def guarded_http_protocol(header_timeout: float, max_connections: int) -> type[asyncio.Protocol]:
+    """The protocol class to pass as `uvicorn.Config(http=...)`."""
+    return type(
+        "GuardedH11Protocol",
+        (GuardedH11Protocol,),
+        {"header_timeout": header_timeout, "max_connections": max_connections},
+    )
+
+
+class GuardedH11Protocol(H11Protocol):
+    header_timeout: float = 10.0
+    max_connections: int = 2048
+    _head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)  # counts this connection in self.connections
+        if len(self.connections) > self.max_connections:
+            _warn_refusal(self.max_connections)
+            message = (
+                f"the server has {self.max_connections} connections open "
+                "(server.max_connections); retry shortly"
+            )
+            _answer_and_close(transport, ApiError(503, message, headers={"Retry-After": "1"}))
+            return
+        self._watch_head()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self._watch_head()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._watch_head()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_head_timer()
+        super().connection_lost(exc)
+
+    def _watch_head(self) -> None:
+        """Run the head timer exactly while the connection owes us a request head."""
+        awaiting_head = self.cycle is None or self.cycle.response_complete
+        if not awaiting_head or self.transport.is_closing():
+            self._stop_head_timer()
+        elif self._head_timer is None:
+            self._head_timer = self.loop.call_later(self.header_timeout, self._head_timed_out)
+
+    def _stop_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self.transport.is_closing():
+            return
+        message = (
+            f"no complete request head within {self.header_timeout:g} s (server.header_timeout)"
+        )
+        _answer_and_close(self.transport, ApiError(408, message))
+
+
+def _answer_and_close(transport: asyncio.Transport, error: ApiError) -> None:
+    """Write a whole response outside h11 (no request was read, so it has no cycle to answer
+    in) and close: the connection is not reused."""
+    body = error.encoded()
+    head = [
+        f"HTTP/1.1 {error.status} {HTTPStatus(error.status).phrase}",
+        "content-type: application/json",
+        f"content-length: {len(body)}",
+        "connection: close",
+        *(f"{name}: {value}" for name, value in error.headers.items()),
+    ]
+    transport.write("\r\n".join(head).encode() + b"\r\n\r\n" + body)
+    transport.close()
+
+
+def _warn_refusal(max_connections: int) -> None:
+    global _last_refusal_warning
+    now = time.monotonic()
+    if now - _last_refusal_warning >= _WARN_INTERVAL_S:
+        _last_refusal_warning = now
+        log.warning("refusing connections: %d open (server.max_connections)", max_connections)
