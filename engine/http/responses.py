@@ -83,7 +83,7 @@ class ResponseBuilder:
 
     def usage(self) -> Usage:
         prompt = sum(self.prompt_tokens.values())
-        completion = sum(c.num_tokens for c in self.choices)
+        completion = sum(c.num_tokens for c in self._choices.values())
         return Usage(
             prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
         )

@@ -50,7 +50,7 @@ class RequestRun:
         self.status = 200  # the HTTP status answered; an engine refusal's otherwise
         self._counted = False
         self.recording = (
-            RequestRecording(endpoint, body, self.arrival_wall, self.prepared.num_choices)
+            RequestRecording(endpoint, body, self.arrival_wall)
             if state.trace is not None and state.trace.active
             else None
         )
@@ -238,7 +238,7 @@ class RequestRun:
             self.state.trace.submit(
                 self.recording.record(
                     self.prepared,
-                    self.builder.choices,
+                    self.builder.choices if self.status == 200 else [],  # refused: none
                     outcome=self.outcome,
                     status=self.status,
                     prompt_tokens=usage.prompt_tokens,

@@ -126,17 +126,18 @@ class RequestRecording:
 
     __slots__ = ("_arrival", "_body", "_endpoint", "_times", "_tokens")
 
-    def __init__(self, endpoint: str, body: bytes, arrival: float, num_choices: int) -> None:
+    def __init__(self, endpoint: str, body: bytes, arrival: float) -> None:
         self._endpoint = endpoint
         self._body = body
         self._arrival = arrival  # Unix time
-        self._tokens: list[list[int]] = [[] for _ in range(num_choices)]
-        self._times: list[list[float]] = [[] for _ in range(num_choices)]
+        # By choice index, made as tokens arrive: a request may be refused for its size.
+        self._tokens: dict[int, list[int]] = {}
+        self._times: dict[int, list[float]] = {}
 
     def tokens_delivered(self, choice: int, token_ids: Sequence[int], after: float) -> None:
         """`token_ids` of `choice` left the server `after` seconds from arrival."""
-        self._tokens[choice].extend(token_ids)
-        self._times[choice].extend([round(after, 6)] * len(token_ids))
+        self._tokens.setdefault(choice, []).extend(token_ids)
+        self._times.setdefault(choice, []).extend([round(after, 6)] * len(token_ids))
 
     def record(
         self,
@@ -173,10 +174,9 @@ class RequestRecording:
                     index=c.index,
                     text=c.text,
                     finish_reason=c.finish_reason,
-                    token_ids=self._tokens[k],
-                    token_times=self._times[k],
+                    token_ids=self._tokens.get(c.index, []),
+                    token_times=self._times.get(c.index, []),
                 )
-                for k, c in enumerate(choices)
-                if status == 200  # a refused request produced no choice
+                for c in choices
             ],
         )
