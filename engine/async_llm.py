@@ -28,6 +28,7 @@ from engine.admission import check_params, check_prompt_size, check_queue
 from engine.gateway.output_stream import merge_into
 from engine.gateway.registry import Gateway, ToTokenizer
 from engine.gateway.replicas import Replicas, supervise
+from engine.messages.codec import too_large_for_one_frame
 from engine.messages.outputs import DETOKENIZER_TO_GATEWAY
 from engine.messages.params import SamplingParams
 from engine.messages.reports import SCHEDULER_REPORTS, SchedulerReport
@@ -36,13 +37,16 @@ from engine.messages.requests import (
     TOKENIZER_FAILURES,
     ChatMessage,
     ChatOptions,
+    GenerateRequest,
 )
+from engine.messages.rings import RECORD_OVERHEAD
 from engine.outputs import CompletionOutput, EngineError, RequestOutput
-from engine.plan import EnginePlan, plan_engine
+from engine.plan import RING_BYTES, EnginePlan, plan_engine
 from engine.prompts import Prompt, split_prompt
 from engine.settings import Settings, resolve_home
 
 log = logging.getLogger("engine")
+MAX_FRAME_BYTES = RING_BYTES - RECORD_OVERHEAD  # the most the root sends the tokenizer at once
 
 
 class AsyncLLM:
@@ -304,7 +308,16 @@ class AsyncLLM:
         check_queue(waiting, params.n, self.settings.scheduler.max_queued_samples)
 
     async def _submit(self, submissions: list[ToTokenizer]) -> None:
-        await self._send([GATEWAY_TO_TOKENIZER.encode(s) for s in submissions])
+        frames = []
+        for submission in submissions:
+            frame = GATEWAY_TO_TOKENIZER.encode(submission)
+            if len(frame) > MAX_FRAME_BYTES and isinstance(submission, GenerateRequest):
+                # e.g. a resubmission carrying many samples' delivered tokens: it fails alone
+                error = EngineError(too_large_for_one_frame(len(frame), MAX_FRAME_BYTES), 400)
+                self.gateway.fail(submission.request_id, error)
+                continue
+            frames.append(frame)
+        await self._send(frames)
 
     async def _send(self, frames: list[bytes]) -> None:
         assert self._supervisor is not None

@@ -147,6 +147,7 @@ def plan_engine(settings: Settings, model_path: str) -> EnginePlan:
         max_model_len=max_model_len,
         enable_prefix_caching=settings.cache.enable_prefix_caching,
         eos_token_ids=list(config.eos_token_ids),
+        max_plan_bytes=RING_BYTES // 2,  # a plan frame leaves half the plan ring free
     )
     scheduler.validate()  # a KV cache too small for max_model_len fails here, naming both
     log.info(

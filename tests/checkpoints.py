@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from engine.messages.steps import SeqChunk
 from engine.model.checkpoint_maker import CheckpointSpec, make_checkpoint
+from engine.model.step_inputs import SeqChunk
 
 CACHE_ROOT = Path(os.environ.get("ENGINE_TEST_CHECKPOINTS", "/tmp/engine-test-checkpoints"))
 TINY = {

@@ -35,9 +35,9 @@ import torch
 if __package__ in (None, ""):  # run as a script: make `engine` importable from the repo root
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.messages.steps import SeqChunk
 from engine.model.capacity import kv_block_bytes
 from engine.model.runner import ModelRunner
+from engine.model.step_inputs import SeqChunk
 
 CORRECTNESS_PROMPTS = [
     "The harbour at first light",

@@ -14,7 +14,8 @@ import msgspec
 
 from engine.actors.hf_tokenizer import load_token_decoder
 from engine.actors.runtime.actor import Actor
-from engine.messages.outputs import DETOKENIZER_TO_GATEWAY
+from engine.messages.codec import encode_in_frames
+from engine.messages.outputs import DETOKENIZER_TO_GATEWAY, OutputBatch
 from engine.messages.scheduling import SCHEDULER_OUTPUTS, SCHEDULER_REQUESTS, AbortRequests
 from engine.text import Detokenizer
 
@@ -38,5 +39,9 @@ class DetokenizerActor(Actor):
             to_scheduler.append(SCHEDULER_REQUESTS.encode(AbortRequests(list(output.aborts))))
         if to_scheduler:
             await self.send_many("stops", to_scheduler)
-        if output.batch is not None:
-            await self.send("outputs", DETOKENIZER_TO_GATEWAY.encode(output.batch))
+        batch = output.batch
+        if batch is not None:  # split across frames when a step's outputs outgrow one
+            max_bytes = self.rings.writer("outputs").spec.max_frame_bytes
+            parts = [batch.prompts, batch.samples, batch.failures]
+            frames = encode_in_frames(DETOKENIZER_TO_GATEWAY, OutputBatch, parts, max_bytes)
+            await self.send_many("outputs", frames)

@@ -16,6 +16,7 @@ import msgspec
 
 from engine.actors.hf_tokenizer import load_tokenizer_without_torch
 from engine.actors.runtime.actor import Actor
+from engine.messages.codec import too_large_for_one_frame
 from engine.messages.requests import (
     GATEWAY_TO_TOKENIZER,
     TOKENIZER_FAILURES,
@@ -53,6 +54,7 @@ class TokenizerActor(Actor):
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self._on_thread: dict[str, int] = {}  # request id -> epoch being tokenized there
         self._tasks: set[asyncio.Task[None]] = set()
+        self._max_frame_bytes = self.rings.writer("submit").spec.max_frame_bytes
         return None
 
     async def on_stop(self) -> None:
@@ -80,7 +82,13 @@ class TokenizerActor(Actor):
         except Exception as exc:  # fails this request alone
             failures.append(TOKENIZER_FAILURES.encode(_failure(message, exc)))
             return
-        to_scheduler.append(SCHEDULER_REQUESTS.encode(_submission(message, token_ids)))
+        frame = SCHEDULER_REQUESTS.encode(_submission(message, token_ids))
+        if len(frame) > self._max_frame_bytes:
+            error = too_large_for_one_frame(len(frame), self._max_frame_bytes)
+            failure = RequestFailed(message.request_id, message.epoch, 400, error)
+            failures.append(TOKENIZER_FAILURES.encode(failure))
+            return
+        to_scheduler.append(frame)
 
     def _tokenize_on_thread(self, message: GenerateRequest) -> None:
         self._on_thread[message.request_id] = message.epoch

@@ -37,14 +37,13 @@ from engine.actors.runtime.actor import Actor
 from engine.messages.steps import (
     STEP_PLANS,
     STEP_RESULTS,
-    NewSeq,
-    SeqChunk,
     StepPlan,
     StepResult,
     TokenLogprobs,
     WorkerFailed,
 )
 from engine.model.parallel.config import TensorParallelConfig
+from engine.model.step_inputs import KnownSequences, SeqChunk, SequenceStart
 
 FAULT_INJECTION_ENV = "ENGINE_FAULT_INJECTION"
 FAULT_EXIT_STATUS = 70  # EX_SOFTWARE: what an injected native crash exits with
@@ -91,7 +90,7 @@ class FaultInjection:
     def from_environment(cls, environ: Mapping[str, str]) -> FaultInjection:
         return cls(environ.get(FAULT_INJECTION_ENV, ""))
 
-    def watch(self, new_seq: NewSeq) -> None:
+    def watch(self, new_seq: SequenceStart) -> None:
         if self.rules:
             hits = [self.rules[t] for t in set(new_seq.prompt_token_ids) if t in self.rules]
             if hits:
@@ -179,16 +178,17 @@ class WorkerActor(Actor):
         computed (if any), then the StepResult (none for a plan that only retires sequences)."""
         self.sampler.remove(plan.finished_seq_ids)
         self.faults.forget(plan.finished_seq_ids)
+        starts, whole_chunks = self.known.apply(plan)
         failed: dict[int, str] = {}
-        for new_seq in plan.new_seqs:
+        for new_seq in starts:
             try:
                 self.sampler.add(new_seq)
                 self.faults.watch(new_seq)
             except Exception as exc:  # this sequence's parameters, not the step's
                 failed[new_seq.seq_id] = _describe(exc)
         result = None
-        if plan.chunks:
-            chunks = [chunk for chunk in plan.chunks if chunk.seq_id not in failed]
+        if whole_chunks:
+            chunks = [chunk for chunk in whole_chunks if chunk.seq_id not in failed]
             try:
                 result = self._compute(plan.step_id, chunks)
             except Exception as exc:
@@ -252,6 +252,7 @@ class WorkerActor(Actor):
 
         config = self.runner.config
         self.sampler = Sampler(config.vocab_size, list(config.eos_token_ids))
+        self.known = KnownSequences()
         self.faults.reset()
 
 

@@ -9,7 +9,7 @@ and counted; the caller keeps running.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Generic, TypeVar
 
 import msgspec
@@ -59,3 +59,45 @@ class Channel(Generic[T]):
             if message is not None:
                 out.append(message)
         return out
+
+
+class FrameTooLarge(ValueError):
+    """One item that no frame of the allowed size can carry."""
+
+
+def too_large_for_one_frame(size: int, max_bytes: int) -> str:
+    """Why a request that would take a `size`-byte frame between actors is refused."""
+    return (
+        f"the request takes {size} bytes to pass between the engine's actors, more than they "
+        f"carry in one message ({max_bytes}); shorten its prompt, stop strings or samples"
+    )
+
+
+def encode_in_frames(
+    channel: Channel[T],
+    build: Callable[..., T],
+    parts: Sequence[list[Any]],
+    max_bytes: int,
+) -> list[bytes]:
+    """Frames of at most `max_bytes` carrying every item of `parts` (the item lists of one
+    batch message, `build(*parts)`): the whole batch if it fits, else contiguous runs of its
+    items in order (so items of an earlier list always travel before those of a later one).
+    FrameTooLarge names an item that does not fit alone."""
+    items = [(kind, item) for kind, part in enumerate(parts) for item in part]
+
+    def frames(start: int, stop: int) -> list[bytes]:
+        grouped: list[list[Any]] = [[] for _ in parts]
+        for kind, item in items[start:stop]:
+            grouped[kind].append(item)
+        frame = channel.encode(build(*grouped))
+        if len(frame) <= max_bytes:
+            return [frame]
+        if stop - start <= 1:
+            raise FrameTooLarge(
+                f"channel {channel.name}: one item takes {len(frame)} bytes, more than a "
+                f"frame may ({max_bytes})"
+            )
+        middle = (start + stop) // 2
+        return frames(start, middle) + frames(middle, stop)
+
+    return frames(0, len(items))

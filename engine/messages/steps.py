@@ -1,9 +1,12 @@
 """Channel scheduler <-> worker ranks: one StepPlan (broadcast) and one StepResult per step.
 
-The plan carries everything a rank needs for the step and nothing per token beyond it: sequences
-the workers have not seen yet arrive once in `new_seqs` (with their sampling parameters and the
-tokens generated so far, so a resumed sequence samples exactly as it would have); afterwards a
-sequence is named only by its integer id.
+The plan carries what the ranks do not know yet, and nothing that grows with a request's input
+more than once: a request's prompt and sampling parameters arrive once in `new_requests`
+(whatever its number of samples); a sequence arrives once in `new_seqs`, naming its request by
+key, with the tokens generated so far (so a resumed sequence samples exactly as it would have);
+afterwards a sequence is named only by its integer id, and each chunk carries only the KV blocks
+appended to its table since its previous chunk. The ranks keep the rest
+(engine/model/step_inputs.py) until the plan says to forget it.
 """
 
 from __future__ import annotations
@@ -14,31 +17,42 @@ from engine.messages.codec import Channel
 from engine.messages.params import SamplingParams
 
 
+class NewRequest(msgspec.Struct, array_like=True):
+    """A request the workers meet for the first time (or again after they restarted)."""
+
+    request_key: int
+    prompt_token_ids: list[int]
+    params: SamplingParams  # the workers' part: stop strings are the detokenizer's, never sent
+
+
 class NewSeq(msgspec.Struct, array_like=True):
     """A sequence the workers meet for the first time (or again after preemption / restart)."""
 
     seq_id: int
-    prompt_token_ids: list[int]
+    request_key: int
     output_token_ids: list[int]  # tokens generated before (resumed sequences); sampling history
-    params: SamplingParams
     seed: int  # effective seed; token randomness is a function of (seed, position)
 
 
-class SeqChunk(msgspec.Struct, array_like=True):
+class PlannedChunk(msgspec.Struct, array_like=True):
     """Tokens of one sequence to run through the model this step."""
 
     seq_id: int
     token_ids: list[int]  # the new tokens (a prefill chunk, or the one decode token)
     start_pos: int  # position of token_ids[0]: tokens before it are already in the KV cache
-    block_table: list[int]  # physical KV blocks covering start_pos + len(token_ids)
+    # Blocks appended to the sequence's block table since its previous chunk; the whole table
+    # in its first chunk after an announcement (a NewSeq starts the table afresh).
+    new_block_ids: list[int]
     sample: bool  # True when this chunk reaches the sequence's end: sample one token after it
 
 
 class StepPlan(msgspec.Struct, tag=True, array_like=True):
     step_id: int
+    new_requests: list[NewRequest]
     new_seqs: list[NewSeq]
-    chunks: list[SeqChunk]
-    finished_seq_ids: list[int]  # workers drop these sequences' sampling state
+    chunks: list[PlannedChunk]
+    finished_seq_ids: list[int]  # workers drop these sequences' sampling state and tables
+    finished_request_keys: list[int]  # ... and these requests (after their sequences)
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):

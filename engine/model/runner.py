@@ -19,12 +19,12 @@ import torch
 
 from engine.kernels import PagedKVCache, select_backend
 from engine.kernels.attention_metadata import long_tensor
-from engine.messages.steps import SeqChunk
 from engine.model.capacity import available_cpu_memory, kv_block_bytes, kv_cache_blocks
 from engine.model.config import ModelConfig, load_model_config
 from engine.model.host_memory import keep_freed_memory
 from engine.model.loader import load_model, resolve_dtype
 from engine.model.parallel.group import TensorParallelGroup
+from engine.model.step_inputs import SeqChunk
 
 __all__ = ["ModelRunner", "kv_cache_blocks", "resolve_device"]
 

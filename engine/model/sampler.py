@@ -21,7 +21,8 @@ from collections.abc import Iterable
 import torch
 
 from engine.messages.params import SamplingParams
-from engine.messages.steps import NewSeq, TokenLogprobs
+from engine.messages.steps import TokenLogprobs
+from engine.model.step_inputs import SequenceStart
 
 _M32 = 0xFFFFFFFF
 _MIN_TEMPERATURE = 1e-5  # below this, sampling is greedy (as vLLM)
@@ -32,7 +33,7 @@ class _SeqState:
     __slots__ = ("_prompt_mask", "banned_early", "has_penalties", "is_greedy", "output",
                  "params", "prompt", "seed")  # fmt: skip
 
-    def __init__(self, new_seq: NewSeq, eos_token_ids: list[int]) -> None:
+    def __init__(self, new_seq: SequenceStart, eos_token_ids: list[int]) -> None:
         params = new_seq.params
         self.params = params
         self.seed = new_seq.seed & ((1 << 64) - 1)
@@ -77,7 +78,7 @@ class Sampler:
         self.eos_token_ids = list(eos_token_ids)
         self._seqs: dict[int, _SeqState] = {}
 
-    def add(self, new_seq: NewSeq) -> None:
+    def add(self, new_seq: SequenceStart) -> None:
         """Start tracking a sequence; a known one (re-announced after preemption) is replaced."""
         self._seqs[new_seq.seq_id] = _SeqState(new_seq, self.eos_token_ids)
 

@@ -142,7 +142,7 @@ def _assert_same_or_tie(
     for step, (mine, single) in enumerate(zip(ours, theirs, strict=True)):
         if mine == single:
             continue
-        from engine.messages.steps import SeqChunk
+        from engine.model.step_inputs import SeqChunk
 
         context = prompt + theirs[:step]
         blocks = list(range(-(-len(context) // runner.block_size)))

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.messages.steps import SeqChunk
 from engine.model.config import load_model_config, parse_model_config
 from engine.model.loader import resolve_dtype
 from engine.model.runner import ModelRunner
+from engine.model.step_inputs import SeqChunk
 from tests.checkpoints import tiny_checkpoint
 from tests.fresh_process import imported_after
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.messages.steps import SeqChunk
 from engine.model.runner import ModelRunner
+from engine.model.step_inputs import SeqChunk
 from tests.checkpoints import (
     BlockAllocator,
     assert_same_greedy,

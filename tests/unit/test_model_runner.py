@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.messages.steps import SeqChunk
 from engine.model.capacity import kv_cache_blocks
 from engine.model.config import load_model_config
 from engine.model.runner import ModelRunner
+from engine.model.step_inputs import SeqChunk
 from tests.checkpoints import tiny_checkpoint
 
 

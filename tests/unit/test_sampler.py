@@ -7,17 +7,19 @@ import pytest
 import torch
 
 from engine.messages.params import SamplingParams
-from engine.messages.steps import NewSeq
 from engine.model.sampler import Sampler, _apply_penalties, _top_k_top_p, uniform_noise
+from engine.model.step_inputs import SequenceStart
 
 EOS = 3
 
 
-def new_seq(seq_id: int, seed: int = 0, prompt=(1, 2), output=(), **params: object) -> NewSeq:
-    return NewSeq(seq_id, list(prompt), list(output), SamplingParams(**params), seed)  # type: ignore[arg-type]
+def new_seq(
+    seq_id: int, seed: int = 0, prompt=(1, 2), output=(), **params: object
+) -> SequenceStart:
+    return SequenceStart(seq_id, list(prompt), list(output), SamplingParams(**params), seed)  # type: ignore[arg-type]
 
 
-def sampler_with(*seqs: NewSeq, vocab_size: int = 8) -> Sampler:
+def sampler_with(*seqs: SequenceStart, vocab_size: int = 8) -> Sampler:
     sampler = Sampler(vocab_size, [EOS])
     for seq in seqs:
         sampler.add(seq)

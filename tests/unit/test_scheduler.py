@@ -26,7 +26,8 @@ from engine.messages.scheduling import (
     SubmitRequest,
     TokenBatch,
 )
-from engine.messages.steps import StepPlan, StepResult, TokenLogprobs
+from engine.messages.steps import STEP_PLANS, StepPlan, StepResult, TokenLogprobs
+from engine.model.step_inputs import KnownSequences
 
 EOS = 0
 NextToken = Callable[[int, list[int]], int]
@@ -45,11 +46,14 @@ class ReferenceWorker:
         self.history: dict[int, list[int]] = {}
         self.seeds: dict[int, int] = {}
         self.wants_logprobs: dict[int, bool] = {}
+        self.known = KnownSequences()
 
     def run(self, plan: StepPlan) -> StepResult:
         for seq_id in plan.finished_seq_ids:
             self.history.pop(seq_id)
-        for new in plan.new_seqs:
+        # What the ranks keep between plans is the real worker code: plans carry deltas.
+        starts, chunks = self.known.apply(plan)
+        for new in starts:
             tokens = [*new.prompt_token_ids, *new.output_token_ids]
             if new.seq_id in self.history:  # re-announced after preemption: same history
                 assert self.history[new.seq_id] == tokens
@@ -57,7 +61,7 @@ class ReferenceWorker:
             self.seeds[new.seq_id] = new.seed
             self.wants_logprobs[new.seq_id] = new.params.logprobs is not None
         seq_ids, token_ids = [], []
-        for chunk in plan.chunks:
+        for chunk in chunks:
             history = self.history[chunk.seq_id]
             end = chunk.start_pos + len(chunk.token_ids)
             assert chunk.token_ids == history[chunk.start_pos : end]
@@ -126,6 +130,7 @@ def step(scheduler: Scheduler, worker: ReferenceWorker, outputs: Outputs) -> Ste
         result = worker.run(plan)
         assert sum(len(c.token_ids) for c in plan.chunks) <= config.max_num_batched_tokens
         assert len(plan.chunks) <= config.max_num_seqs
+        assert len(STEP_PLANS.encode(plan)) <= config.max_plan_bytes
         if plan.chunks:
             outputs.add(scheduler.update(result))
     scheduler.kv.pool.check_invariants()
@@ -165,6 +170,7 @@ def assert_no_state_left(scheduler: Scheduler, worker: ReferenceWorker) -> None:
     assert stats.kv_usage == 0.0
     assert scheduler.request_statuses() == []
     assert not worker.history, "workers were told to drop every sequence"
+    assert not worker.known.requests and not worker.known.block_tables, "... and every request"
 
 
 # ---- basics --------------------------------------------------------------------------------------
@@ -385,12 +391,13 @@ def test_samples_of_one_request_share_the_prompt_blocks(caching: bool) -> None:
     assert [new.seq_id for new in first.new_seqs] == [0]  # siblings wait for the prompt
     second = step(scheduler, worker, outputs)
     assert second is not None
-    leader_table = first.chunks[0].block_table
+    # Each of these is its sequence's first chunk: it carries the whole block table.
+    leader_table = first.chunks[0].new_block_ids
     followers = [c for c in second.chunks if c.seq_id != 0]
     assert [(c.start_pos, c.token_ids) for c in followers] == [(8, [9, 10]), (8, [9, 10])]
     for chunk in followers:
-        assert chunk.block_table[:2] == leader_table[:2]  # shared, not recomputed
-        assert chunk.block_table[2] != leader_table[2]  # the partial block is their own
+        assert chunk.new_block_ids[:2] == leader_table[:2]  # shared, not recomputed
+        assert chunk.new_block_ids[2] != leader_table[2]  # the partial block is their own
     assert [new.seed for new in second.new_seqs] == [derive_seed(7, 1), derive_seed(7, 2)]
     while step(scheduler, worker, outputs) is not None:
         pass

@@ -20,6 +20,7 @@ import msgspec
 from engine.actors.runtime.actor import Actor
 from engine.actors.scheduler.config import SchedulerConfig
 from engine.actors.scheduler.scheduler import Scheduler
+from engine.messages.codec import encode_in_frames, too_large_for_one_frame
 from engine.messages.reports import SCHEDULER_REPORTS, SchedulerReport
 from engine.messages.scheduling import (
     SCHEDULER_OUTPUTS,
@@ -28,6 +29,7 @@ from engine.messages.scheduling import (
     RequestRejected,
     StopSamples,
     SubmitRequest,
+    TokenBatch,
 )
 from engine.messages.steps import STEP_PLANS, STEP_RESULTS, StepResult
 
@@ -41,6 +43,7 @@ class SchedulerActor(Actor):
         config = msgspec.msgpack.decode(self.config, type=SchedulerConfig)
         # Ids past any a former generation can have used (the workers may still answer it).
         self.scheduler = Scheduler(config, first_id=self.generation << 40)
+        self._max_frame_bytes = self.rings.writer("tokens").spec.max_frame_bytes
         self._last_report = 0.0
         self._reported_idle = False
         self._publish_report()  # so the root's stats are complete from the start
@@ -65,8 +68,7 @@ class SchedulerActor(Actor):
                     continue
                 # Start the next step before telling the detokenizer: the workers are idle now.
                 await self._plan_next()
-                if batch.items:
-                    to_detokenizer.append(SCHEDULER_OUTPUTS.encode(batch))
+                to_detokenizer += self._frames(batch)
         else:  # "submit" (from the tokenizer) or "stops" (from the detokenizer)
             for message in SCHEDULER_REQUESTS.decode_many(frames):
                 to_detokenizer.extend(self._apply(message))
@@ -103,11 +105,20 @@ class SchedulerActor(Actor):
         if rejected is not None:
             return [SCHEDULER_OUTPUTS.encode(rejected)]
         # The detokenizer learns stop strings and resume points ahead of any token (same ring).
-        out = [SCHEDULER_OUTPUTS.encode(message)]
+        forwarded = SCHEDULER_OUTPUTS.encode(message)
+        if len(forwarded) > self._max_frame_bytes:  # it could never reach the detokenizer
+            self.scheduler.abort([message.request_id])
+            error = too_large_for_one_frame(len(forwarded), self._max_frame_bytes)
+            rejected = RequestRejected(message.request_id, message.epoch, error)
+            return [SCHEDULER_OUTPUTS.encode(rejected)]
         early = self.scheduler.take_outputs()
-        if early is not None:
-            out.append(SCHEDULER_OUTPUTS.encode(early))
-        return out
+        return [forwarded, *(self._frames(early) if early is not None else [])]
+
+    def _frames(self, batch: TokenBatch) -> list[bytes]:
+        """A step's tokens for the detokenizer, in as many frames as they need."""
+        if not batch.items:
+            return []
+        return encode_in_frames(SCHEDULER_OUTPUTS, TokenBatch, [batch.items], self._max_frame_bytes)
 
     async def _plan_next(self) -> None:
         plan = self.scheduler.schedule()

@@ -13,6 +13,8 @@ class SchedulerConfig(msgspec.Struct, kw_only=True):
     max_model_len: int = 4096  # prompt + output tokens of one sequence
     enable_prefix_caching: bool = True
     eos_token_ids: list[int] = msgspec.field(default_factory=list)
+    # Bytes one StepPlan may take: the frame must fit the plan ring (messages/steps.py).
+    max_plan_bytes: int = 4 * 2**20
 
     def validate(self) -> None:
         """Raise ValueError naming the offending setting, its value and the allowed range."""
@@ -22,6 +24,15 @@ class SchedulerConfig(msgspec.Struct, kw_only=True):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+        # One sequence of max_model_len must fit a plan alone: its request (prompt), its
+        # history and its whole block table, at the widest id encoding (5 bytes).
+        one_sequence = 5 * 3 * self.max_model_len + 4096
+        if self.max_plan_bytes < one_sequence:
+            raise ValueError(
+                f"a step plan of {self.max_plan_bytes} bytes cannot carry one sequence of "
+                f"max_model_len {self.max_model_len} (up to {one_sequence} bytes): lower "
+                "max_model_len"
+            )
         capacity = self.num_blocks * self.block_size
         if capacity < self.max_model_len:
             # Otherwise one long sequence could never fit, and would preempt itself forever.

@@ -30,10 +30,18 @@ class ScheduledChunk(NamedTuple):
 
 
 class BatchPlanner:
-    def __init__(self, kv: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        kv: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_plan_bytes: int,
+    ) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # A plan is one frame on a ring: what it carries (announcements above all) must fit.
+        self.max_plan_bytes = max_plan_bytes
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
@@ -70,6 +78,7 @@ class BatchPlanner:
     def plan(self) -> list[ScheduledChunk]:
         chunks: list[ScheduledChunk] = []
         budget = self.max_num_batched_tokens
+        room = self.max_plan_bytes  # bytes left in the plan's frame
         scheduled: set[int] = set()
         preempted = False
         decoding = [seq for seq in self.running if seq.num_uncomputed_tokens == 1]
@@ -80,12 +89,16 @@ class BatchPlanner:
             if seq.status is not SeqStatus.RUNNING:  # preempted for an earlier one this step
                 continue
             num_tokens = min(seq.num_uncomputed_tokens, budget)
+            size = seq.plan_bytes(num_tokens, seq.num_computed_tokens + num_tokens)
+            if size > room and chunks:
+                break  # the frame is full: the rest run next step
             reserved, preempted_some = self._reserve(seq, num_tokens, scheduled)
             preempted = preempted or preempted_some
             if reserved:
                 chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_tokens))
                 scheduled.add(seq.seq_id)
                 budget -= num_tokens
+                room -= size
         if preempted and chunks:
             return chunks  # memory is short: admit no one until the running make progress
         for seq in list(self.waiting):
@@ -93,11 +106,16 @@ class BatchPlanner:
                 break
             if self._waits_for_sibling(seq):
                 continue
+            # Cache hits are not known yet: count the whole table the sequence could need.
+            size = seq.plan_bytes(min(seq.num_tokens, budget), seq.num_tokens)
+            if size > room and chunks:
+                break  # no room left in this plan's frame: admitted next step, in order
             chunk = self._admit(seq, budget)
             if chunk is None:
                 break  # keep arrival order: no one overtakes a request that does not fit
             chunks.append(chunk)
             budget -= chunk.num_tokens
+            room -= size
         return chunks
 
     def _reserve(self, seq: Sequence, num_tokens: int, scheduled: set[int]) -> tuple[bool, bool]:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import enum
 
+import msgspec
+
 from engine.kv.block_table import BlockTable
 from engine.kv.prefix_cache import BlockHashChain
 from engine.messages.params import SamplingParams
-from engine.messages.steps import NewSeq
+from engine.messages.steps import NewRequest, NewSeq
 
 _MASK64 = (1 << 64) - 1
 
@@ -31,9 +33,15 @@ class SeqStatus(enum.Enum):
     FINISHED = "finished"
 
 
+# Bounds for the size of what a plan carries (messages/steps.py), in msgpack's bytes.
+ID_BYTES = 5  # the widest encoding of a token or block id (< 2**32)
+ENTRY_BYTES = 32  # the fixed fields of one NewRequest, NewSeq or PlannedChunk
+
+
 class Request:
-    __slots__ = ("arrival", "epoch", "num_preemptions", "params", "prompt_token_ids",
-                 "request_id", "samples", "seed")  # fmt: skip
+    __slots__ = ("announcement_bytes", "arrival", "epoch", "key", "known_to_workers",
+                 "num_preemptions", "params", "prompt_token_ids", "request_id", "samples",
+                 "seed", "worker_params")  # fmt: skip
 
     def __init__(
         self,
@@ -43,6 +51,7 @@ class Request:
         params: SamplingParams,
         seed: int,
         arrival: float,
+        key: int = 0,
     ) -> None:
         self.request_id = request_id
         self.epoch = epoch
@@ -50,16 +59,29 @@ class Request:
         self.params = params
         self.seed = seed
         self.arrival = arrival
+        self.key = key  # names the request to the workers
         self.num_preemptions = 0
         self.samples: dict[int, Sequence] = {}  # unfinished samples by index
+        # Stop strings are matched by the detokenizer: the workers never get them.
+        self.worker_params = msgspec.structs.replace(params, stop=[])
+        self.known_to_workers = False  # a plan announced it and none has retired it since
+        self.announcement_bytes = (
+            ENTRY_BYTES
+            + ID_BYTES * len(prompt_token_ids)
+            + len(msgspec.msgpack.encode(self.worker_params))
+        )
+
+    def announcement(self) -> NewRequest:
+        return NewRequest(self.key, self.prompt_token_ids, self.worker_params)
 
 
 class Sequence:
     """One sample of a request: prompt + generated tokens, and how much of it has KV."""
 
-    __slots__ = ("block_table", "hash_chain", "index", "known_to_workers", "needs_announce",
-                 "num_computed_tokens", "num_prompt_tokens", "request", "seed", "seq_id",
-                 "status", "token_ids")  # fmt: skip
+    __slots__ = ("block_size", "block_table", "blocks_sent", "hash_chain", "index",
+                 "known_to_workers", "needs_announce", "num_computed_tokens",
+                 "num_prompt_tokens", "request", "seed", "seq_id", "status",
+                 "token_ids")  # fmt: skip
 
     def __init__(
         self,
@@ -77,7 +99,9 @@ class Sequence:
         self.seed = derive_seed(request.seed, index)
         self.num_computed_tokens = 0  # tokens whose KV the workers have written
         self.status = SeqStatus.WAITING
+        self.block_size = block_size
         self.block_table = BlockTable()
+        self.blocks_sent = 0  # of block_table's ids, those the workers have
         self.hash_chain = BlockHashChain(block_size)
         self.needs_announce = True  # the next plan must carry a NewSeq for it
         self.known_to_workers = False  # some plan announced it: it must be retired by name
@@ -102,13 +126,21 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens :]
 
     def announcement(self) -> NewSeq:
-        return NewSeq(
-            seq_id=self.seq_id,
-            prompt_token_ids=self.request.prompt_token_ids,
-            output_token_ids=self.output_token_ids(),
-            params=self.request.params,
-            seed=self.seed,
-        )
+        return NewSeq(self.seq_id, self.request.key, self.output_token_ids(), self.seed)
+
+    def plan_bytes(self, num_tokens: int, covered_tokens: int) -> int:
+        """At most the bytes a chunk of `num_tokens` of this sequence adds to a plan, with its
+        own announcement and its request's when the workers need them; `covered_tokens`: how
+        far its block table reaches after the chunk."""
+        size = ENTRY_BYTES + ID_BYTES * num_tokens
+        end_blocks = -(-covered_tokens // self.block_size)
+        if self.needs_announce:  # the whole table, the history and maybe the request
+            size += ENTRY_BYTES + ID_BYTES * (end_blocks + self.num_output_tokens)
+            if not self.request.known_to_workers:
+                size += self.request.announcement_bytes
+        else:
+            size += ID_BYTES * (end_blocks - self.blocks_sent)
+        return size
 
     def __repr__(self) -> str:
         return (

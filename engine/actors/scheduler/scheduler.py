@@ -28,7 +28,7 @@ from engine.messages.scheduling import (
     SubmitRequest,
     TokenBatch,
 )
-from engine.messages.steps import SeqChunk, StepPlan, StepResult
+from engine.messages.steps import NewRequest, NewSeq, PlannedChunk, StepPlan, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -53,14 +53,18 @@ class Scheduler:
         self.config = config
         self.clock = clock
         self.kv = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.planner = BatchPlanner(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.planner = BatchPlanner(
+            self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.max_plan_bytes
+        )
         self._eos_token_ids = frozenset(config.eos_token_ids)
         self._requests: dict[str, Request] = {}
         self._seqs: dict[int, Sequence] = {}
         self._next_seq_id = first_id
         self._next_step_id = first_id
+        self._next_request_key = first_id
         self._in_flight: _InFlight | None = None
         self._retired_seq_ids: list[int] = []  # workers drop them with the next plan
+        self._retired_request_keys: list[int] = []  # ... and these requests
         self._outbox: list[SampleDelta] = []  # finishes decided outside a step
         self.num_steps = 0
 
@@ -89,7 +93,17 @@ class Scheduler:
             submit.params,
             submit.seed,
             arrival=self.clock(),
+            key=self._next_request_key,
         )
+        self._next_request_key += 1
+        if request.announcement_bytes > self.config.max_plan_bytes // 2:
+            return RequestRejected(
+                submit.request_id,
+                submit.epoch,
+                f"the request's prompt and sampling parameters take {request.announcement_bytes} "
+                f"bytes to send to the workers, more than a step may carry "
+                f"({self.config.max_plan_bytes // 2}): shorten the prompt or stop_token_ids",
+            )
         starts: list[tuple[int, list[int]]]
         if submit.resume is None:
             starts = [(index, []) for index in range(submit.params.n)]
@@ -152,7 +166,10 @@ class Scheduler:
         for seq in self._seqs.values():
             seq.needs_announce = True
             seq.known_to_workers = False
+        for request in self._requests.values():
+            request.known_to_workers = False
         self._retired_seq_ids.clear()
+        self._retired_request_keys.clear()
         self.kv.reset_prefix_cache()
 
     # ---- steps ---------------------------------------------------------------------------------
@@ -165,34 +182,49 @@ class Scheduler:
         if self._in_flight is not None:
             return None
         chunks = self.planner.plan()
-        if not chunks and not self._retired_seq_ids:
+        if not chunks and not self._retired_seq_ids and not self._retired_request_keys:
             return None
         step_id = self._next_step_id
         self._next_step_id += 1
-        new_seqs = []
-        seq_chunks = []
+        new_requests: list[NewRequest] = []
+        new_seqs: list[NewSeq] = []
+        planned = []
         sampled: set[int] = set()
         for chunk in chunks:
             seq = chunk.seq
             if seq.needs_announce:
+                if not seq.request.known_to_workers:
+                    new_requests.append(seq.request.announcement())
+                    seq.request.known_to_workers = True
                 new_seqs.append(seq.announcement())
                 seq.needs_announce = False
                 seq.known_to_workers = True
+                seq.blocks_sent = 0
             end = chunk.start + chunk.num_tokens
             sample = end == seq.num_tokens
             if sample:
                 sampled.add(seq.seq_id)
-            seq_chunks.append(
-                SeqChunk(
+            block_ids = seq.block_table.block_ids
+            planned.append(
+                PlannedChunk(
                     seq.seq_id,
                     seq.token_ids[chunk.start : end],
                     chunk.start,
-                    list(seq.block_table.block_ids),
+                    block_ids[seq.blocks_sent :],
                     sample,
                 )
             )
-        plan = StepPlan(step_id, new_seqs, seq_chunks, self._retired_seq_ids)
+            seq.blocks_sent = len(block_ids)
+        plan = StepPlan(
+            step_id,
+            new_requests,
+            new_seqs,
+            planned,
+            self._retired_seq_ids,
+            self._retired_request_keys,
+        )
         self._retired_seq_ids = []
+        self._retired_request_keys = []
         if chunks:
             self._in_flight = _InFlight(step_id, chunks, sampled)
         return plan
@@ -309,9 +341,17 @@ class Scheduler:
         request = seq.request
         del request.samples[seq.index]
         if not request.samples and self._requests.get(request.request_id) is request:
-            del self._requests[request.request_id]
+            self._forget(request)
 
     def _drop_request(self, request: Request) -> None:
         for seq in list(request.samples.values()):
             self._retire(seq)
-        self._requests.pop(request.request_id, None)
+        if self._requests.get(request.request_id) is request:
+            self._forget(request)
+
+    def _forget(self, request: Request) -> None:
+        """The request is done here; the workers forget it with the next plan."""
+        del self._requests[request.request_id]
+        if request.known_to_workers:
+            request.known_to_workers = False
+            self._retired_request_keys.append(request.key)
