@@ -78,7 +78,8 @@ def roomy_server(
 ) -> Iterator[Server]:
     """Big bodies allowed, prompt text checked only after tokenizing (so a megabyte prompt is
     tokenized), a tokenizer declared hung after 1.5 s without a heartbeat, small stream buffers
-    and a short stalled-stream timeout."""
+    and a short stalled-stream timeout, and limits that let 3 MB of stop strings through (so
+    that what carries them between actors is what gets tested)."""
     work = tmp_path_factory.mktemp("roomy")
     extra = [
         "--max-request-bytes", "8MiB",
@@ -88,6 +89,8 @@ def roomy_server(
         "--runtime.heartbeat_timeout", "1.5",
         "--server.stream_buffer", "4",
         "--server.stalled_stream_timeout", "2",
+        "--limits.max_stop_strings", "30000",
+        "--limits.max_stop_chars", "4000000",
     ]  # fmt: skip
     srv = start_server(server_args(model_args, work / "admin.sock", *extra), work, name="roomy")
     try:
@@ -148,5 +151,22 @@ def test_a_client_that_stops_reading_has_its_request_aborted(roomy_server: Serve
         stats = wait_until(lambda: (s := roomy_server.admin("stats"))["kv_usage"] == 0 and s, 30)
         assert not roomy_server.admin("requests")
         assert stats["stalled_stream_aborts"] == 1
+    assert restarts(roomy_server) == before
+    assert_still_serves(roomy_server)
+
+
+def test_megabytes_of_stop_strings_with_several_samples_are_served_not_a_crash(
+    roomy_server: Server,
+) -> None:
+    # The hostile client's repro: 3 MB of stop strings, n=3, three times. They once went into
+    # every step plan once per sample (9.4 MB on an 8 MB ring): the scheduler crash-looped.
+    before = restarts(roomy_server)
+    stops = ["x" * 150 + str(i) for i in range(20000)]
+    body = {"prompt": "a", "max_tokens": 2, "n": 3, "stop": stops}
+    with roomy_server.http(timeout=120) as http:
+        for _ in range(3):
+            resp = http.post("/v1/completions", json=body)
+            assert resp.status_code == 200, resp.text
+            assert len(resp.json()["choices"]) == 3
     assert restarts(roomy_server) == before
     assert_still_serves(roomy_server)
