@@ -65,6 +65,8 @@ def check_prompt_size(
 def check_prompt_length(prompt_len: int, max_tokens: int | None, max_model_len: int) -> None:
     """The prompt must leave room for output: fewer than max_model_len tokens, and prompt +
     max_tokens within it (pass max_tokens=None for a resumed request, which already has output)."""
+    if prompt_len == 0:
+        raise EngineError("the prompt is empty: it must have at least one token", 400, "prompt")
     if prompt_len >= max_model_len:
         raise EngineError(
             f"the prompt has {prompt_len} tokens, but max_model_len is {max_model_len}: "

@@ -16,13 +16,13 @@ import msgspec
 import uvloop
 from tqdm import tqdm
 
-from engine.actors.hf_tokenizer import load_tokenizer_without_torch
 from engine.async_llm import AsyncLLM
 from engine.messages.params import SamplingParams
 from engine.outputs import RequestOutput
 from engine.prompts import Prompt
 from engine.settings import Settings
 from engine.settings.schema import cross_field_problems
+from engine.text.hf_tokenizer import load_tokenizer_without_torch
 
 T = TypeVar("T")
 

@@ -26,7 +26,6 @@ import msgspec
 from engine.actors.detokenizer import DetokenizerConfig
 from engine.actors.roles import Role
 from engine.actors.runtime.child_spec import ROOT, ChildSpec, RingDecl, Strategy, SupervisorSpec
-from engine.actors.scheduler.config import SchedulerConfig
 from engine.actors.tokenizer import TokenizerConfig
 from engine.actors.worker import WorkerConfig
 from engine.model.capacity import available_cpu_memory, kv_block_bytes
@@ -42,6 +41,7 @@ from engine.placement import (
     worker_threads,
 )
 from engine.placement import kv_cache_bytes as placement_kv_cache_bytes
+from engine.scheduler.config import SchedulerConfig
 from engine.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -233,7 +233,7 @@ def _replica_spec(
         *workers,
         ChildSpec(
             name=f"scheduler{suffix}",
-            entry="engine.actors.scheduler.actor:SchedulerActor",
+            entry="engine.actors.scheduler:SchedulerActor",
             role=Role.SCHEDULER,
             config=msgspec.msgpack.encode(scheduler),
             **timing,

@@ -12,12 +12,12 @@ from typing import Any
 
 import msgspec
 
-from engine.actors.hf_tokenizer import load_token_decoder
 from engine.actors.runtime.actor import Actor
 from engine.messages.codec import encode_in_frames
 from engine.messages.outputs import DETOKENIZER_TO_GATEWAY, OutputBatch
 from engine.messages.scheduling import SCHEDULER_OUTPUTS, SCHEDULER_REQUESTS, AbortRequests
 from engine.text import Detokenizer
+from engine.text.hf_tokenizer import load_token_decoder
 
 
 class DetokenizerConfig(msgspec.Struct, frozen=True):

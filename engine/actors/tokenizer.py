@@ -14,7 +14,6 @@ from typing import Any
 
 import msgspec
 
-from engine.actors.hf_tokenizer import load_tokenizer_without_torch
 from engine.actors.runtime.actor import Actor
 from engine.messages.codec import too_large_for_one_frame
 from engine.messages.requests import (
@@ -25,6 +24,7 @@ from engine.messages.requests import (
 )
 from engine.messages.scheduling import SCHEDULER_REQUESTS, AbortRequests, SubmitRequest
 from engine.outputs import EngineError
+from engine.text.hf_tokenizer import load_tokenizer_without_torch
 from engine.text.prompt import PromptBuilder
 
 

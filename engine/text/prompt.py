@@ -49,8 +49,6 @@ class PromptBuilder:
             token_ids = self.tokenizer.encode(request.prompt)
         else:
             raise ValueError("a request needs a prompt, prompt token ids or messages")
-        if not token_ids:
-            raise ValueError("the prompt is empty: it must have at least one token")
         max_tokens = request.params.max_tokens if request.resume is None else None
         check_prompt_length(len(token_ids), max_tokens, self.max_model_len)
         return list(token_ids)

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from engine.actors.hf_tokenizer import load_tokenizer_without_torch
+from engine.text.hf_tokenizer import load_tokenizer_without_torch
 from tests.e2e.conftest import MAX_QUEUED, server_args
 from tests.e2e.harness import API_KEY, Server, start_server, wait_until
 from tests.e2e.test_bad_input import assert_still_serves, error_of

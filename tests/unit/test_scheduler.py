@@ -16,8 +16,6 @@ from collections.abc import Callable
 
 import pytest
 
-from engine.actors.scheduler import Scheduler, SchedulerConfig
-from engine.actors.scheduler.requests import derive_seed
 from engine.messages.params import SamplingParams
 from engine.messages.scheduling import (
     RequestRejected,
@@ -28,6 +26,8 @@ from engine.messages.scheduling import (
 )
 from engine.messages.steps import STEP_PLANS, StepPlan, StepResult, TokenLogprobs
 from engine.model.step_inputs import KnownSequences
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler.requests import derive_seed
 
 EOS = 0
 NextToken = Callable[[int, list[int]], int]
@@ -220,8 +220,8 @@ def test_eos_stops_unless_ignored_and_only_after_min_tokens() -> None:
 
 @pytest.mark.parametrize(
     ("prompt_len", "fragment"),
-    [(65, "65 tokens, more than the maximum context length max_model_len=64"),
-     (64, "64 tokens, which fills max_model_len=64")],
+    [(65, "the prompt has 65 tokens, but max_model_len is 64"),
+     (64, "the prompt has 64 tokens, but max_model_len is 64")],
 )  # fmt: skip
 def test_a_prompt_without_room_to_generate_is_rejected_naming_both_numbers(
     prompt_len: int, fragment: str

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from engine.actors.hf_tokenizer import load_token_decoder
 from engine.text import IncrementalDetokenizer
+from engine.text.hf_tokenizer import load_token_decoder
 from tests.checkpoints import tiny_checkpoint
 from tests.fresh_process import imported_after
 
@@ -60,7 +60,7 @@ def test_added_tokens_missing_from_tokenizer_json_go_through_transformers(
 
 def test_the_fast_path_imports_no_transformers() -> None:
     code = (
-        "from engine.actors.hf_tokenizer import load_token_decoder\n"
+        "from engine.text.hf_tokenizer import load_token_decoder\n"
         f"load_token_decoder({str(tiny_checkpoint('qwen3'))!r}).decode([5, 6, 7])"
     )
     assert imported_after(code, ("transformers", "torch")) == []

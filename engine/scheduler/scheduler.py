@@ -13,11 +13,6 @@ import time
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
-from engine.actors.scheduler.admission import rejection_reason
-from engine.actors.scheduler.config import SchedulerConfig
-from engine.actors.scheduler.policy import BatchPlanner, ScheduledChunk
-from engine.actors.scheduler.requests import Request, Sequence
-from engine.actors.scheduler.stopping import finish_reason
 from engine.kv.block_manager import BlockManager
 from engine.messages.scheduling import (
     RequestRejected,
@@ -29,6 +24,11 @@ from engine.messages.scheduling import (
     TokenBatch,
 )
 from engine.messages.steps import NewRequest, NewSeq, PlannedChunk, StepPlan, StepResult
+from engine.scheduler.admission import rejection_reason
+from engine.scheduler.config import SchedulerConfig
+from engine.scheduler.policy import BatchPlanner, ScheduledChunk
+from engine.scheduler.requests import Request, SequenceState
+from engine.scheduler.stopping import finish_reason
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class Scheduler:
         )
         self._eos_token_ids = frozenset(config.eos_token_ids)
         self._requests: dict[str, Request] = {}
-        self._seqs: dict[int, Sequence] = {}
+        self._seqs: dict[int, SequenceState] = {}
         self._next_seq_id = first_id
         self._next_step_id = first_id
         self._next_request_key = first_id
@@ -111,7 +111,9 @@ class Scheduler:
             starts = [(item.index, item.delivered_token_ids) for item in submit.resume]
         self._requests[request.request_id] = request  # first, so abort() can undo a partial add
         for index, delivered in starts:
-            seq = Sequence(self._next_seq_id, request, index, delivered, self.config.block_size)
+            seq = SequenceState(
+                self._next_seq_id, request, index, delivered, self.config.block_size
+            )
             self._next_seq_id += 1
             done = (
                 finish_reason(seq, self._eos_token_ids, self.config.max_model_len)
@@ -298,10 +300,6 @@ class Scheduler:
     def request_ids(self) -> list[str]:
         return list(self._requests)
 
-    @property
-    def step_in_flight(self) -> bool:
-        return self._in_flight is not None
-
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
             num_running=len(self.planner.running),
@@ -332,7 +330,7 @@ class Scheduler:
 
     # ---- internals -----------------------------------------------------------------------------
 
-    def _retire(self, seq: Sequence) -> None:
+    def _retire(self, seq: SequenceState) -> None:
         """Forget a finished or dropped sample; its request goes when its last sample does."""
         self.planner.remove(seq)
         del self._seqs[seq.seq_id]

@@ -61,7 +61,7 @@ class Request:
         self.arrival = arrival
         self.key = key  # names the request to the workers
         self.num_preemptions = 0
-        self.samples: dict[int, Sequence] = {}  # unfinished samples by index
+        self.samples: dict[int, SequenceState] = {}  # unfinished samples by index
         # Stop strings are matched by the detokenizer: the workers never get them.
         self.worker_params = msgspec.structs.replace(params, stop=[])
         self.known_to_workers = False  # a plan announced it and none has retired it since
@@ -75,7 +75,7 @@ class Request:
         return NewRequest(self.key, self.prompt_token_ids, self.worker_params)
 
 
-class Sequence:
+class SequenceState:
     """One sample of a request: prompt + generated tokens, and how much of it has KV."""
 
     __slots__ = ("block_size", "block_table", "blocks_sent", "hash_chain", "index",
@@ -144,6 +144,6 @@ class Sequence:
 
     def __repr__(self) -> str:
         return (
-            f"Sequence(id={self.seq_id}, {self.request.request_id}#{self.index}, "
+            f"SequenceState(id={self.seq_id}, {self.request.request_id}#{self.index}, "
             f"{self.status.value}, tokens={self.num_tokens}, computed={self.num_computed_tokens})"
         )

@@ -19,12 +19,12 @@ from __future__ import annotations
 from collections import deque
 from typing import NamedTuple
 
-from engine.actors.scheduler.requests import SeqStatus, Sequence
 from engine.kv.block_manager import BlockManager
+from engine.scheduler.requests import SeqStatus, SequenceState
 
 
 class ScheduledChunk(NamedTuple):
-    seq: Sequence
+    seq: SequenceState
     start: int  # first token position to compute
     num_tokens: int
 
@@ -42,17 +42,17 @@ class BatchPlanner:
         self.max_num_batched_tokens = max_num_batched_tokens
         # A plan is one frame on a ring: what it carries (announcements above all) must fit.
         self.max_plan_bytes = max_plan_bytes
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # in admission order
+        self.waiting: deque[SequenceState] = deque()
+        self.running: list[SequenceState] = []  # in admission order
         self.num_preemptions = 0
 
     # ---- queue membership ----------------------------------------------------------------------
 
-    def enqueue(self, seq: Sequence) -> None:
+    def enqueue(self, seq: SequenceState) -> None:
         seq.status = SeqStatus.WAITING
         self.waiting.append(seq)
 
-    def remove(self, seq: Sequence) -> None:
+    def remove(self, seq: SequenceState) -> None:
         """Take `seq` out of its queue for good; a running one gives its blocks back at once."""
         if seq.status is SeqStatus.RUNNING:
             self.kv.free(seq.block_table)
@@ -61,7 +61,7 @@ class BatchPlanner:
             self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED
 
-    def preempt(self, seq: Sequence, count: bool = True) -> None:
+    def preempt(self, seq: SequenceState, count: bool = True) -> None:
         """Drop `seq`'s KV and queue it first among the waiting, to be recomputed."""
         self.kv.free(seq.block_table)
         self.running.remove(seq)
@@ -118,7 +118,9 @@ class BatchPlanner:
             room -= size
         return chunks
 
-    def _reserve(self, seq: Sequence, num_tokens: int, scheduled: set[int]) -> tuple[bool, bool]:
+    def _reserve(
+        self, seq: SequenceState, num_tokens: int, scheduled: set[int]
+    ) -> tuple[bool, bool]:
         """Blocks for `num_tokens` more of `seq`, preempting the latest admitted as needed.
 
         Returns (reserved, whether anyone was preempted); `seq` itself may be the one preempted.
@@ -132,7 +134,7 @@ class BatchPlanner:
                 return False, True
         return True, preempted
 
-    def _admit(self, seq: Sequence, budget: int) -> ScheduledChunk | None:
+    def _admit(self, seq: SequenceState, budget: int) -> ScheduledChunk | None:
         block_size = self.kv.block_size
         cache_hits = self.kv.cached_prefix(seq.hash_chain, seq.token_ids)
         shared = self._sibling_prefix(seq)
@@ -149,11 +151,11 @@ class BatchPlanner:
         self.running.append(seq)
         return ScheduledChunk(seq, num_computed, num_tokens)
 
-    def _shareable_blocks(self, seq: Sequence) -> int:
+    def _shareable_blocks(self, seq: SequenceState) -> int:
         """Full blocks of the prompt `seq` could take from a sibling (its last token excluded)."""
         return min(seq.num_prompt_tokens, seq.num_tokens - 1) // self.kv.block_size
 
-    def _sibling_prefix(self, seq: Sequence) -> list[int]:
+    def _sibling_prefix(self, seq: SequenceState) -> list[int]:
         limit = self._shareable_blocks(seq)
         best: list[int] = []
         for sibling in seq.request.samples.values():
@@ -164,7 +166,7 @@ class BatchPlanner:
                 best = sibling.block_table.block_ids[:count]
         return best
 
-    def _waits_for_sibling(self, seq: Sequence) -> bool:
+    def _waits_for_sibling(self, seq: SequenceState) -> bool:
         """A sibling is running but has not computed the prompt yet: wait and share it after."""
         limit = self._shareable_blocks(seq)
         return limit > 0 and any(

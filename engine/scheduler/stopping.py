@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Container
 
-from engine.actors.scheduler.requests import Sequence
+from engine.scheduler.requests import SequenceState
 
 
-def finish_reason(seq: Sequence, eos_token_ids: Container[int], max_model_len: int) -> str | None:
+def finish_reason(
+    seq: SequenceState, eos_token_ids: Container[int], max_model_len: int
+) -> str | None:
     """ "stop" for a stop token, "length" at max_tokens or max_model_len, else None.
 
     Stop tokens count only once min_tokens tokens are out (the sampler also masks them until

@@ -18,8 +18,6 @@ from typing import Any
 import msgspec
 
 from engine.actors.runtime.actor import Actor
-from engine.actors.scheduler.config import SchedulerConfig
-from engine.actors.scheduler.scheduler import Scheduler
 from engine.messages.codec import encode_in_frames, too_large_for_one_frame
 from engine.messages.reports import SCHEDULER_REPORTS, SchedulerReport
 from engine.messages.scheduling import (
@@ -32,6 +30,8 @@ from engine.messages.scheduling import (
     TokenBatch,
 )
 from engine.messages.steps import STEP_PLANS, STEP_RESULTS, StepResult
+from engine.scheduler.config import SchedulerConfig
+from engine.scheduler.scheduler import Scheduler
 
 REPORT_INTERVAL_S = 0.2  # the admin socket's and /metrics' view may lag this much
 
