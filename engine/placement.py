@@ -63,6 +63,10 @@ def resolve_dtype(requested: str, checkpoint_dtype: str | None, device: str) -> 
         if kind == "cuda" and dtype == "float32":
             return "bfloat16"
         return dtype
+    if requested not in SUPPORTED_DTYPES["cuda"]:
+        raise ValueError(
+            f"unknown dtype {requested!r}; expected 'auto', 'float32', 'bfloat16' or 'float16'"
+        )
     allowed = SUPPORTED_DTYPES[kind]
     if requested not in allowed:
         raise ValueError(
@@ -118,14 +122,14 @@ def kv_cache_bytes(
     """One rank's KV cache budget.
 
     `kv_cache_memory` when set. Otherwise `memory_fraction` (cache.kv_cache_fraction) is the
-    share of the memory available at start that the engine's weights and KV cache may take
-    together; the KV cache gets what the weights leave of it, split among the ranks sharing the
-    memory, and on CPU at most CPU_KV_CACHE_MAX_BYTES per rank.
+    share of the memory available at start (on the device) that the engine's weights and KV
+    cache may take together; the KV cache gets what the weights leave of it, split among the
+    ranks sharing the memory, and on CPU at most CPU_KV_CACHE_MAX_BYTES per rank.
     """
     if kv_cache_memory is not None:
         return kv_cache_memory
-    if device_type(device) != "cpu":
-        raise ValueError("cache.kv_cache_memory must be set when running on a GPU")
+    if not 0.0 < memory_fraction <= 1.0:
+        raise ValueError(f"kv_cache_fraction must be in (0, 1], got {memory_fraction}")
     share = int(available_memory * memory_fraction) // ranks_on_device - weights_per_rank
     if share <= 0:
         raise ValueError(
@@ -133,4 +137,4 @@ def kv_cache_bytes(
             f"GiB available leaves no room for a KV cache after {weights_per_rank / 2**30:.2f} "
             f"GiB of weights per rank; raise it or set cache.kv_cache_memory"
         )
-    return min(share, CPU_KV_CACHE_MAX_BYTES)
+    return min(share, CPU_KV_CACHE_MAX_BYTES) if device_type(device) == "cpu" else share

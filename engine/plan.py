@@ -27,7 +27,7 @@ from engine.actors.detokenizer import DetokenizerConfig
 from engine.actors.roles import Role
 from engine.actors.runtime.child_spec import ROOT, ChildSpec, RingDecl, Strategy, SupervisorSpec
 from engine.actors.tokenizer import TokenizerConfig
-from engine.actors.worker import WorkerConfig
+from engine.actors.worker_config import WorkerConfig
 from engine.model.capacity import available_cpu_memory, kv_block_bytes
 from engine.model.config import ModelConfig, load_model_config
 from engine.model.parallel.config import Placement, TensorParallelConfig
@@ -48,8 +48,8 @@ log = logging.getLogger(__name__)
 
 RING_BYTES = 8 * 2**20  # a ring holds several whole steps of a large batch
 WORKER = "engine.actors.worker:WorkerActor"
-RELAY_WORKER = "engine.actors.tensor_parallel:PlanRelayWorker"
-FOLLOWER_WORKER = "engine.actors.tensor_parallel:PlanFollowerWorker"
+RELAY_WORKER = "engine.actors.tp_relay:PlanRelayWorker"
+FOLLOWER_WORKER = "engine.actors.tp_relay:PlanFollowerWorker"
 
 
 @dataclass(frozen=True)
@@ -106,6 +106,9 @@ def kv_cache_bytes(
 ) -> int:
     """One rank's KV cache budget (see placement.kv_cache_bytes)."""
     tp = settings.parallel.tensor_parallel_size
+    if settings.cache.kv_cache_memory is None and device_type(device) != "cpu":
+        # The root cannot see a GPU's free memory; the workers will (issue: GPU sizing).
+        raise ValueError("cache.kv_cache_memory must be set when running on a GPU")
     return placement_kv_cache_bytes(
         kv_cache_memory=settings.cache.kv_cache_memory,
         memory_fraction=settings.cache.kv_cache_fraction,
@@ -170,7 +173,6 @@ def plan_engine(settings: Settings, model_path: str) -> EnginePlan:
         block_size=block_size,
         kv_cache_memory=num_blocks * block_bytes,
         max_model_len=max_model_len,
-        seed=settings.model.seed,
         num_threads=threads_per_rank(settings, device, placement),
     )
     specs = tuple(
@@ -197,7 +199,6 @@ def plan_worker_node(settings: Settings, model_path: str) -> tuple[SupervisorSpe
         block_size=settings.cache.block_size,
         kv_cache_memory=0,  # rank 0's value arrives over the group's store
         max_model_len=settings.model.max_model_len or config.max_position_embeddings,
-        seed=settings.model.seed,
         num_threads=threads_per_rank(settings, device, placement),
     )
     specs = []

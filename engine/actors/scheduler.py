@@ -52,18 +52,18 @@ class SchedulerActor(Actor):
     async def handle(self, ring: str, frames: list[bytes]) -> None:
         to_detokenizer: list[bytes] = []
         if ring == "results":
-            for message in STEP_RESULTS.decode_many(frames):
-                if isinstance(message, StepResult):
-                    batch = self.scheduler.update(message)
+            for result in STEP_RESULTS.decode_many(frames):
+                if isinstance(result, StepResult):
+                    batch = self.scheduler.update(result)
                 else:  # WorkerFailed: its StepResult follows with the sequences that ran
                     self.log.error(
                         "step %d: the workers could not compute sequences %s: %s",
-                        message.step_id,
-                        message.seq_ids,
-                        message.error,
+                        result.step_id,
+                        result.seq_ids,
+                        result.error,
                     )
-                    error = f"the model failed on this request: {message.error}"
-                    failures = self.scheduler.fail(message.seq_ids, error)
+                    error = f"the model failed on this request: {result.error}"
+                    failures = self.scheduler.fail(result.seq_ids, error)
                     to_detokenizer.extend(SCHEDULER_OUTPUTS.encode(f) for f in failures)
                     continue
                 # Start the next step before telling the detokenizer: the workers are idle now.

@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from engine import placement
 from engine.kernels import KernelBackend
 from engine.model.config import ModelConfig
 from engine.model.decoder import DecoderForCausalLM
@@ -35,32 +36,11 @@ DTYPE_NAMES: dict[str, torch.dtype] = {
     "half": torch.float16,
     "fp16": torch.float16,
 }
-SUPPORTED_DTYPES = {
-    "cpu": (torch.float32, torch.bfloat16),
-    "cuda": (torch.float16, torch.bfloat16, torch.float32),
-}
 
 
 def resolve_dtype(requested: str, config: ModelConfig, device: torch.device) -> torch.dtype:
-    """The dtype to run in. "auto" is the checkpoint's dtype, except float16 on the CPU
-    (slow and unsupported there: float32) and float32 on a GPU (bfloat16)."""
-    allowed = SUPPORTED_DTYPES[device.type]
-    if requested == "auto":
-        dtype = DTYPE_NAMES.get(str(config.torch_dtype), torch.float32)
-        if device.type == "cpu" and dtype == torch.float16:
-            return torch.float32
-        if device.type == "cuda" and dtype == torch.float32:
-            return torch.bfloat16
-        return dtype
-    if requested not in DTYPE_NAMES:
-        raise ValueError(
-            f"unknown dtype {requested!r}; expected 'auto', 'float32', 'bfloat16' or 'float16'"
-        )
-    dtype = DTYPE_NAMES[requested]
-    if dtype not in allowed:
-        names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
-        raise ValueError(f"dtype {requested!r} is not supported on {device.type}; use {names}")
-    return dtype
+    """The dtype to run in, by the placement rule (engine/placement.py)."""
+    return DTYPE_NAMES[placement.resolve_dtype(requested, config.torch_dtype, device.type)]
 
 
 def load_model(

@@ -11,12 +11,12 @@ model (and its shard of the KV cache: its KV heads); the logits arrive on rank 0
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
+from engine import placement
 from engine.kernels import PagedKVCache, select_backend
 from engine.kernels.attention_metadata import long_tensor
 from engine.model.capacity import available_cpu_memory, kv_block_bytes, kv_cache_blocks
@@ -25,32 +25,11 @@ from engine.model.host_memory import keep_freed_memory
 from engine.model.loader import load_model, resolve_dtype
 from engine.model.parallel.group import TensorParallelGroup
 from engine.model.step_inputs import SeqChunk
+from engine.settings.schema import CacheSettings
 
-__all__ = ["ModelRunner", "kv_cache_blocks", "resolve_device"]
+__all__ = ["ModelRunner", "kv_cache_blocks"]
 
 log = logging.getLogger(__name__)
-
-
-def resolve_device(device: str | torch.device) -> torch.device:
-    """The device to run on; "auto" is cuda when a GPU is visible, else cpu."""
-    if str(device) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    expected = "expected 'auto', 'cpu', 'cuda' or 'cuda:N'"
-    try:
-        resolved = torch.device(device)
-    except RuntimeError:
-        raise ValueError(f"unsupported device {str(device)!r}; {expected}") from None
-    if resolved.type not in ("cpu", "cuda"):
-        raise ValueError(f"unsupported device {str(device)!r}; {expected}")
-    return resolved
-
-
-def default_num_threads() -> int:
-    """Intra-op threads for a CPU worker: every core this process may use but one, left to the
-    other actors. An OpenMP thread that loses its core to another busy process stalls every op
-    of the team (measured: 20x slower steps with 2 threads on 2 shared cores)."""
-    cores = len(os.sched_getaffinity(0))
-    return max(1, min(torch.get_num_threads(), cores - 1))
 
 
 class ModelRunner:
@@ -62,24 +41,20 @@ class ModelRunner:
         device: str = "cpu",
         block_size: int = 16,
         kv_cache_memory: int | None = None,
-        kv_cache_fraction: float = 0.3,
+        kv_cache_fraction: float = CacheSettings().kv_cache_fraction,
         max_model_len: int | None = None,
-        seed: int = 0,
         num_threads: int | None = None,
         tensor_parallel: TensorParallelGroup | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size}")
-        if not 0.0 < kv_cache_fraction <= 1.0:
-            raise ValueError(f"kv_cache_fraction must be in (0, 1], got {kv_cache_fraction}")
-        torch.manual_seed(seed)
         self.model_path = str(Path(model_path))
         self.group = tensor_parallel or TensorParallelGroup()
-        self.device = resolve_device(device)
+        self.device = torch.device(placement.resolve_device(str(device)))
         if self.device.type == "cpu":
             keep_freed_memory()
-        if num_threads is None and self.device.type == "cpu":
-            num_threads = default_num_threads()
+        if num_threads is None and self.device.type == "cpu":  # one rank on this host
+            num_threads = placement.worker_threads(0, placement.available_cores(), 1)
         if num_threads is not None:
             if num_threads < 1:
                 raise ValueError(f"num_threads must be a positive integer, got {num_threads}")
@@ -97,8 +72,16 @@ class ModelRunner:
         )
         self.shape = self.model.shape  # this rank's heads, KV heads, columns, vocabulary rows
         self.block_size = block_size
-        if kv_cache_memory is None:
-            kv_cache_memory = int(_free_memory(self.device) * kv_cache_fraction)
+        kv_cache_memory = placement.kv_cache_bytes(
+            kv_cache_memory=kv_cache_memory,
+            memory_fraction=kv_cache_fraction,
+            available_memory=_free_memory(self.device),
+            weights_per_rank=placement.weight_bytes(
+                self.config, str(self.dtype).removeprefix("torch."), self.group.size
+            ),
+            ranks_on_device=1,
+            device=self.device.type,
+        )
         block_bytes = kv_block_bytes(self.config, block_size, self.dtype, self.group.size)
         self.num_blocks = kv_cache_memory // block_bytes
         if self.num_blocks < 1:

@@ -24,8 +24,8 @@ import pytest_asyncio
 
 from engine import AsyncLLM, EngineError, SamplingParams
 from engine.actors.runtime.doorbell import default_doorbell_dir
-from engine.actors.worker import FAULT_INJECTION_ENV
 from engine.llm import build_settings
+from engine.testing.fault_injection import FAULT_INJECTION_ENV
 from tests.checkpoints import tiny_checkpoint
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

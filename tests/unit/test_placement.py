@@ -85,5 +85,7 @@ def test_the_kv_budget_is_the_share_the_weights_leave() -> None:
     assert budget(available_memory=2**40) == CPU_KV_CACHE_MAX_BYTES
     with pytest.raises(ValueError, match="leaves no room for a KV cache"):
         budget(weights_per_rank=512 * MIB)
-    with pytest.raises(ValueError, match="kv_cache_memory must be set"):
-        budget(device="cuda")
+    # A GPU's budget is the device's own free memory, with no CPU cap.
+    assert budget(device="cuda", available_memory=2**40) == 2**39 - 100 * MIB
+    with pytest.raises(ValueError, match=r"kv_cache_fraction must be in \(0, 1\], got 1.5"):
+        budget(memory_fraction=1.5)

@@ -1,0 +1,20 @@
+"""What a worker rank is started with (encoded into its ChildSpec by the plan)."""
+
+from __future__ import annotations
+
+import msgspec
+
+from engine.model.parallel.config import TensorParallelConfig
+
+
+class WorkerConfig(msgspec.Struct, frozen=True):
+    model_path: str
+    rank: int
+    world_size: int
+    dtype: str
+    device: str
+    block_size: int
+    kv_cache_memory: int  # bytes; the root sized it to exactly the scheduler's block count
+    max_model_len: int
+    num_threads: int | None = None
+    tensor_parallel: TensorParallelConfig | None = None  # None: a group of one

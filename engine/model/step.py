@@ -1,0 +1,136 @@
+"""One step on a worker rank: take in the plan, run the model, sample; a failing sequence fails
+alone.
+
+A step that raises is run again one sequence at a time: the sequences that fail alone are
+reported in a WorkerFailed (their requests fail with status 500) and the StepResult carries the
+others. Rerunning is safe: a chunk writes the same KV slots with the same values again, and
+sampling is a function of (seed, position), so a sequence gets the token it would have. When
+every sequence fails alone too, or steps keep failing with nothing succeeding in between, the
+fault is the worker's, not the requests': `run` raises, the worker crashes, and the supervisor
+restarts it (the gateway quarantines a request that keeps crashing it).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from engine.messages.steps import StepPlan, StepResult, TokenLogprobs, WorkerFailed
+from engine.model.runner import ModelRunner
+from engine.model.sampler import Sampler
+from engine.model.step_inputs import KnownSequences, SeqChunk
+from engine.testing.fault_injection import FaultInjection
+
+# Steps computing more tokens than this run off the worker's event loop, so that heartbeats and
+# control messages keep flowing during long prefills.
+LONG_STEP_TOKENS = 512
+MAX_FAILED_STEPS = 3  # consecutive steps in which nothing succeeded: the worker is at fault
+
+log = logging.getLogger(__name__)
+
+
+def is_long(plan: StepPlan) -> bool:
+    return sum(len(chunk.token_ids) for chunk in plan.chunks) > LONG_STEP_TOKENS
+
+
+class StepExecutor:
+    def __init__(self, runner: ModelRunner, rank: int, faults: FaultInjection) -> None:
+        self.runner = runner
+        self.rank = rank  # only rank 0 samples and reports
+        self.faults = faults
+        self._failed_steps = 0
+        self.reset_sequences()
+
+    def reset_sequences(self) -> None:
+        """Forget every sequence (a restarted scheduler announces them all again)."""
+        config = self.runner.config
+        self.sampler = Sampler(config.vocab_size, list(config.eos_token_ids))
+        self.known = KnownSequences()
+        self.faults.reset()
+
+    def run(self, plan: StepPlan) -> list[StepResult | WorkerFailed]:
+        """The step's messages for the scheduler: WorkerFailed for sequences that could not be
+        computed (if any), then the StepResult (none for a plan that only retires sequences)."""
+        self.sampler.remove(plan.finished_seq_ids)
+        self.faults.forget(plan.finished_seq_ids)
+        starts, whole_chunks = self.known.apply(plan)
+        failed: dict[int, str] = {}
+        for new_seq in starts:
+            try:
+                self.sampler.add(new_seq)
+                self.faults.watch(new_seq)
+            except Exception as exc:  # this sequence's parameters, not the step's
+                failed[new_seq.seq_id] = _describe(exc)
+        result = None
+        if whole_chunks:
+            chunks = [chunk for chunk in whole_chunks if chunk.seq_id not in failed]
+            try:
+                result = self._compute(plan.step_id, chunks)
+            except Exception as exc:
+                result = self._isolate(plan.step_id, chunks, exc, failed)
+            computed = any(chunk.seq_id not in failed for chunk in chunks)
+            self._failed_steps = self._failed_steps + 1 if failed and not computed else 0
+            if self._failed_steps >= MAX_FAILED_STEPS:
+                raise RuntimeError(
+                    f"{MAX_FAILED_STEPS} steps in a row failed with nothing computed; "
+                    f"last: {next(iter(failed.values()))}"
+                )
+        messages: list[StepResult | WorkerFailed] = [
+            WorkerFailed(plan.step_id, [seq_id], error) for seq_id, error in failed.items()
+        ]
+        if result is not None:
+            messages.append(result)
+        return messages
+
+    def _compute(self, step_id: int, chunks: Sequence[SeqChunk]) -> StepResult:
+        self.faults.trip(chunks)
+        logits = self.runner.forward(chunks)
+        if self.rank != 0:  # tensor parallelism: the logits, and sampling, are rank 0's
+            return StepResult(step_id, [], [], None)
+        seq_ids = [chunk.seq_id for chunk in chunks if chunk.sample]
+        if not seq_ids:
+            return StepResult(step_id, [], [], None)
+        token_ids, logprobs = self.sampler.sample(seq_ids, logits)
+        return StepResult(step_id, seq_ids, token_ids, logprobs)
+
+    def _isolate(
+        self,
+        step_id: int,
+        chunks: Sequence[SeqChunk],
+        error: Exception,
+        failed: dict[int, str],
+    ) -> StepResult:
+        """Run a failed step's chunks one at a time; those that fail alone go to `failed`."""
+        log.warning(
+            "step %d failed (%s): running its %d sequence(s) one at a time",
+            step_id,
+            _describe(error),
+            len(chunks),
+        )
+        parts: list[StepResult] = []
+        for chunk in chunks:
+            try:
+                parts.append(self._compute(step_id, [chunk]))
+            except Exception as exc:
+                failed[chunk.seq_id] = _describe(exc)
+        if len(chunks) > 1 and not parts:
+            raise error  # every sequence fails alone: the worker is broken, not the requests
+        log.error("step %d: sequences %s failed alone: %s", step_id, sorted(failed), failed)
+        return _merge(step_id, parts)
+
+
+def _merge(step_id: int, parts: list[StepResult]) -> StepResult:
+    """One StepResult from per-sequence ones (logprobs for all rows if any part has them)."""
+    seq_ids = [seq_id for part in parts for seq_id in part.seq_ids]
+    token_ids = [token_id for part in parts for token_id in part.token_ids]
+    if all(part.logprobs is None for part in parts):
+        return StepResult(step_id, seq_ids, token_ids, None)
+    logprobs: list[TokenLogprobs] = []
+    for part in parts:
+        # Rows of sequences that did not ask for logprobs are never read: placeholders do.
+        logprobs += part.logprobs or [TokenLogprobs(0.0, [], []) for _ in part.seq_ids]
+    return StepResult(step_id, seq_ids, token_ids, logprobs)
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
