@@ -1,8 +1,9 @@
 """Kernel backends for attention, norms and rotary embeddings, and the one place that picks one.
 
 The model calls only the functions bundled in a `KernelBackend`; `select_backend` decides which
-implementation that is for a device. Today there is the torch backend (CPU, and CUDA through
-torch's own SDPA); Triton and FlashInfer backends will plug in here with the same signatures.
+implementation that is for a device: the torch backend (CPU, and CUDA through torch's own SDPA),
+or by name the Triton backend (engine/kernels/triton: GPU, or its interpreter on the CPU).
+FlashInfer will plug in here with the same signatures.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 from engine.kernels import attention_metadata, torch_attention, torch_ops
+from engine.kernels import triton as triton_kernels  # does not import Triton itself
 from engine.kernels.attention_metadata import AttentionMetadata
 from engine.kernels.kv_cache import PagedKVCache
 
@@ -56,15 +58,26 @@ TORCH_BACKEND = KernelBackend(
 )
 
 BACKENDS: dict[str, KernelBackend] = {"torch": TORCH_BACKEND}
+# Backends whose modules load only when selected: name -> (why not on this device, loader).
+OPTIONAL_BACKENDS: dict[
+    str, tuple[Callable[[torch.device], str | None], Callable[[], KernelBackend]]
+] = {"triton": (triton_kernels.unavailable_reason, triton_kernels.backend)}
 
 
 def select_backend(device: torch.device | str, name: str = "auto") -> KernelBackend:
     """The backend for `device`: `name` if given, else the best one available there."""
     device = torch.device(device)
+    if name in OPTIONAL_BACKENDS:
+        unavailable_reason, load = OPTIONAL_BACKENDS[name]
+        reason = unavailable_reason(device)
+        if reason is not None:
+            raise ValueError(reason)
+        return load()
     if name != "auto":
         if name not in BACKENDS:
             raise ValueError(
-                f"unknown kernel backend {name!r}; expected 'auto' or one of {sorted(BACKENDS)}"
+                f"unknown kernel backend {name!r}; expected 'auto' or one of "
+                f"{sorted([*BACKENDS, *OPTIONAL_BACKENDS])}"
             )
         return BACKENDS[name]
     if device.type not in ("cpu", "cuda"):
