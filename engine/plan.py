@@ -174,6 +174,7 @@ def plan_engine(settings: Settings, model_path: str) -> EnginePlan:
         kv_cache_memory=num_blocks * block_bytes,
         max_model_len=max_model_len,
         num_threads=threads_per_rank(settings, device, placement),
+        kernel_backend=settings.model.kernel_backend,
     )
     specs = tuple(
         _replica_spec(settings, placement, replica, worker, scheduler, config)
@@ -200,6 +201,7 @@ def plan_worker_node(settings: Settings, model_path: str) -> tuple[SupervisorSpe
         kv_cache_memory=0,  # rank 0's value arrives over the group's store
         max_model_len=settings.model.max_model_len or config.max_position_embeddings,
         num_threads=threads_per_rank(settings, device, placement),
+        kernel_backend=settings.model.kernel_backend,
     )
     specs = []
     for replica in range(settings.parallel.data_parallel_size):

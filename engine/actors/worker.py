@@ -55,6 +55,7 @@ class WorkerActor(Actor):
             kv_cache_memory=config.kv_cache_memory,
             max_model_len=config.max_model_len,
             num_threads=config.num_threads,
+            kernel_backend=config.kernel_backend,
             tensor_parallel=group,
         )
         self.executor = StepExecutor(runner, config.rank, faults)

@@ -17,4 +17,5 @@ class WorkerConfig(msgspec.Struct, frozen=True):
     kv_cache_memory: int  # bytes; the root sized it to exactly the scheduler's block count
     max_model_len: int
     num_threads: int | None = None
+    kernel_backend: str = "auto"
     tensor_parallel: TensorParallelConfig | None = None  # None: a group of one

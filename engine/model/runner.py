@@ -44,6 +44,7 @@ class ModelRunner:
         kv_cache_fraction: float = CacheSettings().kv_cache_fraction,
         max_model_len: int | None = None,
         num_threads: int | None = None,
+        kernel_backend: str = "auto",
         tensor_parallel: TensorParallelGroup | None = None,
     ) -> None:
         if block_size < 1:
@@ -61,7 +62,7 @@ class ModelRunner:
             torch.set_num_threads(num_threads)
         self.config: ModelConfig = load_model_config(model_path, max_model_len)
         self.dtype = resolve_dtype(dtype, self.config, self.device)
-        self.backend = select_backend(self.device)
+        self.backend = select_backend(self.device, kernel_backend)
         self.model = load_model(
             model_path,
             self.config,

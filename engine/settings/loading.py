@@ -30,6 +30,7 @@ FLAG_ALIASES: dict[str, str] = {
     "--served-model-name": "model.served_name",
     "--dtype": "model.dtype",
     "--device": "model.device",
+    "--kernel-backend": "model.kernel_backend",
     "--max-model-len": "model.max_model_len",
     "--seed": "model.seed",
     "--block-size": "cache.block_size",

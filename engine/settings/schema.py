@@ -17,6 +17,7 @@ BYTES_UNIT = {"unit": "bytes"}
 
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]
 Device = Literal["auto", "cpu", "cuda"]
+KernelBackendName = Literal["auto", "torch", "triton"]
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 
 
@@ -39,6 +40,13 @@ class ModelSettings(_Section, frozen=True):
     device: Annotated[Device, Meta(description="where the model runs; auto = cuda if present")] = (
         "auto"
     )
+    kernel_backend: Annotated[
+        KernelBackendName,
+        Meta(
+            description="attention/norm kernels: torch, or triton (a GPU, or the CPU under "
+            "TRITON_INTERPRET=1); auto = torch"
+        ),
+    ] = "auto"
     max_model_len: (
         Annotated[
             int, Meta(ge=1, description="max prompt + output tokens per request; unset = model's")

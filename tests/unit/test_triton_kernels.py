@@ -239,19 +239,14 @@ def test_triton_on_cpu_without_interpreter_fails_naming_what_works(
         select_backend(CPU, "triton")
 
 
-def test_demo_sized_model_through_triton_backend_matches_hf_greedy(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # No setting picks a kernel backend yet: the runner asks select_backend for its device's
-    # default, so the test routes that one call to the Triton backend.
-    from engine.model import runner as runner_module
+def test_demo_sized_model_through_triton_backend_matches_hf_greedy() -> None:
     from engine.model.default_model import DEFAULT_MODEL_SPEC
+    from engine.model.runner import ModelRunner
     from tests.checkpoints import assert_same_greedy, greedy_generate, hf_greedy, tiny_checkpoint
 
-    monkeypatch.setattr(runner_module, "select_backend", lambda device: TRITON)
     spec = dataclasses.asdict(DEFAULT_MODEL_SPEC)
     path = tiny_checkpoint(**spec)
-    runner = runner_module.ModelRunner(str(path), kv_cache_memory=4 << 20, block_size=16)
+    runner = ModelRunner(str(path), kv_cache_memory=4 << 20, block_size=16, kernel_backend="triton")
     assert runner.backend.name == "triton"
     generator = torch.Generator().manual_seed(0)
     vocab = spec["vocab_size"]
