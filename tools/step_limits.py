@@ -57,23 +57,23 @@ class ModelCost:
     """Per-step arithmetic of one model: weights read by matmuls, KV and attention per token."""
 
     weight_bytes: int  # every matmul weight (the embedding only when it is also the LM head)
-    matmul_params: int
+    layer_params: int  # matmul weights applied to every token
+    head_params: int  # the LM head's, applied to the one sampled token of each sequence
     kv_bytes_per_token: int  # K and V of one token, all layers
     attention_flops_per_key: int  # one query token against one key, all layers and heads
 
     @classmethod
     def of(cls, runner: ModelRunner) -> ModelCost:
-        weights = [
-            p
-            for name, p in runner.model.named_parameters()
-            if p.dim() >= 2 and (name != "embed_tokens.weight" or runner.model.lm_head is None)
-        ]
+        model = runner.model
+        head = (model.embed_tokens if model.lm_head is None else model.lm_head).weight
+        layers = [p for p in model.layers.parameters() if p.dim() >= 2]
         config = runner.config
         per_token = kv_block_bytes(config, runner.block_size, runner.dtype) // runner.block_size
         heads = runner.shape.num_heads
         return cls(
-            sum(p.numel() * p.element_size() for p in weights),
-            sum(p.numel() for p in weights),
+            sum(p.numel() * p.element_size() for p in [*layers, head]),
+            sum(p.numel() for p in layers),
+            head.numel(),
             per_token,
             4 * heads * config.head_dim * config.num_layers,  # q.k and p.v: 2 FLOPs each
         )
@@ -82,7 +82,8 @@ class ModelCost:
         """One token for each of `batch` sequences that attend to `context` keys."""
         return StepCost(
             self.weight_bytes + batch * context * self.kv_bytes_per_token,
-            2 * self.matmul_params * batch + self.attention_flops_per_key * batch * context,
+            2 * (self.layer_params + self.head_params) * batch
+            + self.attention_flops_per_key * batch * context,
         )
 
     def prefill(self, batch: int, length: int) -> StepCost:
@@ -90,7 +91,7 @@ class ModelCost:
         keys_seen = length * (length + 1) // 2
         return StepCost(
             self.weight_bytes + batch * length * self.kv_bytes_per_token,
-            2 * self.matmul_params * batch * length
+            2 * (self.layer_params * length + self.head_params) * batch
             + self.attention_flops_per_key * batch * keys_seen,
         )
 
