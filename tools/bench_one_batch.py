@@ -2,8 +2,9 @@
 
 For each (batch size, input length, output length): prefill the whole batch in one step, then
 decode output_len - 1 steps; report prefill latency and throughput, median decode step latency
-and decode throughput. A warm-up case runs first and is not reported; cases whose KV cache would
-not fit are skipped with a note.
+and decode throughput, each next to this machine's limit for that step (tools/step_limits.py:
+bytes read over the measured memory bandwidth, FLOPs over the measured matmul rate). A warm-up
+case runs first and is not reported; cases whose KV cache would not fit are skipped with a note.
 
     python tools/bench_one_batch.py --batch-size 1 32 --input-len 128 --output-len 64
     python tools/bench_one_batch.py --correct            # greedy text for a few real prompts
@@ -38,6 +39,7 @@ if __package__ in (None, ""):  # run as a script: make `engine` importable from 
 from engine.model.capacity import kv_block_bytes
 from engine.model.runner import ModelRunner
 from engine.model.step_inputs import SeqChunk
+from tools.step_limits import MachineRates, ModelCost
 
 CORRECTNESS_PROMPTS = [
     "The harbour at first light",
@@ -230,18 +232,27 @@ def hf_generate_seconds(
         return time.perf_counter() - start
 
 
-def print_table(results: list[CaseResult]) -> None:
+def print_table(results: list[CaseResult], runner: ModelRunner, rates: MachineRates) -> None:
+    """Each figure with `limit`: the roofline time of that step on this machine (step_limits),
+    and the share of it reached (limit / measured; 100% = at the roofline)."""
+    cost = ModelCost.of(runner)
     header = (
-        f"{'batch':>5} {'in':>5} {'out':>5} | {'prefill ms':>10} {'prefill tok/s':>13} | "
-        f"{'decode ms/step':>14} {'decode tok/s':>12} | {'total s':>7}"
+        f"{'batch':>5} {'in':>5} {'out':>5} | {'prefill ms':>10} {'tok/s':>7} {'limit ms':>8} "
+        f"{'share':>5} | {'decode ms/step':>14} {'tok/s':>6} {'limit ms':>8} {'share':>5} | "
+        f"{'total s':>7}"
     )
     print(header)
     print("-" * len(header))
     for r in results:
+        prefill_limit = cost.prefill(r.batch_size, r.input_len).limit_seconds(rates)
+        context = r.input_len + r.output_len // 2  # keys seen at the median decode step
+        decode_limit = cost.decode(r.batch_size, context).limit_seconds(rates)
         print(
             f"{r.batch_size:>5} {r.input_len:>5} {r.output_len:>5} | "
-            f"{r.prefill_seconds * 1e3:>10.2f} {r.prefill_tokens_per_second:>13.0f} | "
-            f"{r.decode_step_seconds * 1e3:>14.3f} {r.decode_tokens_per_second:>12.0f} | "
+            f"{r.prefill_seconds * 1e3:>10.2f} {r.prefill_tokens_per_second:>7.0f} "
+            f"{prefill_limit * 1e3:>8.2f} {prefill_limit / r.prefill_seconds:>5.0%} | "
+            f"{r.decode_step_seconds * 1e3:>14.3f} {r.decode_tokens_per_second:>6.0f} "
+            f"{decode_limit * 1e3:>8.2f} {decode_limit / r.decode_step_seconds:>5.0%} | "
             f"{r.total_seconds:>7.3f}"
         )
 
@@ -323,7 +334,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                     print(f"skip batch {batch_size} in {input_len} out {output_len}: {reason}")
                     continue
                 results.append(bench_case(runner, batch_size, input_len, output_len))
-    print_table(results)
+    rates = MachineRates.measure(runner.dtype)
+    print(f"limits: {rates.describe()}, {torch.get_num_threads()} threads")
+    print_table(results, runner, rates)
     if (args.tp > 1 or args.dp > 1) and results:
         print_parallel(runner, model, results, args)
     if args.engine_overhead and results:

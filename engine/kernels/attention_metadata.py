@@ -1,22 +1,22 @@
 """Per-step index tensors for the torch paged-attention backend, built once and shared by every
 layer.
 
-A step's chunks become a few attention calls ("pieces"), each one SDPA call per layer:
-- decode tokens (chunks of one token), gathered by block table into a padded
-  [seqs, max context] batch with a mask; sequences are bucketed by context length (powers of
-  two above 256) so one long context does not make every short one pay for its padding;
-- short prefill chunks (<= SHORT_CHUNK tokens, e.g. prompt suffixes after a prefix hit),
-  padded together the same way, with a causal mask offset by each chunk's start;
+A step's chunks become a few attention calls ("pieces"):
+- decode tokens and short prefill chunks (<= SHORT_CHUNK tokens, e.g. prompt suffixes after a
+  prefix hit) together in one `SlotRows` piece: every (token, query head) is one row of a sparse
+  [rows, cache slots x kv heads] pattern listing the keys it may see, so attention reads K and V
+  where they lie in the cache (no copy of the context, no padding);
 - every other prefill chunk alone: plain causal attention over its own K/V when nothing is
-  cached before it, else its queries in tiles, each with the keys it may see.
-Padding gathers the cache's zero slot, so nothing that was never written is read. Work is done
-in Python where it is per chunk and in torch where it is per token or per key.
+  cached before it, else its queries in tiles, each with the keys it may see gathered (a copy of
+  the context once per chunk, amortised over its > SHORT_CHUNK queries).
+Work is done in Python where it is per chunk and in torch where it is per token or per key.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import warnings
 from array import array
 from collections.abc import Iterable, Sequence
 from typing import TypeVar
@@ -25,34 +25,25 @@ import torch
 
 from engine.kernels.kv_cache import PagedKVCache
 
-SHORT_CHUNK = 32  # prefill chunks up to this many tokens are batched with padding
-DECODE_BUCKET_MIN = 256  # decode contexts up to this share one bucket
+SHORT_CHUNK = 32  # prefill chunks up to this many tokens attend in place with the decodes
 MASK_BUDGET = 1 << 25  # most mask elements one prefill tile may build
 
 Rows = torch.Tensor | tuple[int, int] | None  # token rows of a piece: index, [start, stop), all
 
 
 @dataclasses.dataclass
-class DecodeBatch:
-    rows: Rows
-    kv_slots: torch.Tensor  # [seqs * kv_len] cache slots to gather (null slot as padding)
-    mask: torch.Tensor  # [seqs, 1, 1, kv_len] bool, True = attend
-    num_seqs: int
-    kv_len: int
+class SlotRows:
+    """Tokens whose every query head attends to the keys it may see where they lie in the cache.
 
-
-@dataclasses.dataclass
-class PaddedPrefill:
-    """Several short chunks padded to the longest; queries sharing a KV head are folded."""
+    `pattern` is a sparse CSR matrix [tokens * heads, slots * kv_heads]: row (token, head) lists,
+    in position order, the rows of the cache viewed as [slots * kv_heads, head_dim] that hold the
+    keys that head may see. Softmax runs on the scores placed in a [tokens * heads, longest] grid
+    at `grid_index`, -inf elsewhere (None: every row sees `longest` keys, no grid needed)."""
 
     rows: Rows
-    query_rows: torch.Tensor  # [chunks * query_len] step rows of the padded queries
-    kept: torch.Tensor | None  # positions of real queries among the padded ones; None = all
-    kv_slots: torch.Tensor  # [chunks * kv_len]
-    mask: torch.Tensor  # [chunks, 1, group * query_len, kv_len], True = attend
-    num_chunks: int
-    query_len: int
-    kv_len: int
+    pattern: torch.Tensor
+    grid_index: torch.Tensor | None
+    longest: int
 
 
 @dataclasses.dataclass
@@ -66,7 +57,7 @@ class ChunkPrefill:
     kv_len: int
 
 
-Piece = DecodeBatch | PaddedPrefill | ChunkPrefill
+Piece = SlotRows | ChunkPrefill
 
 
 @dataclasses.dataclass
@@ -77,7 +68,7 @@ class AttentionMetadata:
     pieces: list[Piece]  # one SDPA call each; together they cover every token row once
 
 
-_PieceT = TypeVar("_PieceT", DecodeBatch, PaddedPrefill, ChunkPrefill)
+_PieceT = TypeVar("_PieceT", SlotRows, ChunkPrefill)
 _arange_cache = torch.arange(1024)
 
 
@@ -116,22 +107,13 @@ def build_attention_metadata(
             positions % block_size
         )
 
-    decode = [i for i, n in enumerate(query_lens) if n == 1]
-    short = [i for i, n in enumerate(query_lens) if 1 < n <= SHORT_CHUNK]
-    if len(short) == 1:
-        short = []  # alone, a short chunk is just a chunk
-    batched = set(short)
-    long = [i for i, n in enumerate(query_lens) if n > 1 and i not in batched]
+    in_place = [i for i, n in enumerate(query_lens) if n <= SHORT_CHUNK]
     pieces: list[Piece] = []
-    buckets: dict[int, list[int]] = {}
-    for i in decode:
-        buckets.setdefault(_decode_bucket(context_lens[i]), []).append(i)
-    for chunks in buckets.values():
-        pieces.append(layout.decode_batch(chunks, all_rows=len(chunks) == len(query_lens)))
-    if short:
-        pieces.append(layout.padded_prefill(short, all_rows=len(short) == len(query_lens)))
-    for i in long:
-        pieces.extend(layout.chunk_prefill(i))
+    if in_place:
+        pieces.append(layout.slot_rows(in_place, all_rows=len(in_place) == len(query_lens)))
+    for i in range(len(query_lens)):
+        if query_lens[i] > SHORT_CHUNK:
+            pieces.extend(layout.chunk_prefill(i))
     return AttentionMetadata(
         num_tokens,
         positions.to(device),
@@ -153,10 +135,6 @@ def _arange(n: int) -> torch.Tensor:
     return _arange_cache[:n]
 
 
-def _decode_bucket(context_len: int) -> int:
-    return 0 if context_len <= DECODE_BUCKET_MIN else (context_len - 1).bit_length()
-
-
 @dataclasses.dataclass
 class _StepLayout:
     """The step's chunks, and how to turn groups of them into attention pieces."""
@@ -169,39 +147,36 @@ class _StepLayout:
     cache: PagedKVCache
     queries_per_kv: int
 
-    def decode_batch(self, chunks: list[int], *, all_rows: bool) -> DecodeBatch:
-        contexts = [self.context_lens[i] for i in chunks]
-        kv_len = max(contexts)
+    def slot_rows(self, chunks: list[int], *, all_rows: bool) -> SlotRows:
+        kv_heads = self.cache.keys[0].shape[1]
+        heads = kv_heads * self.queries_per_kv
+        lens = long_tensor(self.query_lens[i] for i in chunks)
+        longest = max(self.context_lens[i] for i in chunks)
         tables = self.tables if all_rows else self.tables[long_tensor(chunks)]
-        slots, visible = self._gather_slots(tables, contexts, kv_len)
-        rows = None if all_rows else long_tensor([self.first_rows[i] for i in chunks])
-        return DecodeBatch(rows, slots.view(-1), visible[:, None, None, :], len(chunks), kv_len)
-
-    def padded_prefill(self, chunks: list[int], *, all_rows: bool) -> PaddedPrefill:
-        lens = [self.query_lens[i] for i in chunks]
-        starts = [self.start_positions[i] for i in chunks]
-        contexts = [self.context_lens[i] for i in chunks]
-        first_rows = [self.first_rows[i] for i in chunks]
-        query_len, kv_len = max(lens), max(contexts)
-        offsets = _arange(query_len)
-        real_query = offsets < long_tensor(lens)[:, None]  # [chunks, query_len]
-        query_rows = torch.where(real_query, long_tensor(first_rows)[:, None] + offsets, 0)
-        key_positions = _arange(kv_len)
-        query_positions = long_tensor(starts)[:, None] + offsets
-        causal = key_positions <= query_positions[:, :, None]  # [chunks, query_len, kv_len]
-        # A padding query sees key 0 only, so its softmax stays finite.
-        mask = torch.where(real_query[:, :, None], causal, key_positions == 0)
-        mask = self._fold(mask[:, None]).reshape(len(chunks), 1, -1, kv_len)
-        tables = self.tables if all_rows else self.tables[long_tensor(chunks)]
-        slots, _ = self._gather_slots(tables, contexts, kv_len)
-        kept = None if min(lens) == query_len else torch.nonzero(real_query.view(-1)).view(-1)
+        key_slots = self._key_slots(tables, longest)  # [chunks, longest]
+        token_chunk = torch.repeat_interleave(_arange(len(chunks)), lens)
+        first = torch.cumsum(lens, 0) - lens
+        starts = long_tensor(self.start_positions[i] for i in chunks)
+        positions = starts[token_chunk] + _arange(token_chunk.numel()) - first[token_chunk]
+        kv_head = _arange(heads) // self.queries_per_kv
+        # [tokens, heads, longest]: cache rows of every key, real or past the token's position
+        cache_rows = key_slots[token_chunk][:, None, :] * kv_heads + kv_head[:, None]
+        seen = positions + 1  # keys each token sees: its own position and every earlier one
+        visible = (_arange(longest) < seen[:, None])[:, None, :].expand_as(cache_rows)
+        crow = torch.cat((_arange(1), torch.cumsum(seen.repeat_interleave(heads), 0)))
+        if int(seen.min()) == longest:
+            grid_index, columns = None, cache_rows.reshape(-1)
+        else:
+            grid_index = torch.nonzero(visible.reshape(-1)).view(-1)
+            columns = cache_rows.reshape(-1)[grid_index]
+        pattern = _csr_pattern(crow, columns, self.cache)
         rows = None
         if not all_rows:
-            ranges = (range(r, r + n) for r, n in zip(first_rows, lens, strict=True))
+            ranges = (
+                range(self.first_rows[i], self.first_rows[i] + self.query_lens[i]) for i in chunks
+            )
             rows = long_tensor(itertools.chain.from_iterable(ranges))
-        return PaddedPrefill(
-            rows, query_rows.view(-1), kept, slots.view(-1), mask, len(chunks), query_len, kv_len
-        )
+        return SlotRows(rows, pattern, grid_index, longest)
 
     def chunk_prefill(self, i: int) -> list[ChunkPrefill]:
         first, length, start = self.first_rows[i], self.query_lens[i], self.start_positions[i]
@@ -215,9 +190,11 @@ class _StepLayout:
             query_positions = _arange(start + offset + rows)[start + offset :]
             mask = _arange(kv_len) <= query_positions[:, None]  # [rows, kv_len]
             mask = self._fold(mask[None, None]).reshape(1, 1, -1, kv_len)
-            slots, _ = self._gather_slots(self.tables[i : i + 1], [kv_len], kv_len)
+            slots = self._key_slots(self.tables[i : i + 1], kv_len)
             pieces.append(
-                ChunkPrefill((first + offset, first + offset + rows), slots.view(-1), mask, kv_len)
+                ChunkPrefill(
+                    (first + offset, first + offset + rows), slots.reshape(-1), mask, kv_len
+                )
             )
         return pieces
 
@@ -226,17 +203,25 @@ class _StepLayout:
         share a KV head become extra query rows (see torch_attention)."""
         return mask.expand(-1, self.queries_per_kv, -1, -1)
 
-    def _gather_slots(
-        self, tables: torch.Tensor, context_lens: Sequence[int], kv_len: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Slots of keys 0..kv_len-1 per chunk [chunks, kv_len] (the null slot past each
-        context) and which of them are real."""
+    def _key_slots(self, tables: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """Cache slots of keys 0..kv_len-1 per chunk [chunks, kv_len] (past a chunk's context:
+        whatever its padded table row points at, for callers to mask)."""
         block_size = self.cache.block_size
         width = -(-kv_len // block_size)
         slots = (tables[:, :width] * block_size).unsqueeze(2) + _arange(block_size)
-        slots = slots.view(tables.shape[0], width * block_size)[:, :kv_len]
-        visible = _arange(kv_len) < long_tensor(context_lens)[:, None]
-        return torch.where(visible, slots, self.cache.null_slot), visible
+        return slots.view(tables.shape[0], width * block_size)[:, :kv_len]
+
+
+def _csr_pattern(crow: torch.Tensor, columns: torch.Tensor, cache: PagedKVCache) -> torch.Tensor:
+    """The sparse [rows, cache rows] matrix with `columns` per row (zero values: only the pattern
+    is used)."""
+    num_cache_rows = cache.keys[0].shape[0] * cache.keys[0].shape[1]
+    values = torch.zeros(columns.numel(), dtype=cache.storage.dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch's "sparse CSR is in beta" notice
+        return torch.sparse_csr_tensor(
+            crow, columns, values, (crow.numel() - 1, num_cache_rows), check_invariants=False
+        )
 
 
 def _padded_block_tables(

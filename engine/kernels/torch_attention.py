@@ -1,9 +1,14 @@
-"""Paged attention in plain torch: one SDPA call per piece of the step (see attention_metadata)
-over K/V gathered from the paged cache.
+"""Paged attention in plain torch, one call per piece of the step (see attention_metadata).
 
-Grouped-query attention without K/V copies: the query heads that share one KV head are folded
-into SDPA's query-length axis ([kv_heads, group * queries, head_dim] against [kv_heads, keys,
-head_dim]), with the mask repeated per group to match.
+Decode tokens and short chunks attend in place: the scores are a sampled matrix product (query
+rows against only the cache rows each one may see, `torch.sparse.sampled_addmm`), softmax runs
+per row, and the output is a weighted sum of value rows read where they lie (`embedding_bag`
+with per-sample weights). K and V are never copied.
+
+Long prefill chunks use SDPA: on their own K/V, or on their context gathered once per chunk
+(amortised over the chunk's many queries). There grouped-query attention needs no K/V copies:
+the query heads that share one KV head are folded into SDPA's query-length axis ([kv_heads,
+group * queries, head_dim] against [kv_heads, keys, head_dim]), the mask repeated to match.
 """
 
 from __future__ import annotations
@@ -14,9 +19,8 @@ import torch.nn.functional as F
 from engine.kernels.attention_metadata import (
     AttentionMetadata,
     ChunkPrefill,
-    DecodeBatch,
-    PaddedPrefill,
     Piece,
+    SlotRows,
     build_attention_metadata,
 )
 from engine.kernels.kv_cache import PagedKVCache
@@ -64,11 +68,46 @@ def _attend(
     layer: int,
     scale: float,
 ) -> torch.Tensor:
-    if isinstance(piece, DecodeBatch):
-        return _decode(query, cache, layer, piece, scale)
-    if isinstance(piece, PaddedPrefill):
-        return _padded_prefill(query, cache, layer, piece, scale)
+    if isinstance(piece, SlotRows):
+        return _slot_rows(query, cache, layer, piece, scale)
     return _chunk_prefill(query, key, value, cache, layer, piece, scale)
+
+
+def _slot_rows(
+    query: torch.Tensor, cache: PagedKVCache, layer: int, piece: SlotRows, scale: float
+) -> torch.Tensor:
+    q = query if piece.rows is None else query.index_select(0, piece.rows)
+    num_tokens, heads, head_dim = q.shape
+    keys = cache.keys[layer].view(-1, head_dim)  # [slots * kv_heads, head_dim]
+    values = cache.values[layer].view(-1, head_dim)
+    scores = _sampled_scores(piece.pattern, q.reshape(-1, head_dim), keys, scale)
+    if piece.grid_index is None:
+        probs = scores.view(-1, piece.longest).softmax(-1).view(-1)
+    else:
+        grid = scores.new_full((num_tokens * heads * piece.longest,), float("-inf"))
+        grid.index_copy_(0, piece.grid_index, scores)
+        probs = grid.view(-1, piece.longest).softmax(-1).view(-1).index_select(0, piece.grid_index)
+    out = F.embedding_bag(
+        piece.pattern.col_indices(),
+        values,
+        piece.pattern.crow_indices(),
+        mode="sum",
+        per_sample_weights=probs.to(values.dtype),
+        include_last_offset=True,
+    )
+    return out.view(num_tokens, heads * head_dim)
+
+
+def _sampled_scores(
+    pattern: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """scale * q[row] . keys[column] for every (row, column) of the pattern, in its order."""
+    if keys.device.type != "cpu" or keys.dtype in (torch.float32, torch.float64):
+        return torch.sparse.sampled_addmm(pattern, q, keys.t(), beta=0.0, alpha=scale).values()
+    # torch's CPU sampled_addmm has no half-precision kernel: gather the keys (a copy of K only).
+    rows = torch.repeat_interleave(pattern.crow_indices().diff())
+    picked = keys.index_select(0, pattern.col_indices()).float()
+    return (picked * q.float().index_select(0, rows)).sum(-1) * scale
 
 
 def _gather(
@@ -80,32 +119,6 @@ def _gather(
     k = cache.keys[layer].index_select(0, slots).view(shape)
     v = cache.values[layer].index_select(0, slots).view(shape)
     return k.transpose(1, 2), v.transpose(1, 2)
-
-
-def _decode(
-    query: torch.Tensor, cache: PagedKVCache, layer: int, batch: DecodeBatch, scale: float
-) -> torch.Tensor:
-    q = query if batch.rows is None else query.index_select(0, batch.rows)
-    kv_heads = cache.keys[layer].shape[1]
-    q = q.view(batch.num_seqs, kv_heads, -1, q.shape[-1])  # [seqs, kv_heads, group, head_dim]
-    k, v = _gather(cache, layer, batch.kv_slots, batch.num_seqs, batch.kv_len)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=batch.mask, scale=scale)
-    return out.reshape(batch.num_seqs, -1)
-
-
-def _padded_prefill(
-    query: torch.Tensor, cache: PagedKVCache, layer: int, batch: PaddedPrefill, scale: float
-) -> torch.Tensor:
-    chunks, query_len = batch.num_chunks, batch.query_len
-    heads, head_dim = query.shape[1:]
-    kv_heads = cache.keys[layer].shape[1]
-    q = query.index_select(0, batch.query_rows).view(chunks, query_len, kv_heads, -1, head_dim)
-    q = q.permute(0, 2, 3, 1, 4).reshape(chunks, kv_heads, -1, head_dim)
-    k, v = _gather(cache, layer, batch.kv_slots, chunks, batch.kv_len)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=batch.mask, scale=scale)
-    out = out.view(chunks, kv_heads, -1, query_len, head_dim).permute(0, 3, 1, 2, 4)
-    out = out.reshape(chunks * query_len, heads * head_dim)
-    return out if batch.kept is None else out.index_select(0, batch.kept)
 
 
 def _chunk_prefill(

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.kernels import PagedKVCache, attention_metadata, select_backend
-from engine.kernels.attention_metadata import build_attention_metadata
+from engine.kernels.attention_metadata import SlotRows, build_attention_metadata
 from engine.kernels.torch_attention import paged_attention
 from engine.kernels.torch_ops import apply_rotary, output_projection, rms_norm
 
@@ -14,14 +14,16 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 8, 4
 SCALE = HEAD_DIM**-0.5
 
 
-def make_cache(num_blocks: int = 512) -> PagedKVCache:
+def make_cache(
+    num_blocks: int = 512, kv_heads: int = KV_HEADS, dtype: torch.dtype = torch.float32
+) -> PagedKVCache:
     cache = PagedKVCache(
         num_layers=1,
         num_blocks=num_blocks,
         block_size=BLOCK,
-        num_kv_heads=KV_HEADS,
+        num_kv_heads=kv_heads,
         head_dim=HEAD_DIM,
-        dtype=torch.float32,
+        dtype=dtype,
         device=torch.device("cpu"),
     )
     # Unwritten slots hold NaN: any read of one that is not masked away poisons the output.
@@ -32,8 +34,10 @@ def make_cache(num_blocks: int = 512) -> PagedKVCache:
 def reference_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int
 ) -> torch.Tensor:
-    """q [n, heads, d] at positions start.., k/v [start + n, kv_heads, d]: causal attention."""
-    group = HEADS // KV_HEADS
+    """q [n, heads, d] at positions start.., k/v [start + n, kv_heads, d]: causal attention,
+    in float32."""
+    q, k, v = q.float(), k.float(), v.float()
+    group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * SCALE
@@ -42,30 +46,38 @@ def reference_attention(
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(q.shape[0], -1)
 
 
-def run_step(chunks: list[tuple[int, int]], seed: int = 0) -> None:
+def run_step(
+    chunks: list[tuple[int, int]],
+    seed: int = 0,
+    heads: int = HEADS,
+    kv_heads: int = KV_HEADS,
+    dtype: torch.dtype = torch.float32,
+    tolerance: float = 1e-5,
+) -> None:
     """chunks: (start_pos, query_len) per sequence. Prefixes are written to scattered blocks
-    first, then one step runs all chunks together; each output must equal the reference."""
+    (a random permutation of the cache) first, then one step runs all chunks together; each
+    output must equal the reference."""
     generator = torch.Generator().manual_seed(seed)
-    cache = make_cache()
+    cache = make_cache(kv_heads=kv_heads, dtype=dtype)
     blocks = torch.randperm(cache.num_blocks, generator=generator).tolist()
     tables, histories, queries = [], [], []
     for start, length in chunks:
         total = start + length
         table = [blocks.pop() for _ in range(-(-total // BLOCK))]
-        k = torch.randn(total, KV_HEADS, HEAD_DIM, generator=generator)
-        v = torch.randn(total, KV_HEADS, HEAD_DIM, generator=generator)
+        k = torch.randn(total, kv_heads, HEAD_DIM, generator=generator).to(dtype)
+        v = torch.randn(total, kv_heads, HEAD_DIM, generator=generator).to(dtype)
         if start:
             slots = torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK for p in range(start)])
             cache.write(0, slots, k[:start], v[:start])
         tables.append(table)
         histories.append((k, v))
-        queries.append(torch.randn(length, HEADS, HEAD_DIM, generator=generator))
+        queries.append(torch.randn(length, heads, HEAD_DIM, generator=generator).to(dtype))
     meta = build_attention_metadata(
         [n for _, n in chunks],
         [s for s, _ in chunks],
         tables,
         cache=cache,
-        queries_per_kv=HEADS // KV_HEADS,
+        queries_per_kv=heads // kv_heads,
         device=torch.device("cpu"),
     )
     new_k = torch.cat([k[s:] for (s, _), (k, _) in zip(chunks, histories, strict=True)])
@@ -75,7 +87,9 @@ def run_step(chunks: list[tuple[int, int]], seed: int = 0) -> None:
     row = 0
     for (start, length), q, (k, v) in zip(chunks, queries, histories, strict=True):
         expected = reference_attention(q, k, v, start)
-        torch.testing.assert_close(out[row : row + length], expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            out[row : row + length].float(), expected, atol=tolerance, rtol=tolerance
+        )
         row += length
 
 
@@ -85,17 +99,60 @@ def run_step(chunks: list[tuple[int, int]], seed: int = 0) -> None:
         [(0, 1)],
         [(7, 1), (0, 1), (12, 1), (3, 1)],  # decode only, different context lengths
         [(0, 9)],  # one fresh prefill: plain causal attention on its own K/V
-        [(0, 9), (0, 3), (0, 16)],  # several prefills, padded to the longest
+        [(0, 9), (0, 3), (0, 16)],  # several short prefills
         [(10, 6), (5, 1)],  # a chunk after cached tokens (chunked prefill / prefix hit) + decode
         [(0, 5), (9, 1), (4, 7), (0, 1), (13, 2), (30, 1)],  # everything in one step
-        [(300, 1), (5, 1), (700, 1), (20, 1)],  # decode contexts in different length buckets
-        [(0, 5), (3, 7), (10, 40), (2, 1), (0, 50)],  # short chunks padded, long ones alone
+        [(300, 1), (5, 1), (700, 1), (20, 1)],  # decode contexts of very different lengths
+        [(0, 5), (3, 7), (10, 40), (2, 1), (0, 50)],  # short chunks in place, long ones alone
+        [(3, 1), (4, 1), (7, 2), (8, 1), (15, 1), (16, 1), (11, 6)],  # around block boundaries
     ],
 )
 def test_paged_attention_equals_per_sequence_causal_attention(
     chunks: list[tuple[int, int]],
 ) -> None:
     run_step(chunks)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (4, 2), (8, 2), (6, 1)])
+@pytest.mark.parametrize("seed", [1, 2])
+def test_in_place_attention_over_shuffled_blocks_for_each_gqa_ratio(
+    heads: int, kv_heads: int, seed: int
+) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    chunks = []
+    for _ in range(12):  # decodes and short prefill chunks, starts across block boundaries
+        start = int(torch.randint(0, 60, (), generator=generator))
+        length = (
+            1
+            if torch.rand((), generator=generator) < 0.6
+            else int(torch.randint(2, 20, (), generator=generator))
+        )
+        chunks.append((start, length))
+    run_step(chunks, seed, heads, kv_heads)
+
+
+def test_decodes_and_short_chunks_attend_in_place_together() -> None:
+    cache = make_cache(64)
+    meta = build_attention_metadata(
+        [1, 5, 40, 1],
+        [9, 3, 0, 17],
+        [[1, 2, 3], [4, 5], list(range(6, 16)), [20, 21, 22, 23, 24]],
+        cache=cache,
+        queries_per_kv=2,
+        device=torch.device("cpu"),
+    )
+    in_place = [p for p in meta.pieces if isinstance(p, SlotRows)]
+    assert len(in_place) == 1
+    assert in_place[0].rows.tolist() == [0, 1, 2, 3, 4, 5, 46]  # the 40-token chunk is apart
+    # one pattern row per (token, query head), listing exactly the keys that token sees
+    seen = [10, 4, 5, 6, 7, 8, 18]
+    assert in_place[0].pattern.crow_indices().diff().tolist() == [
+        n for n in seen for _ in range(HEADS)
+    ]
+
+
+def test_half_precision_cache_attends_like_float32() -> None:
+    run_step([(0, 5), (9, 1), (4, 7), (30, 1)], dtype=torch.bfloat16, tolerance=3e-2)
 
 
 def test_long_chunks_after_cached_tokens_attend_in_tiles(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,106 @@
+"""What a forward step cannot beat on this machine: the bytes it must read over the measured
+memory bandwidth, and its FLOPs over the measured matmul rate (roofline, per step).
+
+Both rates are measured in the calling process at its torch thread count, so a benchmark's
+figures and its limits share the same machine state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from engine.model.capacity import kv_block_bytes
+from engine.model.runner import ModelRunner
+
+COPY_BYTES = 256 << 20  # large enough to stream through every cache level
+MATMUL_SIZE = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class MachineRates:
+    bytes_per_second: float  # a torch copy of a large buffer, read + write
+    flops_per_second: float  # a square matmul in the model's dtype
+
+    @classmethod
+    def measure(cls, dtype: torch.dtype, repeats: int = 5) -> MachineRates:
+        source = torch.ones(COPY_BYTES // 4)
+        target = torch.empty_like(source)
+        copy_seconds = _median_seconds(lambda: target.copy_(source), repeats)
+        a = torch.randn(MATMUL_SIZE, MATMUL_SIZE).to(dtype)
+        matmul_seconds = _median_seconds(lambda: a @ a, repeats)
+        return cls(2 * COPY_BYTES / copy_seconds, 2 * MATMUL_SIZE**3 / matmul_seconds)
+
+    def describe(self) -> str:
+        return (
+            f"memory bandwidth {self.bytes_per_second / 1e9:.1f} GB/s (torch copy), "
+            f"matmul {self.flops_per_second / 1e9:.1f} GFLOP/s"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCost:
+    bytes_read: float  # weights + the KV the step's attention reads
+    flops: float
+
+    def limit_seconds(self, rates: MachineRates) -> float:
+        """The roofline: the slower of streaming the bytes and doing the FLOPs."""
+        return max(self.bytes_read / rates.bytes_per_second, self.flops / rates.flops_per_second)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelCost:
+    """Per-step arithmetic of one model: weights read by matmuls, KV and attention per token."""
+
+    weight_bytes: int  # every matmul weight (the embedding only when it is also the LM head)
+    layer_params: int  # matmul weights applied to every token
+    head_params: int  # the LM head's, applied to the one sampled token of each sequence
+    kv_bytes_per_token: int  # K and V of one token, all layers
+    attention_flops_per_key: int  # one query token against one key, all layers and heads
+
+    @classmethod
+    def of(cls, runner: ModelRunner) -> ModelCost:
+        model = runner.model
+        head = (model.embed_tokens if model.lm_head is None else model.lm_head).weight
+        layers = [p for p in model.layers.parameters() if p.dim() >= 2]
+        config = runner.config
+        per_token = kv_block_bytes(config, runner.block_size, runner.dtype) // runner.block_size
+        heads = runner.shape.num_heads
+        return cls(
+            sum(p.numel() * p.element_size() for p in [*layers, head]),
+            sum(p.numel() for p in layers),
+            head.numel(),
+            per_token,
+            4 * heads * config.head_dim * config.num_layers,  # q.k and p.v: 2 FLOPs each
+        )
+
+    def decode(self, batch: int, context: int) -> StepCost:
+        """One token for each of `batch` sequences that attend to `context` keys."""
+        return StepCost(
+            self.weight_bytes + batch * context * self.kv_bytes_per_token,
+            2 * (self.layer_params + self.head_params) * batch
+            + self.attention_flops_per_key * batch * context,
+        )
+
+    def prefill(self, batch: int, length: int) -> StepCost:
+        """`batch` prompts of `length` tokens, causal over their own keys."""
+        keys_seen = length * (length + 1) // 2
+        return StepCost(
+            self.weight_bytes + batch * length * self.kv_bytes_per_token,
+            2 * (self.layer_params * length + self.head_params) * batch
+            + self.attention_flops_per_key * batch * keys_seen,
+        )
+
+
+def _median_seconds(work: Callable[[], object], repeats: int) -> float:
+    work()  # first touch of the pages, thread pool start
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        work()
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds)
