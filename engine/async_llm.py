@@ -34,7 +34,6 @@ from engine.messages.params import SamplingParams
 from engine.messages.reports import SCHEDULER_REPORTS, SchedulerReport
 from engine.messages.requests import (
     GATEWAY_TO_TOKENIZER,
-    TOKENIZER_FAILURES,
     ChatMessage,
     ChatOptions,
     GenerateRequest,
@@ -347,11 +346,6 @@ class AsyncLLM:
                 if ring == "outputs":
                     for batch in DETOKENIZER_TO_GATEWAY.decode_many(frames):
                         self.gateway.deliver(batch)
-                elif ring == "failures":
-                    for failure in TOKENIZER_FAILURES.decode_many(frames):
-                        error = EngineError(failure.message, failure.status, failure.param)
-                        if failure.request_id in self.gateway:
-                            self.gateway.fail(failure.request_id, error)
                 elif ring == "reports":
                     reports = SCHEDULER_REPORTS.decode_many(frames)
                     if reports:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.messages.failures import RequestFailed
 
 
 @dataclass
@@ -32,3 +35,14 @@ class EngineError(Exception):
         self.message = message
         self.status = status
         self.param = param
+
+    @classmethod
+    def from_failure(cls, failure: RequestFailed) -> EngineError:
+        """The client's error for an actor's RequestFailed (the one place that converts)."""
+        return cls(failure.message, failure.status, failure.param)
+
+    @property
+    def retryable(self) -> bool:
+        """Whether sending the request again may succeed: not for a 4xx (its input is at
+        fault), except 429 (the queue was full); yes for the engine's own failures."""
+        return self.status >= 500 or self.status == 429

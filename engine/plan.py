@@ -266,7 +266,6 @@ def _replica_spec(
     sched, detok, tokenizer = (child.name for child in children[len(workers) :])
     rings = [
         ring("requests", ROOT, tokenizer),
-        ring("failures", tokenizer, ROOT),
         ring("submit", tokenizer, sched),
         ring("plan", sched, *plan_readers),
         ring("results", rank0, sched),

@@ -6,8 +6,9 @@ every rank ("plan", broadcast), one TokenBatch per step to the detokenizer ("tok
 periodic report to the root ("reports"). Exactly one step is in flight at a time.
 
 A request that breaks something here fails alone: a submission the scheduler cannot take in, or
-sequences the workers could not compute (WorkerFailed), become a RequestRejected with status
-500 for the detokenizer to pass on; the other requests go on.
+sequences the workers could not compute (WorkerFailed), become a RequestFailed with status
+500 for the detokenizer to pass on; the other requests go on. A RequestFailed from the tokenizer
+is passed on the same way (the scheduler drops whatever it held of that request).
 """
 
 from __future__ import annotations
@@ -19,19 +20,19 @@ import msgspec
 
 from engine.actors.runtime.actor import Actor
 from engine.messages.codec import encode_in_frames, too_large_for_one_frame
+from engine.messages.failures import RequestFailed
 from engine.messages.reports import SCHEDULER_REPORTS, SchedulerReport
 from engine.messages.scheduling import (
     SCHEDULER_OUTPUTS,
     SCHEDULER_REQUESTS,
     AbortRequests,
-    RequestRejected,
     StopSamples,
-    SubmitRequest,
     TokenBatch,
+    ToScheduler,
 )
 from engine.messages.steps import STEP_PLANS, STEP_RESULTS, StepResult
 from engine.scheduler.config import SchedulerConfig
-from engine.scheduler.scheduler import Scheduler
+from engine.scheduler.scheduler import Scheduler, failed
 
 REPORT_INTERVAL_S = 0.2  # the admin socket's and /metrics' view may lag this much
 
@@ -87,7 +88,7 @@ class SchedulerActor(Actor):
             self.scheduler.abort(self.scheduler.request_ids())
             await self._plan_next()
 
-    def _apply(self, message: SubmitRequest | AbortRequests | StopSamples) -> list[bytes]:
+    def _apply(self, message: ToScheduler) -> list[bytes]:
         """Apply one inbound request message; what the detokenizer must learn of it."""
         if isinstance(message, StopSamples):
             self.scheduler.stop_samples(message)
@@ -95,13 +96,16 @@ class SchedulerActor(Actor):
         if isinstance(message, AbortRequests):
             self.scheduler.abort(message.request_ids)
             return [SCHEDULER_OUTPUTS.encode(message)]
+        if isinstance(message, RequestFailed):  # the tokenizer's: on its way to the gateway
+            self.scheduler.abort([message.request_id])
+            return [SCHEDULER_OUTPUTS.encode(message)]
         try:
             rejected = self.scheduler.add(message)
         except Exception as exc:  # this request's doing or not, the others go on
             self.log.exception("could not take in request %s", message.request_id)
             self.scheduler.abort([message.request_id])
             error = f"the scheduler could not take in this request: {type(exc).__name__}: {exc}"
-            rejected = RequestRejected(message.request_id, message.epoch, error, 500)
+            rejected = failed(message.request_id, message.epoch, 500, error, "scheduler")
         if rejected is not None:
             return [SCHEDULER_OUTPUTS.encode(rejected)]
         # The detokenizer learns stop strings and resume points ahead of any token (same ring).
@@ -109,7 +113,7 @@ class SchedulerActor(Actor):
         if len(forwarded) > self._max_frame_bytes:  # it could never reach the detokenizer
             self.scheduler.abort([message.request_id])
             error = too_large_for_one_frame(len(forwarded), self._max_frame_bytes)
-            rejected = RequestRejected(message.request_id, message.epoch, error)
+            rejected = failed(message.request_id, message.epoch, 400, error, "scheduler")
             return [SCHEDULER_OUTPUTS.encode(rejected)]
         early = self.scheduler.take_outputs()
         return [forwarded, *(self._frames(early) if early is not None else [])]
@@ -133,5 +137,9 @@ class SchedulerActor(Actor):
         self._last_report = now
         self._reported_idle = idle
         report = SchedulerReport(self.scheduler.stats(), self.scheduler.request_statuses())
+        frame = SCHEDULER_REPORTS.encode(report)
+        writer = self.rings.writer("reports")
+        if len(frame) > writer.spec.max_frame_bytes:  # the figures still go; the listing not
+            frame = SCHEDULER_REPORTS.encode(SchedulerReport(report.stats, []))
         # Never waits: a report the root has no room for is replaced by the next one.
-        self.rings.writer("reports").try_send_many([SCHEDULER_REPORTS.encode(report)])
+        writer.try_send_many([frame])

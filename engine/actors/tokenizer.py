@@ -1,9 +1,10 @@
 """The tokenizer actor: chat template + tokenization, and the first check of a request's size.
 
-Requests come from the gateway; tokenized ones go to the scheduler, refused ones straight back
-to the gateway. A request that breaks tokenization fails alone and the actor keeps serving:
-status 400 when its input is at fault (a bad value, a chat template that refuses the messages),
-500 for anything else. It never imports torch (see hf_tokenizer).
+Requests come from the gateway; tokenized ones go to the scheduler, and so do refused ones (as
+RequestFailed, which travel the request path to the gateway like every failure). A request that
+breaks tokenization fails alone and the actor keeps serving: status 400 when its input is at
+fault (a bad value, a chat template that refuses the messages), 500 for anything else. It never
+imports torch (see text/hf_tokenizer).
 """
 
 from __future__ import annotations
@@ -16,12 +17,8 @@ import msgspec
 
 from engine.actors.runtime.actor import Actor
 from engine.messages.codec import too_large_for_one_frame
-from engine.messages.requests import (
-    GATEWAY_TO_TOKENIZER,
-    TOKENIZER_FAILURES,
-    GenerateRequest,
-    RequestFailed,
-)
+from engine.messages.failures import RequestFailed
+from engine.messages.requests import GATEWAY_TO_TOKENIZER, GenerateRequest
 from engine.messages.scheduling import SCHEDULER_REQUESTS, AbortRequests, SubmitRequest
 from engine.outputs import EngineError
 from engine.text.hf_tokenizer import load_tokenizer_without_torch
@@ -62,7 +59,6 @@ class TokenizerActor(Actor):
 
     async def handle(self, ring: str, frames: list[bytes]) -> None:
         to_scheduler: list[bytes] = []
-        failures: list[bytes] = []
         for message in GATEWAY_TO_TOKENIZER.decode_many(frames):
             if isinstance(message, AbortRequests):
                 for request_id in message.request_ids:  # its thread's result will be dropped
@@ -71,24 +67,21 @@ class TokenizerActor(Actor):
             elif _prompt_chars(message) > INLINE_CHARS:
                 self._tokenize_on_thread(message)
             else:
-                self._tokenize(message, to_scheduler, failures)
-        await self._send(to_scheduler, failures)
+                to_scheduler.append(self._tokenize(message))
+        if to_scheduler:
+            await self.send_many("submit", to_scheduler)
 
-    def _tokenize(
-        self, message: GenerateRequest, to_scheduler: list[bytes], failures: list[bytes]
-    ) -> None:
+    def _tokenize(self, message: GenerateRequest) -> bytes:
+        """The request's frame for the scheduler: its submission, or its failure."""
         try:
             token_ids = self.builder.build(message)
         except Exception as exc:  # fails this request alone
-            failures.append(TOKENIZER_FAILURES.encode(_failure(message, exc)))
-            return
+            return SCHEDULER_REQUESTS.encode(_failure(message, exc))
         frame = SCHEDULER_REQUESTS.encode(_submission(message, token_ids))
         if len(frame) > self._max_frame_bytes:
             error = too_large_for_one_frame(len(frame), self._max_frame_bytes)
-            failure = RequestFailed(message.request_id, message.epoch, 400, error)
-            failures.append(TOKENIZER_FAILURES.encode(failure))
-            return
-        to_scheduler.append(frame)
+            return SCHEDULER_REQUESTS.encode(_failed(message, 400, error))
+        return frame
 
     def _tokenize_on_thread(self, message: GenerateRequest) -> None:
         self._on_thread[message.request_id] = message.epoch
@@ -98,12 +91,8 @@ class TokenizerActor(Actor):
 
     async def _finish_on_thread(self, message: GenerateRequest) -> None:
         loop = asyncio.get_running_loop()
-        to_scheduler: list[bytes] = []
-        failures: list[bytes] = []
         try:
-            await loop.run_in_executor(
-                self._executor, self._tokenize, message, to_scheduler, failures
-            )
+            frame = await loop.run_in_executor(self._executor, self._tokenize, message)
         finally:
             # Aborted, or resubmitted under a newer epoch, while it was on the thread: its
             # result would run a request nobody waits for.
@@ -111,13 +100,7 @@ class TokenizerActor(Actor):
             if current:
                 del self._on_thread[message.request_id]
         if current:
-            await self._send(to_scheduler, failures)
-
-    async def _send(self, to_scheduler: list[bytes], failures: list[bytes]) -> None:
-        if failures:
-            await self.send_many("failures", failures)
-        if to_scheduler:
-            await self.send_many("submit", to_scheduler)
+            await self.send_many("submit", [frame])
 
 
 def _prompt_chars(request: GenerateRequest) -> int:
@@ -141,13 +124,23 @@ def _submission(request: GenerateRequest, token_ids: list[int]) -> SubmitRequest
 
 def _failure(request: GenerateRequest, exc: Exception) -> RequestFailed:
     if isinstance(exc, EngineError):
-        status, param, message = exc.status, exc.param, exc.message
-    elif _input_error(exc):
-        status, param, message = 400, _param_of(request), str(exc)
-    else:
-        status, param = 500, None
-        message = f"could not tokenize this request: {type(exc).__name__}: {exc}"
-    return RequestFailed(request.request_id, request.epoch, status, message, param)
+        return _failed(request, exc.status, exc.message, exc.param)
+    if _input_error(exc):
+        return _failed(request, 400, str(exc), _param_of(request))
+    return _failed(request, 500, f"could not tokenize this request: {type(exc).__name__}: {exc}")
+
+
+def _failed(
+    request: GenerateRequest, status: int, message: str, param: str | None = None
+) -> RequestFailed:
+    return RequestFailed(
+        request_id=request.request_id,
+        epoch=request.epoch,
+        status=status,
+        message=message,
+        actor="tokenizer",
+        param=param,
+    )
 
 
 def _input_error(exc: Exception) -> bool:

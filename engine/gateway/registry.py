@@ -42,7 +42,7 @@ from engine.gateway.output_stream import OutputStream
 from engine.gateway.records import RequestRecord, SampleRecord
 from engine.messages.outputs import OutputBatch, SampleDeltaText
 from engine.messages.params import SamplingParams
-from engine.messages.requests import ChatMessage, ChatOptions, GenerateRequest, RequestFailed
+from engine.messages.requests import ChatMessage, ChatOptions, GenerateRequest
 from engine.messages.scheduling import AbortRequests
 from engine.outputs import CompletionOutput, EngineError, RequestOutput
 
@@ -160,7 +160,7 @@ class Gateway:
                 record.acknowledged = True
         for failure in batch.failures:
             if self._current(failure.request_id, failure.epoch) is not None:
-                self.fail(failure.request_id, _engine_error(failure))
+                self.fail(failure.request_id, EngineError.from_failure(failure))
         by_request: dict[str, list[SampleDeltaText]] = {}
         for delta in batch.samples:
             by_request.setdefault(delta.request_id, []).append(delta)
@@ -417,7 +417,3 @@ class Gateway:
             outputs=outputs,
             finished=finished,
         )
-
-
-def _engine_error(failure: RequestFailed) -> EngineError:
-    return EngineError(failure.message, failure.status, failure.param)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from engine.messages.codec import Channel
-from engine.messages.requests import RequestFailed
+from engine.messages.failures import RequestFailed
 
 
 class TokenLogprob(msgspec.Struct, array_like=True):

@@ -43,17 +43,6 @@ class GenerateRequest(msgspec.Struct, tag=True, array_like=True):
     chat: ChatOptions | None = None  # with messages; None: the model's template, defaults
 
 
-class RequestFailed(msgspec.Struct, tag=True, array_like=True):
-    """A request that cannot be served (bad input: status 400; an internal failure: 500)."""
-
-    request_id: str
-    epoch: int
-    status: int
-    message: str
-    param: str | None = None
-
-
 GATEWAY_TO_TOKENIZER: Channel[GenerateRequest | AbortRequests] = Channel(
     "gateway-to-tokenizer", GenerateRequest | AbortRequests
 )
-TOKENIZER_FAILURES: Channel[RequestFailed] = Channel("tokenizer-failures", RequestFailed)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import msgspec
 
 from engine.messages.codec import Channel
+from engine.messages.failures import RequestFailed
 from engine.messages.params import SamplingParams
 from engine.messages.steps import TokenLogprobs
 
@@ -75,15 +76,6 @@ class TokenBatch(msgspec.Struct, tag=True, array_like=True):
     items: list[SampleDelta]
 
 
-class RequestRejected(msgspec.Struct, tag=True, array_like=True):
-    """The scheduler will not run this request (e.g. its prompt does not fit max_model_len)."""
-
-    request_id: str
-    epoch: int
-    message: str
-    status: int = 400
-
-
 class RequestStatus(msgspec.Struct, tag=True, kw_only=True):
     """One request as the admin "requests" listing shows it."""
 
@@ -108,8 +100,8 @@ class SchedulerStats(msgspec.Struct, tag=True, kw_only=True):
     num_steps: int
 
 
-ToScheduler = SubmitRequest | AbortRequests | StopSamples
-FromScheduler = SubmitRequest | AbortRequests | TokenBatch | RequestRejected
+ToScheduler = SubmitRequest | AbortRequests | StopSamples | RequestFailed
+FromScheduler = SubmitRequest | AbortRequests | TokenBatch | RequestFailed
 
 SCHEDULER_REQUESTS: Channel[ToScheduler] = Channel("scheduler-requests", ToScheduler)
 SCHEDULER_OUTPUTS: Channel[FromScheduler] = Channel("scheduler-outputs", FromScheduler)

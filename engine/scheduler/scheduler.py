@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 from engine.kv.block_manager import BlockManager
+from engine.messages.failures import RequestFailed
 from engine.messages.scheduling import (
-    RequestRejected,
     RequestStatus,
     SampleDelta,
     SchedulerStats,
@@ -70,7 +70,7 @@ class Scheduler:
 
     # ---- inbound -------------------------------------------------------------------------------
 
-    def add(self, submit: SubmitRequest) -> RequestRejected | None:
+    def add(self, submit: SubmitRequest) -> RequestFailed | None:
         """Queue a request (or replace an older epoch of it); reject one that can never run."""
         existing = self._requests.get(submit.request_id)
         if existing is not None:
@@ -85,7 +85,7 @@ class Scheduler:
             self._drop_request(existing)
         reason = rejection_reason(submit, self.config.max_model_len)
         if reason is not None:
-            return RequestRejected(submit.request_id, submit.epoch, reason)
+            return failed(submit.request_id, submit.epoch, 400, reason, "scheduler")
         request = Request(
             submit.request_id,
             submit.epoch,
@@ -97,13 +97,12 @@ class Scheduler:
         )
         self._next_request_key += 1
         if request.announcement_bytes > self.config.max_plan_bytes // 2:
-            return RequestRejected(
-                submit.request_id,
-                submit.epoch,
+            reason = (
                 f"the request's prompt and sampling parameters take {request.announcement_bytes} "
                 f"bytes to send to the workers, more than a step may carry "
-                f"({self.config.max_plan_bytes // 2}): shorten the prompt or stop_token_ids",
+                f"({self.config.max_plan_bytes // 2}): shorten the prompt or stop_token_ids"
             )
+            return failed(submit.request_id, submit.epoch, 400, reason, "scheduler")
         starts: list[tuple[int, list[int]]]
         if submit.resume is None:
             starts = [(index, []) for index in range(submit.params.n)]
@@ -149,7 +148,7 @@ class Scheduler:
             if seq is not None:
                 self._retire(seq)
 
-    def fail(self, seq_ids: Iterable[int], message: str) -> list[RequestRejected]:
+    def fail(self, seq_ids: Iterable[int], message: str) -> list[RequestFailed]:
         """Drop the requests of sequences the workers could not compute; their failures."""
         failures = []
         for seq_id in seq_ids:
@@ -157,7 +156,7 @@ class Scheduler:
             if seq is not None:
                 request = seq.request
                 self._drop_request(request)
-                failures.append(RequestRejected(request.request_id, request.epoch, message, 500))
+                failures.append(failed(request.request_id, request.epoch, 500, message, "worker"))
         return failures
 
     def on_workers_restarted(self) -> None:
@@ -353,3 +352,9 @@ class Scheduler:
         if request.known_to_workers:
             request.known_to_workers = False
             self._retired_request_keys.append(request.key)
+
+
+def failed(request_id: str, epoch: int, status: int, message: str, actor: str) -> RequestFailed:
+    return RequestFailed(
+        request_id=request_id, epoch=epoch, status=status, message=message, actor=actor
+    )

@@ -14,6 +14,7 @@ import logging
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
+from engine.messages.failures import RequestFailed
 from engine.messages.outputs import (
     OutputBatch,
     PromptInfo,
@@ -21,11 +22,9 @@ from engine.messages.outputs import (
     SampleLogprobs,
     TokenLogprob,
 )
-from engine.messages.requests import RequestFailed
 from engine.messages.scheduling import (
     AbortRequests,
     FromScheduler,
-    RequestRejected,
     SampleDelta,
     StopSamples,
     SubmitRequest,
@@ -84,8 +83,8 @@ class Detokenizer:
                     aborts.append(message.request_id)
             elif isinstance(message, AbortRequests):
                 self.abort(message.request_ids)
-            elif isinstance(message, RequestRejected):
-                failures.append(self.reject(message))
+            elif isinstance(message, RequestFailed):
+                failures.append(self.forget_failed(message))
         batch = OutputBatch(prompts, samples, failures) if prompts or samples or failures else None
         return DetokenizerOutput(batch, stops, tuple(aborts))
 
@@ -111,17 +110,21 @@ class Detokenizer:
         for request_id in request_ids:
             self._requests.pop(request_id, None)
 
-    def reject(self, rejected: RequestRejected) -> RequestFailed:
-        current = self._requests.get(rejected.request_id)
-        if current is not None and current.epoch == rejected.epoch:
-            del self._requests[rejected.request_id]
-        return RequestFailed(rejected.request_id, rejected.epoch, rejected.status, rejected.message)
+    def forget_failed(self, failure: RequestFailed) -> RequestFailed:
+        """Another actor failed this request: drop its streams (of that epoch or an older one:
+        a failed resubmission ends the request), pass it on."""
+        current = self._requests.get(failure.request_id)
+        if current is not None and current.epoch <= failure.epoch:
+            del self._requests[failure.request_id]
+        return failure
 
     def _fail(self, request_id: str, epoch: int, exc: Exception) -> RequestFailed:
         log.exception("could not make the text of request %s", request_id)
         self._requests.pop(request_id, None)
         message = f"could not make this request's text: {type(exc).__name__}: {exc}"
-        return RequestFailed(request_id, epoch, 500, message)
+        return RequestFailed(
+            request_id=request_id, epoch=epoch, status=500, message=message, actor="detokenizer"
+        )
 
     def token_text(self, token_id: int) -> str:
         """One token's own text, as logprobs show it (special tokens included)."""

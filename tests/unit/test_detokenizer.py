@@ -8,10 +8,10 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from engine.messages.failures import RequestFailed
 from engine.messages.params import SamplingParams
 from engine.messages.scheduling import (
     AbortRequests,
-    RequestRejected,
     SampleDelta,
     SampleResume,
     SubmitRequest,
@@ -263,10 +263,21 @@ def test_aborts_rejections_and_logprobs(tokenizer: PreTrainedTokenizerFast) -> N
     detokenizer.handle([AbortRequests(["r"])])
     assert len(detokenizer) == 0
     assert detokenizer.handle([TokenBatch([SampleDelta("r", 0, 0, [token])])]).batch is None
-    out = detokenizer.handle([RequestRejected("q", 2, "prompt too long")])
+    refused = RequestFailed(
+        request_id="q", epoch=2, status=400, message="prompt too long", actor="scheduler"
+    )
+    out = detokenizer.handle([refused])
     assert out.batch is not None
     [failure] = out.batch.failures
     assert (failure.request_id, failure.epoch, failure.status) == ("q", 2, 400)
+    # A failed resubmission ends the request: the streams of its older epoch go too.
+    detokenizer.handle([SubmitRequest("old", 0, [token], SamplingParams(), 1)])
+    assert len(detokenizer) == 1
+    resubmission_failed = RequestFailed(
+        request_id="old", epoch=1, status=400, message="too big", actor="tokenizer"
+    )
+    detokenizer.handle([resubmission_failed])
+    assert len(detokenizer) == 0
 
 
 def test_engine_text_does_not_import_torch() -> None:

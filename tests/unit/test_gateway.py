@@ -1,9 +1,9 @@
 from __future__ import annotations
 
 from engine.gateway.registry import Gateway
+from engine.messages.failures import RequestFailed
 from engine.messages.outputs import OutputBatch, PromptInfo, SampleDeltaText
 from engine.messages.params import SamplingParams
-from engine.messages.requests import RequestFailed
 from engine.messages.scheduling import AbortRequests
 from engine.outputs import EngineError, RequestOutput
 
@@ -50,7 +50,10 @@ def test_outputs_of_a_stale_epoch_are_dropped_and_resume_carries_what_was_delive
 def test_a_failure_reaches_the_stream_as_an_error_and_forgets_the_request() -> None:
     gateway = Gateway()
     record, _ = gateway.open(SamplingParams(), prompt="x", request_id="bad")
-    gateway.deliver(OutputBatch([], [], [RequestFailed("bad", 0, 400, "too long", "prompt")]))
+    failure = RequestFailed(
+        request_id="bad", epoch=0, status=400, message="too long", actor="tokenizer", param="prompt"
+    )
+    gateway.deliver(OutputBatch([], [], [failure]))
     [error] = _drain(record)
     assert isinstance(error, EngineError) and error.status == 400 and error.param == "prompt"
     assert len(gateway) == 0

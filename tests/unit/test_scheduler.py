@@ -16,9 +16,9 @@ from collections.abc import Callable
 
 import pytest
 
+from engine.messages.failures import RequestFailed
 from engine.messages.params import SamplingParams
 from engine.messages.scheduling import (
-    RequestRejected,
     SampleResume,
     StopSamples,
     SubmitRequest,
@@ -228,7 +228,7 @@ def test_a_prompt_without_room_to_generate_is_rejected_naming_both_numbers(
 ) -> None:
     scheduler, _ = make()
     rejected = scheduler.add(submit("long", [1] * prompt_len, epoch=3))
-    assert isinstance(rejected, RequestRejected)
+    assert isinstance(rejected, RequestFailed)
     assert (rejected.request_id, rejected.epoch, rejected.status) == ("long", 3, 400)
     assert fragment in rejected.message
     assert not scheduler.has_unfinished_requests
@@ -238,7 +238,7 @@ def test_a_prompt_without_room_to_generate_is_rejected_naming_both_numbers(
 def test_invalid_sampling_params_are_rejected_with_the_field_named() -> None:
     scheduler, _ = make()
     rejected = scheduler.add(submit("bad", [1, 2], top_p=0.0))
-    assert isinstance(rejected, RequestRejected)
+    assert isinstance(rejected, RequestFailed)
     assert "top_p" in rejected.message
 
 
@@ -496,7 +496,7 @@ def test_bad_resume_indices_are_rejected() -> None:
     resubmit = submit("r", [1, 2], n=2)
     resubmit.resume = [SampleResume(2, [])]
     rejected = scheduler.add(resubmit)
-    assert isinstance(rejected, RequestRejected)
+    assert isinstance(rejected, RequestFailed)
     assert "[0, 2)" in rejected.message
 
 
