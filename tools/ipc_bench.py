@@ -16,6 +16,7 @@ one run, so the ratios are fair even on a busy machine:
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import multiprocessing as mp
 import os
@@ -335,7 +336,7 @@ def idle_cpu(children: Children, spec: RingSpec, seconds: float) -> float:
     _result(results, "ring_idle_consumer ready")
     time.sleep(seconds)
     with RingWriter(spec) as writer:
-        writer.send_sync(b"wake up", timeout=JOIN_TIMEOUT_S)
+        uvloop.run(asyncio.wait_for(writer.send(b"wake up"), timeout=JOIN_TIMEOUT_S))
     cpu_pct = float(_result(results, "ring_idle_consumer")["cpu_pct"])
     children.join()
     return cpu_pct

@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from typing import Any
@@ -219,7 +218,7 @@ def test_every_frame_crosses_two_processes_once_in_order_intact(
 
     try:
         frames_survive()
-        writer.send_sync(stop, timeout=TIMEOUT_S)
+        asyncio.run(asyncio.wait_for(writer.send(stop), timeout=TIMEOUT_S))
         echo.join(TIMEOUT_S)
         assert echo.exitcode == 0
     finally:
@@ -227,7 +226,7 @@ def test_every_frame_crosses_two_processes_once_in_order_intact(
         reader.close()
 
 
-def test_a_full_ring_makes_the_producer_wait_and_loses_nothing(
+async def test_a_full_ring_makes_the_producer_wait_and_loses_nothing(
     make_ring: MakeRing, children: Callable[..., Any]
 ) -> None:
     spec = make_ring("full", 1024)
@@ -237,16 +236,16 @@ def test_a_full_ring_makes_the_producer_wait_and_loses_nothing(
     received: list[bytes] = []
     with RingReader(spec) as reader:
         while len(received) < count:
-            received += reader.recv_many_sync(timeout=TIMEOUT_S)
+            received += await asyncio.wait_for(reader.recv_many(), timeout=TIMEOUT_S)
             if len(received) < count // 2:
-                time.sleep(0.001)  # a slow consumer for the first half
+                await asyncio.sleep(0.001)  # a slow consumer for the first half
     assert received == [_numbered(i) for i in range(count)]
     assert _result(results) > 0  # the producer did find the ring full, and waited
     producer.join(TIMEOUT_S)
     assert producer.exitcode == 0
 
 
-def test_broadcast_readers_each_see_every_frame_one_of_them_slow(
+async def test_broadcast_readers_each_see_every_frame_one_of_them_slow(
     make_ring: MakeRing, children: Callable[..., Any]
 ) -> None:
     spec = make_ring("fanout", 2048, readers=3)
@@ -264,11 +263,11 @@ def test_broadcast_readers_each_see_every_frame_one_of_them_slow(
     with RingWriter(spec) as writer:
         for first in range(0, count, 10):
             for frame in frames[first : first + 10]:
-                writer.send_sync(frame, timeout=TIMEOUT_S)
+                await asyncio.wait_for(writer.send(frame), timeout=TIMEOUT_S)
     assert [_result(results) for results in pipes] == [[count, digest.hexdigest()]] * 3
 
 
-def test_a_producer_killed_mid_stream_leaves_only_whole_frames(
+async def test_a_producer_killed_mid_stream_leaves_only_whole_frames(
     make_ring: MakeRing, children: Callable[..., Any]
 ) -> None:
     spec = make_ring("killed", 1 << 20)
@@ -276,7 +275,7 @@ def test_a_producer_killed_mid_stream_leaves_only_whole_frames(
     received = 0
     with RingReader(spec) as reader:
         while received < 200:
-            for frame in reader.recv_many_sync(timeout=TIMEOUT_S):
+            for frame in await asyncio.wait_for(reader.recv_many(), timeout=TIMEOUT_S):
                 assert _check_checksummed(frame) == received
                 received += 1
         os.kill(producer.pid, signal.SIGKILL)  # almost surely in the middle of a copy
@@ -291,12 +290,15 @@ def test_a_producer_killed_mid_stream_leaves_only_whole_frames(
 def test_no_resource_tracker_warnings_in_creator_or_attacher(tmp_path: pathlib.Path) -> None:
     script = textwrap.dedent(
         """
-        import multiprocessing as mp, sys
+        import asyncio, multiprocessing as mp, sys
         from engine.actors.runtime.ring import *
 
-        def attach(spec):
+        async def receive(spec):
             with RingReader(spec) as reader:
-                assert reader.recv_many_sync(timeout=60) == [b"hello"]
+                assert await asyncio.wait_for(reader.recv_many(), timeout=60) == [b"hello"]
+
+        def attach(spec):
+            asyncio.run(receive(spec))
 
         if __name__ == "__main__":
             spec = RingSpec(sys.argv[1], 4096)
@@ -305,7 +307,7 @@ def test_no_resource_tracker_warnings_in_creator_or_attacher(tmp_path: pathlib.P
                 child = mp.get_context("spawn").Process(target=attach, args=(spec,))
                 child.start()
                 with RingWriter(spec) as writer:
-                    writer.send_sync(b"hello", timeout=60)
+                    asyncio.run(asyncio.wait_for(writer.send(b"hello"), timeout=60))
                 child.join(60)
                 assert child.exitcode == 0, child.exitcode
             finally:

@@ -110,7 +110,7 @@ async def test_rings_are_visited_in_rotating_order(make_ring: MakeRing) -> None:
         firsts = []
         for _ in range(3):
             for writer in writers:
-                writer.send_sync(b"x")
+                await asyncio.wait_for(writer.send(b"x"), timeout=10)
             batch = await _recv(mailbox)
             assert sorted(name for name, _ in batch) == names
             firsts.append(batch[0][0])
@@ -126,7 +126,7 @@ async def test_replace_swaps_a_ring_even_while_recv_is_parked(make_ring: MakeRin
     old_writer, new_writer = RingWriter(old_spec), RingWriter(new_spec)
     mailbox = Mailbox({"peer": RingReader(old_spec)}, max_spin_us=0)
     try:
-        old_writer.send_sync(b"before")
+        await asyncio.wait_for(old_writer.send(b"before"), timeout=10)
         assert await _recv(mailbox) == [("peer", [b"before"])]
         receiving = asyncio.ensure_future(mailbox.recv())
         await asyncio.sleep(0.02)  # parked on the old ring's doorbell
@@ -158,7 +158,7 @@ async def test_remove_and_add_change_what_recv_waits_on(make_ring: MakeRing) -> 
         mailbox.add("second", RingReader(second_spec))
         with pytest.raises(ValueError, match="already has a ring named 'second'"):
             mailbox.add("second", RingReader(second_spec))
-        second.send_sync(b"hi")
+        await asyncio.wait_for(second.send(b"hi"), timeout=10)
         assert await asyncio.wait_for(receiving, timeout=10) == [("second", [b"hi"])]
     finally:
         mailbox.close()

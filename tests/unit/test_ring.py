@@ -18,7 +18,6 @@ from engine.actors.runtime.ring import (
     RECORD_OVERHEAD,
     FrameTooLarge,
     RingClosed,
-    RingFull,
     RingReader,
     RingSpec,
     RingWriter,
@@ -63,15 +62,15 @@ def make_ring(prefix: str) -> Iterator[MakeRing]:
         destroy_ring(spec)
 
 
-def test_frames_come_out_in_order_and_byte_identical(make_ring: MakeRing) -> None:
+async def test_frames_come_out_in_order_and_byte_identical(make_ring: MakeRing) -> None:
     spec = make_ring(capacity=256)
     frames = [os.urandom(size) for size in (0, 1, 7, 100, 248, 31, 200, 0, 64, 129, 3)]
     received: list[bytes] = []
     with RingWriter(spec) as writer, RingReader(spec) as reader:
         for _ in range(20):  # many laps of a small ring: records straddle the end repeatedly
             for frame in frames:
-                writer.send_sync(frame, timeout=5)
-                received += reader.recv_many_sync(timeout=5)
+                await asyncio.wait_for(writer.send(frame), timeout=5)
+                received += await asyncio.wait_for(reader.recv_many(), timeout=5)
     assert received == frames * 20
 
 
@@ -88,14 +87,16 @@ def test_big_frames_survive_many_laps_of_the_ring(make_ring: MakeRing) -> None:
     assert received == [frame for batch in batches for frame in batch]
 
 
-def test_a_frame_that_exactly_fills_the_ring_fits_after_any_offset(make_ring: MakeRing) -> None:
+async def test_a_frame_that_exactly_fills_the_ring_fits_after_any_offset(
+    make_ring: MakeRing,
+) -> None:
     spec = make_ring(capacity=128)
     exact = os.urandom(spec.capacity - RECORD_OVERHEAD)
     with RingWriter(spec) as writer, RingReader(spec) as reader:
         for offset_frame in (b"", b"a", b"abcdefg", os.urandom(50)):
-            writer.send_sync(offset_frame, timeout=5)
+            await asyncio.wait_for(writer.send(offset_frame), timeout=5)
             assert reader.drain() == [offset_frame]
-            writer.send_sync(exact, timeout=5)
+            await asyncio.wait_for(writer.send(exact), timeout=5)
             assert writer.free_bytes() == 0
             assert reader.drain() == [exact]
 
@@ -107,14 +108,12 @@ def test_a_batch_is_written_as_far_as_it_fits(make_ring: MakeRing) -> None:
         written = writer.try_send_many(frames)
         assert 0 < written < len(frames)
         assert writer.try_send_many(frames[written:]) == 0  # full: nothing more, nothing lost
-        with pytest.raises(RingFull):
-            writer.send_nowait(frames[written])
         assert reader.drain() == frames[:written]
         assert writer.try_send_many(frames[written:]) == len(frames) - written
         assert reader.drain() == frames[written:]
 
 
-def test_frame_too_large_names_both_sizes_and_sends_nothing(make_ring: MakeRing) -> None:
+async def test_frame_too_large_names_both_sizes_and_sends_nothing(make_ring: MakeRing) -> None:
     spec = make_ring(capacity=256)
     with RingWriter(spec) as writer, RingReader(spec) as reader:
         with pytest.raises(FrameTooLarge) as excinfo:
@@ -122,19 +121,19 @@ def test_frame_too_large_names_both_sizes_and_sends_nothing(make_ring: MakeRing)
         assert "249 bytes" in str(excinfo.value)
         assert "capacity 256" in str(excinfo.value)
         assert reader.drain() == []
-        with pytest.raises(FrameTooLarge):
-            writer.send_sync(b"x" * 1000)
+        with pytest.raises(FrameTooLarge):  # at once: the waiting send does not wait for it
+            await asyncio.wait_for(writer.send(b"x" * 1000), timeout=5)
 
 
-def test_sync_calls_time_out_with_timeout_error(make_ring: MakeRing) -> None:
+async def test_waits_given_up_by_a_timeout_leave_the_ring_usable(make_ring: MakeRing) -> None:
     spec = make_ring(capacity=64)
     with RingWriter(spec) as writer, RingReader(spec) as reader:
-        with pytest.raises(TimeoutError, match="no frame"):
-            reader.recv_many_sync(timeout=0.05)
-        writer.send_sync(b"x" * 56, timeout=1)  # fills the ring
-        with pytest.raises(TimeoutError, match="no room for a 1-byte frame"):
-            writer.send_sync(b"y", timeout=0.05)
-        assert reader.recv_many_sync(timeout=1) == [b"x" * 56]
+        with pytest.raises(TimeoutError):  # no frame
+            await asyncio.wait_for(reader.recv_many(), timeout=0.05)
+        await asyncio.wait_for(writer.send(b"x" * 56), timeout=1)  # fills the ring
+        with pytest.raises(TimeoutError):  # no room for a 1-byte frame
+            await asyncio.wait_for(writer.send(b"y"), timeout=0.05)
+        assert await asyncio.wait_for(reader.recv_many(), timeout=1) == [b"x" * 56]
 
 
 async def test_a_full_ring_makes_send_wait_until_the_reader_catches_up(
@@ -170,7 +169,7 @@ async def test_closing_a_writer_wakes_its_waiting_send_with_ring_closed(
     spec = make_ring(capacity=64)
     with RingReader(spec) as reader:
         writer = RingWriter(spec)
-        writer.send_sync(b"x" * 56)
+        await asyncio.wait_for(writer.send(b"x" * 56), timeout=5)  # fills the ring
         sending = asyncio.ensure_future(writer.send(b"more"))
         await asyncio.sleep(0.02)
         writer.close()
@@ -182,7 +181,7 @@ async def test_closing_a_writer_wakes_its_waiting_send_with_ring_closed(
 async def test_a_cancelled_send_leaves_the_ring_usable(make_ring: MakeRing) -> None:
     spec = make_ring(capacity=64)
     with RingWriter(spec) as writer, RingReader(spec) as reader:
-        writer.send_sync(b"x" * 56)
+        await asyncio.wait_for(writer.send(b"x" * 56), timeout=5)  # fills the ring
         sending = asyncio.ensure_future(writer.send(b"later"))
         await asyncio.sleep(0.02)
         sending.cancel()

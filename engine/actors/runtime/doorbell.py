@@ -5,7 +5,7 @@ O_RDWR | O_NONBLOCK (Linux lets a FIFO be opened read-write, so `open` never blo
 the other side), which is all a `spawn`ed process needs: it gets only the ring's name, and a
 restarted process simply opens the FIFO again. An eventfd would be cheaper but cannot be opened
 by name; a Unix socket would need a listener. Ringing writes one byte; the parked side's fd
-becomes readable, which `loop.add_reader` (or `poll` outside a loop) turns into a wake-up.
+becomes readable, which `loop.add_reader` turns into a wake-up.
 
 The lost-wakeup race. The waiter stores "I am parked" and then loads the ring position; the other
 side stores the new position and then loads "is it parked?". On x86 a store may be reordered
@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import select
 import stat
 import tempfile
 import threading
@@ -261,39 +260,3 @@ class Waiter:
             if any(party.ready() for party in parties):
                 break
         self.spin.record_wait(time.perf_counter_ns() - started)
-
-    def wait_sync(self, parties: Sequence[Parkable], deadline: float | None) -> bool:
-        """Like `wait` for code outside an event loop; False if `deadline` (monotonic) passed."""
-        started = time.perf_counter_ns()
-        spin_until = started + self.spin.budget_ns
-        while True:
-            if any(party.ready() for party in parties):
-                self.spin.record_wait(time.perf_counter_ns() - started)
-                return True
-            if time.perf_counter_ns() >= spin_until:
-                break
-            os.sched_yield()  # other processes share these cores
-        poller = select.poll()
-        for party in parties:
-            poller.register(party.doorbell_fd, select.POLLIN)
-        while True:
-            timeout = SAFETY_RECHECK_S
-            if deadline is not None:
-                timeout = min(timeout, deadline - time.monotonic())
-                if timeout <= 0:
-                    return False
-            for party in parties:
-                party.set_parked(True)
-            try:
-                full_fence()
-                if any(party.ready() for party in parties):
-                    break
-                for fd, _events in poller.poll(timeout * 1000):
-                    clear_doorbell(fd)
-            finally:
-                for party in parties:
-                    party.set_parked(False)
-            if any(party.ready() for party in parties):
-                break
-        self.spin.record_wait(time.perf_counter_ns() - started)
-        return True

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import time
 from array import array
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -38,7 +37,6 @@ __all__ = [
     "FrameTooLarge",
     "RingClosed",
     "RingCorrupted",
-    "RingFull",
     "RingReader",
     "RingSpec",
     "RingWriter",
@@ -51,10 +49,6 @@ __all__ = [
 
 _DIRECT_COPY_BYTES = 64 * 1024  # records this big whose frames average
 _DIRECT_COPY_MIN_FRAME = 8 * 1024  # this much are not joined before the copy
-
-
-class RingFull(Exception):
-    """A non-waiting write found no room (the waiting calls wait instead)."""
 
 
 class FrameTooLarge(ValueError):
@@ -239,22 +233,6 @@ class RingWriter:
             await self._waiter.wait((_SpaceWanted(self, RECORD_OVERHEAD + len(frames[sent])),))
             sent += self.try_send_many(frames[sent:])
 
-    def send_sync(self, frame: bytes, timeout: float | None = None) -> None:
-        """Write one frame from code outside an event loop; TimeoutError if no room in time."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        wanted = _SpaceWanted(self, RECORD_OVERHEAD + len(frame))
-        while not self.try_send_many((frame,)):
-            if not self._waiter.wait_sync((wanted,), deadline):
-                raise TimeoutError(
-                    f"ring {self.spec.name!r}: no room for a {len(frame)}-byte frame within "
-                    f"{timeout} s (readers are not keeping up)"
-                )
-
-    def send_nowait(self, frame: bytes) -> None:
-        """Write one frame now or raise RingFull."""
-        if not self.try_send_many((frame,)):
-            raise RingFull(f"ring {self.spec.name!r} has no room for a {len(frame)}-byte frame")
-
     def close(self) -> None:
         """Release this end (waiting sends are woken and fail with RingClosed). Idempotent."""
         if self._closed:
@@ -387,18 +365,6 @@ class RingReader:
         if not self._pending:
             self._pending.extend(await self.recv_many())
         return self._pending.popleft()
-
-    def recv_many_sync(self, timeout: float | None = None) -> list[bytes]:
-        """`recv_many` for code outside an event loop; TimeoutError if nothing came in time."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            frames = self.drain()
-            if frames:
-                return frames
-            if not self._waiter.wait_sync((self,), deadline):
-                raise TimeoutError(
-                    f"ring {self.spec.name!r}: no frame for reader {self.reader} within {timeout} s"
-                )
 
     def close(self) -> None:
         """Release this end (a waiting recv is woken and fails with RingClosed). Idempotent."""
