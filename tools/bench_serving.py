@@ -30,21 +30,17 @@ import asyncio
 import contextlib
 import json
 import math
-import os
 import shlex
-import signal
-import subprocess
+import shutil
 import sys
 import tempfile
-import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serving_servers import ServerFailed, engine_server, served_model, vllm_server
 from vllm_peer import DEFAULT_VLLM_PYTHON, vllm_python
 
 from engine.trace.client import ClientOptions, ReplayResult, replay
@@ -61,15 +57,8 @@ from engine.trace.importers import (
 from engine.trace.report import percentile, replay_figures
 from engine.trace.schedule import build_schedule
 from engine.trace.synth import PromptSynth
-from tests.e2e.harness import free_port, read_line_starting
 
-REPO = Path(__file__).resolve().parents[1]
-STOP_TIMEOUT_S = 60.0
 SERVER_NAMES = {"engine": "engine", "vllm": "vLLM"}
-
-
-class ServerFailed(Exception):
-    """A server did not come up; the message names it and where its log is."""
 
 
 @dataclass(frozen=True)
@@ -140,94 +129,6 @@ def warmup_load() -> Load:
     options = ImportOptions(synth=PromptSynth(MOONCAKE_BLOCK_TOKENS, seed=-1))
     workload = poisson_workload(rate=1.0, num=2, input_len=16, output_len=4, options=options)
     return Load("warm-up", math.inf, _entries(workload))
-
-
-# --- the servers --------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def engine_server(args: argparse.Namespace, model: str, logs: Path) -> Iterator[str]:
-    """`python -m engine` on a free port; yields its URL once it printed its ready line."""
-    cmd = [sys.executable, "-m", "engine", "serve", "--model", model,
-           "--host", "127.0.0.1", "--port", "0", *shlex.split(args.engine_args)]  # fmt: skip
-    log_path = logs / "engine.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True,
-                                start_new_session=True)  # fmt: skip
-    try:
-        try:
-            line = read_line_starting(proc, "engine ready:", args.start_timeout)
-        except (RuntimeError, TimeoutError) as e:
-            raise ServerFailed(f"engine server did not start ({e}); log: {log_path}") from None
-        yield line.split()[2]  # "engine ready: URL (model NAME; admin socket PATH)"
-    finally:
-        stop_server(proc)
-
-
-@contextlib.contextmanager
-def vllm_server(args: argparse.Namespace, model: str, logs: Path) -> Iterator[str]:
-    """vLLM's OpenAI server with PEERS.md's settings; yields its URL once /v1/models answers."""
-    port = free_port()
-    cmd = [vllm_python(args.vllm_python), "-m", "vllm.entrypoints.openai.api_server",
-           "--model", model, "--dtype", "float32", "--enforce-eager",
-           "--gpu-memory-utilization", "0.3", "--host", "127.0.0.1", "--port", str(port),
-           *shlex.split(args.vllm_args)]  # fmt: skip
-    log_path = logs / "vllm.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + args.start_timeout
-        while not _answers(url):
-            if proc.poll() is not None:
-                raise ServerFailed(f"vLLM server exited with {proc.returncode} before it was "
-                                   f"ready; log: {log_path}")  # fmt: skip
-            if time.monotonic() > deadline:
-                raise ServerFailed(f"vLLM server not ready within {args.start_timeout:g} s; "
-                                   f"log: {log_path}")  # fmt: skip
-            time.sleep(1.0)
-        yield url
-    finally:
-        stop_server(proc)
-
-
-def _answers(url: str) -> bool:
-    with contextlib.suppress(httpx.HTTPError):
-        return httpx.get(url + "/v1/models", timeout=5.0).status_code == 200
-    return False
-
-
-def stop_server(proc: subprocess.Popen[str] | subprocess.Popen[bytes]) -> None:
-    """SIGTERM, wait, SIGKILL; then anything still in the server's own session (its actors,
-    vLLM's engine core) gets the same time to go and is killed after."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-    if proc.stdout is not None:
-        proc.stdout.close()
-    deadline = time.monotonic() + STOP_TIMEOUT_S
-    while _session_alive(proc.pid) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)  # the server led its session: pgid == its pid
-
-
-def _session_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def served_model(url: str) -> str:
-    reply = httpx.get(url + "/v1/models", timeout=30.0)
-    reply.raise_for_status()
-    return str(reply.json()["data"][0]["id"])
 
 
 # --- measuring ----------------------------------------------------------------------------------
@@ -307,13 +208,10 @@ def ratios(ours: Figures, peer: Figures) -> dict[str, float | None]:
 def render(describe: str, figures: list[Figures]) -> str:
     widths = [8, 8, 7] + [10] * len(COLUMNS)
     head = ["server", "load", "ok", *(h for h, *_ in COLUMNS)]
-    lines = [
-        describe,
-        "latencies in ms; ratio row: throughput engine/vLLM, latency vLLM/engine "
-        "(> 1 = engine better)",
-        "",
-        _line(head, widths),
-    ]
+    units = "latencies in ms"
+    if len({f.server for f in figures}) > 1:
+        units += "; ratio rows: throughput engine/vLLM, latency vLLM/engine (> 1 = engine better)"
+    lines = [describe, units, "", _line(head, widths)]
     for load in dict.fromkeys(f.load for f in figures):
         rows = [f for f in figures if f.load == load]
         for f in rows:
@@ -343,9 +241,18 @@ def main() -> int:
     args = parse_args()
     from engine.model.default_model import ensure_default_model
 
-    if args.peer == "vllm":
-        vllm_python(args.vllm_python)  # before minutes of measuring the engine, not after
     model = args.model or ensure_default_model()
+    logs = Path(tempfile.mkdtemp(prefix="bench-serving-"))
+    servers: dict[str, Callable[[], contextlib.AbstractContextManager[str]]] = {
+        "engine": lambda: engine_server(
+            model, logs, shlex.split(args.engine_args), args.start_timeout
+        ),
+    }
+    if args.peer == "vllm":
+        python = vllm_python(args.vllm_python)  # found before the engine's run, not after
+        servers["vllm"] = lambda: vllm_server(
+            python, model, logs, shlex.split(args.vllm_args), args.start_timeout
+        )
     loads = [trace_load(args)] if args.trace else poisson_loads(args)
     if args.trace:
         describe = (f"{args.trace}, window {args.window[0]:g}-{args.window[1]:g} s, inputs ÷ "
@@ -353,26 +260,21 @@ def main() -> int:
     else:
         describe = (f"Poisson, {args.num_requests} requests per rate, {args.input_len} in / "
                     f"{args.output_len} out, greedy, EOS ignored; {model}")  # fmt: skip
-    servers = [("engine", engine_server)] + ([("vllm", vllm_server)] if args.peer == "vllm" else [])
     figures: list[Figures] = []
-    logs = Path(tempfile.mkdtemp(prefix="bench-serving-"))
-    for name, server in servers:
+    for name, start in servers.items():  # one after the other: never both running
         try:
-            with server(args, model, logs) as url:
+            with start() as url:
                 figures += measure(name, url, loads, args)
         except ServerFailed as e:
-            print(f"bench_serving: {e}", file=sys.stderr)
+            print(f"bench_serving: {e}", file=sys.stderr)  # its log is kept
             return 1
-    for log in logs.iterdir():  # kept only when a server failed, for its log
-        log.unlink()
-    logs.rmdir()
+    shutil.rmtree(logs)
     if args.json:
-        paired = [(a, b) for a in figures for b in figures if a.server == "engine" != b.server
-                  and a.load == b.load]  # fmt: skip
+        pairs = zip(figures[: len(loads)], figures[len(loads) :], strict=False)  # engine, vLLM
         print(json.dumps({
             "workload": describe,
             "figures": [asdict(f) for f in figures],
-            "ratios": {a.load: ratios(a, b) for a, b in paired},
+            "ratios": {ours.load: ratios(ours, peer) for ours, peer in pairs},
         }))  # fmt: skip
     else:
         print(render(describe, figures))
@@ -411,8 +313,16 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--seed", type=int, default=0, help="seed of prompts and arrivals")
     p.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON)
-    p.add_argument("--engine-args", default="", help="more flags for `python -m engine`")
-    p.add_argument("--vllm-args", default="", help="more flags for vLLM's api_server")
+    p.add_argument(
+        "--engine-args",
+        default="",
+        help="more flags for `python -m engine`, e.g. --engine-args='--max-num-seqs 64'",
+    )
+    p.add_argument(
+        "--vllm-args",
+        default="",
+        help="more flags for vLLM's api_server, e.g. --vllm-args='--max-num-seqs 64'",
+    )
     p.add_argument("--start-timeout", type=float, default=600.0, help="seconds per server start")
     p.add_argument("--request-timeout", type=float, default=1800.0)
     p.add_argument("--json", action="store_true", help="print one JSON object instead")
