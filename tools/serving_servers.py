@@ -93,19 +93,21 @@ def _answers(url: str) -> bool:
     return False
 
 
-def stop_server(proc: subprocess.Popen[str] | subprocess.Popen[bytes]) -> None:
+def stop_server(
+    proc: subprocess.Popen[str] | subprocess.Popen[bytes], timeout: float = STOP_TIMEOUT_S
+) -> None:
     """SIGTERM, wait, SIGKILL; then anything still in the server's session gets the same time
     to go and is killed after."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(STOP_TIMEOUT_S)
+            proc.wait(timeout)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)
     if proc.stdout is not None:
         proc.stdout.close()
-    deadline = time.monotonic() + STOP_TIMEOUT_S
+    deadline = time.monotonic() + timeout
     while _session_alive(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.2)
     with contextlib.suppress(ProcessLookupError):
