@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import subprocess
 import sys
@@ -26,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vllm_peer import DEFAULT_VLLM_PYTHON, vllm_python
 
 
 @dataclass
@@ -135,9 +136,7 @@ if __name__ == "__main__":
 
 
 def run_vllm(args: argparse.Namespace, path: str, prompts: list[list[int]], outs: list[int]) -> Run:
-    python = os.path.expanduser(args.vllm_python)
-    if not os.path.exists(python):
-        raise SystemExit(f"--vllm-python {python} does not exist; PEERS.md shows how to install it")
+    python = vllm_python(args.vllm_python)
     with tempfile.TemporaryDirectory() as tmp:
         spec = Path(tmp, "spec.json")
         spec.write_text(json.dumps({"path": path, "prompts": prompts, "outs": outs}))
@@ -167,7 +166,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--peer", choices=["hf", "vllm", "none"], default="hf")
     parser.add_argument("--hf-batch-size", type=int, default=64)
-    parser.add_argument("--vllm-python", default="~/vllm-peer/bin/python")
+    parser.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON)
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per replica")
     parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
     parser.add_argument("--kv-cache-memory", type=int, default=512 * 2**20)
