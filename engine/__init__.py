@@ -1,7 +1,7 @@
 """engine: an LLM serving engine built as supervised actors over shared-memory rings.
 
 Public library API: `LLM` (blocking), `AsyncLLM` (asyncio), `SamplingParams`, and the result
-types `RequestOutput` / `CompletionOutput`.
+types `RequestOutput` / `CompletionOutput` / `Logprob` / `TokenLogprob`.
 """
 
 from __future__ import annotations
@@ -9,13 +9,22 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from engine.messages.params import SamplingParams
-from engine.outputs import CompletionOutput, EngineError, RequestOutput
+from engine.outputs import CompletionOutput, EngineError, Logprob, RequestOutput, TokenLogprob
 
 if TYPE_CHECKING:
     from engine.async_llm import AsyncLLM
     from engine.llm import LLM
 
-__all__ = ["LLM", "AsyncLLM", "CompletionOutput", "EngineError", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "AsyncLLM",
+    "CompletionOutput",
+    "EngineError",
+    "Logprob",
+    "RequestOutput",
+    "SamplingParams",
+    "TokenLogprob",
+]
 
 
 def __getattr__(name: str) -> Any:

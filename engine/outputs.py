@@ -1,12 +1,21 @@
-"""Public result types of the library API (as vLLM's RequestOutput / CompletionOutput)."""
+"""Public result types of the library API (as vLLM's RequestOutput / CompletionOutput).
+
+`Logprob` (a generated token's id, text and logprob, with `top`: the most likely tokens at its
+position as `TokenLogprob`s) is the very struct the detokenizer sends; nothing converts it.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from engine.messages.outputs import SampleLogprobs as Logprob
+from engine.messages.outputs import TokenLogprob
 
 if TYPE_CHECKING:
     from engine.messages.failures import RequestFailed
+
+__all__ = ["CompletionOutput", "EngineError", "Logprob", "RequestOutput", "TokenLogprob"]
 
 
 @dataclass
@@ -15,7 +24,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
-    logprobs: list[dict[str, Any]] | None = None
+    logprobs: list[Logprob] | None = None  # one per token in token_ids, when asked for
 
 
 @dataclass

@@ -32,7 +32,7 @@ from engine.model.capacity import available_cpu_memory, kv_block_bytes
 from engine.model.config import ModelConfig, load_model_config
 from engine.model.parallel.config import Placement, TensorParallelConfig
 from engine.model.parallel.layout import check_tensor_parallel
-from engine.placement import (
+from engine.model.placement import (
     available_cores,
     device_type,
     resolve_device,
@@ -40,7 +40,7 @@ from engine.placement import (
     weight_bytes,
     worker_threads,
 )
-from engine.placement import kv_cache_bytes as placement_kv_cache_bytes
+from engine.model.placement import kv_cache_bytes as placement_kv_cache_bytes
 from engine.scheduler.config import SchedulerConfig
 from engine.settings import Settings
 

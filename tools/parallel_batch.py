@@ -129,8 +129,8 @@ def _run_rank(job: RankJob, barrier: Any) -> list[tuple[float, float] | None]:
     from engine.model.capacity import kv_block_bytes
     from engine.model.config import load_model_config
     from engine.model.parallel.group import join_group, open_store, wait_for_ranks
+    from engine.model.placement import resolve_dtype
     from engine.model.runner import ModelRunner
-    from engine.placement import resolve_dtype
 
     group = None
     if job.tp > 1:

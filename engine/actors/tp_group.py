@@ -17,7 +17,7 @@ from engine.actors.runtime.actor import Actor
 from engine.actors.worker_config import WorkerConfig
 from engine.messages.parallel import RENDEZVOUS, Rendezvous
 from engine.model.parallel.config import TensorParallelConfig
-from engine.placement import rank_device
+from engine.model.placement import rank_device
 
 RENDEZVOUS_RING = "rendezvous"
 CONNECT_ATTEMPT_S = 2.0

@@ -47,6 +47,7 @@ class WorkerActor(Actor):
         faults = FaultInjection.from_environment(os.environ)
         if faults.rules:
             self.log.warning("fault injection is on: %s", faults.rules)
+        # Only when a test asked: steps otherwise pay nothing for the hooks.
         runner = ModelRunner(
             config.model_path,
             dtype=config.dtype,
@@ -58,7 +59,7 @@ class WorkerActor(Actor):
             kernel_backend=config.kernel_backend,
             tensor_parallel=group,
         )
-        self.executor = StepExecutor(runner, config.rank, faults)
+        self.executor = StepExecutor(runner, config.rank, faults if faults.rules else None)
         self._scheduler_generation = 0  # bumped when the scheduler restarts (fresh plan ring)
         self.sequences_generation = 0  # the scheduler generation our sequences belong to
         return {"num_blocks": runner.num_blocks}

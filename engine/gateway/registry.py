@@ -358,23 +358,13 @@ class Gateway:
             sample.token_ids.extend(delta.token_ids)
             sample.text_parts.append(delta.text)
             sample.finish_reason = delta.finish_reason
-            logprobs = None
-            if delta.logprobs is not None:
-                logprobs = [
-                    {
-                        "token_id": lp.token_id,
-                        "token": lp.token,
-                        "logprob": lp.logprob,
-                        "top_logprobs": [
-                            {"token_id": t.token_id, "token": t.token, "logprob": t.logprob}
-                            for t in lp.top
-                        ],
-                    }
-                    for lp in delta.logprobs
-                ]
             outputs.append(
                 CompletionOutput(
-                    delta.index, delta.text, list(delta.token_ids), delta.finish_reason, logprobs
+                    delta.index,
+                    delta.text,
+                    list(delta.token_ids),
+                    delta.finish_reason,
+                    delta.logprobs,
                 )
             )
         if not outputs:

@@ -8,7 +8,6 @@ chunks, for completions and chat alike. No I/O here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from engine.http.parsing import PreparedRequest
 from engine.http.protocol import (
@@ -28,7 +27,7 @@ from engine.http.protocol import (
     Usage,
     encode,
 )
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import CompletionOutput, Logprob, RequestOutput
 
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -44,7 +43,7 @@ class ChoiceState:
     text_length: int = 0
     num_tokens: int = 0
     finish_reason: str | None = None
-    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    logprobs: list[Logprob] = field(default_factory=list)
 
     @property
     def text(self) -> str:
@@ -200,18 +199,18 @@ class ResponseBuilder:
     # ------------------------------------------------------------ logprobs shapes
 
     def _completion_logprobs(
-        self, entries: list[dict[str, Any]], text_offset: int
+        self, entries: list[Logprob], text_offset: int
     ) -> CompletionLogprobs | None:
         if not self.prepared.want_logprobs:
             return None
         tokens, token_logprobs, tops, offsets = [], [], [], []
         offset = text_offset
         for entry in entries:
-            token = entry["token"]
+            token = entry.token
             tokens.append(token)
-            token_logprobs.append(entry["logprob"])
-            top = {alt["token"]: alt["logprob"] for alt in entry.get("top_logprobs") or []}
-            top.setdefault(token, entry["logprob"])
+            token_logprobs.append(entry.logprob)
+            top = {alt.token: alt.logprob for alt in entry.top}
+            top.setdefault(token, entry.logprob)
             tops.append(top)
             offsets.append(offset)
             offset += len(token)
@@ -219,21 +218,21 @@ class ResponseBuilder:
             tokens=tokens, token_logprobs=token_logprobs, top_logprobs=tops, text_offset=offsets
         )
 
-    def _chat_logprobs(self, entries: list[dict[str, Any]]) -> ChatLogprobs | None:
+    def _chat_logprobs(self, entries: list[Logprob]) -> ChatLogprobs | None:
         if not self.prepared.want_logprobs:
             return None
         content = [
             ChatTokenLogprob(
-                token=entry["token"],
-                logprob=entry["logprob"],
-                bytes=list(entry["token"].encode()),
+                token=entry.token,
+                logprob=entry.logprob,
+                bytes=list(entry.token.encode()),
                 top_logprobs=[
                     TopLogprob(
-                        token=alt["token"],
-                        logprob=alt["logprob"],
-                        bytes=list(alt["token"].encode()),
+                        token=alt.token,
+                        logprob=alt.logprob,
+                        bytes=list(alt.token.encode()),
                     )
-                    for alt in entry.get("top_logprobs") or []
+                    for alt in entry.top
                 ],
             )
             for entry in entries

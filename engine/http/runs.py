@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING
 
 from engine.http.errors import ApiError, outcome_of
 from engine.http.parsing import PreparedRequest
+from engine.http.recording import RequestRecording
 from engine.http.responses import SSE_DONE, ResponseBuilder, sse_event
 from engine.outputs import EngineError, RequestOutput
-from engine.trace.recorder import RequestRecording
 
 if TYPE_CHECKING:
     from engine.http.state import ServerState

@@ -8,7 +8,6 @@ FlashInfer will plug in here with the same signatures.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable
 
@@ -17,6 +16,7 @@ import torch
 from engine.kernels import attention_metadata, torch_attention, torch_ops
 from engine.kernels import triton as triton_kernels  # does not import Triton itself
 from engine.kernels.attention_metadata import AttentionMetadata
+from engine.kernels.backend import KernelBackend
 from engine.kernels.kv_cache import PagedKVCache
 
 __all__ = [
@@ -28,21 +28,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class KernelBackend:
-    name: str
-    build_attention_metadata: Callable[..., AttentionMetadata]
-    paged_attention: Callable[..., torch.Tensor]
-    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
-    rms_norm_per_head: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
-    rotary_cos_sin: Callable[
-        [torch.Tensor, torch.Tensor, torch.dtype], tuple[torch.Tensor, torch.Tensor]
-    ]
-    apply_rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
-    output_projection: Callable[[torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]
 
 
 TORCH_BACKEND = KernelBackend(

@@ -16,8 +16,8 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from engine import placement
 from engine.kernels import KernelBackend
+from engine.model import placement
 from engine.model.config import ModelConfig
 from engine.model.decoder import DecoderForCausalLM
 from engine.model.parallel.group import TensorParallelGroup
@@ -39,7 +39,7 @@ DTYPE_NAMES: dict[str, torch.dtype] = {
 
 
 def resolve_dtype(requested: str, config: ModelConfig, device: torch.device) -> torch.dtype:
-    """The dtype to run in, by the placement rule (engine/placement.py)."""
+    """The dtype to run in, by the placement rule (engine/model/placement.py)."""
     return DTYPE_NAMES[placement.resolve_dtype(requested, config.torch_dtype, device.type)]
 
 

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from engine import placement
 from engine.kernels import PagedKVCache, select_backend
 from engine.kernels.attention_metadata import long_tensor
+from engine.model import placement
 from engine.model.capacity import available_cpu_memory, kv_block_bytes, kv_cache_blocks
 from engine.model.config import ModelConfig, load_model_config
 from engine.model.host_memory import keep_freed_memory

@@ -13,13 +13,13 @@ restarts it (the gateway quarantines a request that keeps crashing it).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 from engine.messages.steps import StepPlan, StepResult, TokenLogprobs, WorkerFailed
 from engine.model.runner import ModelRunner
 from engine.model.sampler import Sampler
-from engine.model.step_inputs import KnownSequences, SeqChunk
-from engine.testing.fault_injection import FaultInjection
+from engine.model.step_inputs import KnownSequences, SeqChunk, SequenceStart
 
 # Steps computing more tokens than this run off the worker's event loop, so that heartbeats and
 # control messages keep flowing during long prefills.
@@ -33,11 +33,39 @@ def is_long(plan: StepPlan) -> bool:
     return sum(len(chunk.token_ids) for chunk in plan.chunks) > LONG_STEP_TOKENS
 
 
+class StepFaults(Protocol):
+    """Hooks a test facility uses to make sequences misbehave (engine/testing)."""
+
+    def watch(self, new_seq: SequenceStart) -> None: ...
+
+    def forget(self, seq_ids: Iterable[int]) -> None: ...
+
+    def reset(self) -> None: ...
+
+    def trip(self, chunks: Sequence[SeqChunk]) -> None: ...
+
+
+class NoFaults:
+    """Every step runs as the model runs it."""
+
+    def watch(self, new_seq: SequenceStart) -> None:
+        pass
+
+    def forget(self, seq_ids: Iterable[int]) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+    def trip(self, chunks: Sequence[SeqChunk]) -> None:
+        pass
+
+
 class StepExecutor:
-    def __init__(self, runner: ModelRunner, rank: int, faults: FaultInjection) -> None:
+    def __init__(self, runner: ModelRunner, rank: int, faults: StepFaults | None = None) -> None:
         self.runner = runner
         self.rank = rank  # only rank 0 samples and reports
-        self.faults = faults
+        self.faults = faults or NoFaults()
         self._failed_steps = 0
         self.reset_sequences()
 

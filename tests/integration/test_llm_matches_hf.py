@@ -76,11 +76,11 @@ def test_logprobs_match_transformers_log_softmax(llm: LLM, model_path: str) -> N
     reference = hf_log_softmax(model_path, prompt, completion.token_ids)
     assert completion.logprobs is not None and len(completion.logprobs) == 6
     for row, entry in zip(reference, completion.logprobs, strict=True):
-        assert abs(entry["logprob"] - float(row[entry["token_id"]])) < 1e-3
+        assert abs(entry.logprob - float(row[entry.token_id])) < 1e-3
         top = torch.topk(row, 3)
-        assert [t["token_id"] for t in entry["top_logprobs"]] == top.indices.tolist()
-        for t, value in zip(entry["top_logprobs"], top.values.tolist(), strict=True):
-            assert abs(t["logprob"] - value) < 1e-3
+        assert [t.token_id for t in entry.top] == top.indices.tolist()
+        for t, value in zip(entry.top, top.values.tolist(), strict=True):
+            assert abs(t.logprob - value) < 1e-3
 
 
 def test_preemption_under_a_tiny_kv_cache_still_matches_transformers() -> None:

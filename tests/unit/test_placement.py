@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.model.config import load_model_config
-from engine.placement import (
+from engine.model.placement import (
     CPU_KV_CACHE_MAX_BYTES,
     kv_cache_bytes,
     rank_device,

@@ -11,7 +11,7 @@ import pytest
 from engine.http.errors import ApiError
 from engine.http.parsing import PreparedRequest, parse_chat, parse_completion
 from engine.http.responses import SSE_DONE, ResponseBuilder
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprob
 
 MODEL = "tiny"
 
@@ -249,13 +249,8 @@ def out(
     )
 
 
-def lp_entry(token: str, logprob: float, alts: list[tuple[str, float]]) -> dict[str, Any]:
-    return {
-        "token_id": 1,
-        "token": token,
-        "logprob": logprob,
-        "top_logprobs": [{"token_id": 2, "token": t, "logprob": v} for t, v in alts],
-    }
+def lp_entry(token: str, logprob: float, alts: list[tuple[str, float]]) -> Logprob:
+    return Logprob(1, token, logprob, [TokenLogprob(2, t, v) for t, v in alts])
 
 
 def engine_yields(finished_last: bool = True) -> list[RequestOutput]:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from engine.kernels import KernelBackend
+    from engine.kernels.backend import KernelBackend
 
 
 def unavailable_reason(device: torch.device) -> str | None:
@@ -37,7 +37,8 @@ def unavailable_reason(device: torch.device) -> str | None:
 
 @functools.cache
 def backend() -> KernelBackend:
-    from engine.kernels import KernelBackend, torch_ops
+    from engine.kernels import torch_ops
+    from engine.kernels.backend import KernelBackend
     from engine.kernels.triton import attention, metadata, pointwise
 
     return KernelBackend(

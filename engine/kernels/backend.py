@@ -1,0 +1,25 @@
+"""What a kernel backend provides: the functions the model calls, bundled (one per backend)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from engine.kernels.attention_metadata import AttentionMetadata
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelBackend:
+    name: str
+    build_attention_metadata: Callable[..., AttentionMetadata]
+    paged_attention: Callable[..., torch.Tensor]
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+    rms_norm_per_head: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+    rotary_cos_sin: Callable[
+        [torch.Tensor, torch.Tensor, torch.dtype], tuple[torch.Tensor, torch.Tensor]
+    ]
+    apply_rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    output_projection: Callable[[torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]
