@@ -28,6 +28,7 @@ from engine.admission import check_params, check_prompt_size, check_queue
 from engine.gateway.output_stream import merge_into
 from engine.gateway.registry import Gateway, ToTokenizer
 from engine.gateway.replicas import Replicas, supervise
+from engine.messages.admin import ActorRow, EngineStats, Health, RequestRow
 from engine.messages.codec import too_large_for_one_frame
 from engine.messages.outputs import DETOKENIZER_TO_GATEWAY
 from engine.messages.params import SamplingParams
@@ -238,18 +239,18 @@ class AsyncLLM:
 
     # ---- what the admin socket, /health and /metrics show --------------------------------------
 
-    def health(self) -> dict[str, Any]:
+    def health(self) -> Health:
         rows = self._supervisor.status() if self._supervisor is not None else []
         not_ready = [row.name for row in rows if row.state != "running"]
         ready = bool(rows) and not not_ready and self._failure is None
-        return {"ready": ready, "not_ready": not_ready, "reason": self._failure}
+        return Health(ready=ready, not_ready=not_ready, reason=self._failure)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats:
         report = self._report
-        stats: dict[str, Any] = msgspec.to_builtins(report.stats) if report else {}
-        stats.pop("type", None)
+        figures = msgspec.structs.asdict(report.stats) if report is not None else {}
         rows = self._supervisor.status() if self._supervisor is not None else []
-        stats.update(
+        return EngineStats(
+            **figures,
             in_flight=len(self.gateway),
             resubmitted_requests=self.gateway.resubmissions,
             stalled_stream_aborts=self.gateway.stalled_aborts,
@@ -257,28 +258,27 @@ class AsyncLLM:
             kv_cache_blocks=self._plan.num_blocks if self._plan else 0,
             replicas=self._replicas.replica_stats(report) if self._replicas else [],
         )
-        return stats
 
-    def actors(self) -> list[dict[str, Any]]:
+    def actors(self) -> list[ActorRow]:
         rows = self._supervisor.status() if self._supervisor is not None else []
         return [
-            {
-                "name": row.name,
-                "role": row.role,
-                "pid": row.pid,
-                "state": row.state,
-                "restarts": row.restarts,
-                "last_restart_reason": row.last_restart_reason,
-                "generation": row.generation,
-            }
+            ActorRow(
+                name=row.name,
+                role=row.role,
+                pid=row.pid,
+                state=row.state,
+                restarts=row.restarts,
+                last_restart_reason=row.last_restart_reason,
+                generation=row.generation,
+            )
             for row in rows
         ]
 
-    def requests(self) -> list[dict[str, Any]]:
+    def requests(self) -> list[RequestRow]:
         rows = self.gateway.describe()
         if self._replicas is not None:
             for row in rows:
-                row["replica"] = self._replicas.replica_of(row["request_id"])
+                row.replica = self._replicas.replica_of(row.request_id)
         return rows
 
     def set_log_level(self, level: str) -> None:

@@ -17,6 +17,7 @@ import uvloop
 from tqdm import tqdm
 
 from engine.async_llm import AsyncLLM
+from engine.messages.admin import EngineStats
 from engine.messages.params import SamplingParams
 from engine.outputs import RequestOutput
 from engine.prompts import Prompt
@@ -184,7 +185,7 @@ class LLM:
             runs = (run(r, p) for r, p in zip(requests, per_request, strict=True))
             return list(await asyncio.gather(*runs))
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats:
         """The engine's figures (scheduler, KV cache, restarts), as the admin socket shows."""
         return self.engine.stats()
 

@@ -36,10 +36,10 @@ import secrets
 import time
 from collections import deque
 from collections.abc import Collection, Iterable
-from typing import Any
 
 from engine.gateway.output_stream import OutputStream
 from engine.gateway.records import RequestRecord, SampleRecord
+from engine.messages.admin import RequestRow
 from engine.messages.outputs import OutputBatch, SampleDeltaText
 from engine.messages.params import SamplingParams
 from engine.messages.requests import ChatMessage, ChatOptions, GenerateRequest
@@ -259,18 +259,18 @@ class Gateway:
     def records(self) -> Iterable[RequestRecord]:
         return self._records.values()
 
-    def describe(self) -> list[dict[str, Any]]:
+    def describe(self) -> list[RequestRow]:
         now = time.monotonic()
         return [
-            {
-                "request_id": r.request_id,
-                "state": r.state(),
-                "epoch": r.epoch,
-                "prompt_tokens": len(r.prompt_token_ids or []),
-                "generated_tokens": sum(len(s.token_ids) for s in r.samples),
-                "strikes": r.strikes,
-                "age_s": round(now - r.arrival, 3),
-            }
+            RequestRow(
+                request_id=r.request_id,
+                state=r.state(),
+                epoch=r.epoch,
+                prompt_tokens=len(r.prompt_token_ids or []),
+                generated_tokens=sum(len(s.token_ids) for s in r.samples),
+                strikes=r.strikes,
+                age_s=round(now - r.arrival, 3),
+            )
             for r in self._records.values()
         ]
 

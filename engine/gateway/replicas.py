@@ -35,6 +35,7 @@ from engine.actors.runtime.supervision import Received, RootEnds, Supervision
 from engine.actors.runtime.supervisor import Supervisor
 from engine.gateway.registry import Gateway
 from engine.gateway.router import LeastPendingRouter, pending_tokens
+from engine.messages.admin import ReplicaRow
 from engine.messages.reports import SCHEDULER_REPORTS, SchedulerReport
 from engine.messages.scheduling import SchedulerStats
 
@@ -54,7 +55,7 @@ class Replicas(Protocol):
 
     def replica_of(self, request_id: str) -> int | None: ...
 
-    def replica_stats(self, report: SchedulerReport | None) -> list[dict[str, Any]]:
+    def replica_stats(self, report: SchedulerReport | None) -> list[ReplicaRow]:
         """One row per replica: state, load and its scheduler's figures."""
         ...
 
@@ -75,16 +76,17 @@ class OneReplica:
     def replica_of(self, request_id: str) -> int | None:
         return 0 if request_id in self._gateway else None
 
-    def replica_stats(self, report: SchedulerReport | None) -> list[dict[str, Any]]:
+    def replica_stats(self, report: SchedulerReport | None) -> list[ReplicaRow]:
         records = self._gateway.records()
-        row: dict[str, Any] = {
-            "replica": 0,
-            "state": "running",
-            "in_flight": len(self._gateway),
-            "pending_tokens": sum(pending_tokens(r, self._max_model_len) for r in records),
-        }
-        row.update(_stats_of(report))
-        return [row]
+        return [
+            ReplicaRow(
+                **_figures(report),
+                replica=0,
+                state="running",
+                in_flight=len(self._gateway),
+                pending_tokens=sum(pending_tokens(r, self._max_model_len) for r in records),
+            )
+        ]
 
 
 class ReplicaSet:
@@ -173,23 +175,21 @@ class ReplicaSet:
     def replica_of(self, request_id: str) -> int | None:
         return self.router.replica_of.get(request_id)
 
-    def replica_stats(self, report: SchedulerReport | None = None) -> list[dict[str, Any]]:
+    def replica_stats(self, report: SchedulerReport | None = None) -> list[ReplicaRow]:
         loads = self.router.loads()
         requests = self.router.requests()
-        rows = []
-        for replica, report in enumerate(self.reports):
-            row: dict[str, Any] = {
-                "replica": replica,
-                "state": "failed" if replica in self.failed else "running",
-                "in_flight": requests[replica],
-                "pending_tokens": loads[replica],
-                "routed_requests": self.router.routed[replica],
-            }
-            if replica in self.failed:
-                row["reason"] = self.failed[replica]
-            row.update(_stats_of(report))
-            rows.append(row)
-        return rows
+        return [
+            ReplicaRow(
+                **_figures(own),
+                replica=replica,
+                state="failed" if replica in self.failed else "running",
+                in_flight=requests[replica],
+                pending_tokens=loads[replica],
+                routed_requests=self.router.routed[replica],
+                reason=self.failed.get(replica),
+            )
+            for replica, own in enumerate(self.reports)
+        ]
 
     async def _forward_events(self, replica: int, events: asyncio.Queue[SupervisorEvent]) -> None:
         while True:
@@ -271,7 +271,12 @@ class _MergedRoot:
         reports = SCHEDULER_REPORTS.decode_many(frames)
         if reports:
             self._replicas.reports[replica] = reports[-1]
-        live = [r for r in self._replicas.reports if r is not None]
+        # A replica that gave up is no longer the engine's: its last figures (and requests,
+        # which moved to the others) must not count twice.
+        failed = self._replicas.failed
+        live = [
+            r for i, r in enumerate(self._replicas.reports) if r is not None and i not in failed
+        ]
         return SCHEDULER_REPORTS.encode(merge_reports(live))
 
     def close(self) -> None:
@@ -279,15 +284,19 @@ class _MergedRoot:
 
 
 def merge_reports(reports: Sequence[SchedulerReport]) -> SchedulerReport:
-    """One report for several schedulers: counts summed, fractions (floats) averaged."""
-    fields: dict[str, Any] = {}
+    """One report for several schedulers: counts summed; the KV usage averaged (every replica
+    has as many blocks); the prefix-cache hit rate recomputed from the summed token counts, so
+    a busy replica weighs as much as its traffic."""
+    merged: dict[str, Any] = {}
     for report in reports:
         for name, value in msgspec.structs.asdict(report.stats).items():
-            fields.setdefault(name, []).append(value)
-    merged = {
-        name: sum(values) / len(values) if isinstance(values[0], float) else sum(values)
-        for name, values in fields.items()
-    }
+            merged[name] = merged.get(name, 0) + value
+    if reports:
+        merged["kv_usage"] /= len(reports)
+        queried = merged["prefix_cache_queried_tokens"]
+        merged["prefix_cache_hit_rate"] = (
+            merged["prefix_cache_hit_tokens"] / queried if queried else 0.0
+        )
     stats = msgspec.convert(merged, SchedulerStats)
     return SchedulerReport(stats, [status for report in reports for status in report.requests])
 
@@ -302,5 +311,6 @@ def supervise(
     return replicas, replicas
 
 
-def _stats_of(report: SchedulerReport | None) -> dict[str, Any]:
+def _figures(report: SchedulerReport | None) -> dict[str, Any]:
+    """A scheduler's figures as fields (none before its first report: the defaults, zeros)."""
     return msgspec.structs.asdict(report.stats) if report is not None else {}

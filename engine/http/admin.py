@@ -128,16 +128,16 @@ class AdminServer:
         llm = self.state.llm
         _check_arity(cmd, args)
         if cmd == "health":
-            return {**llm.health(), "draining": self.state.draining}
+            return msgspec.structs.replace(llm.health(), draining=self.state.draining)
         if cmd == "stats":
-            return {**llm.stats(), "draining": self.state.draining}
+            return msgspec.structs.replace(llm.stats(), draining=self.state.draining)
         if cmd == "actors":
             return llm.actors()
         if cmd == "requests":
             return llm.requests()
         if cmd == "abort":
             (request_id,) = args
-            known = {str(r.get("request_id", r.get("id"))) for r in llm.requests()}
+            known = {row.request_id for row in llm.requests()}
             if request_id not in known:
                 raise AdminError(f"no in-flight request {request_id!r} (see the requests command)")
             await llm.abort(request_id)

@@ -55,13 +55,9 @@ def build_app(state: ServerState) -> Starlette:
         if state.draining:
             return _json(503, {"status": "draining"})
         report = state.llm.health()
-        if report.get("ready"):
+        if report.ready:
             return _json(200, {"status": "ok"})
-        body = {
-            "status": "unavailable",
-            "not_ready": list(report.get("not_ready") or []),
-            "reason": report.get("reason"),
-        }
+        body = {"status": "unavailable", "not_ready": report.not_ready, "reason": report.reason}
         return _json(503, body)
 
     async def version_route(request: Request) -> Response:

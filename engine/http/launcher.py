@@ -186,7 +186,7 @@ async def _run(
 async def _engine_failure(llm: Any, interval: float = 0.5) -> str:
     """Return why, once the engine has given up (its supervisor escalated past restarts)."""
     while True:
-        reason = llm.health().get("reason")
+        reason = llm.health().reason
         if reason:
             return str(reason)
         await asyncio.sleep(interval)
@@ -226,11 +226,9 @@ async def _drain(state: ServerState, shutdown: _Shutdown) -> None:
         drain.cancel()
     with contextlib.suppress(BaseException):
         await drain
-    for record in llm.requests():
-        request_id = record.get("request_id", record.get("id"))
-        if request_id is not None:
-            with contextlib.suppress(Exception):
-                await llm.abort(str(request_id))
+    for row in llm.requests():
+        with contextlib.suppress(Exception):
+            await llm.abort(row.request_id)
 
 
 def _admin_socket_path(settings: Settings) -> tuple[Path, Path | None]:

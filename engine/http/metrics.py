@@ -7,8 +7,7 @@ usage, prefix-cache hit rate, actor restarts) are read from `llm.stats()` at scr
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator
 
 from prometheus_client import (
     CollectorRegistry,
@@ -20,6 +19,8 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from engine.messages.admin import EngineStats
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _LATENCY_BUCKETS = (
@@ -28,7 +29,7 @@ _LATENCY_BUCKETS = (
 
 
 class ServerMetrics:
-    def __init__(self, engine_stats: Callable[[], Mapping[str, Any]]) -> None:
+    def __init__(self, engine_stats: Callable[[], EngineStats]) -> None:
         disable_created_metrics()  # *_created series only add noise to every scrape
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
@@ -70,7 +71,7 @@ class ServerMetrics:
 class _EngineStatsCollector(Collector):
     """Reads the engine's live figures when Prometheus scrapes, so they are never stale."""
 
-    def __init__(self, engine_stats: Callable[[], Mapping[str, Any]]) -> None:
+    def __init__(self, engine_stats: Callable[[], EngineStats]) -> None:
         self._engine_stats = engine_stats
 
     def describe(self) -> list[Metric]:
@@ -82,32 +83,20 @@ class _EngineStatsCollector(Collector):
         except Exception:  # a scrape must not fail because the engine is restarting
             return
         gauges = (
-            (
-                "engine_requests_running",
-                "Requests in the running batch",
-                ("running", "num_running"),
-            ),
-            (
-                "engine_requests_waiting",
-                "Requests waiting to be scheduled",
-                ("waiting", "num_waiting"),
-            ),
-            ("engine_kv_cache_usage_ratio", "Fraction of KV cache blocks in use", ("kv_usage",)),
+            ("engine_requests_running", "Requests in the running batch", stats.num_running),
+            ("engine_requests_waiting", "Requests waiting to be scheduled", stats.num_waiting),
+            ("engine_kv_cache_usage_ratio", "Fraction of KV cache blocks in use", stats.kv_usage),
             (
                 "engine_prefix_cache_hit_rate",
                 "Fraction of prompt tokens served from the prefix cache",
-                ("prefix_cache_hit_rate",),
+                stats.prefix_cache_hit_rate,
             ),
         )
-        for name, doc, keys in gauges:
-            value = next((stats[k] for k in keys if k in stats), None)
-            if isinstance(value, int | float):
-                yield GaugeMetricFamily(name, doc, value=float(value))
-        restarts = stats.get("restarts")
-        if isinstance(restarts, Mapping):
-            family = CounterMetricFamily(
-                "engine_actor_restarts", "Restarts of each actor", labels=["actor"]
-            )
-            for actor, count in sorted(restarts.items()):
-                family.add_metric([str(actor)], float(count))
-            yield family
+        for name, doc, value in gauges:
+            yield GaugeMetricFamily(name, doc, value=float(value))
+        family = CounterMetricFamily(
+            "engine_actor_restarts", "Restarts of each actor", labels=["actor"]
+        )
+        for actor, count in sorted(stats.restarts.items()):
+            family.add_metric([actor], float(count))
+        yield family

@@ -88,16 +88,24 @@ class RequestStatus(msgspec.Struct, tag=True, kw_only=True):
     age_s: float
 
 
-class SchedulerStats(msgspec.Struct, tag=True, kw_only=True):
-    num_running: int
-    num_waiting: int
-    num_requests: int
-    kv_usage: float  # fraction of KV blocks owned by sequences
-    num_free_blocks: int
-    num_cached_blocks: int  # free blocks still holding reusable prefixes
-    prefix_cache_hit_rate: float  # hit tokens / queried tokens, since start
-    num_preemptions: int
-    num_steps: int
+class SchedulerFigures(msgspec.Struct, kw_only=True):
+    """The scheduler's figures (zero until its first report)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_requests: int = 0
+    kv_usage: float = 0.0  # fraction of KV blocks owned by sequences
+    num_free_blocks: int = 0
+    num_cached_blocks: int = 0  # free blocks still holding reusable prefixes
+    prefix_cache_hit_rate: float = 0.0  # hit tokens / queried tokens, since start
+    prefix_cache_queried_tokens: int = 0  # since start: what the rate is made of, summable
+    prefix_cache_hit_tokens: int = 0
+    num_preemptions: int = 0
+    num_steps: int = 0
+
+
+class SchedulerStats(SchedulerFigures, tag=True, kw_only=True):
+    """What the scheduler reports of itself (messages/reports.py)."""
 
 
 ToScheduler = SubmitRequest | AbortRequests | StopSamples | RequestFailed

@@ -7,7 +7,8 @@ others. Rerunning is safe: a chunk writes the same KV slots with the same values
 sampling is a function of (seed, position), so a sequence gets the token it would have. When
 every sequence fails alone too, or steps keep failing with nothing succeeding in between, the
 fault is the worker's, not the requests': `run` raises, the worker crashes, and the supervisor
-restarts it (the gateway quarantines a request that keeps crashing it).
+restarts it (the gateway quarantines a request that keeps crashing it). So does a failed
+collective (a rank of the group is gone): that is never a request's fault.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 from engine.messages.steps import StepPlan, StepResult, TokenLogprobs, WorkerFailed
+from engine.model.parallel.group import CollectiveError
 from engine.model.runner import ModelRunner
 from engine.model.sampler import Sampler
 from engine.model.step_inputs import KnownSequences, SeqChunk, SequenceStart
@@ -94,6 +96,8 @@ class StepExecutor:
             chunks = [chunk for chunk in whole_chunks if chunk.seq_id not in failed]
             try:
                 result = self._compute(plan.step_id, chunks)
+            except CollectiveError:
+                raise  # a rank or its connection is gone: the group restarts, requests resume
             except Exception as exc:
                 result = self._isolate(plan.step_id, chunks, exc, failed)
             computed = any(chunk.seq_id not in failed for chunk in chunks)
@@ -139,6 +143,8 @@ class StepExecutor:
         for chunk in chunks:
             try:
                 parts.append(self._compute(step_id, [chunk]))
+            except CollectiveError:
+                raise
             except Exception as exc:
                 failed[chunk.seq_id] = _describe(exc)
         if len(chunks) > 1 and not parts:

@@ -308,6 +308,8 @@ class Scheduler:
             num_free_blocks=self.kv.num_free_blocks,
             num_cached_blocks=self.kv.pool.num_cached_free_blocks,
             prefix_cache_hit_rate=self.kv.prefix_stats.hit_rate,
+            prefix_cache_queried_tokens=self.kv.prefix_stats.queried_tokens,
+            prefix_cache_hit_tokens=self.kv.prefix_stats.hit_tokens,
             num_preemptions=self.planner.num_preemptions,
             num_steps=self.num_steps,
         )

@@ -24,6 +24,7 @@ import pytest_asyncio
 
 from engine import AsyncLLM, SamplingParams
 from engine.llm import build_settings
+from engine.messages.admin import Health
 from tests.checkpoints import tiny_checkpoint
 from tests.hf_reference import assert_greedy_matches_hf
 from tests.integration.test_fault_tolerance import (
@@ -96,7 +97,7 @@ class Shared:
     pids: set[int] = field(default_factory=set)
 
     def note_pids(self) -> None:
-        self.pids.update(row["pid"] for row in self.engine.actors() if row["pid"] is not None)
+        self.pids.update(row.pid for row in self.engine.actors() if row.pid is not None)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -152,7 +153,7 @@ async def run_workload(
 
     async def watch() -> None:
         while True:
-            seen.update({row["request_id"]: row["replica"] for row in engine.requests()})
+            seen.update({row.request_id: row.replica for row in engine.requests()})
             await asyncio.sleep(0.005)
 
     watcher = asyncio.ensure_future(watch())
@@ -188,24 +189,24 @@ async def kill_replica_1_worker_with_replica_0_paused(engine: AsyncLLM, seen: Re
     the resubmission did, then let replica 0 go on."""
     workers = actors(engine)
     before = engine.gateway.resubmissions
-    os.kill(workers["worker0-r0"]["pid"], signal.SIGSTOP)
+    os.kill(workers["worker0-r0"].pid, signal.SIGSTOP)
     try:
         for row in engine.requests():
-            seen.on_replica.setdefault(row["replica"], []).append(row["request_id"])
-        os.kill(workers["worker0-r1"]["pid"], signal.SIGKILL)
+            seen.on_replica.setdefault(row.replica, []).append(row.request_id)
+        os.kill(workers["worker0-r1"].pid, signal.SIGKILL)
         await wait_for(lambda: engine.gateway.resubmissions > before, "the resubmission")
         seen.count = engine.gateway.resubmissions - before
-        seen.epochs = {row["request_id"]: row["epoch"] for row in engine.requests()}
+        seen.epochs = {row.request_id: row.epoch for row in engine.requests()}
     finally:
-        os.kill(workers["worker0-r0"]["pid"], signal.SIGCONT)
+        os.kill(workers["worker0-r0"].pid, signal.SIGCONT)
 
 
 def actors(engine: AsyncLLM) -> dict[str, dict[str, Any]]:
-    return {row["name"]: row for row in engine.actors()}
+    return {row.name: row for row in engine.actors()}
 
 
 def replica_rows(engine: AsyncLLM) -> list[dict[str, Any]]:
-    return engine.stats()["replicas"]
+    return engine.stats().replicas
 
 
 # ---- serving ----------------------------------------------------------------------------------
@@ -231,7 +232,7 @@ async def test_concurrent_requests_are_spread_evenly_over_both_replicas(shared: 
     both_busy: list[list[int]] = []
 
     async def note_in_flight() -> None:
-        both_busy.append([row["in_flight"] for row in replica_rows(engine)])
+        both_busy.append([row.in_flight for row in replica_rows(engine)])
 
     run = await run_workload(engine, progress, note_in_flight, lambda p: min(p) >= 1)
     assert run.outcomes == shared.reference.outcomes
@@ -240,12 +241,12 @@ async def test_concurrent_requests_are_spread_evenly_over_both_replicas(shared: 
     assert all(count >= 1 for count in both_busy[0]), both_busy
     after = replica_rows(engine)
     for old, new in zip(before, after, strict=True):
-        assert new["routed_requests"] - old["routed_requests"] == STREAMS // 2
-        assert new["num_steps"] > old["num_steps"]  # each replica's scheduler did the work
+        assert new.routed_requests - old.routed_requests == STREAMS // 2
+        assert new.num_steps > old.num_steps  # each replica's scheduler did the work
     await wait_for(
-        lambda: all(row["in_flight"] == 0 for row in replica_rows(engine)), "both replicas idle"
+        lambda: all(row.in_flight == 0 for row in replica_rows(engine)), "both replicas idle"
     )
-    assert [row["pending_tokens"] for row in replica_rows(engine)] == [0, 0]
+    assert [row.pending_tokens for row in replica_rows(engine)] == [0, 0]
 
 
 # ---- a replica's worker killed -----------------------------------------------------------------
@@ -263,24 +264,24 @@ async def test_sigkill_of_one_replicas_worker_restarts_it_and_only_its_requests_
     shared.note_pids()
     assert run.outcomes == shared.reference.outcomes
     after = actors(engine)
-    assert after["worker0-r1"]["restarts"] == 1
-    assert after["worker0-r1"]["pid"] != before["worker0-r1"]["pid"]
-    assert "SIGKILL" in after["worker0-r1"]["last_restart_reason"]
+    assert after["worker0-r1"].restarts == 1
+    assert after["worker0-r1"].pid != before["worker0-r1"].pid
+    assert "SIGKILL" in after["worker0-r1"].last_restart_reason
     # Replica 0 was not touched: same processes, and its requests went on in their first epoch.
     for name in ("worker0-r0", "scheduler-r0", "tokenizer-r0", "detokenizer-r0"):
-        assert (after[name]["pid"], after[name]["restarts"]) == (before[name]["pid"], 0), name
+        assert (after[name].pid, after[name].restarts) == (before[name].pid, 0), name
     assert sorted(map(len, seen.on_replica.values())) == [STREAMS // 2] * 2
     assert seen.count == STREAMS // 2
     assert {seen.epochs[r] for r in seen.on_replica[0]} == {0}
     assert {seen.epochs[r] for r in seen.on_replica[1]} == {1}
-    assert engine.health()["ready"]
+    assert engine.health().ready
 
 
 async def test_past_its_restart_intensity_a_replica_gives_up_and_the_other_serves_all(
     shared: Shared,
 ) -> None:
     engine = shared.engine
-    victim = actors(engine)["worker0-r1"]["pid"]
+    victim = actors(engine)["worker0-r1"].pid
     seen = Resubmitted()
     run = await run_workload(
         engine, [0] * STREAMS, lambda: kill_replica_1_worker_with_replica_0_paused(engine, seen)
@@ -288,9 +289,9 @@ async def test_past_its_restart_intensity_a_replica_gives_up_and_the_other_serve
     shared.note_pids()
     assert run.outcomes == shared.reference.outcomes
     rows = replica_rows(engine)
-    assert rows[0]["state"] == "running" and rows[1]["state"] == "failed"
-    assert "restart intensity" in rows[1]["reason"] and "SIGKILL" in rows[1]["reason"]
-    assert engine.health() == {"ready": True, "not_ready": [], "reason": None}
+    assert rows[0].state == "running" and rows[1].state == "failed"
+    assert "restart intensity" in rows[1].reason and "SIGKILL" in rows[1].reason
+    assert engine.health() == Health(ready=True, not_ready=[], reason=None)
     assert not any(name.endswith("-r1") for name in actors(engine))
     # Replica 1's requests moved to replica 0 and were resumed there; replica 0's own ran on.
     assert seen.count == STREAMS // 2
@@ -298,11 +299,11 @@ async def test_past_its_restart_intensity_a_replica_gives_up_and_the_other_serve
     assert {seen.epochs[r] for r in seen.on_replica[1]} == {1}
     assert run.replicas == [0] * STREAMS
     # From now on every request goes to replica 0, and still completes as before.
-    routed = rows[0]["routed_requests"]
+    routed = rows[0].routed_requests
     again = await run_workload(engine, [0] * STREAMS)
     assert again.outcomes == shared.reference.outcomes
     assert again.replicas == [0] * STREAMS
-    assert replica_rows(engine)[0]["routed_requests"] == routed + STREAMS
+    assert replica_rows(engine)[0].routed_requests == routed + STREAMS
     assert not alive(victim)
 
 

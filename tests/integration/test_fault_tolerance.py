@@ -98,7 +98,7 @@ async def wait_for(condition, what: str, timeout: float = WAIT_S) -> None:  # ty
 
 
 def actor(engine: AsyncLLM, name: str) -> dict:  # type: ignore[type-arg]
-    return next(row for row in engine.actors() if row["name"] == name)
+    return next(row for row in engine.actors() if row.name == name)
 
 
 def ipc_files() -> set[Path]:
@@ -157,7 +157,7 @@ class Shared:
     pids: set[int]
 
     def note_pids(self) -> None:
-        self.pids.update(row["pid"] for row in self.engine.actors() if row["pid"] is not None)
+        self.pids.update(row.pid for row in self.engine.actors() if row.pid is not None)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -232,15 +232,15 @@ async def test_sigkill_under_load_every_stream_completes_as_if_undisturbed(
     engine = shared.engine
     before = actor(engine, victim)
     resubmitted = engine.gateway.resubmissions
-    outcomes = await disturb_under_load(shared, lambda: os.kill(before["pid"], signal.SIGKILL))
+    outcomes = await disturb_under_load(shared, lambda: os.kill(before.pid, signal.SIGKILL))
     assert outcomes == [*shared.reference, shared.reference[0]]
     after = actor(engine, victim)
-    assert after["restarts"] > before["restarts"] and after["pid"] != before["pid"]
-    assert "SIGKILL" in after["last_restart_reason"]
+    assert after.restarts > before.restarts and after.pid != before.pid
+    assert "SIGKILL" in after.last_restart_reason
     assert engine.gateway.resubmissions > resubmitted
     if victim == "tokenizer":  # it had passed every stream on: only the late request goes again
         assert engine.gateway.resubmissions == resubmitted + 1
-    assert engine.gateway.quarantined == 0 and engine.health()["ready"]
+    assert engine.gateway.quarantined == 0 and engine.health().ready
 
 
 async def test_a_hung_actor_is_found_by_missed_heartbeats_killed_and_restarted(
@@ -248,18 +248,18 @@ async def test_a_hung_actor_is_found_by_missed_heartbeats_killed_and_restarted(
 ) -> None:
     engine = shared.engine
     before = actor(engine, "scheduler")
-    outcomes = await disturb_under_load(shared, lambda: os.kill(before["pid"], signal.SIGSTOP))
+    outcomes = await disturb_under_load(shared, lambda: os.kill(before.pid, signal.SIGSTOP))
     assert outcomes == [*shared.reference, shared.reference[0]]
     after = actor(engine, "scheduler")
-    assert after["pid"] != before["pid"] and "no heartbeat" in after["last_restart_reason"]
-    assert not alive(before["pid"])
+    assert after.pid != before.pid and "no heartbeat" in after.last_restart_reason
+    assert not alive(before.pid)
     # A hang may be a request's doing: every stream was a suspect, retried alone, and cleared.
     assert engine.gateway.quarantined == 0
 
 
 async def test_a_step_that_raises_fails_only_its_request_with_500(shared: Shared) -> None:
     engine = shared.engine
-    restarts = actor(engine, "worker0")["restarts"]
+    restarts = actor(engine, "worker0").restarts
     jobs = workload(4, max_tokens=60)
     poison = Job([11, 12, POISON_RAISE, 13], SamplingParams(max_tokens=60, temperature=0.0))
     progress = [0] * 5
@@ -269,7 +269,7 @@ async def test_a_step_that_raises_fails_only_its_request_with_500(shared: Shared
     error = outcomes[4].error
     assert error is not None and error.status == 500
     assert "InjectedFault" in error.message and "the model failed" in error.message
-    assert actor(engine, "worker0")["restarts"] == restarts  # the worker went on
+    assert actor(engine, "worker0").restarts == restarts  # the worker went on
     assert await engine.complete(jobs[0].prompt, jobs[0].params) is not None
 
 
@@ -277,7 +277,7 @@ async def test_a_request_that_keeps_crashing_the_worker_is_quarantined_alone(
     shared: Shared,
 ) -> None:
     engine = shared.engine
-    restarts = actor(engine, "worker0")["restarts"]
+    restarts = actor(engine, "worker0").restarts
     jobs = workload(3, max_tokens=60)
     poison = Job([11, 12, POISON_EXIT, 13], SamplingParams(max_tokens=60, temperature=0.0))
     reference = await run_all(engine, jobs, [0] * 3)
@@ -288,17 +288,17 @@ async def test_a_request_that_keeps_crashing_the_worker_is_quarantined_alone(
     error = outcomes[3].error
     assert error is not None and error.status == 500 and "quarantined" in error.message
     assert "2 actor crashes" in error.message and "status 70" in error.message
-    assert actor(engine, "worker0")["restarts"] == restarts + 2
+    assert actor(engine, "worker0").restarts == restarts + 2
     assert engine.gateway.quarantined == 1 and not engine.gateway.on_probation
-    assert all(row["strikes"] == 0 for row in engine.requests())
+    assert all(row.strikes == 0 for row in engine.requests())
 
 
 async def test_after_everything_nothing_is_left_and_the_kv_pool_is_full(shared: Shared) -> None:
     engine = shared.engine
     await wait_for(
         lambda: (
-            engine.stats().get("num_requests") == 0
-            and engine.stats()["num_free_blocks"] == engine.stats()["kv_cache_blocks"]
+            engine.stats().num_requests == 0
+            and engine.stats().num_free_blocks == engine.stats().kv_cache_blocks
         ),
         "the scheduler reports every KV block free",
         timeout=30,

@@ -62,7 +62,7 @@ async def engine(children_before: set[int]) -> AsyncIterator[AsyncLLM]:
     engine = AsyncLLM(settings)
     try:
         await engine.start()
-        assert engine.stats()["kv_cache_blocks"] == KV_BLOCKS
+        assert engine.stats().kv_cache_blocks == KV_BLOCKS
         yield engine
     finally:
         await engine.shutdown()
@@ -75,15 +75,15 @@ async def test_kv_exhaustion_preempts_and_every_request_completes_unchanged(
     alone = []  # two at a time: they fit, nothing is preempted
     for first in range(0, STREAMS, 2):
         alone += await run_all(engine, jobs[first : first + 2], [0, 0])
-    preempted_before = engine.stats()["num_preemptions"]
+    preempted_before = engine.stats().num_preemptions
     together = await run_all(engine, jobs, [0] * STREAMS)
     assert together == alone
     assert all(len(o.token_ids) == MAX_TOKENS and o.error is None for o in together)
     stats = engine.stats()
-    assert stats["num_preemptions"] > preempted_before
-    assert sum(stats["restarts"].values()) == 0
+    assert stats.num_preemptions > preempted_before
+    assert sum(stats.restarts.values()) == 0
     await wait_for(
-        lambda: engine.stats()["num_free_blocks"] == KV_BLOCKS, "every block back", timeout=30
+        lambda: engine.stats().num_free_blocks == KV_BLOCKS, "every block back", timeout=30
     )
 
 
@@ -94,18 +94,18 @@ async def test_past_the_restart_intensity_everything_fails_with_the_reason_and_s
     progress = [0] * len(jobs)
     streams = asyncio.ensure_future(run_all(engine, jobs, progress))
     await wait_for(lambda: max(progress) > 0, "tokens flowing")
-    pids = {row["pid"] for row in engine.actors()}
+    pids = {row.pid for row in engine.actors()}
     first = actor(engine, "scheduler")
-    os.kill(first["pid"], signal.SIGKILL)  # restart 1 of 1 allowed
+    os.kill(first.pid, signal.SIGKILL)  # restart 1 of 1 allowed
     await wait_for(
         lambda: (
-            actor(engine, "scheduler")["state"] == "running"
-            and actor(engine, "scheduler")["pid"] != first["pid"]
+            actor(engine, "scheduler").state == "running"
+            and actor(engine, "scheduler").pid != first.pid
         ),
         "the scheduler back",
     )
-    assert engine.health()["ready"]
-    second = actor(engine, "scheduler")["pid"]
+    assert engine.health().ready
+    second = actor(engine, "scheduler").pid
     pids.add(second)
     os.kill(second, signal.SIGKILL)  # one too many
 
@@ -115,12 +115,12 @@ async def test_past_the_restart_intensity_everything_fails_with_the_reason_and_s
     failed = [o.error for o in outcomes if o.error is not None]
     assert failed and all(e.status == 503 and "restart intensity" in e.message for e in failed)
     health = engine.health()
-    assert not health["ready"] and "restart intensity" in health["reason"]
+    assert not health.ready and "restart intensity" in health.reason
     with pytest.raises(EngineError) as refused:
         await engine.complete("anyone there?", SamplingParams(max_tokens=4))
     assert refused.value.status == 503 and "restart intensity" in refused.value.message
     # In order: every actor stopped, every segment removed, before anyone called shutdown().
-    assert all(row["pid"] is None for row in engine.actors())
+    assert all(row.pid is None for row in engine.actors())
     assert [pid for pid in pids if alive(pid)] == []
     assert children_started_since(children_before) == []
     assert ipc_files() == set()

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
 from engine import LLM, AsyncLLM, EngineError, RequestOutput, SamplingParams
 from engine.llm import build_settings
+from engine.messages.admin import EngineStats
 from tests.checkpoints import tiny_checkpoint
 
 PROMPTS = ["the quick brown fox", "a b c d e f g", "hello there, general", "zz"]
@@ -173,20 +174,22 @@ async def test_streamed_deltas_add_up_and_abort_frees_every_block(model_path: st
         long_run = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
         stream = engine.stream(list(range(5, 80)), long_run, request_id="to-abort")
         await stream.__anext__()  # generating now
-        holding = await _stats_when(engine, lambda s: s.get("num_requests") == 1)
-        assert holding["kv_usage"] > 0.0
+        holding = await _stats_when(engine, lambda s: s.num_requests == 1)
+        assert holding.kv_usage > 0.0
         assert await engine.abort("to-abort")
         await stream.aclose()
-        stats = await _stats_when(engine, lambda s: s.get("num_requests") == 0)
-        assert stats["kv_usage"] == 0.0
-        assert stats["num_free_blocks"] == stats["kv_cache_blocks"]
+        stats = await _stats_when(engine, lambda s: s.num_requests == 0)
+        assert stats.kv_usage == 0.0
+        assert stats.num_free_blocks == stats.kv_cache_blocks
 
 
-async def _stats_when(engine: AsyncLLM, condition, timeout: float = 10.0) -> dict:  # type: ignore[no-untyped-def]
+async def _stats_when(
+    engine: AsyncLLM, condition: Callable[[EngineStats], bool], timeout: float = 10.0
+) -> EngineStats:
     """The scheduler's first report meeting `condition` (reports lag a fraction of a second)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    stats: dict = {}
+    stats = engine.stats()
     while loop.time() < deadline:
         stats = engine.stats()
         if condition(stats):

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.messages.admin import EngineStats
 from tests.checkpoints import tiny_checkpoint
 from tests.hf_reference import assert_greedy_matches_hf, hf_log_softmax
 
@@ -95,7 +96,7 @@ def test_preemption_under_a_tiny_kv_cache_still_matches_transformers() -> None:
         kv_cache_memory=_bytes_for_blocks(path, blocks=16, block_size=8),
     ) as engine:
         outputs = engine.generate(prompts, params)
-        preemptions = engine._run(_stats(engine))["num_preemptions"]
+        preemptions = engine._run(_stats(engine)).num_preemptions
     assert preemptions > 0
     for prompt, out in zip(prompts, outputs, strict=True):
         assert len(out.outputs[0].token_ids) == 20
@@ -109,5 +110,5 @@ def _bytes_for_blocks(path: str, blocks: int, block_size: int) -> int:
     return blocks * kv_block_bytes(load_model_config(path), block_size, "float32")
 
 
-async def _stats(engine: LLM) -> dict:
+async def _stats(engine: LLM) -> EngineStats:
     return engine.engine.stats()

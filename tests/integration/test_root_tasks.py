@@ -44,7 +44,7 @@ def injected_fault(*args: Any, **kwargs: Any) -> Any:
 async def assert_shut_down_naming(engine: AsyncLLM, task: str) -> None:
     reason = await asyncio.wait_for(engine.wait_closed(), WAIT_S)
     assert f"{task} task died" in reason and "injected fault" in reason
-    assert not engine.health()["ready"] and task in engine.health()["reason"]
+    assert not engine.health().ready and task in engine.health().reason
     with pytest.raises(EngineError) as refused:
         await asyncio.wait_for(engine.complete("more", SamplingParams(max_tokens=2)), WAIT_S)
     assert refused.value.status == 503
@@ -62,6 +62,6 @@ async def test_a_dead_output_pump_fails_the_streams_and_shuts_the_engine_down(
 
 async def test_dead_restart_handling_shuts_the_engine_down(engine: AsyncLLM) -> None:
     engine.gateway.resubmit_all = injected_fault  # type: ignore[method-assign]
-    [detokenizer] = [row for row in engine.actors() if row["name"] == "detokenizer"]
-    os.kill(detokenizer["pid"], signal.SIGKILL)  # its restart is what the events task handles
+    [detokenizer] = [row for row in engine.actors() if row.name == "detokenizer"]
+    os.kill(detokenizer.pid, signal.SIGKILL)  # its restart is what the events task handles
     await assert_shut_down_naming(engine, "gateway-events")

@@ -189,25 +189,25 @@ def test_kv_blocks_are_sized_by_one_ranks_kv_heads(llm: LLM, engine_path: str) -
     config = load_model_config(engine_path)
     per_rank = kv_block_bytes(config, 16, "float32", 2)
     assert per_rank * 2 == kv_block_bytes(config, 16, "float32", 1)  # 2 KV heads, 1 per rank
-    assert llm.stats()["kv_cache_blocks"] == 2**20 // per_rank
+    assert llm.stats().kv_cache_blocks == 2**20 // per_rank
 
 
 def test_killing_one_rank_restarts_the_group_on_a_fresh_port(llm: LLM, engine_path: str) -> None:
-    before = {row["name"]: row for row in llm.engine.actors()}
-    old_ports = _listening_ports(before["worker0"]["pid"])
+    before = {row.name: row for row in llm.engine.actors()}
+    old_ports = _listening_ports(before["worker0"].pid)
     assert old_ports  # rank 0 serves the group's TCP store
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    os.kill(before["worker1"]["pid"], signal.SIGKILL)
+    os.kill(before["worker1"].pid, signal.SIGKILL)
     outputs = llm.generate(PROMPTS, params)
     for prompt, out in zip(PROMPTS, outputs, strict=True):
         assert_greedy_matches_hf(engine_path, prompt, out.outputs[0].token_ids)
-    after = {row["name"]: row for row in llm.engine.actors()}
+    after = {row.name: row for row in llm.engine.actors()}
     # one_for_all within the group: rank 0 went down and came back with rank 1.
-    assert after["worker0"]["restarts"] == 1 and after["worker1"]["restarts"] == 1
-    assert after["scheduler"]["restarts"] == 0
-    assert after["worker0"]["pid"] != before["worker0"]["pid"]
+    assert after["worker0"].restarts == 1 and after["worker1"].restarts == 1
+    assert after["scheduler"].restarts == 0
+    assert after["worker0"].pid != before["worker0"].pid
     # The new rank 0 picked its store's port afresh: none of the old group's ports.
-    assert not _listening_ports(after["worker0"]["pid"]) & old_ports
+    assert not _listening_ports(after["worker0"].pid) & old_ports
 
 
 def _listening_ports(pid: int) -> set[int]:

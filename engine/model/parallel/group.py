@@ -11,6 +11,8 @@ from __future__ import annotations
 import datetime
 import logging
 import time
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
 import torch
@@ -27,6 +29,18 @@ _FRAMES = msgspec.msgpack.Encoder()
 _FRAMES_DECODER = msgspec.msgpack.Decoder(list[bytes])
 
 
+class CollectiveError(RuntimeError):
+    """A collective failed (a rank died, a connection broke): the group's fault, never a
+    request's; the worker must fail so that the group restarts."""
+
+
+def _collective(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    try:
+        return call(*args, **kwargs)
+    except RuntimeError as exc:  # gloo / NCCL report a broken peer as RuntimeError
+        raise CollectiveError(f"{call.__name__} failed: {exc}") from exc
+
+
 class TensorParallelGroup:
     def __init__(self, rank: int = 0, size: int = 1, device: torch.device | None = None) -> None:
         self.rank = rank
@@ -40,7 +54,7 @@ class TensorParallelGroup:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of x over the ranks, in place."""
         if self.size > 1:
-            dist.all_reduce(x)
+            _collective(dist.all_reduce, x)
         return x
 
     def gather_columns(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -49,26 +63,26 @@ class TensorParallelGroup:
             return x
         x = x.contiguous()
         if not self.is_first:
-            dist.gather(x, None, dst=0)
+            _collective(dist.gather, x, None, dst=0)
             return None
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.gather(x, parts, dst=0)
+        _collective(dist.gather, x, parts, dst=0)
         return torch.cat(parts, dim=-1)
 
     def broadcast_frames(self, frames: list[bytes]) -> None:
         """Rank 0: send one step's plan frames to every other rank (see receive_frames)."""
         payload = _FRAMES.encode(frames)
         length = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
-        dist.broadcast(length, src=0)
+        _collective(dist.broadcast, length, src=0)
         data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device)
-        dist.broadcast(data, src=0)
+        _collective(dist.broadcast, data, src=0)
 
     def receive_frames(self) -> list[bytes]:
         """Ranks > 0: the frames rank 0 broadcast next (blocks until it does)."""
         length = torch.empty(1, dtype=torch.int64, device=self.device)
-        dist.broadcast(length, src=0)
+        _collective(dist.broadcast, length, src=0)
         payload = torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)
-        dist.broadcast(payload, src=0)
+        _collective(dist.broadcast, payload, src=0)
         return _FRAMES_DECODER.decode(payload.cpu().numpy().tobytes())
 
     def close(self) -> None:
