@@ -176,7 +176,7 @@ class AsyncLLM:
                 chat_template, dict(chat_template_kwargs or {}), add_generation_prompt
             )
         self._check_can_accept(params, text, token_ids, chat)
-        record, submission = self.gateway.open(
+        record, submission = self.gateway.register(
             params,
             prompt=text,
             prompt_token_ids=token_ids,
@@ -230,7 +230,7 @@ class AsyncLLM:
             yield _snapshot(total)
 
     async def abort(self, request_id: str) -> bool:
-        abort = self.gateway.close(request_id)
+        abort = self.gateway.abort(request_id)
         if abort is None:
             return False
         await self._send([GATEWAY_TO_TOKENIZER.encode(abort)])

@@ -92,7 +92,7 @@ class Gateway:
         """A suspect is being retried alone: every other request is held back."""
         return self._probationer is not None or bool(self._suspects)
 
-    def open(
+    def register(
         self,
         params: SamplingParams,
         *,
@@ -125,7 +125,7 @@ class Gateway:
         self._records[request_id] = record
         return record, None if record.held else record.submission()
 
-    def close(self, request_id: str, reason: str = "abort") -> AbortRequests | None:
+    def abort(self, request_id: str, reason: str = "abort") -> AbortRequests | None:
         """Finish a request early (client abort or disconnect); returns the abort to send."""
         record = self._records.pop(request_id, None)
         if record is None:
@@ -392,7 +392,7 @@ class Gateway:
             self.stream_buffer,
             self.stalled_stream_timeout,
         )
-        self.close(record.request_id)
+        self.abort(record.request_id)
         self.stalled_aborts += 1
         self._stalled.append(record.request_id)
 

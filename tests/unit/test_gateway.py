@@ -21,14 +21,14 @@ def _drain(record) -> list[RequestOutput | EngineError]:
 
 def test_a_request_gets_a_seed_even_without_one_so_resubmission_is_exact() -> None:
     gateway = Gateway()
-    record, submission = gateway.open(SamplingParams(temperature=1.0), prompt="hi")
+    record, submission = gateway.register(SamplingParams(temperature=1.0), prompt="hi")
     assert submission.seed == record.seed
     assert submission.epoch == 0 and submission.resume is None
 
 
 def test_outputs_of_a_stale_epoch_are_dropped_and_resume_carries_what_was_delivered() -> None:
     gateway = Gateway()
-    record, _ = gateway.open(SamplingParams(n=2, max_tokens=8), prompt="hi", request_id="r")
+    record, _ = gateway.register(SamplingParams(n=2, max_tokens=8), prompt="hi", request_id="r")
     gateway.deliver(OutputBatch([PromptInfo("r", 0, [1, 2, 3])], [], []))
     gateway.deliver(
         OutputBatch([], [_delta("r", 0, 0, [7], "a"), _delta("r", 0, 1, [8], "b", "stop")], [])
@@ -49,7 +49,7 @@ def test_outputs_of_a_stale_epoch_are_dropped_and_resume_carries_what_was_delive
 
 def test_a_failure_reaches_the_stream_as_an_error_and_forgets_the_request() -> None:
     gateway = Gateway()
-    record, _ = gateway.open(SamplingParams(), prompt="x", request_id="bad")
+    record, _ = gateway.register(SamplingParams(), prompt="x", request_id="bad")
     failure = RequestFailed(
         request_id="bad", epoch=0, status=400, message="too long", actor="tokenizer", param="prompt"
     )
@@ -61,19 +61,21 @@ def test_a_failure_reaches_the_stream_as_an_error_and_forgets_the_request() -> N
 
 def test_abort_finishes_the_stream_and_returns_the_abort_to_send() -> None:
     gateway = Gateway()
-    record, _ = gateway.open(SamplingParams(n=2), prompt="x", request_id="a")
-    abort = gateway.close("a")
+    record, _ = gateway.register(SamplingParams(n=2), prompt="x", request_id="a")
+    abort = gateway.abort("a")
     assert abort is not None and abort.request_ids == ["a"]
     [final] = _drain(record)
     assert final.finished and {o.finish_reason for o in final.outputs} == {"abort"}
-    assert gateway.close("a") is None
+    assert gateway.abort("a") is None
 
 
 def test_a_stream_left_full_and_unread_past_the_timeout_is_aborted() -> None:
     # Timeout 0: the output that fills the buffer already finds it stalled.
     gateway = Gateway(stream_buffer=2, stalled_stream_timeout=0.0)
-    record, _ = gateway.open(SamplingParams(max_tokens=100), prompt="x", request_id="slow")
-    reader_keeps_up, _ = gateway.open(SamplingParams(max_tokens=100), prompt="x", request_id="ok")
+    record, _ = gateway.register(SamplingParams(max_tokens=100), prompt="x", request_id="slow")
+    reader_keeps_up, _ = gateway.register(
+        SamplingParams(max_tokens=100), prompt="x", request_id="ok"
+    )
     for step in range(3):
         gateway.deliver(
             OutputBatch(
@@ -90,9 +92,9 @@ def test_a_stream_left_full_and_unread_past_the_timeout_is_aborted() -> None:
 
 def test_unseeded_requests_draw_their_seeds_from_the_engine_seed() -> None:
     def seeds(gateway: Gateway) -> list[int]:
-        return [gateway.open(SamplingParams(), prompt="x")[0].seed for _ in range(3)]
+        return [gateway.register(SamplingParams(), prompt="x")[0].seed for _ in range(3)]
 
     first, again, other = seeds(Gateway(seed=0)), seeds(Gateway(seed=0)), seeds(Gateway(seed=1))
     assert first == again and len(set(first)) == 3  # reproducible, yet distinct per request
     assert first != other
-    assert Gateway(seed=0).open(SamplingParams(seed=7), prompt="x")[0].seed == 7
+    assert Gateway(seed=0).register(SamplingParams(seed=7), prompt="x")[0].seed == 7
