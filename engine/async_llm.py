@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ from engine.actors.runtime.events import ChildDied, ChildRestarted, Escalated, R
 from engine.actors.runtime.ring import RingClosed
 from engine.actors.runtime.supervision import Supervision
 from engine.admission import check_params, check_prompt_size, check_queue
-from engine.gateway.output_stream import merge_into
+from engine.gateway.crashes import drain_restarts, is_crash
 from engine.gateway.registry import Gateway, ToTokenizer
 from engine.gateway.replicas import Replicas, supervise
 from engine.messages.admin import ActorRow, EngineStats, Health, RequestRow
@@ -33,16 +32,11 @@ from engine.messages.codec import too_large_for_one_frame
 from engine.messages.outputs import DETOKENIZER_TO_GATEWAY
 from engine.messages.params import SamplingParams
 from engine.messages.reports import SCHEDULER_REPORTS, SchedulerReport
-from engine.messages.requests import (
-    GATEWAY_TO_TOKENIZER,
-    ChatMessage,
-    ChatOptions,
-    GenerateRequest,
-)
+from engine.messages.requests import GATEWAY_TO_TOKENIZER, ChatMessage, ChatOptions, GenerateRequest
 from engine.messages.rings import RECORD_OVERHEAD
-from engine.outputs import CompletionOutput, EngineError, RequestOutput
+from engine.outputs import EngineError, RequestOutput, merge_outputs, snapshot
 from engine.plan import RING_BYTES, EnginePlan, plan_engine
-from engine.prompts import Prompt, split_prompt
+from engine.prompts import Prompt, chat_messages, split_prompt
 from engine.settings import Settings, resolve_home
 
 log = logging.getLogger("engine")
@@ -169,7 +163,7 @@ class AsyncLLM:
         `chat_template_kwargs`)."""
         params = params or SamplingParams()
         text, token_ids = split_prompt(prompt)
-        chat = _chat_messages(messages) if messages is not None else None
+        chat = chat_messages(messages) if messages is not None else None
         options = None
         if chat is not None:
             options = ChatOptions(
@@ -210,7 +204,7 @@ class AsyncLLM:
         """The whole result of one request (`options` as for `stream`)."""
         final: RequestOutput | None = None
         async for delta in self.stream(prompt, params, **options):
-            final = _merge(final, delta)
+            final = merge_outputs(final, delta)
         assert final is not None
         final.outputs.sort(key=lambda output: output.index)
         return final
@@ -226,8 +220,8 @@ class AsyncLLM:
         last one has finished=True). `stream` gives only what is new in each."""
         total: RequestOutput | None = None
         async for delta in self.stream(prompt, sampling_params, request_id=request_id, **options):
-            total = _merge(total, delta)
-            yield _snapshot(total)
+            total = merge_outputs(total, delta)
+            yield snapshot(total)
 
     async def abort(self, request_id: str) -> bool:
         abort = self.gateway.abort(request_id)
@@ -364,7 +358,7 @@ class AsyncLLM:
                 # Every actor is on the request path: whatever was in flight through it is gone
                 # (for a tokenizer, only what it had not passed on yet). A group restart reports
                 # each member: resubmit once for all of them.
-                restarted = [event.name, *_drain_restarts(events)]
+                restarted = [event.name, *drain_restarts(events)]
                 # With replicas, only those of the restarted actors: the others run on.
                 assert self._replicas is not None
                 only = self._replicas.requests_concerned(restarted)
@@ -401,75 +395,3 @@ class AsyncLLM:
     def _role(self, name: str) -> str:
         rows = self._supervisor.status() if self._supervisor is not None else []
         return next((row.role for row in rows if row.name == name), "")
-
-
-# Signals that only ever come from outside an actor: an operator, the OOM killer, a test.
-_EXTERNAL_SIGNALS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
-
-
-def is_crash(event: ChildDied) -> bool:
-    """Whether a death may be a request's doing: an exception that escaped (status != 0), a
-    native crash (SIGSEGV, SIGABRT, ...) or a hang the supervisor killed. A kill from outside
-    the engine is not; the supervisor names its own kills in the reason, nobody else does."""
-    if event.exitcode == 0:
-        return False
-    if event.exitcode > 0:
-        return True
-    try:
-        sig = signal.Signals(-event.exitcode)
-    except ValueError:
-        return True
-    return sig not in _EXTERNAL_SIGNALS or event.reason != f"was killed by {sig.name}"
-
-
-def _drain_restarts(events: asyncio.Queue[Any]) -> list[str]:
-    """Names of further ChildRestarted events already queued (other events are kept)."""
-    names, others = [], []
-    while not events.empty():
-        event = events.get_nowait()
-        if isinstance(event, ChildRestarted):
-            names.append(event.name)
-        else:
-            others.append(event)
-    for event in others:
-        events.put_nowait(event)
-    return names
-
-
-def _chat_messages(messages: list[Mapping[str, Any]]) -> list[ChatMessage]:
-    out = []
-    for position, message in enumerate(messages):
-        role, content = message.get("role"), message.get("content")
-        if not isinstance(role, str) or not isinstance(content, str):
-            raise EngineError(
-                f"messages[{position}] must have a string 'role' and a string 'content'",
-                400,
-                "messages",
-            )
-        out.append(ChatMessage(role, content))
-    return out
-
-
-def _snapshot(total: RequestOutput) -> RequestOutput:
-    """A copy the caller may keep while `total` goes on growing."""
-    outputs = [
-        CompletionOutput(
-            o.index,
-            o.text,
-            list(o.token_ids),
-            o.finish_reason,
-            None if o.logprobs is None else list(o.logprobs),
-        )
-        for o in sorted(total.outputs, key=lambda output: output.index)
-    ]
-    return RequestOutput(
-        total.request_id, total.prompt, list(total.prompt_token_ids), outputs, total.finished
-    )
-
-
-def _merge(total: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
-    if total is None:
-        total = RequestOutput(delta.request_id, delta.prompt, delta.prompt_token_ids, [])
-    total.prompt_token_ids = delta.prompt_token_ids or total.prompt_token_ids
-    merge_into(total, delta)
-    return total

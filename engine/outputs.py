@@ -55,3 +55,46 @@ class EngineError(Exception):
         """Whether sending the request again may succeed: not for a 4xx (its input is at
         fault), except 429 (the queue was full); yes for the engine's own failures."""
         return self.status >= 500 or self.status == 429
+
+
+def snapshot(total: RequestOutput) -> RequestOutput:
+    """A copy the caller may keep while `total` goes on growing."""
+    outputs = [
+        CompletionOutput(
+            o.index,
+            o.text,
+            list(o.token_ids),
+            o.finish_reason,
+            None if o.logprobs is None else list(o.logprobs),
+        )
+        for o in sorted(total.outputs, key=lambda output: output.index)
+    ]
+    return RequestOutput(
+        total.request_id, total.prompt, list(total.prompt_token_ids), outputs, total.finished
+    )
+
+
+def merge_outputs(total: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
+    if total is None:
+        total = RequestOutput(delta.request_id, delta.prompt, delta.prompt_token_ids, [])
+    total.prompt_token_ids = delta.prompt_token_ids or total.prompt_token_ids
+    merge_into(total, delta)
+    return total
+
+
+def merge_into(total: RequestOutput, later: RequestOutput) -> None:
+    """Fold `later` into `total`, as if the reader had taken both: per sample, text and tokens
+    appended, the later finish reason kept."""
+    total.finished = later.finished
+    by_index = {output.index: output for output in total.outputs}
+    for part in later.outputs:
+        output = by_index.get(part.index)
+        if output is None:
+            output = CompletionOutput(part.index, "", [], None, None)
+            by_index[part.index] = output
+            total.outputs.append(output)
+        output.text += part.text
+        output.token_ids.extend(part.token_ids)
+        output.finish_reason = part.finish_reason or output.finish_reason
+        if part.logprobs is not None:
+            output.logprobs = (output.logprobs or []) + part.logprobs

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from engine.messages.requests import ChatMessage
 from engine.outputs import EngineError
 
 Prompt = str | list[int] | Mapping[str, Any]
@@ -37,3 +38,17 @@ def _token_ids(ids: Any) -> list[int]:
     raise EngineError(
         f"prompt token ids must be a list of integers, got {ids!r:.80}", 400, "prompt"
     )
+
+
+def chat_messages(messages: list[Mapping[str, Any]]) -> list[ChatMessage]:
+    out = []
+    for position, message in enumerate(messages):
+        role, content = message.get("role"), message.get("content")
+        if not isinstance(role, str) or not isinstance(content, str):
+            raise EngineError(
+                f"messages[{position}] must have a string 'role' and a string 'content'",
+                400,
+                "messages",
+            )
+        out.append(ChatMessage(role, content))
+    return out

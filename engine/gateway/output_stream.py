@@ -16,7 +16,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from engine.outputs import CompletionOutput, EngineError, RequestOutput
+from engine.outputs import EngineError, RequestOutput, merge_into
 
 Item = RequestOutput | EngineError
 
@@ -67,21 +67,3 @@ class OutputStream:
         if self._full_since is None:
             return 0.0
         return self._clock() - self._full_since
-
-
-def merge_into(total: RequestOutput, later: RequestOutput) -> None:
-    """Fold `later` into `total`, as if the reader had taken both: per sample, text and tokens
-    appended, the later finish reason kept."""
-    total.finished = later.finished
-    by_index = {output.index: output for output in total.outputs}
-    for part in later.outputs:
-        output = by_index.get(part.index)
-        if output is None:
-            output = CompletionOutput(part.index, "", [], None, None)
-            by_index[part.index] = output
-            total.outputs.append(output)
-        output.text += part.text
-        output.token_ids.extend(part.token_ids)
-        output.finish_reason = part.finish_reason or output.finish_reason
-        if part.logprobs is not None:
-            output.logprobs = (output.logprobs or []) + part.logprobs

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.gateway.output_stream import OutputStream
+from engine.messages.admin import RequestRow
 from engine.messages.params import SamplingParams
 from engine.messages.requests import ChatMessage, ChatOptions, GenerateRequest
 from engine.messages.scheduling import SampleResume
@@ -55,6 +56,18 @@ class RequestRecord:
         if self.prompt_token_ids is None:
             return "tokenizing"
         return "prefilling" if self.first_token_at is None else "decoding"
+
+    def row(self, now: float) -> RequestRow:
+        """What the admin `requests` command shows of it."""
+        return RequestRow(
+            request_id=self.request_id,
+            state=self.state(),
+            epoch=self.epoch,
+            prompt_tokens=len(self.prompt_token_ids or []),
+            generated_tokens=sum(len(sample.token_ids) for sample in self.samples),
+            strikes=self.strikes,
+            age_s=round(now - self.arrival, 3),
+        )
 
     def submission(self) -> GenerateRequest:
         resume = None

@@ -261,18 +261,7 @@ class Gateway:
 
     def describe(self) -> list[RequestRow]:
         now = time.monotonic()
-        return [
-            RequestRow(
-                request_id=r.request_id,
-                state=r.state(),
-                epoch=r.epoch,
-                prompt_tokens=len(r.prompt_token_ids or []),
-                generated_tokens=sum(len(s.token_ids) for s in r.samples),
-                strikes=r.strikes,
-                age_s=round(now - r.arrival, 3),
-            )
-            for r in self._records.values()
-        ]
+        return [record.row(now) for record in self._records.values()]
 
     def _current(self, request_id: str, epoch: int) -> RequestRecord | None:
         record = self._records.get(request_id)

@@ -22,14 +22,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable
-from dataclasses import dataclass
 from types import TracebackType
 
 from engine.actors.runtime.child_process import ChildProcess, ChildStartError
 from engine.actors.runtime.child_spec import (
     LOG_LEVELS,
     ROOT,
-    ChildSpec,
     Restart,
     Strategy,
     SupervisorSpec,
@@ -48,21 +46,12 @@ from engine.actors.runtime.restart_policy import RestartIntensity, restart_set
 from engine.actors.runtime.ring import run_prefix, sweep_stale_segments
 from engine.actors.runtime.ring_ends import RingEnds
 from engine.actors.runtime.ring_table import RingTable
+from engine.actors.runtime.supervised_child import SupervisedChild
 from engine.messages.control import LogLevel, Ready
 
 __all__ = ["ChildStartError", "Supervisor"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Child:
-    spec: ChildSpec
-    process: ChildProcess | None = None
-    state: str = "stopped"
-    spawned: int = 0  # generations started so far
-    restarts: int = 0
-    last_restart_reason: str = ""
 
 
 class Supervisor:
@@ -71,7 +60,7 @@ class Supervisor:
         self.spec = spec
         self._doorbell_dir = doorbell_dir
         self._units = start_units(spec.children)
-        self._children = {child.name: _Child(child) for child in spec.children}
+        self._children = {child.name: SupervisedChild(child) for child in spec.children}
         self._intensity = RestartIntensity(
             spec.max_restarts, spec.max_seconds, spec.backoff_initial, spec.backoff_max
         )
@@ -140,24 +129,7 @@ class Supervisor:
         return queue
 
     def status(self) -> list[ChildStatus]:
-        rows = []
-        for child in self._children.values():
-            process = child.process
-            rows.append(
-                ChildStatus(
-                    name=child.spec.name,
-                    entry=child.spec.entry,
-                    role=child.spec.role,
-                    group=child.spec.group,
-                    pid=process.pid if process is not None and process.alive else None,
-                    state=child.state,
-                    generation=process.generation if process is not None else 0,
-                    restarts=child.restarts,
-                    last_restart_reason=child.last_restart_reason,
-                    decode_errors=process.decode_errors if process is not None else 0,
-                )
-            )
-        return rows
+        return [child.status() for child in self._children.values()]
 
     def set_log_level(self, level: str, children: list[str] | None = None) -> None:
         """Change the log level of the named children (default: all) while they run."""
