@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.e2e.harness import free_port, read_line_starting
+from tests.e2e.harness import free_port, read_line_starting, stop_process
 
 REPO = Path(__file__).resolve().parents[1]
 STOP_TIMEOUT_S = 60.0
@@ -98,15 +98,7 @@ def stop_server(
 ) -> None:
     """SIGTERM, wait, SIGKILL; then anything still in the server's session gets the same time
     to go and is killed after."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-    if proc.stdout is not None:
-        proc.stdout.close()
+    stop_process(proc, timeout)  # type: ignore[arg-type]
     deadline = time.monotonic() + timeout
     while _session_alive(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.2)
