@@ -144,13 +144,20 @@ def prompt(rng: random.Random) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 30)))
 
 
-async def one_request(
-    client: httpx.AsyncClient, rng: random.Random, args: argparse.Namespace, tally: Tally
-) -> None:
-    kind = rng.choices(
+def pick_kind(rng: random.Random, args: argparse.Namespace) -> str:
+    return rng.choices(
         ["stream", "plain", "chat", "disconnect", "slow", "bad"],
         [args.stream, args.plain, args.chat, args.disconnect, args.slow, args.bad],
     )[0]
+
+
+async def one_request(
+    client: httpx.AsyncClient,
+    rng: random.Random,
+    args: argparse.Namespace,
+    tally: Tally,
+    kind: str,
+) -> None:
     tally.sent += 1
     max_tokens = rng.randint(4, args.max_tokens)
     if kind == "bad":
@@ -215,10 +222,11 @@ async def drive(args: argparse.Namespace, url: str, count: int, deadline: float)
             for _ in remaining:
                 if time.monotonic() > deadline:
                     return
+                kind = pick_kind(rng, args)
                 try:
-                    await one_request(client, rng, args, tally)
+                    await one_request(client, rng, args, tally, kind)
                 except (httpx.HTTPError, ValueError, KeyError) as exc:  # an answer unfit to read
-                    tally.lost.append(f"{type(exc).__name__}: {exc}")
+                    tally.lost.append(f"a {kind} request: {type(exc).__name__}: {exc!r}")
 
         await asyncio.gather(*(worker() for _ in range(args.concurrency)))
     return tally
