@@ -15,6 +15,7 @@ from typing import Any
 from engine.actors.worker import WorkerActor
 from engine.messages.parallel import RELAYED_PLANS, RelayedPlan
 from engine.messages.steps import StepPlan, StepResult, WorkerFailed
+from engine.model.step_inputs import is_long
 
 
 class PlanRelayWorker(WorkerActor):
@@ -45,8 +46,6 @@ class PlanFollowerWorker(WorkerActor):
         await super().on_stop()
 
     async def _follow(self) -> None:
-        from engine.model.step import is_long
-
         group = self.executor.runner.group
         while True:
             [frame] = await asyncio.to_thread(group.receive_frames)

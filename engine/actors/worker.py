@@ -20,6 +20,7 @@ from tqdm import tqdm
 from engine.actors.runtime.actor import Actor
 from engine.actors.worker_config import WorkerConfig
 from engine.messages.steps import STEP_PLANS, STEP_RESULTS, StepPlan, StepResult, WorkerFailed
+from engine.model.step_inputs import is_long
 from engine.testing.fault_injection import FaultInjection
 
 
@@ -65,8 +66,6 @@ class WorkerActor(Actor):
         return {"num_blocks": runner.num_blocks}
 
     async def handle(self, ring: str, frames: list[bytes]) -> None:
-        from engine.model.step import is_long
-
         generation = self._scheduler_generation
         for plan in STEP_PLANS.decode_many(frames):
             if generation != self._scheduler_generation:

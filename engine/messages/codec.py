@@ -62,7 +62,8 @@ class Channel(Generic[T]):
 
 
 class FrameTooLarge(ValueError):
-    """One item that no frame of the allowed size can carry."""
+    """A frame (or one item of a batch) that no frame of the allowed size can carry: raised by
+    a ring for a frame larger than it could ever hold, and by encode_in_frames."""
 
 
 def too_large_for_one_frame(size: int, max_bytes: int) -> str:

@@ -23,16 +23,9 @@ from engine.model.runner import ModelRunner
 from engine.model.sampler import Sampler
 from engine.model.step_inputs import KnownSequences, SeqChunk, SequenceStart
 
-# Steps computing more tokens than this run off the worker's event loop, so that heartbeats and
-# control messages keep flowing during long prefills.
-LONG_STEP_TOKENS = 512
 MAX_FAILED_STEPS = 3  # consecutive steps in which nothing succeeded: the worker is at fault
 
 log = logging.getLogger(__name__)
-
-
-def is_long(plan: StepPlan) -> bool:
-    return sum(len(chunk.token_ids) for chunk in plan.chunks) > LONG_STEP_TOKENS
 
 
 class StepFaults(Protocol):

@@ -14,6 +14,14 @@ import msgspec
 from engine.messages.params import SamplingParams
 from engine.messages.steps import NewRequest, StepPlan
 
+# Steps computing more tokens than this run off the worker's event loop, so that heartbeats and
+# control messages keep flowing during long prefills.
+LONG_STEP_TOKENS = 512
+
+
+def is_long(plan: StepPlan) -> bool:
+    return sum(len(chunk.token_ids) for chunk in plan.chunks) > LONG_STEP_TOKENS
+
 
 class SeqChunk(msgspec.Struct, array_like=True):
     """Tokens of one sequence to run through the model, with its whole block table."""

@@ -96,11 +96,13 @@ class Scheduler:
             key=self._next_request_key,
         )
         self._next_request_key += 1
-        if request.announcement_bytes > self.config.max_plan_bytes // 2:
+        # A plan must carry the request with a sequence's history and block table beside it.
+        room = self.config.max_plan_bytes // 2
+        if request.announcement_bytes > room:
             reason = (
                 f"the request's prompt and sampling parameters take {request.announcement_bytes} "
                 f"bytes to send to the workers, more than a step may carry "
-                f"({self.config.max_plan_bytes // 2}): shorten the prompt or stop_token_ids"
+                f"({room}): shorten the prompt or stop_token_ids"
             )
             return failed(submit.request_id, submit.epoch, 400, reason, "scheduler")
         starts: list[tuple[int, list[int]]]

@@ -31,6 +31,7 @@ from engine.actors.runtime.doorbell import (
     unlink_quietly,
 )
 from engine.actors.runtime.shm import run_prefix
+from engine.messages.codec import FrameTooLarge
 from engine.messages.rings import RECORD_OVERHEAD, RingSpec
 
 __all__ = [
@@ -49,10 +50,6 @@ __all__ = [
 
 _DIRECT_COPY_BYTES = 64 * 1024  # records this big whose frames average
 _DIRECT_COPY_MIN_FRAME = 8 * 1024  # this much are not joined before the copy
-
-
-class FrameTooLarge(ValueError):
-    """A frame that can never fit in the ring, however empty it gets."""
 
 
 class RingClosed(RuntimeError):
