@@ -302,6 +302,7 @@ def _worker_specs(
                 relay_plans=spans_hosts,
                 local_rank=replica * placement.ranks_per_node + local_rank,
                 timeout_s=runtime.start_timeout,
+                collective_timeout_s=parallel.collective_timeout,
             )
         entry = WORKER
         if spans_hosts:

@@ -50,7 +50,15 @@ async def join_group_of(actor: Actor, config: WorkerConfig) -> tuple[WorkerConfi
         config = msgspec.structs.replace(config, kv_cache_memory=kv_bytes)
     where = f"{address}:{port}"
     await asyncio.to_thread(wait_for_ranks, store, tp.size, tp.timeout_s, where)
-    group = await asyncio.to_thread(join_group, store, tp.rank, tp.size, torch.device(device))
+    group = await asyncio.to_thread(
+        join_group,
+        store,
+        tp.rank,
+        tp.size,
+        torch.device(device),
+        tp.collective_timeout_s,
+        tp.relay_plans,
+    )
     actor.log.info("tensor-parallel rank %d of %d on %s", tp.rank, tp.size, device)
     return msgspec.structs.replace(config, device=device), group
 

@@ -1,10 +1,11 @@
 """A worker rank: a thin shell around a StepExecutor (engine/model/step.py).
 
 Every rank reads the same broadcast StepPlan; rank 0 also samples and returns the one
-StepResult of the step. Long steps run off the event loop, so that heartbeats and control
-messages keep flowing during them; a process that is truly stuck (SIGSTOP, a deadlock in a
-short step) still stops beating. When the scheduler restarts, its plans start over: the ranks
-forget every sequence and the new scheduler announces them again.
+StepResult of the step. Long steps run off the event loop, so that control messages keep
+flowing during them; every step runs inside `busy()`, so heartbeats go on however long a
+legitimate step takes (a stopped process still stops beating, and a collective that a peer never
+joins fails after the group's collective timeout). When the scheduler restarts, its plans start
+over: the ranks forget every sequence and the new scheduler announces them again.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ class WorkerActor(Actor):
 
             config, group = await join_group_of(self, config)
         self.rank = config.rank
-        faults = FaultInjection.from_environment(os.environ)
+        faults = FaultInjection.from_environment(os.environ, config.rank)
         if faults.rules:
             self.log.warning("fault injection is on: %s", faults.rules)
         # Only when a test asked: steps otherwise pay nothing for the hooks.
@@ -81,7 +82,8 @@ class WorkerActor(Actor):
                 await self.send_many("results", [STEP_RESULTS.encode(m) for m in messages])
 
     def run_step(self, plan: StepPlan) -> list[StepResult | WorkerFailed]:
-        return self.executor.run(plan)
+        with self.busy():
+            return self.executor.run(plan)
 
     async def on_rings_swapped(self, peer: str, rings: list[str]) -> None:
         if "plan" in rings:  # the scheduler restarted; a step may be running: handle() resets

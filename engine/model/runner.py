@@ -10,6 +10,7 @@ model (and its shard of the KV cache: its KV heads); the logits arrive on rank 0
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,7 +18,7 @@ from pathlib import Path
 import torch
 
 from engine.kernels import PagedKVCache, select_backend
-from engine.kernels.attention_metadata import long_tensor
+from engine.kernels.attention_metadata import AttentionMetadata, long_tensor
 from engine.model import placement
 from engine.model.capacity import available_cpu_memory, kv_block_bytes, kv_cache_blocks
 from engine.model.config import ModelConfig, load_model_config
@@ -30,6 +31,15 @@ from engine.settings.schema import CacheSettings
 __all__ = ["ModelRunner", "kv_cache_blocks"]
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedStep:
+    """A step's model inputs (ModelRunner.prepare), ready for ModelRunner.execute."""
+
+    token_ids: torch.Tensor | None  # None: an empty step
+    attention: AttentionMetadata | None
+    sample_rows: list[int]  # rows of the step's tokens whose logits are sampled
 
 
 class ModelRunner:
@@ -116,14 +126,19 @@ class ModelRunner:
             self.num_blocks * block_bytes / 2**20,
         )
 
-    @torch.inference_mode()
     def forward(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
         """Run one step; float32 logits [chunks with sample=True, vocab], in plan order (on
         tensor-parallel ranks other than 0: an empty [0, vocab] tensor)."""
-        vocab = self.config.vocab_size
+        return self.execute(self.prepare(chunks))
+
+    @torch.inference_mode()
+    def prepare(self, chunks: Sequence[SeqChunk]) -> PreparedStep:
+        """A step's inputs, checked: everything that happens on this rank alone, before the
+        first collective (so a failure here can be agreed on by the ranks: engine/model/step)."""
         if not chunks:
-            return torch.empty(0, vocab, dtype=torch.float32, device=self.device)
+            return PreparedStep(None, None, [])
         self._check(chunks)
+        vocab = self.config.vocab_size
         token_ids: list[int] = []
         sample_rows: list[int] = []
         for chunk in chunks:
@@ -133,7 +148,6 @@ class ModelRunner:
         if min(token_ids) < 0 or max(token_ids) >= vocab:
             bad = next(t for t in token_ids if not 0 <= t < vocab)
             raise ValueError(f"token id {bad} is out of range; expected 0 <= id < {vocab}")
-        ids = long_tensor(token_ids)
         attention = self.backend.build_attention_metadata(
             [len(chunk.token_ids) for chunk in chunks],
             [chunk.start_pos for chunk in chunks],
@@ -142,14 +156,23 @@ class ModelRunner:
             queries_per_kv=self.shape.queries_per_kv,
             device=self.device,
         )
-        hidden = self.model(ids.to(self.device), attention, self.kv_cache)
-        if not sample_rows:
-            return torch.empty(0, vocab, dtype=torch.float32, device=self.device)
-        if len(sample_rows) < hidden.shape[0]:
-            hidden = hidden[long_tensor(sample_rows).to(self.device)]
+        return PreparedStep(long_tensor(token_ids).to(self.device), attention, sample_rows)
+
+    @torch.inference_mode()
+    def execute(self, step: PreparedStep) -> torch.Tensor:
+        """The model on a prepared step (the collectives of tensor parallelism happen here)."""
+        vocab = self.config.vocab_size
+        empty = torch.empty(0, vocab, dtype=torch.float32, device=self.device)
+        if step.token_ids is None or step.attention is None:
+            return empty
+        hidden = self.model(step.token_ids, step.attention, self.kv_cache)
+        if not step.sample_rows:
+            return empty
+        if len(step.sample_rows) < hidden.shape[0]:
+            hidden = hidden[long_tensor(step.sample_rows).to(self.device)]
         logits = self.model.compute_logits(hidden)
         if logits is None:  # a rank other than 0: rank 0 has gathered the logits
-            return torch.empty(0, vocab, dtype=torch.float32, device=self.device)
+            return empty
         return logits
 
     def _check(self, chunks: Sequence[SeqChunk]) -> None:

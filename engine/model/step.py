@@ -9,6 +9,13 @@ every sequence fails alone too, or steps keep failing with nothing succeeding in
 fault is the worker's, not the requests': `run` raises, the worker crashes, and the supervisor
 restarts it (the gateway quarantines a request that keeps crashing it). So does a failed
 collective (a rank of the group is gone): that is never a request's fault.
+
+Under tensor parallelism the ranks must take the same path, or one issues collectives the others
+never join. So a step has three parts: what each rank does alone before the model (preparing
+inputs), the model (collectives), and what follows (rank 0 samples). After the first and the
+last part every rank says whether its part failed (`failed_ranks`, one small all-reduce), and all
+of them fail the step, and isolate its sequences, together. A rank that fails inside the model
+cannot know where its peers wait: it fails the group (CollectiveError), which restarts.
 """
 
 from __future__ import annotations
@@ -16,6 +23,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 from typing import Protocol
+
+import torch
 
 from engine.messages.steps import StepPlan, StepResult, TokenLogprobs, WorkerFailed
 from engine.model.parallel.group import CollectiveError
@@ -28,6 +37,10 @@ MAX_FAILED_STEPS = 3  # consecutive steps in which nothing succeeded: the worker
 log = logging.getLogger(__name__)
 
 
+class FailedOnAnotherRank(RuntimeError):
+    """This rank's part of a step went well, another rank's did not: all ranks fail it alike."""
+
+
 class StepFaults(Protocol):
     """Hooks a test facility uses to make sequences misbehave (engine/testing)."""
 
@@ -38,6 +51,8 @@ class StepFaults(Protocol):
     def reset(self) -> None: ...
 
     def trip(self, chunks: Sequence[SeqChunk]) -> None: ...
+
+    def trip_late(self, chunks: Sequence[SeqChunk]) -> None: ...
 
 
 class NoFaults:
@@ -53,6 +68,9 @@ class NoFaults:
         pass
 
     def trip(self, chunks: Sequence[SeqChunk]) -> None:
+        pass
+
+    def trip_late(self, chunks: Sequence[SeqChunk]) -> None:
         pass
 
 
@@ -108,15 +126,47 @@ class StepExecutor:
         return messages
 
     def _compute(self, step_id: int, chunks: Sequence[SeqChunk]) -> StepResult:
-        self.faults.trip(chunks)
-        logits = self.runner.forward(chunks)
+        try:
+            self.faults.trip(chunks)
+            prepared = self.runner.prepare(chunks)
+        except Exception as exc:
+            self._agree(exc)
+            raise
+        self._agree(None)
+        try:
+            logits = self.runner.execute(prepared)
+        except CollectiveError:
+            raise
+        except Exception as exc:
+            if self.runner.group.size == 1:
+                raise
+            raise CollectiveError(
+                f"rank {self.rank} failed inside the model, where its peers may wait in a "
+                f"collective: {_describe(exc)}"
+            ) from exc
+        try:  # only rank 0 has work here; the sampler records a token only once it succeeded
+            result = self._sample(step_id, chunks, logits)
+        except Exception as exc:
+            self._agree(exc)
+            raise
+        self._agree(None)
+        return result
+
+    def _sample(self, step_id: int, chunks: Sequence[SeqChunk], logits: torch.Tensor) -> StepResult:
         if self.rank != 0:  # tensor parallelism: the logits, and sampling, are rank 0's
             return StepResult(step_id, [], [], None)
+        self.faults.trip_late(chunks)
         seq_ids = [chunk.seq_id for chunk in chunks if chunk.sample]
         if not seq_ids:
             return StepResult(step_id, [], [], None)
         token_ids, logprobs = self.sampler.sample(seq_ids, logits)
         return StepResult(step_id, seq_ids, token_ids, logprobs)
+
+    def _agree(self, error: Exception | None) -> None:
+        """Every rank learns whether any rank's part failed; then all fail, or none does."""
+        failed = self.runner.group.failed_ranks(error is not None)
+        if failed and error is None:
+            raise FailedOnAnotherRank(f"the step failed on tensor-parallel rank(s) {failed}")
 
     def _isolate(
         self,

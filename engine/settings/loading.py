@@ -51,6 +51,7 @@ FLAG_ALIASES: dict[str, str] = {
     "--node-rank": "parallel.node_rank",
     "--master-addr": "parallel.master_addr",
     "--master-port": "parallel.master_port",
+    "--collective-timeout": "parallel.collective_timeout",
     "--host": "server.host",
     "--port": "server.port",
     "--api-key": "server.api_key",

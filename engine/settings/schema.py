@@ -169,6 +169,14 @@ class ParallelSettings(_Section, frozen=True):
             description="rank 0's TCP store port (replica i: +i); 0 = a free one (one host only)",
         ),
     ] = 0
+    collective_timeout: Annotated[
+        float,
+        Meta(
+            gt=0.0,
+            description="seconds a tensor-parallel collective waits for a rank that does not "
+            "join before failing; the group then restarts",
+        ),
+    ] = 300.0
 
 
 class ServerSettings(_Section, frozen=True):

@@ -7,7 +7,7 @@ nothing is left: no process, no segment, every KV block back in the pool.
 
 Poison requests use the worker's fault injection (a test facility, see engine/actors/worker.py):
 a prompt holding token POISON_RAISE makes the step raise, one holding POISON_EXIT ends the worker
-as a native crash would.
+as a native crash would, one holding SLOW makes each of its steps outlast the heartbeat timeout.
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 POISON_RAISE = 501
 POISON_EXIT = 502
+SLOW = 503  # a prompt holding it makes each of its steps take SLOW_STEP_S
+SLOW_STEP_S = 5.0  # longer than the heartbeat timeout below
 STREAMS = 8
 MAX_TOKENS = 300
 WAIT_S = 180.0  # any wait here; a restart takes seconds on a busy machine
@@ -176,7 +178,9 @@ async def shared() -> AsyncIterator[Shared]:
     ipc_before = ipc_files()
     children_before = set(children_of(os.getpid()))
     previous = os.environ.get(FAULT_INJECTION_ENV)
-    os.environ[FAULT_INJECTION_ENV] = f"raise:{POISON_RAISE},exit:{POISON_EXIT}"
+    os.environ[FAULT_INJECTION_ENV] = (
+        f"raise:{POISON_RAISE},exit:{POISON_EXIT},sleep{SLOW_STEP_S:g}:{SLOW}"
+    )
     engine = AsyncLLM(settings)
     watch: asyncio.Task[None] | None = None
     try:
@@ -222,7 +226,7 @@ async def disturb_under_load(shared: Shared, disturb) -> list[Outcome]:  # type:
 async def test_the_undisturbed_workload_runs_clean_of_poison(shared: Shared) -> None:
     for outcome in shared.reference:
         assert outcome.error is None and len(outcome.token_ids) == MAX_TOKENS
-        assert not {POISON_RAISE, POISON_EXIT} & set(outcome.prompt_token_ids)
+        assert not {POISON_RAISE, POISON_EXIT, SLOW} & set(outcome.prompt_token_ids)
 
 
 @pytest.mark.parametrize("victim", ["tokenizer", "scheduler", "worker0", "detokenizer"])
@@ -271,6 +275,21 @@ async def test_a_step_that_raises_fails_only_its_request_with_500(shared: Shared
     assert "InjectedFault" in error.message and "the model failed" in error.message
     assert actor(engine, "worker0").restarts == restarts  # the worker went on
     assert await engine.complete(jobs[0].prompt, jobs[0].params) is not None
+
+
+async def test_steps_longer_than_the_heartbeat_timeout_are_not_taken_for_a_hang(
+    shared: Shared,
+) -> None:
+    engine = shared.engine
+    before = actor(engine, "worker0")
+    timeout = engine.settings.runtime.heartbeat_timeout
+    assert timeout < SLOW_STEP_S  # each step of this request holds the worker that long
+    slow = Job([11, 12, SLOW, 13], SamplingParams(max_tokens=2, temperature=0.0))
+    [outcome] = await run_all(engine, [slow], [0])
+    assert outcome.error is None and len(outcome.token_ids) == 2
+    after = actor(engine, "worker0")
+    assert (after.pid, after.restarts) == (before.pid, before.restarts)
+    assert engine.gateway.quarantined == 0
 
 
 async def test_a_request_that_keeps_crashing_the_worker_is_quarantined_alone(

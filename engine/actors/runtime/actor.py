@@ -7,6 +7,13 @@ An exception escaping a hook crashes the actor (exit 1) and its supervisor decid
 
 Control traffic from the root (Stop, SwapRings, LogLevel) is served by its own task, so a ring
 swap still reaches an actor whose handler is waiting to send to a restarted peer.
+
+Heartbeats come from the event loop, so an actor whose loop is stuck stops beating and its
+supervisor kills it. Work that may legitimately take longer than the heartbeat timeout (a
+worker's model step, on the loop or in a thread) runs inside `busy()`: meanwhile a thread beats,
+so liveness does not depend on how long a step takes. A stopped process (SIGSTOP) beats from
+neither; a step that can never end (a collective a peer never joins) ends with the collectives'
+own bounded timeout.
 """
 
 from __future__ import annotations
@@ -18,7 +25,10 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, ClassVar
 
 import uvloop
@@ -61,6 +71,11 @@ class Actor:
         self._control = RingReader(boot.control)
         self._status = RingWriter(boot.status)
         self._stop_requested: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._status_lock = threading.Lock()  # the status ring has one writer: either thread
+        self._beats = 0
+        self._busy_since: float | None = None  # set inside busy()
+        self._ended = threading.Event()  # tells the busy-beat thread to end
+        self._status_closed = False
 
     # Hooks.
 
@@ -87,6 +102,16 @@ class Actor:
     async def send_many(self, ring: str, frames: Sequence[bytes]) -> bool:
         """Write frames to outbound ring `ring`; False if the ring was swapped while waiting."""
         return await self.rings.send_many(ring, frames)
+
+    @contextmanager
+    def busy(self) -> Iterator[None]:
+        """Mark work that may hold the event loop (or last) longer than the heartbeat timeout:
+        heartbeats go on from a thread meanwhile. Callable from any thread."""
+        self._busy_since = time.monotonic()
+        try:
+            yield
+        finally:
+            self._busy_since = None
 
     def stop(self, reason: str) -> None:
         """Ask for an orderly stop (also what a Stop message and SIGTERM do)."""
@@ -115,6 +140,9 @@ class Actor:
                 self._report(Ready(os.getpid(), info or {}))
                 self.log.info("ready (generation %d)", self.generation)
                 tasks.append(loop.create_task(self._beat_heart(), name="heartbeat"))
+                threading.Thread(
+                    target=self._beat_while_busy, name="busy-heartbeat", daemon=True
+                ).start()
                 if self.rings.inbound_names:
                     tasks.append(loop.create_task(self._serve(), name="serve"))
                 waits: list[asyncio.Future[Any]] = [*tasks, self._stop_requested]
@@ -131,6 +159,7 @@ class Actor:
             self.log.exception("crashed")
             reason, status = f"crashed: {exc!r}", 1
         finally:
+            self._ended.set()
             for task in tasks:
                 await _cancel(task)
             if started:
@@ -142,7 +171,9 @@ class Actor:
             self._report(Exiting(reason))
             self.rings.close()
             self._control.close()
-            self._status.close()
+            with self._status_lock:  # the busy-beat thread may be about to report
+                self._status.close()
+                self._status_closed = True
         return status
 
     async def _serve(self) -> None:
@@ -166,18 +197,30 @@ class Actor:
                     _set_log_level(message.level, self.log)
 
     async def _beat_heart(self) -> None:
-        beats = 0
         while True:
             await asyncio.sleep(self._boot.heartbeat_interval)
             if os.getppid() != self._boot.root_pid:  # backs up the death signal (non-Linux too)
                 self.stop("the root process is gone")
                 return
-            beats += 1
-            self._report(Heartbeat(beats, self.decode_errors))
+            self._beat()
+
+    def _beat_while_busy(self) -> None:
+        """The busy-beat thread: beats while the actor is inside busy(), sleeps otherwise."""
+        while not self._ended.wait(self._boot.heartbeat_interval):
+            if self._busy_since is not None:
+                self._beat()
+
+    def _beat(self) -> None:
+        with self._status_lock:
+            self._beats += 1
+            beat = Heartbeat(self._beats, self.decode_errors)
+        self._report(beat)
 
     def _report(self, message: StatusMessage) -> None:
         # Never waits: a root too busy to read status loses a heartbeat, not the actor's loop.
-        self._status.try_send_many([STATUS.encode(message)])
+        with self._status_lock:
+            if not self._status_closed:
+                self._status.try_send_many([STATUS.encode(message)])
 
 
 def child_main(boot_frame: bytes) -> None:

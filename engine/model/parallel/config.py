@@ -20,6 +20,9 @@ class TensorParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
     relay_plans: bool = False
     local_rank: int = 0  # index among the ranks on this host (which GPU a CUDA rank takes)
     timeout_s: float = 300.0  # rendezvous: how long rank 0 waits for the others
+    # How long a collective waits for a rank that does not join before failing (the group then
+    # restarts); bounded so that a hung or out-of-step rank cannot hang its group for good.
+    collective_timeout_s: float = 300.0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,10 +20,13 @@ import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
-# Collectives wait this long. A dead peer breaks its connections at once (an error, not a wait);
-# a hung one stops heartbeating and its supervisor kills it. Ranks on another host also wait
-# here for the next plan, however long the engine stays idle.
-COLLECTIVE_TIMEOUT = datetime.timedelta(days=7)
+# A dead peer breaks its connections at once (an error, not a wait). A peer that is alive but
+# never joins (stuck, or out of step after a failure) makes the model's collectives wait the
+# group's bounded `collective_timeout_s` (a setting), then fail: the group restarts. Only the plan
+# relay waits longer: ranks on another host wait there for the next plan however long the engine
+# stays idle, so it runs on a group of its own.
+RELAY_TIMEOUT = datetime.timedelta(days=7)
+DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0
 
 _FRAMES = msgspec.msgpack.Encoder()
 _FRAMES_DECODER = msgspec.msgpack.Decoder(list[bytes])
@@ -42,10 +45,17 @@ def _collective(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
 
 class TensorParallelGroup:
-    def __init__(self, rank: int = 0, size: int = 1, device: torch.device | None = None) -> None:
+    def __init__(
+        self,
+        rank: int = 0,
+        size: int = 1,
+        device: torch.device | None = None,
+        relay: Any = None,
+    ) -> None:
         self.rank = rank
         self.size = size
         self.device = device or torch.device("cpu")
+        self._relay = relay  # the plan relay's own process group (None: the default one)
 
     @property
     def is_first(self) -> bool:
@@ -56,6 +66,19 @@ class TensorParallelGroup:
         if self.size > 1:
             _collective(dist.all_reduce, x)
         return x
+
+    def failed_ranks(self, failed: bool) -> list[int]:
+        """Every rank says whether its part of a step failed; all learn which ranks did.
+
+        Called by every rank at the same points of a step, so that they take the same path
+        afterwards (run the step again piece by piece, or go on): a rank that went its own way
+        would issue collectives the others never join."""
+        if self.size == 1:
+            return [0] if failed else []
+        flags = torch.zeros(self.size, dtype=torch.int32, device=self.device)
+        flags[self.rank] = int(failed)
+        _collective(dist.all_reduce, flags)
+        return [rank for rank, flag in enumerate(flags.tolist()) if flag]
 
     def gather_columns(self, x: torch.Tensor) -> torch.Tensor | None:
         """Rank 0: every rank's x [rows, cols] side by side [rows, size * cols]; others: None."""
@@ -73,16 +96,16 @@ class TensorParallelGroup:
         """Rank 0: send one step's plan frames to every other rank (see receive_frames)."""
         payload = _FRAMES.encode(frames)
         length = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
-        _collective(dist.broadcast, length, src=0)
+        _collective(dist.broadcast, length, src=0, group=self._relay)
         data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device)
-        _collective(dist.broadcast, data, src=0)
+        _collective(dist.broadcast, data, src=0, group=self._relay)
 
     def receive_frames(self) -> list[bytes]:
         """Ranks > 0: the frames rank 0 broadcast next (blocks until it does)."""
         length = torch.empty(1, dtype=torch.int64, device=self.device)
-        _collective(dist.broadcast, length, src=0)
+        _collective(dist.broadcast, length, src=0, group=self._relay)
         payload = torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)
-        _collective(dist.broadcast, payload, src=0)
+        _collective(dist.broadcast, payload, src=0, group=self._relay)
         return _FRAMES_DECODER.decode(payload.cpu().numpy().tobytes())
 
     def close(self) -> None:
@@ -121,14 +144,27 @@ def wait_for_ranks(store: dist.Store, size: int, timeout_s: float, where: str) -
 
 
 def join_group(
-    store: dist.Store, rank: int, size: int, device: torch.device
+    store: dist.Store,
+    rank: int,
+    size: int,
+    device: torch.device,
+    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
+    relay_plans: bool = False,
 ) -> TensorParallelGroup:
-    """Form the process group over `store` (every rank is there: see wait_for_ranks)."""
+    """Form the process group over `store` (every rank is there: see wait_for_ranks), and the
+    plan relay's group when the ranks span hosts."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(
-        backend, store=store, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT
+    timeout = datetime.timedelta(seconds=collective_timeout_s)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
+    relay = dist.new_group(backend=backend, timeout=RELAY_TIMEOUT) if relay_plans else None
+    log.info(
+        "tensor-parallel rank %d of %d joined (%s on %s, collectives time out after %g s)",
+        rank,
+        size,
+        backend,
+        device,
+        collective_timeout_s,
     )
-    log.info("tensor-parallel rank %d of %d joined (%s on %s)", rank, size, backend, device)
-    return TensorParallelGroup(rank, size, device)
+    return TensorParallelGroup(rank, size, device, relay)
