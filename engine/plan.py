@@ -174,13 +174,18 @@ def plan_engine(settings: Settings, model_path: str) -> EnginePlan:
         kv_cache_memory=num_blocks * block_bytes,
         max_model_len=max_model_len,
         num_threads=threads_per_rank(settings, device, placement),
-        kernel_backend=settings.model.kernel_backend,
+        kernel_backend=kernel_backend_of(settings),
     )
     specs = tuple(
         _replica_spec(settings, placement, replica, worker, scheduler, config)
         for replica in range(settings.parallel.data_parallel_size)
     )
     return EnginePlan(model_path, config, device, dtype, num_blocks, max_model_len, specs[0], specs)
+
+
+def kernel_backend_of(settings: Settings) -> str:
+    """The kernel backend the workers load: deterministic mode has its own (batch-invariant)."""
+    return "batch_invariant" if settings.model.deterministic else settings.model.kernel_backend
 
 
 def plan_worker_node(settings: Settings, model_path: str) -> tuple[SupervisorSpec, ...]:
@@ -201,7 +206,7 @@ def plan_worker_node(settings: Settings, model_path: str) -> tuple[SupervisorSpe
         kv_cache_memory=0,  # rank 0's value arrives over the group's store
         max_model_len=settings.model.max_model_len or config.max_position_embeddings,
         num_threads=threads_per_rank(settings, device, placement),
-        kernel_backend=settings.model.kernel_backend,
+        kernel_backend=kernel_backend_of(settings),
     )
     specs = []
     for replica in range(settings.parallel.data_parallel_size):

@@ -8,12 +8,14 @@ FlashInfer will plug in here with the same signatures.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
-from engine.kernels import attention_metadata, torch_attention, torch_ops
+from engine.kernels import attention_metadata, batch_invariant, torch_attention, torch_ops
 from engine.kernels import triton as triton_kernels  # does not import Triton itself
 from engine.kernels.attention_metadata import AttentionMetadata
 from engine.kernels.backend import KernelBackend
@@ -39,10 +41,24 @@ TORCH_BACKEND = KernelBackend(
     rotary_cos_sin=torch_ops.rotary_cos_sin,
     apply_rotary=torch_ops.apply_rotary,
     silu_and_mul=torch_ops.silu_and_mul,
+    linear=F.linear,
     output_projection=torch_ops.output_projection,
 )
 
-BACKENDS: dict[str, KernelBackend] = {"torch": TORCH_BACKEND}
+# Deterministic mode (--deterministic): the torch backend with batch-invariant GEMMs and attention.
+BATCH_INVARIANT_BACKEND = dataclasses.replace(
+    TORCH_BACKEND,
+    name="batch_invariant",
+    build_attention_metadata=batch_invariant.build_attention_metadata,
+    paged_attention=batch_invariant.paged_attention,
+    linear=batch_invariant.linear,
+    output_projection=batch_invariant.output_projection,
+)
+
+BACKENDS: dict[str, KernelBackend] = {
+    "torch": TORCH_BACKEND,
+    "batch_invariant": BATCH_INVARIANT_BACKEND,
+}
 # Backends whose modules load only when selected: name -> (why not on this device, loader).
 OPTIONAL_BACKENDS: dict[
     str, tuple[Callable[[torch.device], str | None], Callable[[], KernelBackend]]

@@ -22,4 +22,6 @@ class KernelBackend:
     ]
     apply_rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    # x @ weight.T + bias, for the decoder's linear layers
+    linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
     output_projection: Callable[[torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]

@@ -76,7 +76,7 @@ class Attention(nn.Module):
             config.hidden_size, qk_size + self.num_kv_heads * self.head_dim, bias=config.qkv_bias
         )
         self.o_proj = RowParallelLinear(
-            self.num_heads * self.head_dim, config.hidden_size, config.o_bias, group
+            self.num_heads * self.head_dim, config.hidden_size, config.o_bias, group, ops.linear
         )
         self.q_norm = RMSNorm(self.head_dim, self.eps, ops) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, self.eps, ops) if config.qk_norm else None
@@ -95,7 +95,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, step: StepContext) -> torch.Tensor:
         num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x)
+        qkv = self.ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
         qk = qkv[:, : self.qk_size].view(num_tokens, -1, self.head_dim)
         v = qkv[:, self.qk_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm_weight is not None:
@@ -118,10 +118,11 @@ class GatedMLP(nn.Module):
         self.ops = ops
         size, hidden = shape.intermediate_size, config.hidden_size
         self.gate_up_proj = nn.Linear(hidden, 2 * size, bias=config.mlp_bias)
-        self.down_proj = RowParallelLinear(size, hidden, config.mlp_bias, group)
+        self.down_proj = RowParallelLinear(size, hidden, config.mlp_bias, group, ops.linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.ops.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
+        return self.down_proj(self.ops.silu_and_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):

@@ -52,6 +52,7 @@ FLAG_ALIASES: dict[str, str] = {
     "--master-addr": "parallel.master_addr",
     "--master-port": "parallel.master_port",
     "--collective-timeout": "parallel.collective_timeout",
+    "--deterministic": "model.deterministic",
     "--host": "server.host",
     "--port": "server.port",
     "--api-key": "server.api_key",

@@ -47,6 +47,14 @@ class ModelSettings(_Section, frozen=True):
             "TRITON_INTERPRET=1); auto = torch"
         ),
     ] = "auto"
+    deterministic: Annotated[
+        bool,
+        Meta(
+            description="batch-invariant kernels: a request's tokens and logprobs do not depend "
+            "on its batch, and a stream resumed after a failure is bit-identical (costs "
+            "throughput; CPU torch kernels)"
+        ),
+    ] = False
     max_model_len: (
         Annotated[
             int, Meta(ge=1, description="max prompt + output tokens per request; unset = model's")
@@ -316,5 +324,12 @@ def cross_field_problems(settings: Settings) -> list[tuple[str, str]]:
             "scheduler.max_num_batched_tokens",
             f"must be at least scheduler.max_num_seqs ({scheduler.max_num_seqs}) so that every "
             f"running sequence gets a token each step, got {scheduler.max_num_batched_tokens}",
+        ))  # fmt: skip
+    model = settings.model
+    if model.deterministic and model.kernel_backend not in ("auto", "torch"):
+        problems.append((
+            "model.kernel_backend",
+            f"must be auto or torch with model.deterministic (its batch-invariant kernels are "
+            f"torch's), got {model.kernel_backend}",
         ))  # fmt: skip
     return problems

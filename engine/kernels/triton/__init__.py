@@ -51,5 +51,6 @@ def backend() -> KernelBackend:
         rotary_cos_sin=torch_ops.rotary_cos_sin,
         apply_rotary=pointwise.apply_rotary,
         silu_and_mul=pointwise.silu_and_mul,
+        linear=torch.nn.functional.linear,
         output_projection=torch_ops.output_projection,
     )

@@ -11,24 +11,34 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.model.parallel.group import TensorParallelGroup
 
+Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
 
 class RowParallelLinear(nn.Linear):
     def __init__(
-        self, in_features: int, out_features: int, bias: bool, group: TensorParallelGroup
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        group: TensorParallelGroup,
+        linear: Linear = F.linear,  # the kernel backend's (batch-invariant in deterministic mode)
     ) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.group = group
+        self.linear = linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.group.size == 1:
-            return F.linear(x, self.weight, self.bias)
-        out = self.group.all_reduce(F.linear(x, self.weight))
+            return self.linear(x, self.weight, self.bias)
+        out = self.group.all_reduce(self.linear(x, self.weight, None))
         return out if self.bias is None else out + self.bias
 
 
