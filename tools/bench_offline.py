@@ -63,6 +63,7 @@ def run_engine(
     tp: int = 1,
     dp: int = 1,
     name: str = "engine",
+    deterministic: bool = False,
 ) -> Run:
     from engine import LLM, SamplingParams
 
@@ -71,6 +72,7 @@ def run_engine(
         "data_parallel_size": dp,
         "kv_cache_memory": args.kv_cache_memory,
         "scheduler__max_num_seqs": max(len(prompts), 1),
+        "model__deterministic": deterministic,
     }
     with LLM(path, **options) as llm:
         llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
@@ -170,6 +172,11 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per replica")
     parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
     parser.add_argument("--kv-cache-memory", type=int, default=512 * 2**20)
+    parser.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="the engine in deterministic mode, against the default mode in the same run",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
 
@@ -179,9 +186,11 @@ def main() -> None:
     path = args.model or ensure_default_model()
     prompts, outs = make_workload(args, load_model_config(path).vocab_size)
     baseline = None
-    if args.tp > 1 or args.dp > 1:  # the same workload on TP=1 / DP=1 first, same run
+    if args.tp > 1 or args.dp > 1 or args.deterministic:  # the reference first, same run
         baseline = run_engine(args, path, prompts, outs, name=BASELINE)
-    runs = [run_engine(args, path, prompts, outs, args.tp, args.dp)]
+    runs = [
+        run_engine(args, path, prompts, outs, args.tp, args.dp, deterministic=args.deterministic)
+    ]
     if args.peer != "none":
         runs.append(PEERS[args.peer](args, path, prompts, outs))
     report(args, runs, baseline)
@@ -198,6 +207,7 @@ def report(args: argparse.Namespace, runs: list[Run], baseline: Run | None) -> N
         "output_len": args.output_len,
         "tp": args.tp,
         "dp": args.dp,
+        "deterministic": args.deterministic,
     }
     for run in ([baseline] if baseline else []) + runs:
         summary[f"{run.name}_tok_per_s"] = round(run.tokens_per_s, 1)
@@ -212,14 +222,15 @@ def report(args: argparse.Namespace, runs: list[Run], baseline: Run | None) -> N
     if args.json:
         print(json.dumps(summary))
         return
+    mode = ", deterministic mode" if args.deterministic else ""
     print(
         f"{args.num_requests} requests, {args.input_len} in / {args.output_len} out, greedy; "
-        f"engine at TP={args.tp} x DP={args.dp}"
+        f"engine at TP={args.tp} x DP={args.dp}{mode}"
     )
     for run in ([baseline] if baseline else []) + runs:
         print(f"  {run.name:15s} {run.tokens_per_s:9.1f} output tok/s  ({run.seconds:.2f} s)")
     if baseline is not None:
-        print(f"  ratio TP={args.tp} x DP={args.dp} / TP=1 x DP=1: "
+        print(f"  ratio TP={args.tp} x DP={args.dp}{mode} / TP=1 x DP=1: "
               f"{summary['parallel_ratio']:.2f}x; identical greedy outputs: "
               f"{summary['same_greedy_as_tp1_dp1']}")  # fmt: skip
     if len(runs) > 1:

@@ -55,6 +55,12 @@ PACKED_WEIGHT_LIMIT = 256 << 20
 def output_projection(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
     """x -> x @ weight.T for the logits: oneDNN with a pre-packed weight on the CPU where
     available (checked against F.linear once), plain F.linear elsewhere."""
+    return packed_linear(weight) or (lambda x: F.linear(x, weight))
+
+
+def packed_linear(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """x -> x @ weight.T by oneDNN with the weight packed once, if this CPU and torch build have
+    it and it agrees with F.linear; else None."""
     nbytes = weight.numel() * weight.element_size()
     usable = (
         weight.device.type == "cpu"
@@ -62,18 +68,18 @@ def output_projection(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Te
         and torch.backends.mkldnn.is_available()
         and nbytes <= PACKED_WEIGHT_LIMIT
     )
-    if usable:
-        try:
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+    if not usable:
+        return None
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
-            def packed_linear(x: torch.Tensor) -> torch.Tensor:
-                return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        def linear(x: torch.Tensor) -> torch.Tensor:
+            return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
-            generator = torch.Generator().manual_seed(0)
-            probe = torch.randn(3, weight.shape[1], generator=generator).to(weight.dtype)
-            expected = F.linear(probe, weight)
-            if torch.allclose(packed_linear(probe), expected, rtol=1e-2, atol=1e-2):
-                return packed_linear
-        except (RuntimeError, AttributeError):  # a torch build without these oneDNN ops
-            pass
-    return lambda x: F.linear(x, weight)
+        generator = torch.Generator().manual_seed(0)
+        probe = torch.randn(3, weight.shape[1], generator=generator).to(weight.dtype)
+        if torch.allclose(linear(probe), F.linear(probe, weight), rtol=1e-2, atol=1e-2):
+            return linear
+    except (RuntimeError, AttributeError):  # a torch build without these oneDNN ops
+        pass
+    return None
