@@ -33,12 +33,13 @@ from engine.model.config import ModelConfig, load_model_config
 from engine.model.parallel.config import Placement, TensorParallelConfig
 from engine.model.parallel.layout import check_tensor_parallel
 from engine.model.placement import (
+    ThreadPolicy,
     available_cores,
     device_type,
     resolve_device,
     resolve_dtype,
+    thread_policy,
     weight_bytes,
-    worker_threads,
 )
 from engine.model.placement import kv_cache_bytes as placement_kv_cache_bytes
 from engine.scheduler.config import SchedulerConfig
@@ -94,11 +95,18 @@ def check_parallel(settings: Settings, config: ModelConfig) -> Placement:
     return placement
 
 
-def threads_per_rank(settings: Settings, device: str, placement: Placement) -> int | None:
-    """torch threads of each worker rank; None on a GPU (torch's own default)."""
+def threads_per_rank(settings: Settings, device: str, placement: Placement) -> ThreadPolicy | None:
+    """torch threads of each worker rank, per step; None on a GPU (torch's own default)."""
     if device_type(device) != "cpu":
         return None
-    return worker_threads(settings.runtime.worker_threads, available_cores(), placement.local_ranks)
+    return thread_policy(settings.runtime.worker_threads, available_cores(), placement.local_ranks)
+
+
+def thread_fields(policy: ThreadPolicy | None) -> dict[str, int | None]:
+    """WorkerConfig's thread fields for a policy (None: the device's default)."""
+    if policy is None:
+        return {"num_threads": None, "busy_threads": None}
+    return {"num_threads": policy.light, "busy_threads": policy.busy}
 
 
 def kv_cache_bytes(
@@ -173,7 +181,7 @@ def plan_engine(settings: Settings, model_path: str) -> EnginePlan:
         block_size=block_size,
         kv_cache_memory=num_blocks * block_bytes,
         max_model_len=max_model_len,
-        num_threads=threads_per_rank(settings, device, placement),
+        **thread_fields(threads_per_rank(settings, device, placement)),
         kernel_backend=kernel_backend_of(settings),
     )
     specs = tuple(
@@ -205,7 +213,7 @@ def plan_worker_node(settings: Settings, model_path: str) -> tuple[SupervisorSpe
         block_size=settings.cache.block_size,
         kv_cache_memory=0,  # rank 0's value arrives over the group's store
         max_model_len=settings.model.max_model_len or config.max_position_embeddings,
-        num_threads=threads_per_rank(settings, device, placement),
+        **thread_fields(threads_per_rank(settings, device, placement)),
         kernel_backend=kernel_backend_of(settings),
     )
     specs = []

@@ -58,6 +58,7 @@ class WorkerActor(Actor):
             kv_cache_memory=config.kv_cache_memory,
             max_model_len=config.max_model_len,
             num_threads=config.num_threads,
+            busy_threads=config.busy_threads,
             kernel_backend=config.kernel_backend,
             tensor_parallel=group,
         )

@@ -16,6 +16,7 @@ class WorkerConfig(msgspec.Struct, frozen=True):
     block_size: int
     kv_cache_memory: int  # bytes; the root sized it to exactly the scheduler's block count
     max_model_len: int
-    num_threads: int | None = None
+    num_threads: int | None = None  # torch threads for small steps (placement.ThreadPolicy)
+    busy_threads: int | None = None  # for steps of at least placement.BUSY_STEP_TOKENS tokens
     kernel_backend: str = "auto"
     tensor_parallel: TensorParallelConfig | None = None  # None: a group of one

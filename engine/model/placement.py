@@ -6,6 +6,7 @@ the runner and loader apply the same ones), so that each rule has one home and o
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 
@@ -75,14 +76,42 @@ def resolve_dtype(requested: str, checkpoint_dtype: str | None, device: str) -> 
     return requested
 
 
-def worker_threads(requested: int, cores: int, local_ranks: int) -> int:
-    """torch threads of each CPU worker rank: `requested` when set (> 0), else the host's cores
-    but one (left to the other actors) shared by its ranks. An OpenMP thread that loses its core
-    to another busy process stalls every op of its team (measured: 20x slower steps with 2
-    threads on 2 shared cores)."""
+# Steps with at least this many tokens use every core given to the rank (see ThreadPolicy).
+BUSY_STEP_TOKENS = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class ThreadPolicy:
+    """torch threads of a CPU worker rank, chosen per step.
+
+    A small step (a few decodes) runs on `light` threads, leaving a core to the other actors
+    (tokenizer, scheduler, detokenizer): an OpenMP thread that loses its core to another busy
+    process stalls every op of its team (measured: 20x slower steps with 2 threads on 2 shared
+    cores), and a small step's ops are short enough for that to dominate. A step of at least
+    `busy_from_tokens` tokens has matmuls long enough to make the stall cheap, and runs on `busy`
+    threads: every core given to the rank. Idle OpenMP threads sleep (OMP_WAIT_POLICY=PASSIVE,
+    set by the worker), so the extra threads cost nothing between large steps."""
+
+    light: int
+    busy: int
+    busy_from_tokens: int = BUSY_STEP_TOKENS
+
+    def threads_for(self, step_tokens: int) -> int:
+        return self.busy if step_tokens >= self.busy_from_tokens else self.light
+
+
+def thread_policy(requested: int, cores: int, local_ranks: int) -> ThreadPolicy:
+    """`requested` threads for every step when set (> 0); else the host's cores shared by its
+    ranks for large steps, and one core fewer for small ones."""
     if requested > 0:
-        return requested
-    return max(1, (cores - 1) // max(1, local_ranks))
+        return ThreadPolicy(requested, requested)
+    ranks = max(1, local_ranks)
+    return ThreadPolicy(light=max(1, (cores - 1) // ranks), busy=max(1, cores // ranks))
+
+
+def worker_threads(requested: int, cores: int, local_ranks: int) -> int:
+    """torch threads of each CPU worker rank for small steps (ThreadPolicy.light)."""
+    return thread_policy(requested, cores, local_ranks).light
 
 
 def available_cores() -> int:

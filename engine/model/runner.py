@@ -54,6 +54,7 @@ class ModelRunner:
         kv_cache_fraction: float = CacheSettings().kv_cache_fraction,
         max_model_len: int | None = None,
         num_threads: int | None = None,
+        busy_threads: int | None = None,
         kernel_backend: str = "auto",
         tensor_parallel: TensorParallelGroup | None = None,
     ) -> None:
@@ -64,12 +65,16 @@ class ModelRunner:
         self.device = torch.device(placement.resolve_device(str(device)))
         if self.device.type == "cpu":
             keep_freed_memory()
+        self.threads: placement.ThreadPolicy | None = None  # None: torch's default (a GPU)
         if num_threads is None and self.device.type == "cpu":  # one rank on this host
-            num_threads = placement.worker_threads(0, placement.available_cores(), 1)
-        if num_threads is not None:
-            if num_threads < 1:
-                raise ValueError(f"num_threads must be a positive integer, got {num_threads}")
-            torch.set_num_threads(num_threads)
+            self.threads = placement.thread_policy(0, placement.available_cores(), 1)
+        elif num_threads is not None:
+            for name, value in (("num_threads", num_threads), ("busy_threads", busy_threads)):
+                if value is not None and value < 1:
+                    raise ValueError(f"{name} must be a positive integer, got {value}")
+            self.threads = placement.ThreadPolicy(num_threads, busy_threads or num_threads)
+        if self.threads is not None:
+            torch.set_num_threads(self.threads.light)
         self.config: ModelConfig = load_model_config(model_path, max_model_len)
         self.dtype = resolve_dtype(dtype, self.config, self.device)
         self.backend = select_backend(self.device, kernel_backend)
@@ -110,14 +115,14 @@ class ModelRunner:
             device=self.device,
         )
         log.info(
-            "%s%s on %s (%d threads) in %s (%s kernels): "
+            "%s%s on %s (%s threads) in %s (%s kernels): "
             "KV cache of %d blocks x %d = %d tokens (%.1f MiB)",
             self.config.architecture,
             f" (tensor-parallel rank {self.group.rank} of {self.group.size})"
             if self.group.size > 1
             else "",
             self.device,
-            torch.get_num_threads(),
+            _describe_threads(self.threads),
             str(self.dtype).removeprefix("torch."),
             self.backend.name,
             self.num_blocks,
@@ -165,6 +170,10 @@ class ModelRunner:
         empty = torch.empty(0, vocab, dtype=torch.float32, device=self.device)
         if step.token_ids is None or step.attention is None:
             return empty
+        if self.threads is not None:
+            threads = self.threads.threads_for(len(step.token_ids))
+            if threads != torch.get_num_threads():
+                torch.set_num_threads(threads)
         hidden = self.model(step.token_ids, step.attention, self.kv_cache)
         if not step.sample_rows:
             return empty
@@ -190,6 +199,14 @@ class ModelRunner:
                     f"chunk of sequence {chunk.seq_id} reaches position "
                     f"{chunk.start_pos + len(chunk.token_ids) - 1}; max_model_len is {limit}"
                 )
+
+
+def _describe_threads(threads: placement.ThreadPolicy | None) -> str:
+    if threads is None:
+        return str(torch.get_num_threads())
+    if threads.light == threads.busy:
+        return str(threads.light)
+    return f"{threads.light}, {threads.busy} for steps of >= {threads.busy_from_tokens} tokens"
 
 
 def _free_memory(device: torch.device) -> int:

@@ -276,7 +276,12 @@ class RuntimeSettings(_Section, frozen=True):
     ] = 60.0
     worker_threads: Annotated[
         int,
-        Meta(ge=0, le=1024, description="torch threads per CPU worker rank; 0 = cores - 1"),
+        Meta(
+            ge=0,
+            le=1024,
+            description="torch threads per CPU worker rank; 0 = per step: the cores (shared by "
+            "the host's ranks) for steps of >= 128 tokens, one core fewer for smaller ones",
+        ),
     ] = 0
     quarantine_after: Annotated[
         int,

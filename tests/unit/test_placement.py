@@ -6,11 +6,13 @@ import pytest
 
 from engine.model.config import load_model_config
 from engine.model.placement import (
+    BUSY_STEP_TOKENS,
     CPU_KV_CACHE_MAX_BYTES,
     kv_cache_bytes,
     rank_device,
     resolve_device,
     resolve_dtype,
+    thread_policy,
     weight_bytes,
     worker_threads,
 )
@@ -56,6 +58,18 @@ def test_an_unsupported_dtype_names_what_works() -> None:
 )
 def test_worker_threads(requested: int, cores: int, ranks: int, expected: int) -> None:
     assert worker_threads(requested, cores, ranks) == expected
+
+
+@pytest.mark.parametrize(
+    ("requested", "cores", "ranks", "small_step", "large_step"),
+    [(0, 2, 1, 1, 2), (0, 16, 1, 15, 16), (0, 16, 4, 3, 4), (0, 2, 2, 1, 1), (6, 2, 1, 6, 6)],
+)
+def test_thread_policy_per_step(
+    requested: int, cores: int, ranks: int, small_step: int, large_step: int
+) -> None:
+    policy = thread_policy(requested, cores, ranks)
+    assert policy.threads_for(1) == policy.threads_for(BUSY_STEP_TOKENS - 1) == small_step
+    assert policy.threads_for(BUSY_STEP_TOKENS) == policy.threads_for(4096) == large_step
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
