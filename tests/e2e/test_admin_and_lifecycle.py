@@ -177,7 +177,8 @@ def test_sigterm_drains_in_flight_and_leaves_nothing(model_args: list[str], tmp_
         assert out["first"].wait(60)
         srv.proc.send_signal(signal.SIGTERM)
         with srv.http() as http:
-            wait_until(lambda: http.get("/health").status_code == 503, timeout=30)
+            wait_until(lambda: http.get("/ready").status_code == 503, timeout=30)
+            assert http.get("/health").status_code == 200  # alive while it drains
             refused = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
         assert refused.status_code == 503 and refused.json()["error"]["type"] == "server_error"
         thread.join(60)
