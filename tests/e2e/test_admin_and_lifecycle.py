@@ -105,7 +105,10 @@ def test_admin_abort_ends_a_running_request(server: Server) -> None:
 def aborted_count(server: Server) -> float:
     with server.http() as http:
         text = http.get("/metrics").text
-    pattern = r'engine_requests_total\{endpoint="completions",outcome="aborted"\} ([0-9.]+)'
+    pattern = (
+        r'engine:http_requests_total\{model_name="[^"]*",endpoint="completions",'
+        r'outcome="aborted"\} ([0-9.]+)'
+    )
     match = re.search(pattern, text)
     return float(match.group(1)) if match else 0.0
 
