@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 
 from engine.cli import main
-from engine.cli.model_path import resolve_model
-from engine.cli.serve import with_resolved_model
 from engine.generation_defaults import load_generation_defaults, with_defaults
+from engine.hf_cache import resolve_model, with_resolved_model
 from engine.messages.params import SamplingParams
 from engine.settings import SettingsError, load_settings
 

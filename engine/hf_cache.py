@@ -8,7 +8,9 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 
-from engine.settings import SettingsError
+import msgspec
+
+from engine.settings import Settings, SettingsError
 
 _REPO_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -46,3 +48,16 @@ def _main_revision(repo_dir: Path) -> str | None:
     snapshots = repo_dir / "snapshots"
     found = sorted(p.name for p in snapshots.iterdir()) if snapshots.is_dir() else []
     return found[0] if len(found) == 1 else None  # no refs/main: only an unambiguous snapshot
+
+
+def with_resolved_model(settings: Settings, environ: Mapping[str, str] = os.environ) -> Settings:
+    """A repo id as the model becomes its cached snapshot; clients still see the id (as vLLM)."""
+    model = settings.model
+    if model.path is None:
+        return settings
+    snapshot = resolve_model(model.path, environ)
+    if snapshot is None:
+        return settings
+    names = model.served_name or (model.path,)
+    resolved = msgspec.structs.replace(model, path=snapshot, served_name=names)
+    return msgspec.structs.replace(settings, model=resolved)
