@@ -160,6 +160,8 @@ async def _generate(request: Request, state: ServerState, parse: Parser, endpoin
         )
     result = await _until_disconnect(request, run.collect())
     if result is None:  # the client left; its engine requests were aborted
+        run.abort_unfinished()
+        run.finish()  # once only: also when collect() was cancelled before it began
         return Response(status_code=499)
     return Response(result, media_type=JSON, headers={"X-Request-Id": run.key})
 

@@ -53,7 +53,10 @@ class ServerState:
             max_model_len=llm.max_model_len,
             served_names=tuple(names),
             tokens=Tokens(
-                llm.model_path, llm.max_model_len, settings.server.allow_special_tokens_in_chat
+                llm.model_path,
+                llm.max_model_len,
+                settings.server.allow_special_tokens_in_chat,
+                chat_template,
             ),
             generation_defaults=generation_defaults or {},
             chat_template=chat_template,

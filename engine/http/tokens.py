@@ -56,8 +56,15 @@ _DETOKENIZE = msgspec.json.Decoder(DetokenizeRequest)
 class Tokens:
     """The root's tokenizer, loaded once on first use."""
 
-    def __init__(self, model_path: str, max_model_len: int, allow_special_in_chat: bool) -> None:
+    def __init__(
+        self,
+        model_path: str,
+        max_model_len: int,
+        allow_special_in_chat: bool,
+        chat_template: str | None = None,
+    ) -> None:
         self._model_path = model_path
+        self._chat_template = chat_template  # the server's (--chat-template), as chats use
         self._max_model_len = max_model_len
         self._allow_special_in_chat = allow_special_in_chat
         self._builder: PromptBuilder | None = None
@@ -89,7 +96,9 @@ class Tokens:
         else:
             messages = [(m["role"], m["content"]) for m in chat_message_dicts(req.messages or [])]
             chat = ChatOptions(
-                req.chat_template, dict(req.chat_template_kwargs or {}), req.add_generation_prompt
+                req.chat_template or self._chat_template,
+                dict(req.chat_template_kwargs or {}),
+                req.add_generation_prompt,
             )
             try:
                 ids = await asyncio.to_thread(builder.chat_token_ids, messages, chat)

@@ -23,6 +23,8 @@ NAMES = ("parity-a", "parity-b")
 ALLOWED_ORIGIN = "https://app.example"
 DEFAULT_MAX_TOKENS = 3  # the server's generation_config.json max_new_tokens
 MAX_LOG_LEN = 12
+# A chat template of the server's own (--chat-template, inline): each message as <<content>>
+TEMPLATE = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
 LONG_STREAM = {"prompt": "a long story", "max_tokens": 1000, "ignore_eos": True, "stream": True}
 
 
@@ -44,6 +46,7 @@ def parity(model_args: list[str], tmp_path_factory: pytest.TempPathFactory) -> I
         "--max-log-len", str(MAX_LOG_LEN),
         "--enforce-eager",
         "--max-logprobs", "5",
+        "--chat-template", TEMPLATE,
     )  # fmt: skip
     srv = start_server(args, work, name="parity")
     try:
@@ -89,8 +92,10 @@ def test_tokenize_detokenize_round_trip_agrees_with_generation(
         back = http.post("/detokenize", json={"tokens": tokenized["tokens"]}).json()
         messages = [{"role": "user", "content": text}]
         chat_tokens = http.post("/tokenize", json={"messages": messages}).json()
+        rendered = http.post("/detokenize", json={"tokens": chat_tokens["tokens"]}).json()
         bad = http.post("/detokenize", json={"tokens": [10**9]})
     assert back == {"prompt": text}
+    assert rendered == {"prompt": f"<<{text}>>"}  # the server's --chat-template
     assert tokenized["count"] == len(tokenized["tokens"]) > 0
     assert tokenized["max_model_len"] == MAX_MODEL_LEN
     resp = client.completions.create(
