@@ -105,12 +105,12 @@ def test_admin_abort_ends_a_running_request(server: Server) -> None:
 def aborted_count(server: Server) -> float:
     with server.http() as http:
         text = http.get("/metrics").text
-    pattern = (
-        r'engine:http_requests_total\{model_name="[^"]*",endpoint="completions",'
-        r'outcome="aborted"\} ([0-9.]+)'
-    )
-    match = re.search(pattern, text)
-    return float(match.group(1)) if match else 0.0
+    for labels, value in re.findall(
+        r"^engine:http_requests_total\{([^}]*)\} ([0-9.]+)$", text, re.M
+    ):
+        if 'endpoint="completions"' in labels and 'outcome="aborted"' in labels:
+            return float(value)
+    return 0.0
 
 
 def test_disconnect_mid_stream_aborts_and_frees_blocks(server: Server) -> None:
