@@ -33,3 +33,6 @@ def test_generate_without_params_uses_the_generation_config(tmp_path: Path) -> N
     sampled = by_default.outputs[0].token_ids
     assert sampled == explicit.outputs[0].token_ids[: len(sampled)]  # may stop early at EOS
     assert own.outputs[0].token_ids[:3] == explicit.outputs[0].token_ids
+    # vLLM's RequestOutput fields: cache hits known once scheduled; no stop_reason at a length
+    assert explicit.num_cached_tokens is not None and explicit.num_cached_tokens >= 0
+    assert (explicit.outputs[0].finish_reason, explicit.outputs[0].stop_reason) == ("length", None)
