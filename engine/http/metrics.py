@@ -32,6 +32,8 @@ PREFIX = "engine:"
 _LATENCY_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
 )  # fmt: skip
+# vLLM's: 1, 2, 5 x powers of ten
+_TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(7) for m in (1, 2, 5))
 _REQUEST_BUCKETS = (
     0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0,
 )  # fmt: skip
@@ -94,6 +96,14 @@ class ServerMetrics:
             "request_decode_time_seconds",
             "Time from a request's first token to its last",
             _REQUEST_BUCKETS,
+        )
+        self.request_prompt_tokens = histogram(
+            "request_prompt_tokens", "Prompt tokens of each finished request", _TOKEN_BUCKETS
+        )
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens",
+            "Tokens generated for each finished request (all its choices)",
+            _TOKEN_BUCKETS,
         )
         self.prompt_tokens = Counter(
             PREFIX + "prompt_tokens", "Prompt tokens of finished requests", label, registry=registry

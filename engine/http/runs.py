@@ -251,7 +251,7 @@ class RequestRun:
         usage = self.builder.usage()
         metrics.add_prompt_tokens(usage.prompt_tokens)
         if self.status == 200:
-            observe_finished(metrics, self, now, usage.completion_tokens)
+            observe_finished(metrics, self, now, usage)
         if self.state.settings.server.enable_log_requests:
             log_request(self, now, usage)
         if self.recording is not None and self.state.trace is not None:
@@ -270,9 +270,12 @@ class RequestRun:
             )
 
 
-def observe_finished(metrics: ServerMetrics, run: RequestRun, now: float, generated: int) -> None:
+def observe_finished(metrics: ServerMetrics, run: RequestRun, now: float, usage: Usage) -> None:
     """The per-request histograms of a request that was served (not refused)."""
     model = metrics.model_name
+    generated = usage.completion_tokens
+    metrics.request_prompt_tokens.labels(model).observe(usage.prompt_tokens)
+    metrics.request_generation_tokens.labels(model).observe(generated)
     for choice in run.builder.choices:
         if choice.finish_reason is not None:
             metrics.request_success.labels(model, choice.finish_reason).inc()

@@ -310,6 +310,8 @@ def test_metrics_have_vllms_names_and_labels(parity: Server, client: openai.Open
         "request_queue_time_seconds",
         "request_prefill_time_seconds",
         "request_decode_time_seconds",
+        "request_prompt_tokens",
+        "request_generation_tokens",
     )
     expected = [
         "engine:num_requests_running",
