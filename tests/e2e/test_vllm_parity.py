@@ -275,6 +275,24 @@ def test_abort_by_client_request_id_over_http_and_admin_socket(parity: Server) -
     assert no_key.status_code == 401
 
 
+def test_abort_by_client_id_ends_every_prompt_of_a_batched_request(parity: Server) -> None:
+    def over_http(request_id: str) -> None:
+        with parity.http() as http:
+            assert http.post("/abort", json={"request_id": request_id}).status_code == 200
+
+    body = {**LONG_STREAM, "prompt": ["one story", "another story"]}
+    with (
+        parity.http() as http,
+        http.stream("POST", "/v1/completions", json=body, headers={"X-Request-Id": "b-1"}) as resp,
+    ):
+        lines = resp.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        over_http("b-1")
+        chunks = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+    finish = {c["index"]: c["finish_reason"] for chunk in chunks for c in chunk["choices"]}
+    assert {i: finish.get(i) for i in (0, 1)} == {0: "abort", 1: "abort"}
+
+
 def test_cors_preflight_allows_only_the_allowed_origin(parity: Server) -> None:
     def preflight(origin: str) -> httpx.Response:
         return httpx.options(
