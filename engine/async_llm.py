@@ -79,7 +79,9 @@ class AsyncLLM:
         self.model_path = model_path
         self._plan = plan_engine(self.settings, model_path)
         # As vLLM: the name clients use is the --model value as given, unless one is set.
-        self.model_name = self.settings.model.served_name or self.settings.model.path or "demo"
+        self.model_name = (
+            self.settings.model.served_name or (self.settings.model.path or "demo",)
+        )[0]
 
         self.max_model_len = self._plan.max_model_len
         self._supervisor, self._replicas = supervise(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -42,6 +43,9 @@ class PreparedRequest:
     stream: bool
     include_usage: bool
     want_logprobs: bool
+    return_token_ids: bool = False
+    # The client's id (X-Request-Id or the body's request_id): the engine request's id
+    client_request_id: str | None = None
 
     @property
     def n(self) -> int:
@@ -54,14 +58,16 @@ class PreparedRequest:
 
     def engine_request_id(self, prompt_index: int) -> str:
         """Each prompt of a batched completions request is its own engine request."""
+        base = self.client_request_id or self.request_id
         if len(self.prompts) == 1:
-            return self.request_id
-        return f"{self.request_id}-{prompt_index}"
+            return base
+        return f"{base}-{prompt_index}"
 
 
-def parse_completion(body: bytes, served_model: str) -> PreparedRequest:
+def parse_completion(body: bytes, served_model: str | Sequence[str]) -> PreparedRequest:
     req = decode_request(_COMPLETION_DECODER, body)
     model = _check_model(req.model, served_model)
+    _refuse_unsupported(req)
     prompts = _prompts_of(req.prompt)
     if req.echo:
         raise ApiError(400, "'echo' is not supported", param="echo")
@@ -85,12 +91,15 @@ def parse_completion(body: bytes, served_model: str) -> PreparedRequest:
         stream=req.stream,
         include_usage=_include_usage(req),
         want_logprobs=req.logprobs is not None,
+        return_token_ids=req.return_token_ids,
+        client_request_id=req.request_id,
     )
 
 
-def parse_chat(body: bytes, served_model: str) -> PreparedRequest:
+def parse_chat(body: bytes, served_model: str | Sequence[str]) -> PreparedRequest:
     req = decode_request(_CHAT_DECODER, body)
     model = _check_model(req.model, served_model)
+    _refuse_unsupported(req)
     messages = [_message_dict(i, m) for i, m in enumerate(req.messages)]
     if not messages:
         raise ApiError(400, "'messages' must hold at least one message", param="messages")
@@ -123,17 +132,27 @@ def parse_chat(body: bytes, served_model: str) -> PreparedRequest:
         stream=req.stream,
         include_usage=_include_usage(req),
         want_logprobs=req.logprobs,
+        return_token_ids=req.return_token_ids,
+        client_request_id=req.request_id,
     )
 
 
-def _check_model(requested: str | None, served_model: str) -> str:
-    if requested is None or requested == served_model:
-        return served_model
+def _check_model(requested: str | None, served: str | Sequence[str]) -> str:
+    """The model name the response shows: the one asked for, any of the served names."""
+    names = [served] if isinstance(served, str) else list(served)
+    if requested is None:
+        return names[0]
+    if requested in names:
+        return requested
+    listed = ", ".join(f"'{name}'" for name in names)
     raise ApiError(
-        404,
-        f"model '{requested}' does not exist; this server serves '{served_model}'",
-        param="model",
+        404, f"model '{requested}' does not exist; this server serves {listed}", param="model"
     )
+
+
+def _refuse_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
+    if req.prompt_logprobs is not None:
+        raise ApiError(400, "'prompt_logprobs' is not supported", param="prompt_logprobs")
 
 
 def _prompts_of(prompt: str | list[str | int | list[int]]) -> list[Prompt]:
@@ -160,6 +179,11 @@ def _prompts_of(prompt: str | list[str | int | list[int]]) -> list[Prompt]:
         if len(p) == 0:
             raise ApiError(400, f"'{where}' must not be empty", param=where)
     return prompts
+
+
+def chat_message_dicts(messages: list[ChatMessageIn]) -> list[dict[str, Any]]:
+    """Checked messages as the chat template takes them (also for /tokenize)."""
+    return [_message_dict(i, m) for i, m in enumerate(messages)]
 
 
 def _message_dict(index: int, message: ChatMessageIn) -> dict[str, Any]:

@@ -60,6 +60,10 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # vLLM: return the prompt's and each choice's token ids; the request's id (or X-Request-Id)
+    return_token_ids: bool = False
+    request_id: str | None = None
+    prompt_logprobs: int | None = None  # not supported: refused by name when given
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -80,10 +84,16 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
 # ---------------------------------------------------------------- responses
 
 
+class PromptTokensDetails(msgspec.Struct, kw_only=True):
+    cached_tokens: int  # prompt tokens whose KV came from the prefix cache
+
+
 class Usage(msgspec.Struct, kw_only=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # Once the scheduler has reported the prompt's cache hits (UNSET: left out)
+    prompt_tokens_details: PromptTokensDetails | msgspec.UnsetType = msgspec.UNSET
 
 
 class CompletionLogprobs(msgspec.Struct, kw_only=True):
@@ -98,6 +108,10 @@ class CompletionChoice(msgspec.Struct, kw_only=True):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
+    stop_reason: str | int | None = None
+    # return_token_ids only (UNSET fields are left out of the JSON)
+    prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
+    token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
 
 
 class CompletionResponse(msgspec.Struct, kw_only=True):
@@ -136,6 +150,8 @@ class ChatChoice(msgspec.Struct, kw_only=True):
     message: ChatMessageOut
     logprobs: ChatLogprobs | None
     finish_reason: str | None
+    stop_reason: str | int | None = None
+    token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET  # return_token_ids only
 
 
 class ChatCompletionResponse(msgspec.Struct, kw_only=True):
@@ -145,6 +161,7 @@ class ChatCompletionResponse(msgspec.Struct, kw_only=True):
     choices: list[ChatChoice]
     usage: Usage
     object: str = "chat.completion"
+    prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET  # return_token_ids only
 
 
 class ChatDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -157,6 +174,8 @@ class ChatChunkChoice(msgspec.Struct, kw_only=True):
     delta: ChatDelta
     logprobs: ChatLogprobs | None
     finish_reason: str | None
+    stop_reason: str | int | None = None
+    token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET  # return_token_ids only
 
 
 class ChatCompletionChunk(msgspec.Struct, kw_only=True):
@@ -164,8 +183,10 @@ class ChatCompletionChunk(msgspec.Struct, kw_only=True):
     created: int
     model: str
     choices: list[ChatChunkChoice]
-    usage: Usage | None = None
+    # Only in the last chunk, and only with stream_options.include_usage (UNSET: left out)
+    usage: Usage | msgspec.UnsetType = msgspec.UNSET
     object: str = "chat.completion.chunk"
+    prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET  # return_token_ids only
 
 
 class CompletionChunk(msgspec.Struct, kw_only=True):
@@ -175,7 +196,7 @@ class CompletionChunk(msgspec.Struct, kw_only=True):
     created: int
     model: str
     choices: list[CompletionChoice]
-    usage: Usage | None = None
+    usage: Usage | msgspec.UnsetType = msgspec.UNSET  # as ChatCompletionChunk's
     object: str = "text_completion"
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
+
 from engine.http.parsing import PreparedRequest
 from engine.http.protocol import (
     ChatChoice,
@@ -23,6 +25,7 @@ from engine.http.protocol import (
     CompletionChunk,
     CompletionLogprobs,
     CompletionResponse,
+    PromptTokensDetails,
     TopLogprob,
     Usage,
     encode,
@@ -44,6 +47,8 @@ class ChoiceState:
     num_tokens: int = 0
     finish_reason: str | None = None
     logprobs: list[Logprob] = field(default_factory=list)
+    stop_reason: str | int | None = None
+    token_ids: list[int] = field(default_factory=list)
 
     @property
     def text(self) -> str:
@@ -57,6 +62,8 @@ class ResponseBuilder:
         # limits once the engine has admitted the request.
         self._choices: dict[int, ChoiceState] = {}
         self.prompt_tokens: dict[int, int] = {}
+        self.prompt_token_ids: dict[int, list[int]] = {}  # return_token_ids only
+        self.cached_tokens: dict[int, int] = {}  # per prompt, once the scheduler reported it
 
     @property
     def choices(self) -> list[ChoiceState]:
@@ -71,6 +78,10 @@ class ResponseBuilder:
     ) -> list[tuple[ChoiceState, int, CompletionOutput]]:
         """Record one engine yield; return each advanced choice, its text offset before, delta."""
         self.prompt_tokens[prompt_index] = len(out.prompt_token_ids)
+        if self.prepared.return_token_ids:
+            self.prompt_token_ids[prompt_index] = out.prompt_token_ids
+        if out.num_cached_tokens is not None:
+            self.cached_tokens[prompt_index] = out.num_cached_tokens
         advanced = []
         for delta in out.outputs:
             key = prompt_index * self.prepared.n + delta.index
@@ -83,9 +94,23 @@ class ResponseBuilder:
     def usage(self) -> Usage:
         prompt = sum(self.prompt_tokens.values())
         completion = sum(c.num_tokens for c in self._choices.values())
+        details: PromptTokensDetails | msgspec.UnsetType = msgspec.UNSET
+        if self.cached_tokens:
+            details = PromptTokensDetails(cached_tokens=sum(self.cached_tokens.values()))
         return Usage(
-            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=details,
         )
+
+    def _token_ids(self, ids: list[int]) -> list[int] | msgspec.UnsetType:
+        return list(ids) if self.prepared.return_token_ids else msgspec.UNSET
+
+    def _prompt_ids(self, choice_index: int) -> list[int] | msgspec.UnsetType:
+        if not self.prepared.return_token_ids:
+            return msgspec.UNSET
+        return self.prompt_token_ids.get(choice_index // self.prepared.n, [])
 
     # ------------------------------------------------------------ one-shot bodies
 
@@ -103,6 +128,9 @@ class ResponseBuilder:
                             text=c.text,
                             logprobs=self._completion_logprobs(c.logprobs, 0),
                             finish_reason=c.finish_reason,
+                            stop_reason=c.stop_reason,
+                            prompt_token_ids=self._prompt_ids(c.index),
+                            token_ids=self._token_ids(c.token_ids),
                         )
                         for c in self.choices
                     ],
@@ -120,10 +148,13 @@ class ResponseBuilder:
                         message=ChatMessageOut(role="assistant", content=c.text),
                         logprobs=self._chat_logprobs(c.logprobs),
                         finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
+                        token_ids=self._token_ids(c.token_ids),
                     )
                     for c in self.choices
                 ],
                 usage=self.usage(),
+                prompt_token_ids=self._prompt_ids(0),
             )
         )
 
@@ -152,27 +183,30 @@ class ResponseBuilder:
         events = []
         for choice, offset, delta in self.absorb(prompt_index, out):
             entries = delta.logprobs or []
+            # The prompt's ids go with each choice's first chunk (return_token_ids)
+            first = choice.num_tokens == len(delta.token_ids)
+            prompt_ids = self._prompt_ids(choice.index) if first else msgspec.UNSET
             if self.prepared.kind == "completion":
                 chunk_choice = CompletionChoice(
                     index=choice.index,
                     text=delta.text,
                     logprobs=self._completion_logprobs(entries, offset),
                     finish_reason=delta.finish_reason,
+                    stop_reason=delta.stop_reason,
+                    prompt_token_ids=prompt_ids,
+                    token_ids=self._token_ids(delta.token_ids),
                 )
                 events.append(self._completion_chunk([chunk_choice]))
             else:
-                events.append(
-                    self._chat_chunk(
-                        [
-                            ChatChunkChoice(
-                                index=choice.index,
-                                delta=ChatDelta(content=delta.text) if delta.text else ChatDelta(),
-                                logprobs=self._chat_logprobs(entries),
-                                finish_reason=delta.finish_reason,
-                            )
-                        ]
-                    )
+                chat_choice = ChatChunkChoice(
+                    index=choice.index,
+                    delta=ChatDelta(content=delta.text) if delta.text else ChatDelta(),
+                    logprobs=self._chat_logprobs(entries),
+                    finish_reason=delta.finish_reason,
+                    stop_reason=delta.stop_reason,
+                    token_ids=self._token_ids(delta.token_ids),
                 )
+                events.append(self._chat_chunk([chat_choice], prompt_token_ids=prompt_ids))
         return events
 
     def usage_event(self) -> bytes:
@@ -181,7 +215,7 @@ class ResponseBuilder:
         return self._chat_chunk([], usage=self.usage())
 
     def _completion_chunk(
-        self, choices: list[CompletionChoice], usage: Usage | None = None
+        self, choices: list[CompletionChoice], usage: Usage | msgspec.UnsetType = msgspec.UNSET
     ) -> bytes:
         p = self.prepared
         chunk = CompletionChunk(
@@ -189,10 +223,20 @@ class ResponseBuilder:
         )
         return sse_event(encode(chunk))
 
-    def _chat_chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> bytes:
+    def _chat_chunk(
+        self,
+        choices: list[ChatChunkChoice],
+        usage: Usage | msgspec.UnsetType = msgspec.UNSET,
+        prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET,
+    ) -> bytes:
         p = self.prepared
         chunk = ChatCompletionChunk(
-            id=p.request_id, created=p.created, model=p.model, choices=choices, usage=usage
+            id=p.request_id,
+            created=p.created,
+            model=p.model,
+            choices=choices,
+            usage=usage,
+            prompt_token_ids=prompt_token_ids,
         )
         return sse_event(encode(chunk))
 
@@ -244,7 +288,9 @@ def _apply(choice: ChoiceState, delta: CompletionOutput) -> None:
     choice.text_parts.append(delta.text)
     choice.text_length += len(delta.text)
     choice.num_tokens += len(delta.token_ids)
+    choice.token_ids.extend(delta.token_ids)
     if delta.logprobs:
         choice.logprobs.extend(delta.logprobs)
     if delta.finish_reason is not None:
         choice.finish_reason = delta.finish_reason
+        choice.stop_reason = delta.stop_reason

@@ -39,9 +39,10 @@ ENTRY_BYTES = 32  # the fixed fields of one NewRequest, NewSeq or PlannedChunk
 
 
 class Request:
-    __slots__ = ("announcement_bytes", "arrival", "epoch", "key", "known_to_workers",
-                 "num_preemptions", "params", "prompt_token_ids", "request_id", "samples",
-                 "seed", "worker_params")  # fmt: skip
+    __slots__ = ("announcement_bytes", "arrival", "epoch", "first_reported", "first_scheduled",
+                 "key", "known_to_workers", "num_cached_tokens", "num_preemptions", "params",
+                 "prompt_token_ids", "request_id", "samples", "seed",
+                 "worker_params")  # fmt: skip
 
     def __init__(
         self,
@@ -61,6 +62,10 @@ class Request:
         self.arrival = arrival
         self.key = key  # names the request to the workers
         self.num_preemptions = 0
+        # Taken when its first chunk is planned, reported with its first token (FirstScheduled).
+        self.first_scheduled: float | None = None
+        self.num_cached_tokens = 0  # prompt tokens whose KV came from the cache or a sibling
+        self.first_reported = False
         self.samples: dict[int, SequenceState] = {}  # unfinished samples by index
         # Stop strings are matched by the detokenizer: the workers never get them.
         self.worker_params = msgspec.structs.replace(params, stop=[])

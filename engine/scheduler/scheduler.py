@@ -16,6 +16,7 @@ from typing import NamedTuple
 from engine.kv.block_manager import BlockManager
 from engine.messages.failures import RequestFailed
 from engine.messages.scheduling import (
+    FirstScheduled,
     RequestStatus,
     SampleDelta,
     SchedulerStats,
@@ -195,6 +196,9 @@ class Scheduler:
         sampled: set[int] = set()
         for chunk in chunks:
             seq = chunk.seq
+            if seq.request.first_scheduled is None:
+                seq.request.first_scheduled = self.clock()
+                seq.request.num_cached_tokens = chunk.start  # what admission found computed
             if seq.needs_announce:
                 if not seq.request.known_to_workers:
                     new_requests.append(seq.request.announcement())
@@ -279,11 +283,23 @@ class Scheduler:
                     [result.token_ids[position]],
                     [logprobs[position]] if wants_logprobs and logprobs is not None else None,
                     reason,
+                    self._first_report(seq.request),
                 )
             )
             if reason is not None:
                 self._retire(seq)
         return TokenBatch(items)
+
+    def _first_report(self, request: Request) -> FirstScheduled | None:
+        if request.first_reported or request.first_scheduled is None:
+            return None
+        request.first_reported = True
+        now = self.clock()
+        return FirstScheduled(
+            request.num_cached_tokens,
+            request.first_scheduled - request.arrival,
+            now - request.first_scheduled,
+        )
 
     def take_outputs(self) -> TokenBatch | None:
         """Finishes decided outside a step (by `add`), if any; `update` includes them too."""

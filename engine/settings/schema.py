@@ -18,6 +18,7 @@ BYTES_UNIT = {"unit": "bytes"}
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]
 Device = Literal["auto", "cpu", "cuda"]
 KernelBackendName = Literal["auto", "torch", "triton"]
+KvCacheDtype = Literal["auto"]
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 
 
@@ -31,9 +32,37 @@ class ModelSettings(_Section, frozen=True):
         Meta(description="checkpoint directory (HF layout); unset = the built-in demo model"),
     ] = None
     served_name: Annotated[
+        tuple[str, ...],
+        Meta(
+            description="model names clients may send (the first is shown); unset = the "
+            "--model value as given"
+        ),
+    ] = ()
+    chat_template: Annotated[
         str | None,
-        Meta(description="model name clients send and see; unset = derived from the path"),
+        Meta(
+            description="chat template for requests that bring none: a file path or the "
+            "template itself; unset = the model's"
+        ),
     ] = None
+    generation_config: Annotated[
+        str,
+        Meta(
+            min_length=1,
+            description="sampling defaults: auto = the model's generation_config.json, vllm = "
+            "none, or a directory holding a generation_config.json; request fields win",
+        ),
+    ] = "auto"
+    max_logprobs: Annotated[
+        int, Meta(ge=0, le=20, description="most logprobs / top_logprobs a request may ask for")
+    ] = 20
+    enforce_eager: Annotated[
+        bool,
+        Meta(
+            description="accepted for vLLM compatibility; no effect: the engine captures no "
+            "CUDA graphs (nor anything on CPU)"
+        ),
+    ] = False
     dtype: Annotated[
         Dtype, Meta(description="weight/activation dtype; auto = checkpoint's (float32 on CPU)")
     ] = "auto"
@@ -97,6 +126,10 @@ class CacheSettings(_Section, frozen=True):
     enable_prefix_caching: Annotated[
         bool, Meta(description="reuse KV blocks of identical prompt prefixes")
     ] = True
+    kv_cache_dtype: Annotated[
+        KvCacheDtype,
+        Meta(description="KV cache element type; auto = the model's dtype (the only one yet)"),
+    ] = "auto"
 
 
 class SchedulerSettings(_Section, frozen=True):
@@ -243,6 +276,43 @@ class ServerSettings(_Section, frozen=True):
         int,
         Meta(ge=1, description="open HTTP connections; one more is answered 503 and closed"),
     ] = 2048
+    uds: Annotated[
+        str | None,
+        Meta(description="serve HTTP on this Unix socket path instead of host:port"),
+    ] = None
+    root_path: Annotated[
+        str, Meta(description="ASGI root_path, for a server behind a path-based proxy")
+    ] = ""
+    enable_log_requests: Annotated[
+        bool,
+        Meta(description="log one line per request: id, sizes, parameters, outcome, timings"),
+    ] = False
+    max_log_len: (
+        Annotated[
+            int,
+            Meta(ge=0, description="prompt characters a request's log line shows; unset = all"),
+        ]
+        | None
+    ) = None
+    disable_log_stats: Annotated[
+        bool, Meta(description="no throughput / queue / KV cache line every 10 seconds")
+    ] = False
+    allowed_origins: Annotated[
+        tuple[str, ...],
+        Meta(
+            description="CORS: origins browsers may call from (e.g. '[\"*\"]' or "
+            "'https://a.example,https://b.example'); unset = no CORS"
+        ),
+    ] = ()
+    allowed_methods: Annotated[
+        tuple[str, ...], Meta(description="CORS: methods allowed (with allowed_origins)")
+    ] = ("*",)
+    allowed_headers: Annotated[
+        tuple[str, ...], Meta(description="CORS: request headers allowed (with allowed_origins)")
+    ] = ("*",)
+    allow_credentials: Annotated[
+        bool, Meta(description="CORS: allow cookies and credentials (with allowed_origins)")
+    ] = False
 
 
 class AdminSettings(_Section, frozen=True):

@@ -158,6 +158,8 @@ class Detokenizer:
                 text,
                 logprobs,
                 finish_reason,
+                stream.stop_reason,
+                item.first,
             )
         )
         if finish_reason is None:

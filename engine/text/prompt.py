@@ -44,7 +44,7 @@ class PromptBuilder:
             self._check_ids(token_ids)
         elif request.messages is not None:
             messages = [(m.role, m.content) for m in request.messages]
-            token_ids = self._chat_token_ids(messages, request.chat or ChatOptions())
+            token_ids = self.chat_token_ids(messages, request.chat or ChatOptions())
         elif request.prompt is not None:
             token_ids = self.tokenizer.encode(request.prompt)
         else:
@@ -53,7 +53,7 @@ class PromptBuilder:
         check_prompt_length(len(token_ids), max_tokens, self.max_model_len)
         return list(token_ids)
 
-    def _chat_token_ids(self, messages: list[tuple[str, str]], chat: ChatOptions) -> list[int]:
+    def chat_token_ids(self, messages: list[tuple[str, str]], chat: ChatOptions) -> list[int]:
         literals: list[str] = []  # special-token text taken out of contents, by placeholder
 
         def shield(content: str) -> str:
