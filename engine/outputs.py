@@ -39,6 +39,9 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache
     scheduling: FirstScheduled | None = None  # its queue and prefill times, once known
+    # vLLM's prompt_logprobs: None for the first prompt token, then each token's logprob given
+    # those before it, with the top alternatives (when SamplingParams.prompt_logprobs is set).
+    prompt_logprobs: list[Logprob | None] | None = None
 
 
 class EngineError(Exception):
@@ -83,6 +86,7 @@ def snapshot(total: RequestOutput) -> RequestOutput:
         total.finished,
         total.num_cached_tokens,
         total.scheduling,
+        total.prompt_logprobs,
     )
 
 
@@ -98,6 +102,8 @@ def merge_into(total: RequestOutput, later: RequestOutput) -> None:
     """Fold `later` into `total`, as if the reader had taken both: per sample, text and tokens
     appended, the later finish reason kept."""
     total.finished = later.finished
+    if later.prompt_logprobs is not None:
+        total.prompt_logprobs = later.prompt_logprobs
     if later.scheduling is not None:
         total.num_cached_tokens, total.scheduling = later.num_cached_tokens, later.scheduling
     by_index = {output.index: output for output in total.outputs}

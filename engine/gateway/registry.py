@@ -359,6 +359,8 @@ class Gateway:
             )
             if record.first is None:
                 record.first = delta.first
+            if record.prompt_logprobs is None and delta.prompt_logprobs is not None:
+                record.prompt_logprobs = [None, *delta.prompt_logprobs]
         if not outputs:
             return
         if record.first_token_at is None:

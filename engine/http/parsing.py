@@ -46,6 +46,9 @@ class PreparedRequest:
     return_token_ids: bool = False
     # The client's id (X-Request-Id or the body's request_id): the engine request's id
     client_request_id: str | None = None
+    echo: bool = False  # completions: the prompt (and its logprobs) before the completion
+    echo_only: bool = False  # max_tokens 0 with echo: the prompt alone, nothing generated
+    want_prompt_logprobs: bool = False  # vLLM's prompt_logprobs field in the response
 
     @property
     def n(self) -> int:
@@ -67,18 +70,28 @@ class PreparedRequest:
 def parse_completion(body: bytes, served_model: str | Sequence[str]) -> PreparedRequest:
     req = decode_request(_COMPLETION_DECODER, body)
     model = _check_model(req.model, served_model)
-    _refuse_unsupported(req)
     prompts = _prompts_of(req.prompt)
-    if req.echo:
-        raise ApiError(400, "'echo' is not supported", param="echo")
+    if req.max_tokens == 0 and not req.echo:
+        raise ApiError(
+            400,
+            "'max_tokens' must be >= 1 (0 only scores the prompt, with 'echo': true)",
+            param="max_tokens",
+        )
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
         raise ApiError(
             400,
             f"'logprobs' must be an integer in [0, {MAX_TOP_LOGPROBS}], got {req.logprobs}",
             param="logprobs",
         )
+    # max_tokens 0 with echo (scoring, as lm-eval's loglikelihood asks): one token is
+    # generated, since a request ends with a sampled token, and left out of the response.
+    echo_only = req.echo and req.max_tokens == 0
     max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-    params = _sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs)
+    params = _sampling_params(req, max_tokens=1 if echo_only else max_tokens, logprobs=req.logprobs)
+    # Echoed logprobs cover the prompt's tokens too: ask for theirs with as many alternatives.
+    echoed = req.logprobs if req.echo else None
+    asked = [k for k in (req.prompt_logprobs, echoed) if k is not None]
+    params.prompt_logprobs = max(asked) if asked else None
     _validate(params, renames={})
     return PreparedRequest(
         kind="completion",
@@ -93,13 +106,15 @@ def parse_completion(body: bytes, served_model: str | Sequence[str]) -> Prepared
         want_logprobs=req.logprobs is not None,
         return_token_ids=req.return_token_ids,
         client_request_id=req.request_id,
+        echo=req.echo,
+        echo_only=echo_only,
+        want_prompt_logprobs=req.prompt_logprobs is not None,
     )
 
 
 def parse_chat(body: bytes, served_model: str | Sequence[str]) -> PreparedRequest:
     req = decode_request(_CHAT_DECODER, body)
     model = _check_model(req.model, served_model)
-    _refuse_unsupported(req)
     messages = [_message_dict(i, m) for i, m in enumerate(req.messages)]
     if not messages:
         raise ApiError(400, "'messages' must hold at least one message", param="messages")
@@ -118,6 +133,7 @@ def parse_chat(body: bytes, served_model: str | Sequence[str]) -> PreparedReques
         max_tokens, length_field = req.max_tokens, "max_tokens"
     logprobs = (top or 0) if req.logprobs else None
     params = _sampling_params(req, max_tokens=max_tokens, logprobs=logprobs)
+    params.prompt_logprobs = req.prompt_logprobs
     _validate(
         params, renames={"max_tokens": length_field or "max_tokens", "logprobs": "top_logprobs"}
     )
@@ -134,6 +150,7 @@ def parse_chat(body: bytes, served_model: str | Sequence[str]) -> PreparedReques
         want_logprobs=req.logprobs,
         return_token_ids=req.return_token_ids,
         client_request_id=req.request_id,
+        want_prompt_logprobs=req.prompt_logprobs is not None,
     )
 
 
@@ -148,11 +165,6 @@ def _check_model(requested: str | None, served: str | Sequence[str]) -> str:
     raise ApiError(
         404, f"model '{requested}' does not exist; this server serves {listed}", param="model"
     )
-
-
-def _refuse_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
-    if req.prompt_logprobs is not None:
-        raise ApiError(400, "'prompt_logprobs' is not supported", param="prompt_logprobs")
 
 
 def _prompts_of(prompt: str | list[str | int | list[int]]) -> list[Prompt]:

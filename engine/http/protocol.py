@@ -63,7 +63,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     # vLLM: return the prompt's and each choice's token ids; the request's id (or X-Request-Id)
     return_token_ids: bool = False
     request_id: str | None = None
-    prompt_logprobs: int | None = None  # not supported: refused by name when given
+    prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' logprobs, this many top
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -98,9 +98,20 @@ class Usage(msgspec.Struct, kw_only=True):
 
 class CompletionLogprobs(msgspec.Struct, kw_only=True):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None: an echoed prompt's first token (nothing before it)
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+
+class PromptLogprob(msgspec.Struct, kw_only=True):
+    """vLLM's shape of one entry of `prompt_logprobs` (keyed by the token id, as a string)."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str
+
+
+PromptLogprobsOut = list[dict[str, PromptLogprob] | None]
 
 
 class CompletionChoice(msgspec.Struct, kw_only=True):
@@ -112,6 +123,7 @@ class CompletionChoice(msgspec.Struct, kw_only=True):
     # return_token_ids only (UNSET fields are left out of the JSON)
     prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
     token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
+    prompt_logprobs: PromptLogprobsOut | msgspec.UnsetType = msgspec.UNSET  # when asked for
 
 
 class CompletionResponse(msgspec.Struct, kw_only=True):
@@ -162,6 +174,7 @@ class ChatCompletionResponse(msgspec.Struct, kw_only=True):
     usage: Usage
     object: str = "chat.completion"
     prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET  # return_token_ids only
+    prompt_logprobs: PromptLogprobsOut | msgspec.UnsetType = msgspec.UNSET  # when asked for
 
 
 class ChatDelta(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from engine.http.echo import EchoedPrompt, vllm_prompt_logprobs
 from engine.http.parsing import PreparedRequest
 from engine.http.protocol import (
     ChatChoice,
@@ -25,6 +26,7 @@ from engine.http.protocol import (
     CompletionChunk,
     CompletionLogprobs,
     CompletionResponse,
+    PromptLogprobsOut,
     PromptTokensDetails,
     TopLogprob,
     Usage,
@@ -64,6 +66,9 @@ class ResponseBuilder:
         self.prompt_tokens: dict[int, int] = {}
         self.prompt_token_ids: dict[int, list[int]] = {}  # return_token_ids only
         self.cached_tokens: dict[int, int] = {}  # per prompt, once the scheduler reported it
+        self.echoed: dict[int, EchoedPrompt] = {}  # per prompt, with echo (set by the run)
+        self.prompt_logprobs: dict[int, list[Logprob | None]] = {}  # per prompt, when asked
+        self._echo_sent: set[int] = set()  # choices whose stream has had its echo
 
     @property
     def choices(self) -> list[ChoiceState]:
@@ -82,8 +87,13 @@ class ResponseBuilder:
             self.prompt_token_ids[prompt_index] = out.prompt_token_ids
         if out.num_cached_tokens is not None:
             self.cached_tokens[prompt_index] = out.num_cached_tokens
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs[prompt_index] = out.prompt_logprobs
         advanced = []
         for delta in out.outputs:
+            if self.prepared.echo_only:  # the token generated to end the request is not shown
+                finish = None if delta.finish_reason is None else "length"
+                delta = CompletionOutput(delta.index, "", [], finish)
             key = prompt_index * self.prepared.n + delta.index
             choice = self._choices.get(key) or self._choices.setdefault(key, ChoiceState(key))
             offset = choice.text_length
@@ -125,12 +135,15 @@ class ResponseBuilder:
                     choices=[
                         CompletionChoice(
                             index=c.index,
-                            text=c.text,
-                            logprobs=self._completion_logprobs(c.logprobs, 0),
+                            text=self._echo_text(c.index) + c.text,
+                            logprobs=self._completion_logprobs(
+                                [*self._echo_logprobs(c.index), *c.logprobs], 0, c.index
+                            ),
                             finish_reason=c.finish_reason,
                             stop_reason=c.stop_reason,
                             prompt_token_ids=self._prompt_ids(c.index),
                             token_ids=self._token_ids(c.token_ids),
+                            prompt_logprobs=self._vllm_prompt_logprobs(c.index),
                         )
                         for c in self.choices
                     ],
@@ -155,6 +168,7 @@ class ResponseBuilder:
                 ],
                 usage=self.usage(),
                 prompt_token_ids=self._prompt_ids(0),
+                prompt_logprobs=self._vllm_prompt_logprobs(0),
             )
         )
 
@@ -187,14 +201,24 @@ class ResponseBuilder:
             first = choice.num_tokens == len(delta.token_ids)
             prompt_ids = self._prompt_ids(choice.index) if first else msgspec.UNSET
             if self.prepared.kind == "completion":
+                echo = choice.index not in self._echo_sent  # the prompt goes first, once
+                self._echo_sent.add(choice.index)
+                shown: list[Logprob | None] = [*entries]
+                if echo:
+                    shown = [*self._echo_logprobs(choice.index), *entries]
+                else:
+                    offset += len(self._echo_text(choice.index))
                 chunk_choice = CompletionChoice(
                     index=choice.index,
-                    text=delta.text,
-                    logprobs=self._completion_logprobs(entries, offset),
+                    text=(self._echo_text(choice.index) if echo else "") + delta.text,
+                    logprobs=self._completion_logprobs(shown, offset, choice.index),
                     finish_reason=delta.finish_reason,
                     stop_reason=delta.stop_reason,
                     prompt_token_ids=prompt_ids,
                     token_ids=self._token_ids(delta.token_ids),
+                    prompt_logprobs=self._vllm_prompt_logprobs(choice.index)
+                    if echo
+                    else msgspec.UNSET,
                 )
                 events.append(self._completion_chunk([chunk_choice]))
             else:
@@ -240,16 +264,45 @@ class ResponseBuilder:
         )
         return sse_event(encode(chunk))
 
+    # ------------------------------------------------------------ echo (completions)
+
+    def _echo_text(self, choice_index: int) -> str:
+        echoed = self.echoed.get(choice_index // self.prepared.n)
+        return "" if echoed is None else echoed.text
+
+    def _echo_logprobs(self, choice_index: int) -> list[Logprob | None]:
+        """An echoed prompt's tokens' logprobs (None for the first), when logprobs are asked."""
+        if not (self.prepared.echo and self.prepared.want_logprobs):
+            return []
+        return self.prompt_logprobs.get(choice_index // self.prepared.n, [])
+
+    def _vllm_prompt_logprobs(self, choice_index: int) -> PromptLogprobsOut | msgspec.UnsetType:
+        if not self.prepared.want_prompt_logprobs:
+            return msgspec.UNSET
+        return vllm_prompt_logprobs(self.prompt_logprobs.get(choice_index // self.prepared.n, []))
+
     # ------------------------------------------------------------ logprobs shapes
 
     def _completion_logprobs(
-        self, entries: list[Logprob], text_offset: int
+        self, entries: list[Logprob | None], text_offset: int, choice_index: int
     ) -> CompletionLogprobs | None:
         if not self.prepared.want_logprobs:
             return None
-        tokens, token_logprobs, tops, offsets = [], [], [], []
+        tokens: list[str] = []
+        token_logprobs: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        offsets: list[int] = []
         offset = text_offset
         for entry in entries:
+            if entry is None:  # an echoed prompt's first token: nothing before it to score it
+                echoed = self.echoed.get(choice_index // self.prepared.n)
+                token = "" if echoed is None else echoed.first_token
+                tokens.append(token)
+                token_logprobs.append(None)
+                tops.append(None)
+                offsets.append(offset)
+                offset += len(token)
+                continue
             token = entry.token
             tokens.append(token)
             token_logprobs.append(entry.logprob)

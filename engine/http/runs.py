@@ -102,6 +102,12 @@ class RequestRun:
             if isinstance(failure, StopAsyncIteration):
                 raise ApiError(500, "the engine ended the request without any output")
             raise failure
+        if p.echo:
+            for i, first in firsts:
+                prompt = p.prompts[i]
+                text = prompt if isinstance(prompt, str) else None
+                echoed = await self.state.tokens.echo(text, first.prompt_token_ids)
+                self.builder.echoed[i] = echoed
         return firsts
 
     # ------------------------------------------------------------ relaying

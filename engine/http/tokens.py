@@ -13,6 +13,7 @@ from typing import Any
 import msgspec
 
 from engine.http.decoding import decode_request
+from engine.http.echo import EchoedPrompt
 from engine.http.errors import ApiError
 from engine.http.parsing import chat_message_dicts
 from engine.http.protocol import ChatMessageIn, TokenId, encode
@@ -112,6 +113,15 @@ class Tokens:
                 count=len(ids), max_model_len=self._max_model_len, tokens=ids, token_strs=strs
             )
         )
+
+    async def echo(self, prompt: str | None, token_ids: list[int]) -> EchoedPrompt:
+        """The text an echoed prompt shows (the client's own when it sent text) and its first
+        token's."""
+        builder = await self._prompt_builder()
+        decode = builder.tokenizer.decode
+        text = prompt if prompt is not None else await asyncio.to_thread(decode, token_ids)
+        first = decode(token_ids[:1], skip_special_tokens=False) if token_ids else ""
+        return EchoedPrompt(text, first)
 
     async def detokenize(self, body: bytes) -> bytes:
         req = decode_request(_DETOKENIZE, body)

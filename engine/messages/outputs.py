@@ -35,6 +35,8 @@ class SampleDeltaText(msgspec.Struct, array_like=True):
     # What ended a "stop": the stop string matched or the stop token id; None for EOS or length.
     stop_reason: str | int | None = None
     first: FirstScheduled | None = None  # passed on from the scheduler's SampleDelta
+    # Logprobs of prompt tokens 1.., once per epoch when asked for (the scheduler's, named).
+    prompt_logprobs: list[SampleLogprobs] | None = None
 
 
 class PromptInfo(msgspec.Struct, array_like=True):

@@ -24,6 +24,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs to return per token; 0 = sampled only
+    # Logprobs of the prompt's tokens (each given those before it), with this many top ones.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
 
     def validate(self) -> None:
@@ -68,6 +70,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             self.logprobs is None or 0 <= self.logprobs <= 20,
             "logprobs",
             self.logprobs,
+            "an integer in [0, 20]",
+        )
+        _check(
+            self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+            "prompt_logprobs",
+            self.prompt_logprobs,
             "an integer in [0, 20]",
         )
 

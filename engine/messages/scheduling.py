@@ -81,6 +81,8 @@ class SampleDelta(msgspec.Struct, array_like=True):
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked
     finish_reason: str | None = None
     first: FirstScheduled | None = None  # on the request's first token of this epoch
+    # With the same first token, when the request asked for them: prompt tokens 1.. logprobs.
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class TokenBatch(msgspec.Struct, tag=True, array_like=True):

@@ -132,6 +132,8 @@ class Scheduler:
             self.planner.enqueue(seq)
         if not request.samples:
             del self._requests[request.request_id]
+        elif submit.params.prompt_logprobs is not None and not any(d for _, d in starts):
+            request.prompt_scores = {}  # none were delivered yet: compute them
         return None
 
     def abort(self, request_ids: Iterable[str]) -> None:
@@ -262,6 +264,10 @@ class Scheduler:
                 self.kv.commit(
                     seq.block_table, seq.hash_chain, seq.token_ids, seq.num_computed_tokens
                 )
+        for scores in result.prompt_logprobs or []:
+            scored = self._seqs.get(scores.seq_id)
+            if scored is not None:
+                scored.request.add_prompt_scores(scores)
         logprobs = result.logprobs
         if logprobs is not None and len(logprobs) != len(result.seq_ids):
             log.warning("step %d: %d logprobs for %d tokens; dropping them",
@@ -284,6 +290,7 @@ class Scheduler:
                     [logprobs[position]] if wants_logprobs and logprobs is not None else None,
                     reason,
                     self._first_report(seq.request),
+                    seq.request.take_prompt_scores(),
                 )
             )
             if reason is not None:

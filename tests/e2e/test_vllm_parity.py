@@ -196,9 +196,67 @@ def test_return_token_ids_in_streams_and_chat(parity: Server, client: openai.Ope
     assert "token_ids" not in plain.choices[0].model_extra
 
 
-def test_unsupported_fields_are_refused_by_name(parity: Server) -> None:
+def test_echo_scores_the_prompt_as_transformers_does(parity: Server, client: openai.OpenAI) -> None:
+    """lm-eval-harness's loglikelihood request: echo, logprobs and max_tokens 0."""
+    import torch
+
+    from tests.checkpoints import tiny_checkpoint
+    from tests.hf_reference import hf_logits
+
+    prompt = "the cat sat on the mat and looked at the dog"
+    scored = client.completions.create(
+        model=NAMES[0], prompt=prompt, echo=True, logprobs=2, max_tokens=0
+    )
+    choice = scored.choices[0]
+    assert choice.text == prompt and scored.usage is not None
+    assert scored.usage.completion_tokens == 0 and choice.finish_reason == "length"
+    logprobs = choice.logprobs
+    assert logprobs is not None and logprobs.token_logprobs is not None
+    assert len(logprobs.token_logprobs) == scored.usage.prompt_tokens
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs is not None
     with parity.http() as http:
-        for field, value in (("prompt_logprobs", 1), ("echo", True), ("logprobs", 6)):
+        ids = http.post("/tokenize", json={"prompt": prompt}).json()["tokens"]
+    reference = torch.log_softmax(hf_logits(tiny_checkpoint(), ids), dim=-1)
+    for position in range(1, len(ids)):
+        expected = float(reference[position - 1, ids[position]])
+        assert abs(logprobs.token_logprobs[position] - expected) < 1e-4
+        assert len(logprobs.top_logprobs[position]) >= 2
+
+
+def test_echo_puts_the_prompt_before_the_completion_whole_and_streamed(
+    client: openai.OpenAI,
+) -> None:
+    prompt = "once upon a time"
+    whole = client.completions.create(
+        model=NAMES[0], prompt=prompt, echo=True, logprobs=1, max_tokens=4, temperature=0
+    )
+    choice = whole.choices[0]
+    assert whole.usage is not None and whole.usage.completion_tokens == 4
+    assert choice.text.startswith(prompt) and len(choice.text) > len(prompt)
+    assert choice.logprobs is not None and choice.logprobs.token_logprobs is not None
+    assert len(choice.logprobs.token_logprobs) == whole.usage.prompt_tokens + 4
+    streamed = client.completions.create(
+        model=NAMES[0], prompt=prompt, echo=True, max_tokens=4, temperature=0, stream=True
+    )
+    texts = [c.choices[0].text for c in streamed if c.choices]
+    assert texts[0].startswith(prompt) and "".join(texts) == choice.text
+
+
+def test_prompt_logprobs_in_vllms_shape(parity: Server) -> None:
+    body = {"model": NAMES[0], "prompt": "a b c d e", "max_tokens": 1, "prompt_logprobs": 2}
+    with parity.http() as http:
+        choice = http.post("/v1/completions", json=body).json()["choices"][0]
+        prompt = http.post("/tokenize", json={"prompt": "a b c d e"}).json()["tokens"]
+    scores = choice["prompt_logprobs"]
+    assert len(scores) == len(prompt) and scores[0] is None
+    for token_id, entry in zip(prompt[1:], scores[1:], strict=True):
+        assert str(token_id) in entry and len(entry) in (2, 3)  # the token, and the top 2
+        assert sorted(e["rank"] for e in entry.values() if e["rank"] is not None) == [1, 2]
+
+
+def test_out_of_range_scoring_fields_are_refused_by_name(parity: Server) -> None:
+    with parity.http() as http:
+        for field, value in (("max_tokens", 0), ("prompt_logprobs", 21), ("logprobs", 6)):
             body = {"prompt": "x", "max_tokens": 1, field: value}
             resp = http.post("/v1/completions", json=body)
             assert resp.status_code == 400, (field, resp.text)
