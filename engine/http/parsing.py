@@ -6,6 +6,7 @@ input contract is testable without a server.
 
 from __future__ import annotations
 
+import json
 import secrets
 import time
 from dataclasses import dataclass
@@ -15,10 +16,12 @@ import msgspec
 
 from engine.http.decoding import decode_request
 from engine.http.errors import ApiError
+from engine.http.output_controls import output_controls, refuse_unimplemented
 from engine.http.protocol import ChatCompletionRequest, ChatMessageIn, CompletionRequest
+from engine.http.tool_calls import ToolPlan, plan_tools, template_tools
 from engine.messages.params import SamplingParams
 
-CHAT_ROLES = ("system", "user", "assistant", "developer")
+CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
 MAX_TOP_LOGPROBS = 20
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -42,6 +45,8 @@ class PreparedRequest:
     stream: bool
     include_usage: bool
     want_logprobs: bool
+    tool_plan: ToolPlan | None = None  # chat: how the answer becomes tool calls
+    chat_template_kwargs: dict[str, Any] | None = None  # chat: variables for the template
 
     @property
     def n(self) -> int:
@@ -61,6 +66,7 @@ class PreparedRequest:
 
 def parse_completion(body: bytes, served_model: str) -> PreparedRequest:
     req = decode_request(_COMPLETION_DECODER, body)
+    refuse_unimplemented(body)
     model = _check_model(req.model, served_model)
     prompts = _prompts_of(req.prompt)
     if req.echo:
@@ -73,6 +79,7 @@ def parse_completion(body: bytes, served_model: str) -> PreparedRequest:
         )
     max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     params = _sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs)
+    params = msgspec.structs.replace(params, **output_controls(req))
     _validate(params, renames={})
     return PreparedRequest(
         kind="completion",
@@ -90,6 +97,7 @@ def parse_completion(body: bytes, served_model: str) -> PreparedRequest:
 
 def parse_chat(body: bytes, served_model: str) -> PreparedRequest:
     req = decode_request(_CHAT_DECODER, body)
+    refuse_unimplemented(body)
     model = _check_model(req.model, served_model)
     messages = [_message_dict(i, m) for i, m in enumerate(req.messages)]
     if not messages:
@@ -109,9 +117,15 @@ def parse_chat(body: bytes, served_model: str) -> PreparedRequest:
         max_tokens, length_field = req.max_tokens, "max_tokens"
     logprobs = (top or 0) if req.logprobs else None
     params = _sampling_params(req, max_tokens=max_tokens, logprobs=logprobs)
+    tool_plan, tool_constraint = plan_tools(req, parser=None)  # the parser: the server's
+    params = msgspec.structs.replace(params, **output_controls(req, tool_constraint))
     _validate(
         params, renames={"max_tokens": length_field or "max_tokens", "logprobs": "top_logprobs"}
     )
+    template_kwargs = dict(req.chat_template_kwargs or {})
+    tools = template_tools(req)
+    if tools is not None:
+        template_kwargs["tools"] = tools
     return PreparedRequest(
         kind="chat",
         request_id="chatcmpl-" + secrets.token_hex(12),
@@ -123,6 +137,8 @@ def parse_chat(body: bytes, served_model: str) -> PreparedRequest:
         stream=req.stream,
         include_usage=_include_usage(req),
         want_logprobs=req.logprobs,
+        tool_plan=tool_plan,
+        chat_template_kwargs=template_kwargs or None,
     )
 
 
@@ -173,7 +189,7 @@ def _message_dict(index: int, message: ChatMessageIn) -> dict[str, Any]:
     role = "system" if message.role == "developer" else message.role
     content = message.content
     if content is None:
-        if role != "assistant":
+        if role != "assistant" and role != "tool":
             raise ApiError(400, f"'{where}.content' is required", param=f"{where}.content")
         text = ""
     elif isinstance(content, str):
@@ -190,7 +206,31 @@ def _message_dict(index: int, message: ChatMessageIn) -> dict[str, Any]:
                 )
             texts.append(part.text)
         text = "\n".join(texts)
-    return {"role": role, "content": text}
+    out: dict[str, Any] = {"role": role, "content": text}
+    out.update(tool_fields(where, message))
+    return out
+
+
+def tool_fields(where: str, message: ChatMessageIn) -> dict[str, Any]:
+    """A message's tool fields as chat templates read them: an assistant's calls (arguments
+    as objects, which templates serialize) and a tool message's call id."""
+    fields: dict[str, Any] = {}
+    if message.tool_calls:
+        calls = []
+        for j, call in enumerate(message.tool_calls):
+            try:
+                arguments = json.loads(call.function.arguments)
+            except json.JSONDecodeError:
+                field = f"{where}.tool_calls[{j}].function.arguments"
+                raise ApiError(400, f"'{field}' must be a JSON text", param=field) from None
+            function = {"name": call.function.name, "arguments": arguments}
+            calls.append({"id": call.id, "type": call.type, "function": function})
+        fields["tool_calls"] = calls
+    if message.tool_call_id is not None:
+        fields["tool_call_id"] = message.tool_call_id
+    if message.name is not None and message.role == "tool":
+        fields["name"] = message.name
+    return fields
 
 
 def _include_usage(req: CompletionRequest | ChatCompletionRequest) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.http.chat_output import ChatAnswer, tool_calls_out
 from engine.http.parsing import PreparedRequest
 from engine.http.protocol import (
     ChatChoice,
@@ -51,8 +52,19 @@ class ChoiceState:
 
 
 class ResponseBuilder:
-    def __init__(self, prepared: PreparedRequest) -> None:
+    def __init__(
+        self,
+        prepared: PreparedRequest,
+        tool_call_parser: str | None = None,
+        reasoning_parser: str | None = None,
+    ) -> None:
         self.prepared = prepared
+        if prepared.tool_plan is not None and prepared.tool_plan.mode == "auto":
+            prepared.tool_plan.parser = tool_call_parser
+            if tool_call_parser is None:  # nothing reads calls: the answer is plain content
+                prepared.tool_plan = None
+        self._reasoning = reasoning_parser is not None
+        self._answers: dict[int, ChatAnswer] = {}  # chat: each choice's answer, shaped
         # Made as outputs arrive, not up front: n x prompts is only known to be within the
         # limits once the engine has admitted the request.
         self._choices: dict[int, ChoiceState] = {}
@@ -114,15 +126,7 @@ class ResponseBuilder:
                 id=p.request_id,
                 created=p.created,
                 model=p.model,
-                choices=[
-                    ChatChoice(
-                        index=c.index,
-                        message=ChatMessageOut(role="assistant", content=c.text),
-                        logprobs=self._chat_logprobs(c.logprobs),
-                        finish_reason=c.finish_reason,
-                    )
-                    for c in self.choices
-                ],
+                choices=[self._chat_choice(c) for c in self.choices],
                 usage=self.usage(),
             )
         )
@@ -161,19 +165,47 @@ class ResponseBuilder:
                 )
                 events.append(self._completion_chunk([chunk_choice]))
             else:
+                finished = delta.finish_reason is not None
+                shaped, called = self._answer(choice.index).delta(choice.text, finished)
+                finish_reason = "tool_calls" if called else delta.finish_reason
+                if shaped is None and not finished and not entries:
+                    continue  # held back (a tag may be starting, or tool calls are forming)
                 events.append(
                     self._chat_chunk(
                         [
                             ChatChunkChoice(
                                 index=choice.index,
-                                delta=ChatDelta(content=delta.text) if delta.text else ChatDelta(),
+                                delta=shaped or ChatDelta(),
                                 logprobs=self._chat_logprobs(entries),
-                                finish_reason=delta.finish_reason,
+                                finish_reason=finish_reason,
                             )
                         ]
                     )
                 )
         return events
+
+    def _answer(self, index: int) -> ChatAnswer:
+        answer = self._answers.get(index)
+        if answer is None:
+            answer = ChatAnswer(self.prepared.tool_plan, self._reasoning)
+            self._answers[index] = answer
+        return answer
+
+    def _chat_choice(self, c: ChoiceState) -> ChatChoice:
+        content, reasoning, calls = self._answer(c.index).final(c.text)
+        finish_reason = "tool_calls" if calls else c.finish_reason
+        message = ChatMessageOut(
+            role="assistant",
+            content=content,
+            reasoning_content=reasoning,
+            tool_calls=tool_calls_out(calls),
+        )
+        return ChatChoice(
+            index=c.index,
+            message=message,
+            logprobs=self._chat_logprobs(c.logprobs),
+            finish_reason=finish_reason,
+        )
 
     def usage_event(self) -> bytes:
         if self.prepared.kind == "completion":

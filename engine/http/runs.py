@@ -39,7 +39,8 @@ class RequestRun:
         self.state = state
         self.prepared = prepared
         self.endpoint = endpoint
-        self.builder = ResponseBuilder(prepared)
+        server = state.settings.server
+        self.builder = ResponseBuilder(prepared, server.tool_call_parser, server.reasoning_parser)
         self.arrival = time.monotonic()
         self.arrival_wall = time.time()
         self._streams: list[AsyncIterator[RequestOutput]] = []
@@ -62,7 +63,11 @@ class RequestRun:
         p = self.prepared
         for i, prompt in enumerate(p.prompts):
             stream = self.state.llm.stream(
-                prompt, p.params, messages=p.messages, request_id=p.engine_request_id(i)
+                prompt,
+                p.params,
+                messages=p.messages,
+                chat_template_kwargs=p.chat_template_kwargs,
+                request_id=p.engine_request_id(i),
             )
             self._streams.append(aiter(stream))
         results = await asyncio.gather(

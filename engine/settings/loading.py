@@ -57,6 +57,8 @@ FLAG_ALIASES: dict[str, str] = {
     "--max-request-bytes": "server.max_request_bytes",
     "--drain-timeout": "server.drain_timeout",
     "--record-trace": "server.record_trace",
+    "--tool-call-parser": "server.tool_call_parser",
+    "--reasoning-parser": "server.reasoning_parser",
     "--admin-socket": "admin.socket",
     "--log-level": "runtime.log_level",
     "--engine-home": "runtime.engine_home",
