@@ -85,7 +85,7 @@ class GrammarService:
         import llguidance.hf
         from transformers import AutoTokenizer
 
-        hf = AutoTokenizer.from_pretrained(self.model_path)
+        hf: Any = AutoTokenizer.from_pretrained(self.model_path)
         # The model's logits width, not the tokenizer's length: ids past the tokenizer's are
         # never allowed by a grammar, and the bitmask must cover every logit column.
         ll = llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size, eos_token=self.eos_token_ids)

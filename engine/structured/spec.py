@@ -2,15 +2,15 @@
 
 Torch-free and tokenizer-free: the gateway checks every constraint here before any compute, so
 an invalid schema, regex or grammar is a 400 naming the problem, and the worker compiles only
-grammars known to be valid. llguidance's grammar checks import nothing heavy (DESIGN §2: the
-gateway never imports torch), which is why it was chosen over xgrammar (see the report in
-engine/structured/README.md).
+grammars known to be valid. llguidance's grammar checks need neither torch nor a tokenizer
+(DESIGN §2: the gateway never imports torch), which is why it was chosen over xgrammar, whose
+import brings torch and transformers (2.5 s); both compile a JSON schema in 1-3 ms.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, cast
 
 import llguidance
 import msgspec
@@ -56,8 +56,11 @@ def grammar_of(spec: StructuredOutputsParams) -> str:
 
 
 def _json_grammar(schema: dict[str, Any] | bool, field: str) -> str:
+    text = json.dumps(schema)  # a bare `true` / `false` schema too
     try:
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
+        return llguidance.LLMatcher.grammar_from_json_schema(
+            text, defaults=cast(Any, _JSON_OPTIONS)
+        )
     except Exception as exc:  # the schema's structure is refused before any grammar exists
         raise ValueError(f"{field} is not a usable JSON schema: {exc}") from None
 
