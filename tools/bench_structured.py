@@ -46,6 +46,7 @@ def main() -> None:
     parser.add_argument("--schemas", type=int, default=20, help="distinct schemas compiled")
     parser.add_argument("--kv-cache-memory", type=int, default=256 * 2**20, help="bytes")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=5, help="each batch's runs (median)")
     args = parser.parse_args()
 
     from engine import LLM, SamplingParams
@@ -71,18 +72,23 @@ def main() -> None:
         "scheduler__max_num_seqs": args.num_requests,
     }
     with LLM(path, **options) as llm:
-        llm.generate(prompts[:2], [free, constrained(0)])  # warm-up (and the first compiles)
-        figures = {}
+        # Warm-up, and the schemas' first compiles (a worker compiles each schema once).
+        llm.generate(prompts[:8], [constrained(i) for i in range(8)], use_tqdm=False)
+        rates: dict[str, list[float]] = {"unconstrained": [], "half JSON": []}
         outputs = {}
-        for name, params in (("unconstrained", [free] * len(prompts)), ("half JSON", mixed_params)):
-            start = time.perf_counter()
-            results = llm.generate(prompts, params)
-            seconds = time.perf_counter() - start
-            tokens = [r.outputs[0].token_ids for r in results]
-            figures[name] = sum(map(len, tokens)) / seconds
-            outputs[name] = tokens
+        batches = (("unconstrained", [free] * len(prompts)), ("half JSON", mixed_params))
+        for _ in range(args.rounds):  # alternated: a busy machine's drift hits both alike
+            for name, params in batches:
+                start = time.perf_counter()
+                results = llm.generate(prompts, params, use_tqdm=False)
+                seconds = time.perf_counter() - start
+                tokens = [r.outputs[0].token_ids for r in results]
+                rates[name].append(sum(map(len, tokens)) / seconds)
+                outputs[name] = tokens
+    figures = {name: statistics.median(values) for name, values in rates.items()}
     for name, rate in figures.items():
-        print(f"{name:>14}: {rate:8.1f} output tokens/s ({args.num_requests} sequences)")
+        spread = ", ".join(f"{value:.0f}" for value in rates[name])
+        print(f"{name:>14}: {rate:8.1f} output tokens/s, median of {args.rounds} ({spread})")
     cost = 1 - figures["half JSON"] / figures["unconstrained"]
     print(f"{'cost':>14}: {cost * 100:8.1f} % throughput")
     same = all(
@@ -90,7 +96,54 @@ def main() -> None:
         for i in range(0, args.num_requests, 2)
     )
     print(f"unconstrained half unchanged in the mixed batch: {same}")
+    step_ms = args.num_requests / figures["unconstrained"] * 1e3
+    free_ms, mixed_ms = sampler_times(path, vocab, args.num_requests)
+    print(
+        f"{'sampler step':>14}: {free_ms:.2f} ms unconstrained, {mixed_ms:.2f} ms half JSON "
+        f"(+{mixed_ms - free_ms:.2f} ms against an engine step of {step_ms:.1f} ms: "
+        f"{(mixed_ms - free_ms) / step_ms * 100:.1f} %)"
+    )
     print(f"{'compile':>14}: {compile_times(path, vocab, args.schemas)}")
+
+
+def sampler_times(path: str, vocab: int, count: int, steps: int = 64) -> tuple[float, float]:
+    """Milliseconds per Sampler.sample call for `count` rows: none constrained, half constrained
+    (the sampler's share of the cost, free of the machine's noise in whole-engine figures)."""
+    import torch
+
+    from engine.messages.params import SamplingParams, StructuredOutputsParams
+    from engine.model.config import load_model_config
+    from engine.model.sampler import Sampler
+    from engine.model.step_inputs import SequenceStart
+    from engine.structured.grammars import GrammarService
+
+    eos = list(load_model_config(path, None).eos_token_ids)
+    service = GrammarService(path, vocab, eos)
+    generator = torch.Generator().manual_seed(0)
+    logits = [torch.randn(count, vocab, generator=generator) for _ in range(steps)]
+    timings = []
+    for constrained in (False, True):
+        sampler = Sampler(vocab, eos, service)
+        params = []
+        for i in range(count):
+            spec = StructuredOutputsParams(json=schema(i % 4)) if constrained and i % 2 else None
+            params.append(
+                SamplingParams(temperature=0.0, ignore_eos=True, structured_outputs=spec)
+            )
+            sampler.add(SequenceStart(i, [1, 2, 3], [], params[i], 0))
+        sampler.sample(list(range(count)), logits[0])  # the grammars compiled, the first mask
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            for step in logits[1:]:
+                sampler.sample(list(range(count)), step)
+            best = min(best, (time.perf_counter() - start) / (steps - 1) * 1e3)
+            for i in range(count):  # the same steps again from the same start
+                sampler.add(SequenceStart(i, [1, 2, 3], [], params[i], 0))
+            sampler.sample(list(range(count)), logits[0])
+        timings.append(best)
+    service.close()
+    return timings[0], timings[1]
 
 
 def compile_times(path: str, vocab: int, count: int) -> str:
