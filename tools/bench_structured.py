@@ -127,9 +127,7 @@ def sampler_times(path: str, vocab: int, count: int, steps: int = 64) -> tuple[f
         params = []
         for i in range(count):
             spec = StructuredOutputsParams(json=schema(i % 4)) if constrained and i % 2 else None
-            params.append(
-                SamplingParams(temperature=0.0, ignore_eos=True, structured_outputs=spec)
-            )
+            params.append(SamplingParams(temperature=0.0, ignore_eos=True, structured_outputs=spec))
             sampler.add(SequenceStart(i, [1, 2, 3], [], params[i], 0))
         sampler.sample(list(range(count)), logits[0])  # the grammars compiled, the first mask
         best = float("inf")

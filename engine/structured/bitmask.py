@@ -9,6 +9,7 @@ import sys
 import llguidance
 import torch
 
+
 def words_for(vocab_size: int) -> int:
     return -(-vocab_size // 32)
 
