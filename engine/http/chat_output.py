@@ -75,8 +75,8 @@ class ChatAnswer:
                 reasoning, content = _held(stripped[len(THINK_START) :], THINK_END), ""
             elif THINK_START.startswith(stripped):
                 return None, None  # may yet open a <think>
-        if self.plan is not None:
-            content = ""  # may hold tool calls: sent whole once the answer is complete
+        if self.plan is not None:  # what may become tool calls is sent once complete
+            content = self.plan.streamable(content)
         if self._sent_reasoning and reasoning is None:
             return None, None
         return reasoning, content

@@ -19,6 +19,8 @@ from engine.http.protocol import ChatCompletionRequest, NamedToolChoice
 from engine.messages.params import StructuredOutputsParams
 
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+_HERMES_START = "<tool_call>"
+_PYTHON_TAG = "<|python_tag|>"  # Llama 3's opening of a tool call
 
 
 @dataclass
@@ -35,6 +37,19 @@ class ToolPlan:
     mode: str  # "auto", "required" or "named" (tool_choice "none" plans nothing)
     names: list[str]
     parser: str | None = None  # for "auto": the server's --tool-call-parser
+
+    def streamable(self, text: str) -> str:
+        """What of an unfinished answer is surely plain content (the rest may become calls)."""
+        if self.mode != "auto":
+            return ""
+        if self.parser == "hermes":
+            start = text.find(_HERMES_START)
+            return text[:start] if start >= 0 else _held(text, _HERMES_START)
+        if self.parser == "llama3_json":
+            head = text.lstrip()
+            if not head or head.startswith(("{", _PYTHON_TAG)) or _PYTHON_TAG.startswith(head):
+                return ""
+        return text
 
     def read(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(content, calls) of a finished answer."""
@@ -141,12 +156,20 @@ def _hermes(text: str) -> tuple[str | None, list[ToolCall]]:
             return text, []  # not a well-formed call: the text is the answer
     if not calls:
         return text, []
-    content = text[: text.index("<tool_call>")].strip()
+    content = text[: text.index(_HERMES_START)]
     return content or None, calls
 
 
+def _held(text: str, tag: str) -> str:
+    """`text` less any ending that could be the start of `tag`."""
+    for size in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-size:]):
+            return text[:-size]
+    return text
+
+
 def _llama3_json(text: str) -> tuple[str | None, list[ToolCall]]:
-    body = text.strip().removeprefix("<|python_tag|>").strip()
+    body = text.strip().removeprefix(_PYTHON_TAG).strip()
     if not body.startswith("{"):
         return text, []
     calls = []

@@ -140,3 +140,9 @@ def apply_grammars(
         matchers.append(control.matcher.ready(outputs[row]))
     bitmask = fill_bitmask(grammars.executor, matchers, logits.shape[1], grammars.eos_token_ids)
     apply_bitmask(logits, rows, bitmask)
+    for row, matcher in zip(rows, matchers, strict=True):
+        if matcher.is_stopped() and grammars.eos_token_ids:
+            # The text is complete: EOS comes next, even where min_tokens had banned it (the
+            # grammar allows nothing else, and a row of -inf would sample an arbitrary token).
+            logits[row] = -math.inf
+            logits[row, grammars.eos_token_ids[0]] = 0.0

@@ -1,6 +1,6 @@
-"""A constrained request survives a worker crash (issue 15): its matcher is rebuilt on the
-restarted worker from the tokens already delivered, so the completed output equals the
-undisturbed run and still satisfies the constraint."""
+"""A constrained request survives the crash of the worker, scheduler or detokenizer (issue 15):
+its matcher is rebuilt on worker rank 0 from the tokens already delivered, so the completed
+output equals the undisturbed run and still satisfies the constraint."""
 
 from __future__ import annotations
 
@@ -67,32 +67,38 @@ async def run(engine: AsyncLLM, prompt: str, params: SamplingParams, progress: l
     return text
 
 
-async def workload(engine: AsyncLLM, kill_after: int | None) -> list[str]:
+async def workload(engine: AsyncLLM, victim: str | None, kill_after: int = 30) -> list[str]:
     progress = [[0] for _ in range(4)]
     jobs = [run(engine, "Animals:", CONSTRAINED, progress[0])]
     jobs += [run(engine, f"load {i}", LOAD, progress[i]) for i in range(1, 4)]
     runs = asyncio.ensure_future(asyncio.gather(*jobs))
     try:
-        if kill_after is not None:
+        if victim is not None:
             deadline = asyncio.get_running_loop().time() + WAIT_S
             while progress[0][0] < kill_after:
                 assert asyncio.get_running_loop().time() < deadline, "the stream never started"
                 await asyncio.sleep(0.005)
-            worker = next(row for row in engine.actors() if row.name == "worker0")
-            assert worker.pid is not None
-            os.kill(worker.pid, signal.SIGKILL)
+            pid = next(row.pid for row in engine.actors() if row.name == victim)
+            assert pid is not None
+            os.kill(pid, signal.SIGKILL)
         return list(await asyncio.wait_for(runs, WAIT_S))
     finally:
         runs.cancel()
 
 
-async def test_a_constrained_stream_completes_as_if_undisturbed_after_a_worker_kill(
-    engine: AsyncLLM,
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def undisturbed(engine: AsyncLLM) -> list[str]:
+    outputs = await workload(engine, victim=None)
+    assert re.fullmatch(ANIMALS, outputs[0])
+    return outputs
+
+
+@pytest.mark.parametrize("victim", ["worker0", "scheduler", "detokenizer"])
+async def test_a_constrained_stream_completes_as_if_undisturbed_after_a_kill(
+    engine: AsyncLLM, undisturbed: list[str], victim: str
 ) -> None:
-    undisturbed = await workload(engine, kill_after=None)
-    assert re.fullmatch(ANIMALS, undisturbed[0])
-    restarts = next(row.restarts for row in engine.actors() if row.name == "worker0")
-    disturbed = await workload(engine, kill_after=30)
-    assert next(row.restarts for row in engine.actors() if row.name == "worker0") > restarts
+    restarts = next(row.restarts for row in engine.actors() if row.name == victim)
+    disturbed = await workload(engine, victim)
+    assert next(row.restarts for row in engine.actors() if row.name == victim) > restarts
     assert disturbed == undisturbed
     assert re.fullmatch(ANIMALS, disturbed[0])
