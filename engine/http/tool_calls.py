@@ -58,9 +58,10 @@ class ToolPlan:
         if self.mode == "required":
             try:
                 items = json.loads(text)
-            except json.JSONDecodeError:
+                calls = [ToolCall(item["name"], json.dumps(item["parameters"])) for item in items]
+            except (json.JSONDecodeError, KeyError, TypeError):
                 return text, []  # cut short (max_tokens): not a call
-            return None, [ToolCall(item["name"], json.dumps(item["parameters"])) for item in items]
+            return None, calls
         if self.parser == "hermes":
             return _hermes(text)
         if self.parser == "llama3_json":

@@ -73,8 +73,13 @@ def check_structured_outputs(spec: StructuredOutputsParams) -> None:
             "structured_outputs must set exactly one of json, json_object, regex, choice, "
             f"grammar; got {kinds or 'none'}"
         )
-    grammar = grammar_of(spec)
-    error = llguidance.LLMatcher.validate_grammar(grammar)
+    try:
+        grammar = grammar_of(spec)
+        error = llguidance.LLMatcher.validate_grammar(grammar)
+    except ValueError:
+        raise
+    except Exception as exc:  # the library's own refusal of an input it cannot take
+        raise ValueError(f"structured_outputs.{kinds[0]} is invalid: {exc}") from None
     if error:
         raise ValueError(f"structured_outputs.{kinds[0]} is invalid: {error.strip()}")
 

@@ -59,6 +59,7 @@ TOOLS: list[dict[str, Any]] = [
 ]
 CODE = r"[a-z]{3}-[0-9]{2}"
 COLOURS = ["red", "green", "blue"]
+ANSWERS = ("yes", "no", "maybe")
 USER = [{"role": "user", "content": "Tell me something."}]
 
 
@@ -133,6 +134,10 @@ def test_regex_and_choice_are_met_exactly_whole_and_streamed(
     for extra, check in (
         ({"structured_outputs": {"regex": CODE}}, lambda text: re.fullmatch(CODE, text)),
         ({"guided_choice": COLOURS}, lambda text: text in COLOURS),
+        (
+            {"guided_grammar": 'root ::= "yes" | "no" | "maybe"'},
+            lambda t: t in ("yes", "no", "maybe"),
+        ),
     ):
         whole = client.chat.completions.create(
             model=model, messages=USER, max_tokens=50, n=2, temperature=1.0, seed=3,  # type: ignore[arg-type]
@@ -348,3 +353,18 @@ def test_completions_refuse_suffix_and_best_of_then_keep_serving(server: Server)
         response = post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 4, **body})
         assert response.status_code == 400 and response.json()["error"]["param"] == param
     assert post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 4}).status_code == 200
+
+
+def test_chat_template_kwargs_reach_the_template(client: openai.OpenAI, model: str) -> None:
+    def prompt_tokens(**extra: Any) -> int:
+        out = client.chat.completions.create(
+            model=model,
+            messages=USER,
+            max_tokens=1,
+            extra_body=extra,  # type: ignore[arg-type]
+        )
+        assert out.usage is not None
+        return out.usage.prompt_tokens
+
+    # enable_thinking=False opens the answer with an empty <think></think>, as Qwen3's does.
+    assert prompt_tokens(chat_template_kwargs={"enable_thinking": False}) > prompt_tokens()
