@@ -139,6 +139,10 @@ class _Unimplemented(msgspec.Struct, kw_only=True):
     truncate_prompt_tokens: Any = None
     guided_whitespace_pattern: Any = None
     mm_processor_kwargs: Any = None
+    verbosity: Any = None
+    spaces_between_special_tokens: Any = None
+    return_tokens_as_token_ids: Any = None
+    vllm_xargs: Any = None
 
 
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
@@ -151,6 +155,8 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "add_generation_prompt": (True,),
     "documents": ([],),
     "logits_processors": ([],),
+    "spaces_between_special_tokens": (True,),
+    "return_tokens_as_token_ids": (False,),
 }
 _UNIMPLEMENTED_DECODER = msgspec.json.Decoder(_Unimplemented)
 _KNOWN_FIELDS = frozenset(
