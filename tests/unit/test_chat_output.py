@@ -4,6 +4,7 @@ pure functions, checked without a server."""
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 import msgspec
@@ -121,3 +122,9 @@ def test_fields_that_change_output_are_refused_and_unknown_ones_accepted() -> No
         with pytest.raises(ApiError) as error:
             refuse_unimplemented(body)
         assert error.value.param == param
+
+
+def test_unknown_fields_are_logged_at_debug_level(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.DEBUG, logger="engine.http.output_controls"):
+        refuse_unimplemented(b'{"prompt": "x", "store": true, "some_new_field": 3}')
+    assert "['some_new_field', 'store']" in caplog.text
