@@ -19,6 +19,24 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    # vLLM's options. JSON is always generated without free whitespace (what
+    # disable_any_whitespace asks for); the others are refused, not silently ignored.
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+    def unsupported(self) -> list[str]:
+        """Options set that this engine does not implement."""
+        return [
+            name
+            for name, is_set in (
+                ("disable_additional_properties", self.disable_additional_properties),
+                ("whitespace_pattern", self.whitespace_pattern is not None),
+                ("structural_tag", self.structural_tag is not None),
+            )
+            if is_set
+        ]
 
     def kinds(self) -> list[str]:
         """The constraint's kinds that are set (valid: exactly one)."""

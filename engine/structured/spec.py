@@ -67,6 +67,9 @@ def _json_grammar(schema: dict[str, Any] | bool, field: str) -> str:
 
 def check_structured_outputs(spec: StructuredOutputsParams) -> None:
     """ValueError starting with the offending field when `spec` cannot be enforced."""
+    unsupported = spec.unsupported()
+    if unsupported:
+        raise ValueError(f"structured_outputs.{unsupported[0]} is not supported")
     kinds = spec.kinds()
     if len(kinds) != 1:
         raise ValueError(

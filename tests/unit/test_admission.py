@@ -78,6 +78,7 @@ def test_a_constraint_that_cannot_be_enforced_is_refused_before_any_compute() ->
         (StructuredOutputsParams(regex="(ab"), "unclosed group"),
         (StructuredOutputsParams(grammar="root ::= missing"), "missing"),
         (StructuredOutputsParams(regex="a", choice=["a"]), "exactly one"),
+        (StructuredOutputsParams(regex="a", structural_tag="{}"), "structural_tag"),
     ):
         error = refusal(structured_outputs=spec)
         assert error.status == 400 and error.param == "structured_outputs"
