@@ -6,6 +6,7 @@ input contract is testable without a server.
 
 from __future__ import annotations
 
+import json
 import secrets
 import time
 from collections.abc import Sequence
@@ -16,10 +17,12 @@ import msgspec
 
 from engine.http.decoding import decode_request
 from engine.http.errors import ApiError
+from engine.http.output_controls import output_controls, refuse_unimplemented
 from engine.http.protocol import ChatCompletionRequest, ChatMessageIn, CompletionRequest
+from engine.http.tool_calls import ToolPlan, plan_tools, template_tools
 from engine.messages.params import SamplingParams
 
-CHAT_ROLES = ("system", "user", "assistant", "developer")
+CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
 MAX_TOP_LOGPROBS = 20
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -49,6 +52,8 @@ class PreparedRequest:
     echo: bool = False  # completions: the prompt (and its logprobs) before the completion
     echo_only: bool = False  # max_tokens 0 with echo: the prompt alone, nothing generated
     want_prompt_logprobs: bool = False  # vLLM's prompt_logprobs field in the response
+    tool_plan: ToolPlan | None = None  # chat: how the answer becomes tool calls
+    chat_template_kwargs: dict[str, Any] | None = None  # chat: variables for the template
 
     @property
     def n(self) -> int:
@@ -69,6 +74,7 @@ class PreparedRequest:
 
 def parse_completion(body: bytes, served_model: str | Sequence[str]) -> PreparedRequest:
     req = decode_request(_COMPLETION_DECODER, body)
+    refuse_unimplemented(body)
     model = _check_model(req.model, served_model)
     prompts = _prompts_of(req.prompt)
     if req.max_tokens == 0 and not req.echo:
@@ -88,6 +94,7 @@ def parse_completion(body: bytes, served_model: str | Sequence[str]) -> Prepared
     echo_only = req.echo and req.max_tokens == 0
     max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     params = _sampling_params(req, max_tokens=1 if echo_only else max_tokens, logprobs=req.logprobs)
+    params = msgspec.structs.replace(params, **output_controls(req))
     # Echoed logprobs cover the prompt's tokens too: ask for theirs with as many alternatives.
     echoed = req.logprobs if req.echo else None
     asked = [k for k in (req.prompt_logprobs, echoed) if k is not None]
@@ -114,6 +121,7 @@ def parse_completion(body: bytes, served_model: str | Sequence[str]) -> Prepared
 
 def parse_chat(body: bytes, served_model: str | Sequence[str]) -> PreparedRequest:
     req = decode_request(_CHAT_DECODER, body)
+    refuse_unimplemented(body)
     model = _check_model(req.model, served_model)
     messages = [_message_dict(i, m) for i, m in enumerate(req.messages)]
     if not messages:
@@ -134,9 +142,15 @@ def parse_chat(body: bytes, served_model: str | Sequence[str]) -> PreparedReques
     logprobs = (top or 0) if req.logprobs else None
     params = _sampling_params(req, max_tokens=max_tokens, logprobs=logprobs)
     params.prompt_logprobs = req.prompt_logprobs
+    tool_plan, tool_constraint = plan_tools(req, parser=None)  # the parser: the server's
+    params = msgspec.structs.replace(params, **output_controls(req, tool_constraint))
     _validate(
         params, renames={"max_tokens": length_field or "max_tokens", "logprobs": "top_logprobs"}
     )
+    template_kwargs = dict(req.chat_template_kwargs or {})
+    tools = template_tools(req)
+    if tools is not None:
+        template_kwargs["tools"] = tools
     return PreparedRequest(
         kind="chat",
         request_id="chatcmpl-" + secrets.token_hex(12),
@@ -151,6 +165,8 @@ def parse_chat(body: bytes, served_model: str | Sequence[str]) -> PreparedReques
         return_token_ids=req.return_token_ids,
         client_request_id=req.request_id,
         want_prompt_logprobs=req.prompt_logprobs is not None,
+        tool_plan=tool_plan,
+        chat_template_kwargs=template_kwargs or None,
     )
 
 
@@ -209,7 +225,7 @@ def _message_dict(index: int, message: ChatMessageIn) -> dict[str, Any]:
     role = "system" if message.role == "developer" else message.role
     content = message.content
     if content is None:
-        if role != "assistant":
+        if role != "assistant" and role != "tool":
             raise ApiError(400, f"'{where}.content' is required", param=f"{where}.content")
         text = ""
     elif isinstance(content, str):
@@ -226,7 +242,31 @@ def _message_dict(index: int, message: ChatMessageIn) -> dict[str, Any]:
                 )
             texts.append(part.text)
         text = "\n".join(texts)
-    return {"role": role, "content": text}
+    out: dict[str, Any] = {"role": role, "content": text}
+    out.update(tool_fields(where, message))
+    return out
+
+
+def tool_fields(where: str, message: ChatMessageIn) -> dict[str, Any]:
+    """A message's tool fields as chat templates read them: an assistant's calls (arguments
+    as objects, which templates serialize) and a tool message's call id."""
+    fields: dict[str, Any] = {}
+    if message.tool_calls:
+        calls = []
+        for j, call in enumerate(message.tool_calls):
+            try:
+                arguments = json.loads(call.function.arguments)
+            except json.JSONDecodeError:
+                field = f"{where}.tool_calls[{j}].function.arguments"
+                raise ApiError(400, f"'{field}' must be a JSON text", param=field) from None
+            function = {"name": call.function.name, "arguments": arguments}
+            calls.append({"id": call.id, "type": call.type, "function": function})
+        fields["tool_calls"] = calls
+    if message.tool_call_id is not None:
+        fields["tool_call_id"] = message.tool_call_id
+    if message.name is not None and message.role == "tool":
+        fields["name"] = message.name
+    return fields
 
 
 def _include_usage(req: CompletionRequest | ChatCompletionRequest) -> bool:

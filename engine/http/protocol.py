@@ -10,6 +10,8 @@ from typing import Annotated, Any
 
 import msgspec
 
+from engine.messages.params import StructuredOutputsParams
+
 # ---------------------------------------------------------------- requests
 
 # Integer bounds. JSON integers are unbounded and msgspec decodes them into Python ints, but
@@ -30,10 +32,56 @@ class TextPart(msgspec.Struct, kw_only=True):
     text: str | None = None
 
 
+class FunctionCallIn(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallIn(msgspec.Struct, kw_only=True):
+    id: str | None = None
+    type: str = "function"
+    function: FunctionCallIn
+
+
 class ChatMessageIn(msgspec.Struct, kw_only=True):
     role: str  # checked in parsing, so the error can list the roles accepted
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    name: str | None = None
+    description: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    type: str  # text | json_object | json_schema (checked in parsing, to name the choices)
+    json_schema: JsonSchemaFormat | None = None
+
+
+class FunctionDefinition(msgspec.Struct, kw_only=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolIn(msgspec.Struct, kw_only=True):
+    type: str = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(msgspec.Struct, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True):
+    type: str = "function"
+    function: NamedFunction
 
 
 class _SamplingFields(msgspec.Struct, kw_only=True):
@@ -64,6 +112,16 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     return_token_ids: bool = False
     request_id: str | None = None
     prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' logprobs, this many top
+    # Output controls (engine/http/output_controls.py maps them onto SamplingParams)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_json: str | dict[str, Any] | None = None  # vLLM's older names of structured_outputs
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
+    allowed_token_ids: list[TokenId] | None = None
+    bad_words: list[str] | None = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -79,6 +137,10 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     max_completion_tokens: Count | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[ToolIn] | None = None
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 # ---------------------------------------------------------------- responses
@@ -152,9 +214,29 @@ class ChatLogprobs(msgspec.Struct, kw_only=True):
     content: list[ChatTokenLogprob]
 
 
-class ChatMessageOut(msgspec.Struct, kw_only=True):
+class FunctionCallOut(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(msgspec.Struct, kw_only=True):
+    id: str
+    function: FunctionCallOut
+    type: str = "function"
+
+
+class ToolCallDelta(msgspec.Struct, kw_only=True):
+    index: int
+    id: str
+    function: FunctionCallOut
+    type: str = "function"
+
+
+class ChatMessageOut(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: str
-    content: str
+    content: str | None  # None (null) when the answer is tool calls
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(msgspec.Struct, kw_only=True):
@@ -180,6 +262,8 @@ class ChatCompletionResponse(msgspec.Struct, kw_only=True):
 class ChatDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct, kw_only=True):

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from engine.http.chat_output import ChatAnswer, tool_calls_out
 from engine.http.echo import EchoedPrompt, vllm_prompt_logprobs
 from engine.http.parsing import PreparedRequest
 from engine.http.protocol import (
@@ -58,8 +59,19 @@ class ChoiceState:
 
 
 class ResponseBuilder:
-    def __init__(self, prepared: PreparedRequest) -> None:
+    def __init__(
+        self,
+        prepared: PreparedRequest,
+        tool_call_parser: str | None = None,
+        reasoning_parser: str | None = None,
+    ) -> None:
         self.prepared = prepared
+        if prepared.tool_plan is not None and prepared.tool_plan.mode == "auto":
+            prepared.tool_plan.parser = tool_call_parser
+            if tool_call_parser is None:  # nothing reads calls: the answer is plain content
+                prepared.tool_plan = None
+        self._reasoning = reasoning_parser is not None
+        self._answers: dict[int, ChatAnswer] = {}  # chat: each choice's answer, shaped
         # Made as outputs arrive, not up front: n x prompts is only known to be within the
         # limits once the engine has admitted the request.
         self._choices: dict[int, ChoiceState] = {}
@@ -155,17 +167,7 @@ class ResponseBuilder:
                 id=p.request_id,
                 created=p.created,
                 model=p.model,
-                choices=[
-                    ChatChoice(
-                        index=c.index,
-                        message=ChatMessageOut(role="assistant", content=c.text),
-                        logprobs=self._chat_logprobs(c.logprobs),
-                        finish_reason=c.finish_reason,
-                        stop_reason=c.stop_reason,
-                        token_ids=self._token_ids(c.token_ids),
-                    )
-                    for c in self.choices
-                ],
+                choices=[self._chat_choice(c) for c in self.choices],
                 usage=self.usage(),
                 prompt_token_ids=self._prompt_ids(0),
                 prompt_logprobs=self._vllm_prompt_logprobs(0),
@@ -222,16 +224,47 @@ class ResponseBuilder:
                 )
                 events.append(self._completion_chunk([chunk_choice]))
             else:
+                finished = delta.finish_reason is not None
+                shaped, called = self._answer(choice.index).delta(choice.text, finished)
+                finish_reason = "tool_calls" if called else delta.finish_reason
+                held = shaped is None and not finished and not entries
+                if held and not self.prepared.return_token_ids:
+                    continue  # held back (a tag may be starting, or tool calls are forming)
                 chat_choice = ChatChunkChoice(
                     index=choice.index,
-                    delta=ChatDelta(content=delta.text) if delta.text else ChatDelta(),
+                    delta=shaped or ChatDelta(),
                     logprobs=self._chat_logprobs(entries),
-                    finish_reason=delta.finish_reason,
+                    finish_reason=finish_reason,
                     stop_reason=delta.stop_reason,
                     token_ids=self._token_ids(delta.token_ids),
                 )
                 events.append(self._chat_chunk([chat_choice], prompt_token_ids=prompt_ids))
         return events
+
+    def _answer(self, index: int) -> ChatAnswer:
+        answer = self._answers.get(index)
+        if answer is None:
+            answer = ChatAnswer(self.prepared.tool_plan, self._reasoning)
+            self._answers[index] = answer
+        return answer
+
+    def _chat_choice(self, c: ChoiceState) -> ChatChoice:
+        content, reasoning, calls = self._answer(c.index).final(c.text)
+        finish_reason = "tool_calls" if calls else c.finish_reason
+        message = ChatMessageOut(
+            role="assistant",
+            content=content,
+            reasoning_content=reasoning,
+            tool_calls=tool_calls_out(calls),
+        )
+        return ChatChoice(
+            index=c.index,
+            message=message,
+            logprobs=self._chat_logprobs(c.logprobs),
+            finish_reason=finish_reason,
+            stop_reason=c.stop_reason,
+            token_ids=self._token_ids(c.token_ids),
+        )
 
     def usage_event(self) -> bytes:
         if self.prepared.kind == "completion":

@@ -45,7 +45,8 @@ class RequestRun:
         self.state = state
         self.prepared = prepared
         self.endpoint = endpoint
-        self.builder = ResponseBuilder(prepared)
+        server = state.settings.server
+        self.builder = ResponseBuilder(prepared, server.tool_call_parser, server.reasoning_parser)
         self.arrival = time.monotonic()
         self.arrival_wall = time.time()
         self._streams: list[AsyncIterator[RequestOutput]] = []
@@ -76,6 +77,7 @@ class RequestRun:
                 messages=p.messages,
                 request_id=p.engine_request_id(i),
                 chat_template=self.state.chat_template if p.messages is not None else None,
+                chat_template_kwargs=p.chat_template_kwargs,
             )
             self._streams.append(aiter(stream))
         results = await asyncio.gather(

@@ -18,6 +18,7 @@ from engine.http.errors import ApiError
 from engine.http.parsing import chat_message_dicts
 from engine.http.protocol import ChatMessageIn, TokenId, encode
 from engine.messages.requests import ChatOptions
+from engine.prompts import chat_messages
 from engine.text.prompt import PromptBuilder
 
 
@@ -95,7 +96,7 @@ class Tokens:
                 lambda: list(tokenizer.encode(prompt, add_special_tokens=add_special))
             )
         else:
-            messages = [(m["role"], m["content"]) for m in chat_message_dicts(req.messages or [])]
+            messages = chat_messages(chat_message_dicts(req.messages or []))
             chat = ChatOptions(
                 req.chat_template or self._chat_template,
                 dict(req.chat_template_kwargs or {}),

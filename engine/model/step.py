@@ -32,6 +32,7 @@ from engine.model.prompt_scoring import PromptScoring
 from engine.model.runner import ModelRunner
 from engine.model.sampler import Sampler
 from engine.model.step_inputs import KnownSequences, SeqChunk, SequenceStart
+from engine.structured.grammars import GrammarService
 
 MAX_FAILED_STEPS = 3  # consecutive steps in which nothing succeeded: the worker is at fault
 
@@ -81,12 +82,20 @@ class StepExecutor:
         self.rank = rank  # only rank 0 samples and reports
         self.faults = faults or NoFaults()
         self._failed_steps = 0
+        config = runner.config
+        # Compiled grammars and the tokenizer outlive a scheduler restart (they depend only on
+        # the model); only rank 0 samples, so only it compiles.
+        self.grammars = (
+            GrammarService(runner.model_path, config.vocab_size, list(config.eos_token_ids))
+            if rank == 0
+            else None
+        )
         self.reset_sequences()
 
     def reset_sequences(self) -> None:
         """Forget every sequence (a restarted scheduler announces them all again)."""
         config = self.runner.config
-        self.sampler = Sampler(config.vocab_size, list(config.eos_token_ids))
+        self.sampler = Sampler(config.vocab_size, list(config.eos_token_ids), self.grammars)
         self.scoring = PromptScoring()
         self.known = KnownSequences()
         self.faults.reset()

@@ -61,6 +61,8 @@ FLAG_ALIASES: dict[str, str] = {
     "--max-request-bytes": "server.max_request_bytes",
     "--drain-timeout": "server.drain_timeout",
     "--record-trace": "server.record_trace",
+    "--tool-call-parser": "server.tool_call_parser",
+    "--reasoning-parser": "server.reasoning_parser",
     "--admin-socket": "admin.socket",
     "--chat-template": "model.chat_template",
     "--generation-config": "model.generation_config",

@@ -313,6 +313,17 @@ class ServerSettings(_Section, frozen=True):
     allow_credentials: Annotated[
         bool, Meta(description="CORS: allow cookies and credentials (with allowed_origins)")
     ] = False
+    tool_call_parser: Annotated[
+        Literal["hermes", "llama3_json"] | None,
+        Meta(
+            description="how tool calls are read from a chat answer with tool_choice 'auto': "
+            "hermes (<tool_call>{...}</tool_call>, Qwen) or llama3_json; unset: not read"
+        ),
+    ] = None
+    reasoning_parser: Annotated[
+        Literal["qwen3"] | None,
+        Meta(description="qwen3: a chat answer's <think>...</think> is its reasoning_content"),
+    ] = None
 
 
 class AdminSettings(_Section, frozen=True):
