@@ -186,3 +186,15 @@ class _EngineStatsCollector(Collector):
         for actor, count in sorted(stats.restarts.items()):
             family.add_metric([self._model_name, actor], float(count))
         yield family
+        labels = ["model_name", "actor", "ring"]
+        frames = CounterMetricFamily(
+            PREFIX + "ring_frames_sent", "Frames each actor wrote to each ring", labels=labels
+        )
+        sent = CounterMetricFamily(
+            PREFIX + "ring_bytes_sent", "Bytes each actor wrote to each ring", labels=labels
+        )
+        for row in stats.ring_traffic:
+            frames.add_metric([self._model_name, row.actor, row.ring], float(row.frames))
+            sent.add_metric([self._model_name, row.actor, row.ring], float(row.bytes))
+        yield frames
+        yield sent

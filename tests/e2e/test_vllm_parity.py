@@ -373,7 +373,12 @@ def test_cors_preflight_allows_only_the_allowed_origin(parity: Server) -> None:
 def test_metrics_have_vllms_names_and_labels(parity: Server, client: openai.OpenAI) -> None:
     client.completions.create(model=NAMES[0], prompt="metrics", max_tokens=3)
     with parity.http() as http:
-        text = http.get("/metrics").text
+        # Ring traffic arrives with heartbeats (one a second): wait for rank 0's results.
+        def scraped_with_results() -> str | None:
+            text = http.get("/metrics").text
+            return text if 'ring="results"' in text else None
+
+        text = wait_until(scraped_with_results, 10)
     samples: dict[str, list[dict[str, str]]] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -402,6 +407,8 @@ def test_metrics_have_vllms_names_and_labels(parity: Server, client: openai.Open
         "engine:actor_restarts_total",
         "engine:request_resubmissions_total",
         "engine:http_requests_total",
+        "engine:ring_frames_sent_total",
+        "engine:ring_bytes_sent_total",
         *(f"engine:{name}_count" for name in histograms),
         *(f"engine:{name}_bucket" for name in histograms),
     ]
@@ -411,6 +418,12 @@ def test_metrics_have_vllms_names_and_labels(parity: Server, client: openai.Open
     reasons = {labels["finished_reason"] for labels in samples["engine:request_success_total"]}
     assert "length" in reasons
     assert {labels["actor"] for labels in samples["engine:actor_restarts_total"]} >= {"tokenizer"}
+    # Ring traffic by sender and ring: the scheduler's plans, rank 0's results, the detokenizer's
+    # outputs, each counted in frames and bytes.
+    traffic = {
+        (labels["actor"], labels["ring"]) for labels in samples["engine:ring_bytes_sent_total"]
+    }
+    assert {("scheduler", "plan"), ("worker0", "results")} <= traffic, traffic
 
 
 def test_stats_line_is_logged_periodically(parity: Server) -> None:
