@@ -1,14 +1,15 @@
 """engine: an LLM serving engine built as supervised actors over shared-memory rings.
 
-Public library API: `LLM` (blocking), `AsyncLLM` (asyncio), `SamplingParams`, and the result
-types `RequestOutput` / `CompletionOutput` / `Logprob` / `TokenLogprob`.
+Public library API: `LLM` (blocking), `AsyncLLM` (asyncio), `SamplingParams` (with
+`StructuredOutputsParams` for constrained outputs), and the result types `RequestOutput` /
+`CompletionOutput` / `Logprob` / `TokenLogprob`.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from engine.messages.params import SamplingParams
+from engine.messages.params import SamplingParams, StructuredOutputsParams
 from engine.outputs import CompletionOutput, EngineError, Logprob, RequestOutput, TokenLogprob
 
 if TYPE_CHECKING:
@@ -23,6 +24,7 @@ __all__ = [
     "Logprob",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
     "TokenLogprob",
 ]
 

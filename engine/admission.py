@@ -15,14 +15,18 @@ from collections.abc import Iterable
 from engine.messages.params import SamplingParams
 from engine.outputs import EngineError
 from engine.settings.schema import LimitsSettings
+from engine.structured.spec import check_structured_outputs
 
 
 def check_params(params: SamplingParams, limits: LimitsSettings, max_model_len: int) -> None:
     """Raise EngineError(400) naming the field when `params` is invalid or over a limit."""
     try:
         params.validate()
+        if params.structured_outputs is not None:
+            check_structured_outputs(params.structured_outputs)
     except ValueError as exc:  # the message starts with the field's name
-        raise EngineError(str(exc), 400, str(exc).split(" ", 1)[0]) from None
+        field = str(exc).split(" ", 1)[0].split(".", 1)[0]
+        raise EngineError(str(exc), 400, field) from None
     _within(params.n, limits.max_n, "n", "limits.max_n", "samples")
     _within(len(params.stop), limits.max_stop_strings, "stop", "limits.max_stop_strings", "strings")
     stop_chars = sum(len(stop) for stop in params.stop)
@@ -80,6 +84,19 @@ def check_prompt_length(prompt_len: int, max_tokens: int | None, max_model_len: 
             f"{prompt_len + max_tokens} exceeds max_model_len {max_model_len}",
             400,
             "max_tokens",
+        )
+
+
+def check_token_ids_named(params: SamplingParams, vocab_size: int) -> None:
+    """logit_bias and allowed_token_ids may name only tokens of the vocabulary."""
+    largest = params.max_token_id()
+    if largest >= vocab_size:
+        field = "logit_bias" if largest in (params.logit_bias or {}) else "allowed_token_ids"
+        raise EngineError(
+            f"{field} names token id {largest}, outside the vocabulary of {vocab_size} tokens "
+            f"(ids 0..{vocab_size - 1})",
+            400,
+            field,
         )
 
 

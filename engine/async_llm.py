@@ -20,7 +20,14 @@ from typing import Any
 import msgspec
 
 from engine.actors.roles import Role
-from engine.actors.runtime.events import ChildDied, ChildRestarted, Escalated, ReplicaFailed
+from engine.actors.runtime.events import (
+    ChildDied,
+    ChildRestarted,
+    Escalated,
+    ReplicaFailed,
+    actor_rows,
+    ring_traffic,
+)
 from engine.actors.runtime.ring import RingClosed
 from engine.actors.runtime.supervision import Supervision
 from engine.admission import check_params, check_prompt_size, check_queue
@@ -79,7 +86,9 @@ class AsyncLLM:
         self.model_path = model_path
         self._plan = plan_engine(self.settings, model_path)
         # As vLLM: the name clients use is the --model value as given, unless one is set.
-        self.model_name = self.settings.model.served_name or self.settings.model.path or "demo"
+        self.model_name = (
+            self.settings.model.served_name or (self.settings.model.path or "demo",)
+        )[0]
 
         self.max_model_len = self._plan.max_model_len
         self._supervisor, self._replicas = supervise(
@@ -251,22 +260,11 @@ class AsyncLLM:
             restarts={row.name: row.restarts for row in rows},
             kv_cache_blocks=self._plan.num_blocks if self._plan else 0,
             replicas=self._replicas.replica_stats(report) if self._replicas else [],
+            ring_traffic=ring_traffic(rows),
         )
 
     def actors(self) -> list[ActorRow]:
-        rows = self._supervisor.status() if self._supervisor is not None else []
-        return [
-            ActorRow(
-                name=row.name,
-                role=row.role,
-                pid=row.pid,
-                state=row.state,
-                restarts=row.restarts,
-                last_restart_reason=row.last_restart_reason,
-                generation=row.generation,
-            )
-            for row in rows
-        ]
+        return actor_rows(self._supervisor.status() if self._supervisor is not None else [])
 
     def requests(self) -> list[RequestRow]:
         rows = self.gateway.describe()

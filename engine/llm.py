@@ -17,6 +17,12 @@ import uvloop
 from tqdm import tqdm
 
 from engine.async_llm import AsyncLLM
+from engine.generation_defaults import (
+    default_sampling_params,
+    load_chat_template,
+    load_generation_defaults,
+)
+from engine.hf_cache import with_resolved_model
 from engine.messages.admin import EngineStats
 from engine.messages.params import SamplingParams
 from engine.outputs import RequestOutput
@@ -48,6 +54,9 @@ ENGINE_ARGS = {
     "enable_prefix_caching": "cache.enable_prefix_caching",
     "max_num_seqs": "scheduler.max_num_seqs",
     "max_num_batched_tokens": "scheduler.max_num_batched_tokens",
+    "generation_config": "model.generation_config",
+    "max_logprobs": "model.max_logprobs",
+    "kv_cache_dtype": "cache.kv_cache_dtype",
 }
 # vLLM's engine arguments that change nothing here, accepted so that vLLM code runs unchanged.
 NO_OP_ENGINE_ARGS = {
@@ -77,7 +86,9 @@ def engine_settings(settings: Settings | None, engine_args: Mapping[str, Any]) -
     names an unknown argument and the known ones closest to it."""
     fields: dict[str, Any] = {}
     for name, value in engine_args.items():
-        if name in ENGINE_ARGS:
+        if name == "served_model_name" and isinstance(value, str):
+            fields[ENGINE_ARGS[name]] = [value]  # vLLM takes one name or a list
+        elif name in ENGINE_ARGS:
             fields[ENGINE_ARGS[name]] = value
         elif "__" in name:
             fields[name.replace("__", ".")] = value
@@ -96,12 +107,19 @@ class LLM:
         """`engine_args`: vLLM's names (tensor_parallel_size, max_model_len, dtype, seed,
         gpu_memory_utilization, max_num_seqs, ..., see ENGINE_ARGS), or any of our settings as
         `section__field=value` (e.g. `cache__block_size=8`)."""
-        self.engine = AsyncLLM(engine_settings(settings, {"model": model, **engine_args}))
+        settings = engine_settings(settings, {"model": model, **engine_args})
+        self.engine = AsyncLLM(with_resolved_model(settings))  # a repo id: from the HF cache
         self._loop = uvloop.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="engine", daemon=True)
         self._thread.start()
         try:
             self._run(self.engine.start(), START_TIMEOUT_S)
+            chosen = self.engine.settings.model
+            # As vLLM's LLM: a call without SamplingParams samples with these
+            self._generation_defaults = load_generation_defaults(
+                chosen.generation_config, self.engine.model_path
+            )
+            self._chat_template = load_chat_template(chosen.chat_template)
         except BaseException:
             self.close()
             raise
@@ -133,12 +151,16 @@ class LLM:
         one = bool(messages) and isinstance(messages[0], Mapping)
         batch: Sequence[Conversation] = [messages] if one else messages  # type: ignore[list-item,assignment]
         options = {
-            "chat_template": chat_template,
+            "chat_template": chat_template or self._chat_template,
             "chat_template_kwargs": chat_template_kwargs,
             "add_generation_prompt": add_generation_prompt,
         }
         requests = [{"messages": list(conversation), **options} for conversation in batch]
         return self._run(self._gather(requests, sampling_params, use_tqdm))
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The model's generation_config.json defaults (model.generation_config), as vLLM's."""
+        return default_sampling_params(self._generation_defaults)
 
     def get_tokenizer(self) -> Any:
         """The model's tokenizer (a transformers tokenizer, loaded without torch)."""
@@ -167,7 +189,7 @@ class LLM:
         use_tqdm: bool,
     ) -> list[RequestOutput]:
         if params is None or isinstance(params, SamplingParams):
-            per_request = [params or SamplingParams()] * len(requests)
+            per_request = [params or self.get_default_sampling_params()] * len(requests)
         else:
             per_request = list(params)
             if len(per_request) != len(requests):

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from engine.messages.outputs import SampleLogprobs as Logprob
 from engine.messages.outputs import TokenLogprob
+from engine.messages.scheduling import FirstScheduled
 
 if TYPE_CHECKING:
     from engine.messages.failures import RequestFailed
@@ -25,6 +26,8 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None
     logprobs: list[Logprob] | None = None  # one per token in token_ids, when asked for
+    # vLLM's: the stop string matched or the stop token id that ended a "stop"; None for EOS
+    stop_reason: str | int | None = None
 
 
 @dataclass
@@ -34,6 +37,11 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache
+    scheduling: FirstScheduled | None = None  # its queue and prefill times, once known
+    # vLLM's prompt_logprobs: None for the first prompt token, then each token's logprob given
+    # those before it, with the top alternatives (when SamplingParams.prompt_logprobs is set).
+    prompt_logprobs: list[Logprob | None] | None = None
 
 
 class EngineError(Exception):
@@ -66,11 +74,19 @@ def snapshot(total: RequestOutput) -> RequestOutput:
             list(o.token_ids),
             o.finish_reason,
             None if o.logprobs is None else list(o.logprobs),
+            o.stop_reason,
         )
         for o in sorted(total.outputs, key=lambda output: output.index)
     ]
     return RequestOutput(
-        total.request_id, total.prompt, list(total.prompt_token_ids), outputs, total.finished
+        total.request_id,
+        total.prompt,
+        list(total.prompt_token_ids),
+        outputs,
+        total.finished,
+        total.num_cached_tokens,
+        total.scheduling,
+        total.prompt_logprobs,
     )
 
 
@@ -86,6 +102,10 @@ def merge_into(total: RequestOutput, later: RequestOutput) -> None:
     """Fold `later` into `total`, as if the reader had taken both: per sample, text and tokens
     appended, the later finish reason kept."""
     total.finished = later.finished
+    if later.prompt_logprobs is not None:
+        total.prompt_logprobs = later.prompt_logprobs
+    if later.scheduling is not None:
+        total.num_cached_tokens, total.scheduling = later.num_cached_tokens, later.scheduling
     by_index = {output.index: output for output in total.outputs}
     for part in later.outputs:
         output = by_index.get(part.index)
@@ -96,5 +116,6 @@ def merge_into(total: RequestOutput, later: RequestOutput) -> None:
         output.text += part.text
         output.token_ids.extend(part.token_ids)
         output.finish_reason = part.finish_reason or output.finish_reason
+        output.stop_reason = part.stop_reason if part.finish_reason else output.stop_reason
         if part.logprobs is not None:
             output.logprobs = (output.logprobs or []) + part.logprobs

@@ -44,11 +44,29 @@ def chat_messages(messages: list[Mapping[str, Any]]) -> list[ChatMessage]:
     out = []
     for position, message in enumerate(messages):
         role, content = message.get("role"), message.get("content")
+        tool_calls = message.get("tool_calls")
+        if content is None and tool_calls:
+            content = ""  # an assistant turn that only calls tools
         if not isinstance(role, str) or not isinstance(content, str):
             raise EngineError(
                 f"messages[{position}] must have a string 'role' and a string 'content'",
                 400,
                 "messages",
             )
-        out.append(ChatMessage(role, content))
+        if tool_calls is not None and not (
+            isinstance(tool_calls, list) and all(isinstance(call, dict) for call in tool_calls)
+        ):
+            raise EngineError(
+                f"messages[{position}].tool_calls must be a list of objects", 400, "messages"
+            )
+        call_id, name = message.get("tool_call_id"), message.get("name")
+        out.append(
+            ChatMessage(
+                role,
+                content,
+                tool_calls=tool_calls,
+                tool_call_id=call_id if isinstance(call_id, str) else None,
+                name=name if isinstance(name, str) else None,
+            )
+        )
     return out

@@ -188,8 +188,11 @@ def main() -> None:
     baseline = None
     if args.tp > 1 or args.dp > 1 or args.deterministic:  # the reference first, same run
         baseline = run_engine(args, path, prompts, outs, name=BASELINE)
+    name = "engine_determ" if args.deterministic else "engine"
     runs = [
-        run_engine(args, path, prompts, outs, args.tp, args.dp, deterministic=args.deterministic)
+        run_engine(
+            args, path, prompts, outs, args.tp, args.dp, name, deterministic=args.deterministic
+        )
     ]
     if args.peer != "none":
         runs.append(PEERS[args.peer](args, path, prompts, outs))

@@ -11,7 +11,8 @@ import sys
 from engine.settings import SettingsError
 
 USAGE = """\
-usage: python -m engine [serve] [MODEL] [flags]       start the OpenAI-compatible server
+usage: engine serve [MODEL] [flags]   (or python -m engine [serve] ...)  start the server
+       (MODEL: a checkpoint directory, or a Hugging Face repo id found in the local HF cache)
        python -m engine config show [flags] [--json]  effective settings and their sources
        python -m engine admin [--socket PATH] COMMAND [ARGS] [--json]
            COMMAND: health | stats | actors | requests | abort ID | drain | shutdown |
@@ -20,6 +21,11 @@ usage: python -m engine [serve] [MODEL] [flags]       start the OpenAI-compatibl
            [--model NAME] [--compare] [--json] [--plot OUT.png]   re-send a trace, report
        python -m engine trace import mooncake|azure|poisson ... -o OUT   make a trace
 """
+
+
+def console_main() -> int:
+    """The `engine` console script."""
+    return main(sys.argv[1:])
 
 
 def main(argv: list[str]) -> int:

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping
+from typing import Any
 
 import msgspec
 
-from engine.settings import FIELDS, SettingsError, config_file_of, load_settings
+from engine.generation_defaults import load_generation_defaults
+from engine.hf_cache import with_resolved_model
+from engine.settings import FIELDS, Settings, SettingsError, config_file_of, load_settings
 from engine.settings.describe import SECRET_KEYS, settings_help, settings_table
 
 
@@ -21,6 +24,8 @@ def run_config(argv: list[str], environ: Mapping[str, str]) -> int:
     rest = [a for a in argv[1:] if a != "--json"]
     as_json = len(rest) != len(argv) - 1
     settings, sources = load_settings(rest, environ)
+    settings = with_resolved_model(settings, environ)
+    defaults = _generation_defaults(settings)
     if as_json:
         values = msgspec.to_builtins(settings)
         payload = {
@@ -31,7 +36,20 @@ def run_config(argv: list[str], environ: Mapping[str, str]) -> int:
             for key, spec in FIELDS.items()
             for value in [values[spec.section][spec.name]]
         }
+        payload["generation_defaults"] = {"value": defaults, "source": "model"}
         sys.stdout.write(msgspec.json.encode(payload).decode() + "\n")
     else:
         print(settings_table(settings, sources, config_file_of(rest, environ)))
+        shown = ", ".join(f"{k}={v}" for k, v in defaults.items()) or "none"
+        print(f"sampling defaults (model.generation_config): {shown}")
     return 0
+
+
+def _generation_defaults(settings: Settings) -> dict[str, Any]:
+    """What the server will apply: read from the model's (or the named) generation_config."""
+    if settings.model.path is None and settings.model.generation_config == "auto":
+        return {}  # the built-in demo model has none
+    try:
+        return load_generation_defaults(settings.model.generation_config, settings.model.path or "")
+    except ValueError as e:
+        raise SettingsError(str(e)) from None

@@ -7,9 +7,11 @@ from dataclasses import dataclass, field
 
 from engine.gateway.output_stream import OutputStream
 from engine.messages.admin import RequestRow
+from engine.messages.outputs import SampleLogprobs
 from engine.messages.params import SamplingParams
 from engine.messages.requests import ChatMessage, ChatOptions, GenerateRequest
-from engine.messages.scheduling import SampleResume
+from engine.messages.scheduling import FirstScheduled, SampleResume
+from engine.outputs import CompletionOutput, RequestOutput
 
 
 @dataclass
@@ -45,6 +47,22 @@ class RequestRecord:
     strikes: int = 0  # crashes it was in flight at since it last made progress
     suspect_epoch: int | None = None  # its epoch when it last became a suspect; None: cleared
     chat: ChatOptions | None = None  # how to render `messages`
+    first: FirstScheduled | None = None  # the scheduler's first report (cache hits, times)
+    # When asked for, once computed: None for the first prompt token (as vLLM), then each one's.
+    prompt_logprobs: list[SampleLogprobs | None] | None = None
+
+    def output(self, outputs: list[CompletionOutput], finished: bool) -> RequestOutput:
+        """What its stream gets next: `outputs`, with what is known of the whole request."""
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=list(self.prompt_token_ids or []),
+            outputs=outputs,
+            finished=finished,
+            num_cached_tokens=None if self.first is None else self.first.num_cached_tokens,
+            scheduling=self.first,
+            prompt_logprobs=self.prompt_logprobs,
+        )
 
     @property
     def finished(self) -> bool:

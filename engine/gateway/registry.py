@@ -44,7 +44,7 @@ from engine.messages.outputs import OutputBatch, SampleDeltaText
 from engine.messages.params import SamplingParams
 from engine.messages.requests import ChatMessage, ChatOptions, GenerateRequest
 from engine.messages.scheduling import AbortRequests
-from engine.outputs import CompletionOutput, EngineError, RequestOutput
+from engine.outputs import CompletionOutput, EngineError
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ class Gateway:
             if not sample.finished:
                 sample.finish_reason = reason
                 deltas.append(CompletionOutput(sample.index, "", [], reason))
-        record.stream.put_nowait(self._output(record, deltas, finished=True))
+        record.stream.put_nowait(record.output(deltas, finished=True))
         self._forget(record)
         return AbortRequests([request_id])
 
@@ -354,8 +354,13 @@ class Gateway:
                     list(delta.token_ids),
                     delta.finish_reason,
                     delta.logprobs,
+                    delta.stop_reason,
                 )
             )
+            if record.first is None:
+                record.first = delta.first
+            if record.prompt_logprobs is None and delta.prompt_logprobs is not None:
+                record.prompt_logprobs = [None, *delta.prompt_logprobs]
         if not outputs:
             return
         if record.first_token_at is None:
@@ -363,7 +368,7 @@ class Gateway:
         finished = record.finished
         if finished:
             del self._records[record.request_id]
-        record.stream.put_nowait(self._output(record, outputs, finished))
+        record.stream.put_nowait(record.output(outputs, finished))
         if finished:
             self._forget(record)
         elif record.stream.stalled_for() > self.stalled_stream_timeout:
@@ -384,15 +389,3 @@ class Gateway:
         self.abort(record.request_id)
         self.stalled_aborts += 1
         self._stalled.append(record.request_id)
-
-    @staticmethod
-    def _output(
-        record: RequestRecord, outputs: list[CompletionOutput], finished: bool
-    ) -> RequestOutput:
-        return RequestOutput(
-            request_id=record.request_id,
-            prompt=record.prompt,
-            prompt_token_ids=list(record.prompt_token_ids or []),
-            outputs=outputs,
-            finished=finished,
-        )

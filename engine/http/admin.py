@@ -18,6 +18,7 @@ from typing import Any
 
 import msgspec
 
+from engine.http.operations import abort_request
 from engine.http.state import ServerState
 from engine.settings.fields import FIELDS
 
@@ -137,10 +138,9 @@ class AdminServer:
             return llm.requests()
         if cmd == "abort":
             (request_id,) = args
-            known = {row.request_id for row in llm.requests()}
-            if request_id not in known:
+            # An engine request's id, or an API request's X-Request-Id (all of its prompts)
+            if not await abort_request(self.state, request_id):
                 raise AdminError(f"no in-flight request {request_id!r} (see the requests command)")
-            await llm.abort(request_id)
             return {"aborted": request_id}
         if cmd == "drain":
             return await self._drain()

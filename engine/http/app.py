@@ -14,14 +14,24 @@ from collections.abc import Awaitable, Callable
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, TypeVar
 
+import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from engine.http.decoding import decode_request
 from engine.http.errors import ApiError, outcome_of
+from engine.http.generation_config import apply_generation_defaults
 from engine.http.metrics import CONTENT_TYPE
+from engine.http.operations import (
+    AbortRequest,
+    abort_request,
+    check_max_logprobs,
+    cors_middleware,
+    take_client_request_id,
+)
 from engine.http.parsing import PreparedRequest, parse_chat, parse_completion
 from engine.http.protocol import ModelCard, ModelList, encode
 from engine.http.runs import RequestRun
@@ -30,10 +40,11 @@ from engine.http.state import ServerState
 log = logging.getLogger("engine.http")
 
 JSON = "application/json"
+_ABORT = msgspec.json.Decoder(AbortRequest)
 # Past this many bytes an oversized body is no longer read to the end before answering 413.
 _DISCARD_LIMIT = 256 * 1024 * 1024
 
-Parser = Callable[[bytes, str], PreparedRequest]
+Parser = Callable[[bytes, tuple[str, ...]], PreparedRequest]
 T = TypeVar("T")
 
 
@@ -46,19 +57,53 @@ def build_app(state: ServerState) -> Starlette:
 
     async def models(request: Request) -> Response:
         _check_auth(request, state)
-        card = ModelCard(
-            id=state.model_name, created=state.started_at, max_model_len=state.max_model_len
-        )
-        return Response(encode(ModelList(data=[card])), media_type=JSON)
+        cards = [
+            ModelCard(id=name, created=state.started_at, max_model_len=state.max_model_len)
+            for name in state.served_names
+        ]
+        return Response(encode(ModelList(data=cards)), media_type=JSON)
 
     async def health(request: Request) -> Response:
+        """Liveness: 503 only once the engine has given up. An actor being restarted is the
+        engine healing itself; a liveness probe that failed then would restart the pod."""
+        report = state.llm.health()
+        if report.reason is not None:
+            return _json(503, {"status": "failed", "reason": report.reason})
+        if state.draining:
+            return _json(200, {"status": "draining"})
+        if not report.ready:
+            return _json(200, {"status": "restarting", "not_ready": report.not_ready})
+        return _json(200, {"status": "ok"})
+
+    async def ready(request: Request) -> Response:
+        """Readiness: 200 only while new requests can be served now."""
+        report = state.llm.health()
         if state.draining:
             return _json(503, {"status": "draining"})
-        report = state.llm.health()
         if report.ready:
-            return _json(200, {"status": "ok"})
+            return _json(200, {"status": "ready"})
         body = {"status": "unavailable", "not_ready": report.not_ready, "reason": report.reason}
         return _json(503, body)
+
+    async def tokenize(request: Request) -> Response:
+        _check_auth(request, state)
+        body = await _read_body(request, state.settings.server.max_request_bytes)
+        return Response(await state.tokens.tokenize(body), media_type=JSON)
+
+    async def detokenize(request: Request) -> Response:
+        _check_auth(request, state)
+        body = await _read_body(request, state.settings.server.max_request_bytes)
+        return Response(await state.tokens.detokenize(body), media_type=JSON)
+
+    async def abort(request: Request) -> Response:
+        _check_auth(request, state)
+        body = await _read_body(request, state.settings.server.max_request_bytes)
+        request_id = decode_request(_ABORT, body).request_id
+        if not await abort_request(state, request_id):
+            raise ApiError(
+                404, f"no request {request_id!r} is in flight", param="request_id", code="not_found"
+            )
+        return _json(200, {"aborted": request_id})
 
     async def version_route(request: Request) -> Response:
         return _json(200, {"version": engine_version()})
@@ -71,6 +116,10 @@ def build_app(state: ServerState) -> Starlette:
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
+        Route("/ready", ready, methods=["GET"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/abort", abort, methods=["POST"]),
         Route("/version", version_route, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
@@ -79,7 +128,9 @@ def build_app(state: ServerState) -> Starlette:
         HTTPException: _http_exception_response,
         Exception: _internal_error_response,
     }
-    return Starlette(routes=routes, exception_handlers=handlers)
+    return Starlette(
+        routes=routes, exception_handlers=handlers, middleware=cors_middleware(state.settings)
+    )
 
 
 async def _generate(request: Request, state: ServerState, parse: Parser, endpoint: str) -> Response:
@@ -88,9 +139,12 @@ async def _generate(request: Request, state: ServerState, parse: Parser, endpoin
             raise ApiError(503, "the server is shutting down", headers={"Retry-After": "5"})
         _check_auth(request, state)
         body = await _read_body(request, state.settings.server.max_request_bytes)
-        prepared = _parse(parse, body, state.model_name, request.url.path)
+        prepared = _parse(parse, body, state.served_names, request.url.path)
+        apply_generation_defaults(prepared, body, state.generation_defaults)
+        check_max_logprobs(prepared, state.settings.model.max_logprobs)
+        take_client_request_id(prepared, request.headers.get("x-request-id"), state.runs)
     except ApiError as e:
-        state.metrics.requests.labels(endpoint, outcome_of(e.status)).inc()
+        state.metrics.count_request(endpoint, outcome_of(e.status))
         raise
     run = RequestRun(state, prepared, endpoint, body)
     if prepared.stream:
@@ -102,15 +156,17 @@ async def _generate(request: Request, state: ServerState, parse: Parser, endpoin
         return StreamingResponse(
             run.sse(firsts),
             media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Request-Id": prepared.request_id},
+            headers={"Cache-Control": "no-cache", "X-Request-Id": run.key},
         )
     result = await _until_disconnect(request, run.collect())
     if result is None:  # the client left; its engine requests were aborted
+        run.abort_unfinished()
+        run.finish()  # once only: also when collect() was cancelled before it began
         return Response(status_code=499)
-    return Response(result, media_type=JSON, headers={"X-Request-Id": prepared.request_id})
+    return Response(result, media_type=JSON, headers={"X-Request-Id": run.key})
 
 
-def _parse(parse: Parser, body: bytes, model_name: str, path: str) -> PreparedRequest:
+def _parse(parse: Parser, body: bytes, model_name: tuple[str, ...], path: str) -> PreparedRequest:
     """Parse a body; a failure the parser did not foresee is still the body's fault (a 400),
     logged with its traceback so that the gap in the parser can be closed."""
     try:

@@ -24,10 +24,12 @@ from typing import Any
 import uvicorn
 import uvloop
 
+from engine.generation_defaults import load_chat_template, load_generation_defaults
 from engine.http.admin import AdminServer
 from engine.http.admin_paths import prepare_default_socket
 from engine.http.app import build_app
 from engine.http.connections import guarded_http_protocol
+from engine.http.request_log import log_stats_forever
 from engine.http.state import ServerState
 from engine.settings import Settings
 
@@ -68,6 +70,18 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _bind_uds(path: str) -> socket.socket:
+    """A Unix socket for HTTP (--uds); a stale socket file of an earlier run is replaced."""
+    target = Path(path).expanduser()
+    if target.is_socket():
+        target.unlink()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(str(target))
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
 def _url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
@@ -88,9 +102,12 @@ class _Shutdown:
 async def _serve(settings: Settings) -> int:
     server_cfg = settings.server
     try:
-        sock = _bind(server_cfg.host, server_cfg.port)
+        sock = (
+            _bind_uds(server_cfg.uds) if server_cfg.uds else _bind(server_cfg.host, server_cfg.port)
+        )
     except OSError as e:
-        print(f"engine: cannot listen on {server_cfg.host}:{server_cfg.port}: {e}", file=sys.stderr)
+        where = server_cfg.uds or f"{server_cfg.host}:{server_cfg.port}"
+        print(f"engine: cannot listen on {where}: {e}", file=sys.stderr)
         return 1
     try:
         admin_path, owned_dir = _admin_socket_path(settings)
@@ -106,6 +123,9 @@ async def _serve(settings: Settings) -> int:
         return await _run(settings, sock, admin_path, shutdown)
     finally:
         sock.close()
+        if server_cfg.uds:
+            with contextlib.suppress(OSError):
+                Path(server_cfg.uds).expanduser().unlink()
         if owned_dir is not None:
             shutil.rmtree(owned_dir, ignore_errors=True)
 
@@ -118,7 +138,18 @@ async def _run(
     llm = AsyncLLM(settings)
     if not await _start_engine(llm, shutdown):
         return 0 if shutdown.requested.is_set() else 1
-    state = ServerState.create(llm, settings)
+    try:
+        defaults = load_generation_defaults(settings.model.generation_config, llm.model_path)
+        chat_template = load_chat_template(settings.model.chat_template)
+    except ValueError as e:
+        print(f"engine: {e}", file=sys.stderr, flush=True)
+        await llm.shutdown()
+        return 2
+    if defaults:
+        log.info("sampling defaults from generation_config.json: %s", defaults)
+    state = ServerState.create(llm, settings, defaults, chat_template)
+    background = [] if settings.server.disable_log_stats else [log_stats_forever(state)]
+    stats_tasks = [asyncio.create_task(work) for work in background]
 
     async def drain() -> dict[str, Any]:
         await _drain(state, shutdown)
@@ -129,6 +160,7 @@ async def _run(
         uvicorn.Config(
             build_app(state),
             lifespan="off",
+            root_path=settings.server.root_path,
             log_config=None,
             access_log=settings.runtime.log_level == "debug",
             timeout_graceful_shutdown=int(_CONNECTION_GRACE_S),
@@ -152,7 +184,11 @@ async def _run(
             await asyncio.sleep(0.01)
         if serve_task.done():
             serve_task.result()  # raises what stopped uvicorn
-        url = _url(settings.server.host, sock.getsockname()[1])
+        url = (
+            f"unix:{settings.server.uds}"
+            if settings.server.uds
+            else _url(settings.server.host, sock.getsockname()[1])
+        )
         print(
             f"engine ready: {url} (model {state.model_name}; admin socket {admin_path})", flush=True
         )
@@ -171,6 +207,8 @@ async def _run(
         log.info("shutting down: draining in-flight requests")
         await _drain(state, shutdown)
     finally:
+        for task in stats_tasks:
+            task.cancel()
         server.should_exit = True
         if serve_task is not None:
             with contextlib.suppress(Exception):

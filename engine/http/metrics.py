@@ -1,8 +1,13 @@
-"""Prometheus metrics on the server's own registry.
+"""Prometheus metrics on the server's own registry: vLLM's set under the `engine:` prefix.
 
-Request-level figures (outcomes, TTFT, inter-token latency, end-to-end latency, token counts) are
-observed by the HTTP layer as requests run; engine-level figures (running / waiting requests, KV
-usage, prefix-cache hit rate, actor restarts) are read from `llm.stats()` at scrape time.
+Every metric carries vLLM's `model_name` label, so a vLLM dashboard or autoscaler works once its
+`vllm:` prefix reads `engine:`. Request-level figures (TTFT, inter-token latency, end-to-end,
+queue, prefill and decode times, token counts, successes by finish reason) are observed by the
+HTTP layer as requests run; engine-level figures (running / waiting requests, KV usage,
+prefix-cache queries and hits, preemptions, actor restarts, resubmissions) are read from
+`llm.stats()` at scrape time. Ours beside vLLM's: `engine:http_requests_total` (by endpoint and
+outcome), `engine:actor_restarts_total`, `engine:request_resubmissions_total`,
+`engine:stalled_stream_aborts_total`.
 """
 
 from __future__ import annotations
@@ -22,47 +27,102 @@ from prometheus_client.registry import Collector
 from engine.messages.admin import EngineStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+PREFIX = "engine:"
 
 _LATENCY_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
 )  # fmt: skip
+# vLLM's: 1, 2, 5 x powers of ten
+_TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(7) for m in (1, 2, 5))
+_REQUEST_BUCKETS = (
+    0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0,
+)  # fmt: skip
 
 
 class ServerMetrics:
-    def __init__(self, engine_stats: Callable[[], EngineStats]) -> None:
+    def __init__(self, engine_stats: Callable[[], EngineStats], model_name: str) -> None:
         disable_created_metrics()  # *_created series only add noise to every scrape
         self.registry = CollectorRegistry(auto_describe=True)
+        self.model_name = model_name
+        self.prompt_token_count = 0  # the same as the counters, for the periodic stats line
+        self.generation_token_count = 0
+        registry = self.registry
+        label = ["model_name"]
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(PREFIX + name, doc, label, buckets=buckets, registry=registry)
+
         self.requests = Counter(
-            "engine_requests",
+            PREFIX + "http_requests",
             "HTTP API requests by endpoint and outcome",
-            ["endpoint", "outcome"],
-            registry=self.registry,
+            ["model_name", "endpoint", "outcome"],
+            registry=registry,
         )
-        self.ttft = Histogram(
-            "engine_time_to_first_token_seconds",
+        self.request_success = Counter(
+            PREFIX + "request_success",
+            "Finished requests by finish reason (stop, length, abort)",
+            ["model_name", "finished_reason"],
+            registry=registry,
+        )
+        self.ttft = histogram(
+            "time_to_first_token_seconds",
             "Time from request arrival to its first output token",
-            buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
+            _LATENCY_BUCKETS,
         )
-        self.itl = Histogram(
-            "engine_inter_token_latency_seconds",
+        self.itl = histogram(
+            "inter_token_latency_seconds",
             "Time between successive output tokens of one sample",
-            buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
+            _LATENCY_BUCKETS,
         )
-        self.e2e = Histogram(
-            "engine_e2e_request_latency_seconds",
-            "Time from request arrival to its last token",
-            buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
+        self.tpot = histogram(
+            "time_per_output_token_seconds",
+            "A request's decode time divided by its output tokens after the first",
+            _LATENCY_BUCKETS,
+        )
+        self.e2e = histogram(
+            "e2e_request_latency_seconds", "Time from request arrival to its end", _REQUEST_BUCKETS
+        )
+        self.queue_time = histogram(
+            "request_queue_time_seconds",
+            "Time a request waited in the scheduler's queue before its first step",
+            _REQUEST_BUCKETS,
+        )
+        self.prefill_time = histogram(
+            "request_prefill_time_seconds",
+            "Time from a request's first step to its first token",
+            _REQUEST_BUCKETS,
+        )
+        self.decode_time = histogram(
+            "request_decode_time_seconds",
+            "Time from a request's first token to its last",
+            _REQUEST_BUCKETS,
+        )
+        self.request_prompt_tokens = histogram(
+            "request_prompt_tokens", "Prompt tokens of each finished request", _TOKEN_BUCKETS
+        )
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens",
+            "Tokens generated for each finished request (all its choices)",
+            _TOKEN_BUCKETS,
         )
         self.prompt_tokens = Counter(
-            "engine_prompt_tokens", "Prompt tokens of finished requests", registry=self.registry
+            PREFIX + "prompt_tokens", "Prompt tokens of finished requests", label, registry=registry
         )
         self.generation_tokens = Counter(
-            "engine_generation_tokens", "Tokens generated", registry=self.registry
+            PREFIX + "generation_tokens", "Tokens generated", label, registry=registry
         )
-        self.registry.register(_EngineStatsCollector(engine_stats))
+        self.registry.register(_EngineStatsCollector(engine_stats, model_name))
+
+    def count_request(self, endpoint: str, outcome: str) -> None:
+        self.requests.labels(self.model_name, endpoint, outcome).inc()
+
+    def add_prompt_tokens(self, count: int) -> None:
+        self.prompt_token_count += count
+        self.prompt_tokens.labels(self.model_name).inc(count)
+
+    def add_generation_tokens(self, count: int) -> None:
+        self.generation_token_count += count
+        self.generation_tokens.labels(self.model_name).inc(count)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -71,8 +131,9 @@ class ServerMetrics:
 class _EngineStatsCollector(Collector):
     """Reads the engine's live figures when Prometheus scrapes, so they are never stale."""
 
-    def __init__(self, engine_stats: Callable[[], EngineStats]) -> None:
+    def __init__(self, engine_stats: Callable[[], EngineStats], model_name: str) -> None:
         self._engine_stats = engine_stats
+        self._model_name = model_name
 
     def describe(self) -> list[Metric]:
         return []  # figures depend on a live engine; nothing to declare up front
@@ -82,21 +143,58 @@ class _EngineStatsCollector(Collector):
             stats = self._engine_stats()
         except Exception:  # a scrape must not fail because the engine is restarting
             return
+        model = [self._model_name]
         gauges = (
-            ("engine_requests_running", "Requests in the running batch", stats.num_running),
-            ("engine_requests_waiting", "Requests waiting to be scheduled", stats.num_waiting),
-            ("engine_kv_cache_usage_ratio", "Fraction of KV cache blocks in use", stats.kv_usage),
-            (
-                "engine_prefix_cache_hit_rate",
-                "Fraction of prompt tokens served from the prefix cache",
-                stats.prefix_cache_hit_rate,
-            ),
+            ("num_requests_running", "Requests in the running batch", stats.num_running),
+            ("num_requests_waiting", "Requests waiting to be scheduled", stats.num_waiting),
+            ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1)", stats.kv_usage),
         )
         for name, doc, value in gauges:
-            yield GaugeMetricFamily(name, doc, value=float(value))
+            gauge = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            gauge.add_metric(model, float(value))
+            yield gauge
+        counters = (
+            (
+                "prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache",
+                stats.prefix_cache_queried_tokens,
+            ),
+            (
+                "prefix_cache_hits",
+                "Prompt tokens found in the prefix cache",
+                stats.prefix_cache_hit_tokens,
+            ),
+            ("num_preemptions", "Sequences preempted (to be recomputed)", stats.num_preemptions),
+            (
+                "request_resubmissions",
+                "Requests resubmitted after an actor restart",
+                stats.resubmitted_requests,
+            ),
+            (
+                "stalled_stream_aborts",
+                "Requests aborted because their client stopped reading",
+                stats.stalled_stream_aborts,
+            ),
+        )
+        for name, doc, value in counters:
+            counter = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            counter.add_metric(model, float(value))
+            yield counter
         family = CounterMetricFamily(
-            "engine_actor_restarts", "Restarts of each actor", labels=["actor"]
+            PREFIX + "actor_restarts", "Restarts of each actor", labels=["model_name", "actor"]
         )
         for actor, count in sorted(stats.restarts.items()):
-            family.add_metric([actor], float(count))
+            family.add_metric([self._model_name, actor], float(count))
         yield family
+        labels = ["model_name", "actor", "ring"]
+        frames = CounterMetricFamily(
+            PREFIX + "ring_frames_sent", "Frames each actor wrote to each ring", labels=labels
+        )
+        sent = CounterMetricFamily(
+            PREFIX + "ring_bytes_sent", "Bytes each actor wrote to each ring", labels=labels
+        )
+        for row in stats.ring_traffic:
+            frames.add_metric([self._model_name, row.actor, row.ring], float(row.frames))
+            sent.add_metric([self._model_name, row.actor, row.ring], float(row.bytes))
+        yield frames
+        yield sent

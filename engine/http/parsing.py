@@ -6,8 +6,10 @@ input contract is testable without a server.
 
 from __future__ import annotations
 
+import json
 import secrets
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -15,10 +17,12 @@ import msgspec
 
 from engine.http.decoding import decode_request
 from engine.http.errors import ApiError
+from engine.http.output_controls import output_controls, refuse_unimplemented
 from engine.http.protocol import ChatCompletionRequest, ChatMessageIn, CompletionRequest
+from engine.http.tool_calls import ToolPlan, plan_tools, template_tools
 from engine.messages.params import SamplingParams
 
-CHAT_ROLES = ("system", "user", "assistant", "developer")
+CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
 MAX_TOP_LOGPROBS = 20
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -42,6 +46,14 @@ class PreparedRequest:
     stream: bool
     include_usage: bool
     want_logprobs: bool
+    return_token_ids: bool = False
+    # The client's id (X-Request-Id or the body's request_id): the engine request's id
+    client_request_id: str | None = None
+    echo: bool = False  # completions: the prompt (and its logprobs) before the completion
+    echo_only: bool = False  # max_tokens 0 with echo: the prompt alone, nothing generated
+    want_prompt_logprobs: bool = False  # vLLM's prompt_logprobs field in the response
+    tool_plan: ToolPlan | None = None  # chat: how the answer becomes tool calls
+    chat_template_kwargs: dict[str, Any] | None = None  # chat: variables for the template
 
     @property
     def n(self) -> int:
@@ -54,25 +66,39 @@ class PreparedRequest:
 
     def engine_request_id(self, prompt_index: int) -> str:
         """Each prompt of a batched completions request is its own engine request."""
+        base = self.client_request_id or self.request_id
         if len(self.prompts) == 1:
-            return self.request_id
-        return f"{self.request_id}-{prompt_index}"
+            return base
+        return f"{base}-{prompt_index}"
 
 
-def parse_completion(body: bytes, served_model: str) -> PreparedRequest:
+def parse_completion(body: bytes, served_model: str | Sequence[str]) -> PreparedRequest:
     req = decode_request(_COMPLETION_DECODER, body)
+    refuse_unimplemented(body)
     model = _check_model(req.model, served_model)
     prompts = _prompts_of(req.prompt)
-    if req.echo:
-        raise ApiError(400, "'echo' is not supported", param="echo")
+    if req.max_tokens == 0 and not req.echo:
+        raise ApiError(
+            400,
+            "'max_tokens' must be >= 1 (0 only scores the prompt, with 'echo': true)",
+            param="max_tokens",
+        )
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
         raise ApiError(
             400,
             f"'logprobs' must be an integer in [0, {MAX_TOP_LOGPROBS}], got {req.logprobs}",
             param="logprobs",
         )
+    # max_tokens 0 with echo (scoring, as lm-eval's loglikelihood asks): one token is
+    # generated, since a request ends with a sampled token, and left out of the response.
+    echo_only = req.echo and req.max_tokens == 0
     max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-    params = _sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs)
+    params = _sampling_params(req, max_tokens=1 if echo_only else max_tokens, logprobs=req.logprobs)
+    params = msgspec.structs.replace(params, **output_controls(req))
+    # Echoed logprobs cover the prompt's tokens too: ask for theirs with as many alternatives.
+    echoed = req.logprobs if req.echo else None
+    asked = [k for k in (req.prompt_logprobs, echoed) if k is not None]
+    params.prompt_logprobs = max(asked) if asked else None
     _validate(params, renames={})
     return PreparedRequest(
         kind="completion",
@@ -85,11 +111,17 @@ def parse_completion(body: bytes, served_model: str) -> PreparedRequest:
         stream=req.stream,
         include_usage=_include_usage(req),
         want_logprobs=req.logprobs is not None,
+        return_token_ids=req.return_token_ids,
+        client_request_id=req.request_id,
+        echo=req.echo,
+        echo_only=echo_only,
+        want_prompt_logprobs=req.prompt_logprobs is not None,
     )
 
 
-def parse_chat(body: bytes, served_model: str) -> PreparedRequest:
+def parse_chat(body: bytes, served_model: str | Sequence[str]) -> PreparedRequest:
     req = decode_request(_CHAT_DECODER, body)
+    refuse_unimplemented(body)
     model = _check_model(req.model, served_model)
     messages = [_message_dict(i, m) for i, m in enumerate(req.messages)]
     if not messages:
@@ -109,9 +141,16 @@ def parse_chat(body: bytes, served_model: str) -> PreparedRequest:
         max_tokens, length_field = req.max_tokens, "max_tokens"
     logprobs = (top or 0) if req.logprobs else None
     params = _sampling_params(req, max_tokens=max_tokens, logprobs=logprobs)
+    params.prompt_logprobs = req.prompt_logprobs
+    tool_plan, tool_constraint = plan_tools(req, parser=None)  # the parser: the server's
+    params = msgspec.structs.replace(params, **output_controls(req, tool_constraint))
     _validate(
         params, renames={"max_tokens": length_field or "max_tokens", "logprobs": "top_logprobs"}
     )
+    template_kwargs = dict(req.chat_template_kwargs or {})
+    tools = template_tools(req)
+    if tools is not None:
+        template_kwargs["tools"] = tools
     return PreparedRequest(
         kind="chat",
         request_id="chatcmpl-" + secrets.token_hex(12),
@@ -123,16 +162,24 @@ def parse_chat(body: bytes, served_model: str) -> PreparedRequest:
         stream=req.stream,
         include_usage=_include_usage(req),
         want_logprobs=req.logprobs,
+        return_token_ids=req.return_token_ids,
+        client_request_id=req.request_id,
+        want_prompt_logprobs=req.prompt_logprobs is not None,
+        tool_plan=tool_plan,
+        chat_template_kwargs=template_kwargs or None,
     )
 
 
-def _check_model(requested: str | None, served_model: str) -> str:
-    if requested is None or requested == served_model:
-        return served_model
+def _check_model(requested: str | None, served: str | Sequence[str]) -> str:
+    """The model name the response shows: the one asked for, any of the served names."""
+    names = [served] if isinstance(served, str) else list(served)
+    if requested is None:
+        return names[0]
+    if requested in names:
+        return requested
+    listed = ", ".join(f"'{name}'" for name in names)
     raise ApiError(
-        404,
-        f"model '{requested}' does not exist; this server serves '{served_model}'",
-        param="model",
+        404, f"model '{requested}' does not exist; this server serves {listed}", param="model"
     )
 
 
@@ -162,6 +209,11 @@ def _prompts_of(prompt: str | list[str | int | list[int]]) -> list[Prompt]:
     return prompts
 
 
+def chat_message_dicts(messages: list[ChatMessageIn]) -> list[dict[str, Any]]:
+    """Checked messages as the chat template takes them (also for /tokenize)."""
+    return [_message_dict(i, m) for i, m in enumerate(messages)]
+
+
 def _message_dict(index: int, message: ChatMessageIn) -> dict[str, Any]:
     where = f"messages[{index}]"
     if message.role not in CHAT_ROLES:
@@ -173,7 +225,7 @@ def _message_dict(index: int, message: ChatMessageIn) -> dict[str, Any]:
     role = "system" if message.role == "developer" else message.role
     content = message.content
     if content is None:
-        if role != "assistant":
+        if role != "assistant" and role != "tool":
             raise ApiError(400, f"'{where}.content' is required", param=f"{where}.content")
         text = ""
     elif isinstance(content, str):
@@ -190,7 +242,31 @@ def _message_dict(index: int, message: ChatMessageIn) -> dict[str, Any]:
                 )
             texts.append(part.text)
         text = "\n".join(texts)
-    return {"role": role, "content": text}
+    out: dict[str, Any] = {"role": role, "content": text}
+    out.update(tool_fields(where, message))
+    return out
+
+
+def tool_fields(where: str, message: ChatMessageIn) -> dict[str, Any]:
+    """A message's tool fields as chat templates read them: an assistant's calls (arguments
+    as objects, which templates serialize) and a tool message's call id."""
+    fields: dict[str, Any] = {}
+    if message.tool_calls:
+        calls = []
+        for j, call in enumerate(message.tool_calls):
+            try:
+                arguments = json.loads(call.function.arguments)
+            except json.JSONDecodeError:
+                field = f"{where}.tool_calls[{j}].function.arguments"
+                raise ApiError(400, f"'{field}' must be a JSON text", param=field) from None
+            function = {"name": call.function.name, "arguments": arguments}
+            calls.append({"id": call.id, "type": call.type, "function": function})
+        fields["tool_calls"] = calls
+    if message.tool_call_id is not None:
+        fields["tool_call_id"] = message.tool_call_id
+    if message.name is not None and message.role == "tool":
+        fields["name"] = message.name
+    return fields
 
 
 def _include_usage(req: CompletionRequest | ChatCompletionRequest) -> bool:

@@ -10,6 +10,8 @@ from typing import Annotated, Any
 
 import msgspec
 
+from engine.messages.params import StructuredOutputsParams
+
 # ---------------------------------------------------------------- requests
 
 # Integer bounds. JSON integers are unbounded and msgspec decodes them into Python ints, but
@@ -30,10 +32,56 @@ class TextPart(msgspec.Struct, kw_only=True):
     text: str | None = None
 
 
+class FunctionCallIn(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallIn(msgspec.Struct, kw_only=True):
+    id: str | None = None
+    type: str = "function"
+    function: FunctionCallIn
+
+
 class ChatMessageIn(msgspec.Struct, kw_only=True):
     role: str  # checked in parsing, so the error can list the roles accepted
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    name: str | None = None
+    description: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    type: str  # text | json_object | json_schema (checked in parsing, to name the choices)
+    json_schema: JsonSchemaFormat | None = None
+
+
+class FunctionDefinition(msgspec.Struct, kw_only=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolIn(msgspec.Struct, kw_only=True):
+    type: str = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(msgspec.Struct, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True):
+    type: str = "function"
+    function: NamedFunction
 
 
 class _SamplingFields(msgspec.Struct, kw_only=True):
@@ -60,6 +108,20 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # vLLM: return the prompt's and each choice's token ids; the request's id (or X-Request-Id)
+    return_token_ids: bool = False
+    request_id: str | None = None
+    prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' logprobs, this many top
+    # Output controls (engine/http/output_controls.py maps them onto SamplingParams)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_json: str | dict[str, Any] | None = None  # vLLM's older names of structured_outputs
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
+    allowed_token_ids: list[TokenId] | None = None
+    bad_words: list[str] | None = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -75,22 +137,43 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     max_completion_tokens: Count | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[ToolIn] | None = None
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 # ---------------------------------------------------------------- responses
+
+
+class PromptTokensDetails(msgspec.Struct, kw_only=True):
+    cached_tokens: int  # prompt tokens whose KV came from the prefix cache
 
 
 class Usage(msgspec.Struct, kw_only=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # Once the scheduler has reported the prompt's cache hits (UNSET: left out)
+    prompt_tokens_details: PromptTokensDetails | msgspec.UnsetType = msgspec.UNSET
 
 
 class CompletionLogprobs(msgspec.Struct, kw_only=True):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None: an echoed prompt's first token (nothing before it)
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+
+class PromptLogprob(msgspec.Struct, kw_only=True):
+    """vLLM's shape of one entry of `prompt_logprobs` (keyed by the token id, as a string)."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str
+
+
+PromptLogprobsOut = list[dict[str, PromptLogprob] | None]
 
 
 class CompletionChoice(msgspec.Struct, kw_only=True):
@@ -98,6 +181,11 @@ class CompletionChoice(msgspec.Struct, kw_only=True):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
+    stop_reason: str | int | None = None
+    # return_token_ids only (UNSET fields are left out of the JSON)
+    prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
+    token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
+    prompt_logprobs: PromptLogprobsOut | msgspec.UnsetType = msgspec.UNSET  # when asked for
 
 
 class CompletionResponse(msgspec.Struct, kw_only=True):
@@ -126,9 +214,29 @@ class ChatLogprobs(msgspec.Struct, kw_only=True):
     content: list[ChatTokenLogprob]
 
 
-class ChatMessageOut(msgspec.Struct, kw_only=True):
+class FunctionCallOut(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(msgspec.Struct, kw_only=True):
+    id: str
+    function: FunctionCallOut
+    type: str = "function"
+
+
+class ToolCallDelta(msgspec.Struct, kw_only=True):
+    index: int
+    id: str
+    function: FunctionCallOut
+    type: str = "function"
+
+
+class ChatMessageOut(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: str
-    content: str
+    content: str | None  # None (null) when the answer is tool calls
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(msgspec.Struct, kw_only=True):
@@ -136,6 +244,8 @@ class ChatChoice(msgspec.Struct, kw_only=True):
     message: ChatMessageOut
     logprobs: ChatLogprobs | None
     finish_reason: str | None
+    stop_reason: str | int | None = None
+    token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET  # return_token_ids only
 
 
 class ChatCompletionResponse(msgspec.Struct, kw_only=True):
@@ -145,11 +255,15 @@ class ChatCompletionResponse(msgspec.Struct, kw_only=True):
     choices: list[ChatChoice]
     usage: Usage
     object: str = "chat.completion"
+    prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET  # return_token_ids only
+    prompt_logprobs: PromptLogprobsOut | msgspec.UnsetType = msgspec.UNSET  # when asked for
 
 
 class ChatDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct, kw_only=True):
@@ -157,6 +271,8 @@ class ChatChunkChoice(msgspec.Struct, kw_only=True):
     delta: ChatDelta
     logprobs: ChatLogprobs | None
     finish_reason: str | None
+    stop_reason: str | int | None = None
+    token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET  # return_token_ids only
 
 
 class ChatCompletionChunk(msgspec.Struct, kw_only=True):
@@ -164,8 +280,10 @@ class ChatCompletionChunk(msgspec.Struct, kw_only=True):
     created: int
     model: str
     choices: list[ChatChunkChoice]
-    usage: Usage | None = None
+    # Only in the last chunk, and only with stream_options.include_usage (UNSET: left out)
+    usage: Usage | msgspec.UnsetType = msgspec.UNSET
     object: str = "chat.completion.chunk"
+    prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET  # return_token_ids only
 
 
 class CompletionChunk(msgspec.Struct, kw_only=True):
@@ -175,7 +293,7 @@ class CompletionChunk(msgspec.Struct, kw_only=True):
     created: int
     model: str
     choices: list[CompletionChoice]
-    usage: Usage | None = None
+    usage: Usage | msgspec.UnsetType = msgspec.UNSET  # as ChatCompletionChunk's
     object: str = "text_completion"
 
 

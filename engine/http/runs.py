@@ -10,18 +10,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from engine.http.errors import ApiError, outcome_of
 from engine.http.parsing import PreparedRequest
+from engine.http.protocol import Usage
 from engine.http.recording import RequestRecording
 from engine.http.responses import SSE_DONE, ResponseBuilder, sse_event
+from engine.messages.scheduling import FirstScheduled
 from engine.outputs import EngineError, RequestOutput
 
 if TYPE_CHECKING:
+    from engine.http.metrics import ServerMetrics
     from engine.http.state import ServerState
+
+log = logging.getLogger("engine.requests")
 
 # Detached abort tasks live here until done (the event loop keeps only weak references).
 _BACKGROUND: set[asyncio.Task[None]] = set()
@@ -39,13 +45,17 @@ class RequestRun:
         self.state = state
         self.prepared = prepared
         self.endpoint = endpoint
-        self.builder = ResponseBuilder(prepared)
+        server = state.settings.server
+        self.builder = ResponseBuilder(prepared, server.tool_call_parser, server.reasoning_parser)
         self.arrival = time.monotonic()
         self.arrival_wall = time.time()
         self._streams: list[AsyncIterator[RequestOutput]] = []
         self._finished: set[int] = set()
-        self._first_token_at: float | None = None
+        self.first_token_at: float | None = None
         self._last_token_at: dict[int, float] = {}
+        self.scheduling: dict[int, FirstScheduled] = {}  # per prompt, once reported
+        self.key = prepared.client_request_id or prepared.request_id  # X-Request-Id, /abort
+        state.runs[self.key] = self
         self.outcome = "aborted"
         self.status = 200  # the HTTP status answered; an engine refusal's otherwise
         self._counted = False
@@ -62,7 +72,12 @@ class RequestRun:
         p = self.prepared
         for i, prompt in enumerate(p.prompts):
             stream = self.state.llm.stream(
-                prompt, p.params, messages=p.messages, request_id=p.engine_request_id(i)
+                prompt,
+                p.params,
+                messages=p.messages,
+                request_id=p.engine_request_id(i),
+                chat_template=self.state.chat_template if p.messages is not None else None,
+                chat_template_kwargs=p.chat_template_kwargs,
             )
             self._streams.append(aiter(stream))
         results = await asyncio.gather(
@@ -89,6 +104,12 @@ class RequestRun:
             if isinstance(failure, StopAsyncIteration):
                 raise ApiError(500, "the engine ended the request without any output")
             raise failure
+        if p.echo:
+            for i, first in firsts:
+                prompt = p.prompts[i]
+                text = prompt if isinstance(prompt, str) else None
+                echoed = await self.state.tokens.echo(text, first.prompt_token_ids)
+                self.builder.echoed[i] = echoed
         return firsts
 
     # ------------------------------------------------------------ relaying
@@ -137,22 +158,26 @@ class RequestRun:
     def _observe(self, i: int, out: RequestOutput) -> None:
         now = time.monotonic()
         metrics = self.state.metrics
+        model = metrics.model_name
+        if out.scheduling is not None:
+            self.scheduling.setdefault(i, out.scheduling)
         for delta in out.outputs:
             count = len(delta.token_ids)
             if count == 0:
                 continue
-            metrics.generation_tokens.inc(count)
-            if self._first_token_at is None:
-                self._first_token_at = now
-                metrics.ttft.observe(now - self.arrival)
+            metrics.add_generation_tokens(count)
+            if self.first_token_at is None:
+                self.first_token_at = now
+                metrics.ttft.labels(model).observe(now - self.arrival)
             key = i * self.prepared.n + delta.index
             if self.recording is not None:
                 self.recording.tokens_delivered(key, delta.token_ids, now - self.arrival)
             last = self._last_token_at.get(key)
             if last is not None:
                 per_token = (now - last) / count
+                itl = metrics.itl.labels(model)
                 for _ in range(count):
-                    metrics.itl.observe(per_token)
+                    itl.observe(per_token)
             self._last_token_at[key] = now
         if out.finished:
             self._finished.add(i)
@@ -226,15 +251,19 @@ class RequestRun:
         if self._counted:
             return
         self._counted = True
+        if self.state.runs.get(self.key) is self:
+            del self.state.runs[self.key]
         now = time.monotonic()
         metrics = self.state.metrics
-        metrics.requests.labels(self.endpoint, self.outcome).inc()
+        metrics.count_request(self.endpoint, self.outcome)
         usage = self.builder.usage()
-        metrics.prompt_tokens.inc(usage.prompt_tokens)
-        if self.outcome == "success":
-            metrics.e2e.observe(now - self.arrival)
+        metrics.add_prompt_tokens(usage.prompt_tokens)
+        if self.status == 200:
+            observe_finished(metrics, self, now, usage)
+        if self.state.settings.server.enable_log_requests:
+            log_request(self, now, usage)
         if self.recording is not None and self.state.trace is not None:
-            first = self._first_token_at
+            first = self.first_token_at
             self.state.trace.submit(
                 self.recording.record(
                     self.prepared,
@@ -247,3 +276,65 @@ class RequestRun:
                     e2e=now - self.arrival,
                 )
             )
+
+
+def observe_finished(metrics: ServerMetrics, run: RequestRun, now: float, usage: Usage) -> None:
+    """The per-request histograms of a request that was served (not refused)."""
+    model = metrics.model_name
+    generated = usage.completion_tokens
+    metrics.request_prompt_tokens.labels(model).observe(usage.prompt_tokens)
+    metrics.request_generation_tokens.labels(model).observe(generated)
+    for choice in run.builder.choices:
+        if choice.finish_reason is not None:
+            metrics.request_success.labels(model, choice.finish_reason).inc()
+    if run.outcome == "success":
+        metrics.e2e.labels(model).observe(now - run.arrival)
+    for scheduling in run.scheduling.values():
+        metrics.queue_time.labels(model).observe(scheduling.queue_s)
+        metrics.prefill_time.labels(model).observe(scheduling.prefill_s)
+    if run.first_token_at is not None:
+        decode = now - run.first_token_at
+        metrics.decode_time.labels(model).observe(decode)
+        later_tokens = generated - run.prepared.num_choices
+        if later_tokens > 0:
+            metrics.tpot.labels(model).observe(decode / later_tokens)
+
+
+def log_request(run: RequestRun, now: float, usage: Usage) -> None:
+    """One line: id, prompt length, parameters, outcome, timings; the prompt cut at
+    server.max_log_len characters (unset: whole)."""
+    p = run.prepared
+    limit = run.state.settings.server.max_log_len
+    prompt = _prompt_text(run)
+    if limit is not None and len(prompt) > limit:
+        prompt = prompt[:limit] + "..."
+    ttft = "-" if run.first_token_at is None else f"{run.first_token_at - run.arrival:.3f}s"
+    params = p.params
+    log.info(
+        "request %s: %s status=%d outcome=%s prompt_tokens=%d completion_tokens=%d "
+        "ttft=%s e2e=%.3fs params=(n=%d max_tokens=%s temperature=%g top_p=%g top_k=%d "
+        "seed=%s stop=%r) prompt=%r",
+        run.key,
+        run.endpoint,
+        run.status,
+        run.outcome,
+        usage.prompt_tokens,
+        usage.completion_tokens,
+        ttft,
+        now - run.arrival,
+        params.n,
+        params.max_tokens,
+        params.temperature,
+        params.top_p,
+        params.top_k,
+        params.seed,
+        params.stop,
+        prompt,
+    )
+
+
+def _prompt_text(run: RequestRun) -> str:
+    p = run.prepared
+    if p.messages is not None:
+        return "\n".join(f"{m['role']}: {m['content']}" for m in p.messages)
+    return " | ".join(str(prompt) for prompt in p.prompts)

@@ -145,5 +145,5 @@ def _sum_over_keys(x: torch.Tensor) -> torch.Tensor:
     """Sum over the last dim (keys, a multiple of KEY_PAD) in an order that padding cannot change:
     each KEY_PAD keys summed alike (a reduction of fixed length), then the partial sums added one
     after the other (cumsum's running total), to which the all-padding tail adds exact zeros."""
-    partial = x.unflatten(-1, (-1, KEY_PAD)).sum(-1)
+    partial = x.view(*x.shape[:-1], -1, KEY_PAD).sum(-1)
     return partial.cumsum(-1)[..., -1]

@@ -36,6 +36,15 @@ class RequestRow(msgspec.Struct, kw_only=True):
     replica: int | None = None  # with data parallelism: the replica serving it
 
 
+class RingTraffic(msgspec.Struct, kw_only=True):
+    """What one actor (all its generations) has written to one of its outbound rings."""
+
+    actor: str
+    ring: str
+    frames: int
+    bytes: int
+
+
 class ReplicaRow(SchedulerFigures, kw_only=True):
     """One data-parallel replica: its state and load, and its scheduler's figures."""
 
@@ -57,3 +66,4 @@ class EngineStats(SchedulerFigures, kw_only=True):
     kv_cache_blocks: int
     replicas: list[ReplicaRow]
     draining: bool = False
+    ring_traffic: list[RingTraffic] = msgspec.field(default_factory=list)

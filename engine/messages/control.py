@@ -78,6 +78,9 @@ class Ready(msgspec.Struct, tag=True, array_like=True):
 class Heartbeat(msgspec.Struct, tag=True, array_like=True):
     seq: int
     decode_errors: int  # malformed frames dropped so far (all of the actor's channels)
+    # Written so far by this process, by outbound ring (logical name): frames and bytes
+    frames_sent: dict[str, int] = msgspec.field(default_factory=dict)
+    bytes_sent: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 class SwapDone(msgspec.Struct, tag=True, array_like=True):

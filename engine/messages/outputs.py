@@ -6,6 +6,7 @@ import msgspec
 
 from engine.messages.codec import Channel
 from engine.messages.failures import RequestFailed
+from engine.messages.scheduling import FirstScheduled
 
 
 class TokenLogprob(msgspec.Struct, array_like=True):
@@ -31,6 +32,11 @@ class SampleDeltaText(msgspec.Struct, array_like=True):
     text: str
     logprobs: list[SampleLogprobs] | None
     finish_reason: str | None
+    # What ended a "stop": the stop string matched or the stop token id; None for EOS or length.
+    stop_reason: str | int | None = None
+    first: FirstScheduled | None = None  # passed on from the scheduler's SampleDelta
+    # Logprobs of prompt tokens 1.., once per epoch when asked for (the scheduler's, named).
+    prompt_logprobs: list[SampleLogprobs] | None = None
 
 
 class PromptInfo(msgspec.Struct, array_like=True):

@@ -2,7 +2,52 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
+
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value
+
+
+class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A constraint on a completion's text, vLLM's StructuredOutputsParams: exactly one of a JSON
+    schema, any JSON object, a regular expression, a choice of strings or a grammar (Lark, or
+    GBNF as llama.cpp writes it)."""
+
+    json: str | dict[str, Any] | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    # vLLM's options. JSON is always generated without free whitespace (what
+    # disable_any_whitespace asks for); the others are refused, not silently ignored.
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+    def unsupported(self) -> list[str]:
+        """Options set that this engine does not implement."""
+        return [
+            name
+            for name, is_set in (
+                ("disable_additional_properties", self.disable_additional_properties),
+                ("whitespace_pattern", self.whitespace_pattern is not None),
+                ("structural_tag", self.structural_tag is not None),
+            )
+            if is_set
+        ]
+
+    def kinds(self) -> list[str]:
+        """The constraint's kinds that are set (valid: exactly one)."""
+        present = {
+            "json": self.json is not None,
+            "json_object": bool(self.json_object),
+            "regex": self.regex is not None,
+            "choice": self.choice is not None,
+            "grammar": self.grammar is not None,
+        }
+        return [name for name, is_set in present.items() if is_set]
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -24,7 +69,14 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs to return per token; 0 = sampled only
+    # Logprobs of the prompt's tokens (each given those before it), with this many top ones.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Token-level controls (vLLM's names), applied batch-wide in the sampler on worker rank 0.
+    structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words: list[str] | None = None  # never completed (tokenized by the worker, as vLLM)
 
     def validate(self) -> None:
         """Raise ValueError naming the offending field and its allowed range."""
@@ -70,6 +122,43 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             self.logprobs,
             "an integer in [0, 20]",
         )
+        _check(
+            self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+            "prompt_logprobs",
+            self.prompt_logprobs,
+            "an integer in [0, 20]",
+        )
+        if self.structured_outputs is not None:
+            kinds = self.structured_outputs.kinds()
+            _check(
+                len(kinds) == 1,
+                "structured_outputs",
+                kinds,
+                "exactly one of json, json_object, regex, choice, grammar",
+            )
+        for token_id, bias in (self.logit_bias or {}).items():
+            _check(token_id >= 0, "logit_bias", token_id, "keyed by token ids >= 0")
+            _check(
+                -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS,
+                "logit_bias",
+                bias,
+                f"values in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+            )
+        if self.allowed_token_ids is not None:
+            _check(
+                bool(self.allowed_token_ids) and min(self.allowed_token_ids) >= 0,
+                "allowed_token_ids",
+                self.allowed_token_ids,
+                "a non-empty list of token ids >= 0",
+            )
+        for word in self.bad_words or []:
+            _check(bool(word.strip()), "bad_words", word, "words that are not blank")
+
+    def max_token_id(self) -> int:
+        """The largest token id the request's controls name (-1: none); checked against the
+        vocabulary where it is known."""
+        named = [*(self.logit_bias or {}), *(self.allowed_token_ids or [])]
+        return max(named, default=-1)
 
     @property
     def greedy(self) -> bool:

@@ -19,6 +19,22 @@ from engine.messages.scheduling import AbortRequests, SampleResume
 class ChatMessage(msgspec.Struct, array_like=True):
     role: str
     content: str
+    # Tool calling: an assistant's calls ({"id", "type", "function": {"name", "arguments"}}),
+    # a tool message's call id and function name, as chat templates read them.
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    def template_fields(self) -> dict[str, Any]:
+        """The message as a chat template takes it, `content` aside."""
+        fields: dict[str, Any] = {"role": self.role}
+        if self.tool_calls is not None:
+            fields["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            fields["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            fields["name"] = self.name
+        return fields
 
 
 class ChatOptions(msgspec.Struct, array_like=True):

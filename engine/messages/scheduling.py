@@ -56,6 +56,16 @@ class StopSamples(msgspec.Struct, tag=True, array_like=True):
     indices: list[int]
 
 
+class FirstScheduled(msgspec.Struct, array_like=True):
+    """Sent once per request and epoch, with its first sampled token: how many prompt tokens
+    came from the prefix cache, and how long it waited and prefilled (seconds, scheduler clock).
+    """
+
+    num_cached_tokens: int
+    queue_s: float
+    prefill_s: float
+
+
 class SampleDelta(msgspec.Struct, array_like=True):
     """What one sample gained in one step.
 
@@ -70,6 +80,9 @@ class SampleDelta(msgspec.Struct, array_like=True):
     new_token_ids: list[int]
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked
     finish_reason: str | None = None
+    first: FirstScheduled | None = None  # on the request's first token of this epoch
+    # With the same first token, when the request asked for them: prompt tokens 1.. logprobs.
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class TokenBatch(msgspec.Struct, tag=True, array_like=True):

@@ -61,11 +61,21 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
     top_logprobs: list[float]
 
 
+class PromptLogprobs(msgspec.Struct, array_like=True):
+    """Logprobs of a sequence's prompt tokens at positions [first_position, first_position +
+    len(entries)), each given the tokens before it (vLLM's prompt_logprobs)."""
+
+    seq_id: int
+    first_position: int
+    entries: list[TokenLogprobs]
+
+
 class StepResult(msgspec.Struct, tag=True, array_like=True):
     step_id: int
     seq_ids: list[int]  # one entry per chunk with sample=True, in plan order
     token_ids: list[int]
     logprobs: list[TokenLogprobs] | None = None  # present when any sequence asked for logprobs
+    prompt_logprobs: list[PromptLogprobs] | None = None  # chunks of sequences that asked
 
 
 class WorkerFailed(msgspec.Struct, tag=True, array_like=True):

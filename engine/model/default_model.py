@@ -35,7 +35,7 @@ DEFAULT_MODEL_SPEC = CheckpointSpec(
     seed=0,
 )
 # Bump when the maker's output changes for the same spec, so caches rebuild.
-DEFAULT_MODEL_VERSION = 2
+DEFAULT_MODEL_VERSION = 3  # 3: the chat template renders tools (issue 15)
 
 
 def default_engine_home() -> Path:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 
 import torch
@@ -39,7 +39,9 @@ class PreparedStep:
 
     token_ids: torch.Tensor | None  # None: an empty step
     attention: AttentionMetadata | None
-    sample_rows: list[int]  # rows of the step's tokens whose logits are sampled
+    # Rows of the step's tokens whose logits are computed, in order: each sampled chunk's last
+    # token, and every token of the chunks asked for in full (prompt logprobs).
+    logit_rows: list[int]
 
 
 class ModelRunner:
@@ -137,19 +139,24 @@ class ModelRunner:
         return self.execute(self.prepare(chunks))
 
     @torch.inference_mode()
-    def prepare(self, chunks: Sequence[SeqChunk]) -> PreparedStep:
+    def prepare(self, chunks: Sequence[SeqChunk], every_row: Collection[int] = ()) -> PreparedStep:
         """A step's inputs, checked: everything that happens on this rank alone, before the
-        first collective (so a failure here can be agreed on by the ranks: engine/model/step)."""
+        first collective (so a failure here can be agreed on by the ranks: engine/model/step).
+        The chunks of the sequences in `every_row` get logits for every token, not only the
+        sampled last one (see PreparedStep.logit_rows)."""
         if not chunks:
             return PreparedStep(None, None, [])
         self._check(chunks)
         vocab = self.config.vocab_size
         token_ids: list[int] = []
-        sample_rows: list[int] = []
+        logit_rows: list[int] = []
         for chunk in chunks:
+            first = len(token_ids)
             token_ids += chunk.token_ids
-            if chunk.sample:
-                sample_rows.append(len(token_ids) - 1)
+            if chunk.seq_id in every_row:
+                logit_rows += range(first, len(token_ids))
+            elif chunk.sample:
+                logit_rows.append(len(token_ids) - 1)
         if min(token_ids) < 0 or max(token_ids) >= vocab:
             bad = next(t for t in token_ids if not 0 <= t < vocab)
             raise ValueError(f"token id {bad} is out of range; expected 0 <= id < {vocab}")
@@ -161,7 +168,7 @@ class ModelRunner:
             queries_per_kv=self.shape.queries_per_kv,
             device=self.device,
         )
-        return PreparedStep(long_tensor(token_ids).to(self.device), attention, sample_rows)
+        return PreparedStep(long_tensor(token_ids).to(self.device), attention, logit_rows)
 
     @torch.inference_mode()
     def execute(self, step: PreparedStep) -> torch.Tensor:
@@ -175,10 +182,10 @@ class ModelRunner:
             if threads != torch.get_num_threads():
                 torch.set_num_threads(threads)
         hidden = self.model(step.token_ids, step.attention, self.kv_cache)
-        if not step.sample_rows:
+        if not step.logit_rows:
             return empty
-        if len(step.sample_rows) < hidden.shape[0]:
-            hidden = hidden[long_tensor(step.sample_rows).to(self.device)]
+        if len(step.logit_rows) < hidden.shape[0]:
+            hidden = hidden[long_tensor(step.logit_rows).to(self.device)]
         logits = self.model.compute_logits(hidden)
         if logits is None:  # a rank other than 0: rank 0 has gathered the logits
             return empty

@@ -2,7 +2,9 @@
 
 Order of operations on each row (as vLLM does it):
   raw logits ──▶ logprobs (log-softmax of the raw logits, when asked for)
+             ──▶ allowed_token_ids ──▶ bad_words ──▶ logit_bias (token_controls.py)
              ──▶ repetition / presence / frequency penalties ──▶ min_tokens mask
+             ──▶ structured-output grammar bitmask (engine/structured)
              ──▶ greedy: argmax
              ──▶ random: / temperature ──▶ min_p ──▶ top_k ──▶ top_p ──▶ argmax(+ Gumbel noise)
 
@@ -23,6 +25,12 @@ import torch
 from engine.messages.params import SamplingParams
 from engine.messages.steps import TokenLogprobs
 from engine.model.step_inputs import SequenceStart
+from engine.model.token_controls import (
+    TokenControls,
+    apply_grammars,
+    apply_token_controls,
+)
+from engine.structured.grammars import GrammarService
 
 _M32 = 0xFFFFFFFF
 _MIN_TEMPERATURE = 1e-5  # below this, sampling is greedy (as vLLM)
@@ -30,10 +38,16 @@ _GROUP = 256  # vocabulary entries per group in the two-level Gumbel draw
 
 
 class _SeqState:
-    __slots__ = ("_prompt_mask", "banned_early", "has_penalties", "is_greedy", "output",
-                 "params", "prompt", "seed")  # fmt: skip
+    __slots__ = ("_prompt_mask", "banned_early", "controls", "has_penalties", "is_greedy",
+                 "output", "params", "prompt", "seed")  # fmt: skip
 
-    def __init__(self, new_seq: SequenceStart, eos_token_ids: list[int]) -> None:
+    def __init__(
+        self,
+        new_seq: SequenceStart,
+        eos_token_ids: list[int],
+        vocab_size: int,
+        grammars: GrammarService | None,
+    ) -> None:
         params = new_seq.params
         self.params = params
         self.seed = new_seq.seed & ((1 << 64) - 1)
@@ -51,6 +65,9 @@ class _SeqState:
             early += eos_token_ids
         self.banned_early = early
         self._prompt_mask: torch.Tensor | None = None  # built on first use
+        self.controls: TokenControls | None = None
+        if TokenControls.wanted(params):
+            self.controls = TokenControls(params, vocab_size, grammars)
 
     @property
     def position(self) -> int:
@@ -71,16 +88,21 @@ class _SeqState:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, eos_token_ids: list[int]) -> None:
+    def __init__(
+        self, vocab_size: int, eos_token_ids: list[int], grammars: GrammarService | None = None
+    ) -> None:
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be an integer >= 1, got {vocab_size!r}")
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
+        self.grammars = grammars  # None: requests with bad_words or structured_outputs fail
         self._seqs: dict[int, _SeqState] = {}
 
     def add(self, new_seq: SequenceStart) -> None:
         """Start tracking a sequence; a known one (re-announced after preemption) is replaced."""
-        self._seqs[new_seq.seq_id] = _SeqState(new_seq, self.eos_token_ids)
+        self._seqs[new_seq.seq_id] = _SeqState(
+            new_seq, self.eos_token_ids, self.vocab_size, self.grammars
+        )
 
     def remove(self, seq_ids: Iterable[int]) -> None:
         for seq_id in seq_ids:
@@ -100,9 +122,14 @@ class Sampler:
         states = self._states(seq_ids, logits)
         logits = logits[:, : self.vocab_size]
         want_logprobs = any(state.params.logprobs is not None for state in states)
-        if not want_logprobs and all(
-            state.is_greedy and not state.has_penalties and not state.min_tokens_pending()
-            for state in states
+        controlled = any(state.controls is not None for state in states)
+        if (
+            not want_logprobs
+            and not controlled
+            and all(
+                state.is_greedy and not state.has_penalties and not state.min_tokens_pending()
+                for state in states
+            )
         ):
             tokens = logits.argmax(dim=-1).tolist()
             self._record(states, tokens)
@@ -110,10 +137,16 @@ class Sampler:
 
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-        if any(state.has_penalties or state.min_tokens_pending() for state in states):
+        if controlled or any(state.has_penalties or state.min_tokens_pending() for state in states):
             logits = logits.clone()  # edited in place below; the caller's tensor stays intact
+            if controlled:
+                controls = [state.controls for state in states]
+                apply_token_controls(logits, controls, [state.output for state in states])
             _apply_penalties(logits, states, self.vocab_size)
             _apply_min_tokens(logits, states, self.vocab_size)
+            if controlled:
+                outputs = [state.output for state in states]
+                apply_grammars(logits, controls, outputs, self.grammars)
         random_rows = [row for row, state in enumerate(states) if not state.is_greedy]
         if len(random_rows) == len(states):
             chosen = _sample_random(logits, states)

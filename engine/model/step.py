@@ -28,9 +28,11 @@ import torch
 
 from engine.messages.steps import StepPlan, StepResult, TokenLogprobs, WorkerFailed
 from engine.model.parallel.group import CollectiveError
+from engine.model.prompt_scoring import PromptScoring
 from engine.model.runner import ModelRunner
 from engine.model.sampler import Sampler
 from engine.model.step_inputs import KnownSequences, SeqChunk, SequenceStart
+from engine.structured.grammars import GrammarService
 
 MAX_FAILED_STEPS = 3  # consecutive steps in which nothing succeeded: the worker is at fault
 
@@ -80,12 +82,21 @@ class StepExecutor:
         self.rank = rank  # only rank 0 samples and reports
         self.faults = faults or NoFaults()
         self._failed_steps = 0
+        config = runner.config
+        # Compiled grammars and the tokenizer outlive a scheduler restart (they depend only on
+        # the model); only rank 0 samples, so only it compiles.
+        self.grammars = (
+            GrammarService(runner.model_path, config.vocab_size, list(config.eos_token_ids))
+            if rank == 0
+            else None
+        )
         self.reset_sequences()
 
     def reset_sequences(self) -> None:
         """Forget every sequence (a restarted scheduler announces them all again)."""
         config = self.runner.config
-        self.sampler = Sampler(config.vocab_size, list(config.eos_token_ids))
+        self.sampler = Sampler(config.vocab_size, list(config.eos_token_ids), self.grammars)
+        self.scoring = PromptScoring()
         self.known = KnownSequences()
         self.faults.reset()
 
@@ -93,12 +104,14 @@ class StepExecutor:
         """The step's messages for the scheduler: WorkerFailed for sequences that could not be
         computed (if any), then the StepResult (none for a plan that only retires sequences)."""
         self.sampler.remove(plan.finished_seq_ids)
+        self.scoring.forget(plan.finished_seq_ids)
         self.faults.forget(plan.finished_seq_ids)
         starts, whole_chunks = self.known.apply(plan)
         failed: dict[int, str] = {}
         for new_seq in starts:
             try:
                 self.sampler.add(new_seq)
+                self.scoring.watch(new_seq)
                 self.faults.watch(new_seq)
             except Exception as exc:  # this sequence's parameters, not the step's
                 failed[new_seq.seq_id] = _describe(exc)
@@ -126,9 +139,10 @@ class StepExecutor:
         return messages
 
     def _compute(self, step_id: int, chunks: Sequence[SeqChunk]) -> StepResult:
+        every_row = self.scoring.every_row(chunks)
         try:
             self.faults.trip(chunks)
-            prepared = self.runner.prepare(chunks)
+            prepared = self.runner.prepare(chunks, every_row)
         except Exception as exc:
             self._agree(exc)
             raise
@@ -145,22 +159,29 @@ class StepExecutor:
                 f"collective: {_describe(exc)}"
             ) from exc
         try:  # only rank 0 has work here; the sampler records a token only once it succeeded
-            result = self._sample(step_id, chunks, logits)
+            result = self._sample(step_id, chunks, every_row, logits)
         except Exception as exc:
             self._agree(exc)
             raise
         self._agree(None)
         return result
 
-    def _sample(self, step_id: int, chunks: Sequence[SeqChunk], logits: torch.Tensor) -> StepResult:
+    def _sample(
+        self,
+        step_id: int,
+        chunks: Sequence[SeqChunk],
+        every_row: set[int],
+        logits: torch.Tensor,
+    ) -> StepResult:
         if self.rank != 0:  # tensor parallelism: the logits, and sampling, are rank 0's
             return StepResult(step_id, [], [], None)
         self.faults.trip_late(chunks)
+        logits, scored = self.scoring.split(chunks, every_row, logits)
         seq_ids = [chunk.seq_id for chunk in chunks if chunk.sample]
         if not seq_ids:
-            return StepResult(step_id, [], [], None)
+            return StepResult(step_id, [], [], None, scored or None)
         token_ids, logprobs = self.sampler.sample(seq_ids, logits)
-        return StepResult(step_id, seq_ids, token_ids, logprobs)
+        return StepResult(step_id, seq_ids, token_ids, logprobs, scored or None)
 
     def _agree(self, error: Exception | None) -> None:
         """Every rank learns whether any rank's part failed; then all fail, or none does."""
@@ -200,13 +221,14 @@ def _merge(step_id: int, parts: list[StepResult]) -> StepResult:
     """One StepResult from per-sequence ones (logprobs for all rows if any part has them)."""
     seq_ids = [seq_id for part in parts for seq_id in part.seq_ids]
     token_ids = [token_id for part in parts for token_id in part.token_ids]
+    scored = [scores for part in parts for scores in part.prompt_logprobs or []]
     if all(part.logprobs is None for part in parts):
-        return StepResult(step_id, seq_ids, token_ids, None)
+        return StepResult(step_id, seq_ids, token_ids, None, scored or None)
     logprobs: list[TokenLogprobs] = []
     for part in parts:
         # Rows of sequences that did not ask for logprobs are never read: placeholders do.
         logprobs += part.logprobs or [TokenLogprobs(0.0, [], []) for _ in part.seq_ids]
-    return StepResult(step_id, seq_ids, token_ids, logprobs)
+    return StepResult(step_id, seq_ids, token_ids, logprobs, scored or None)
 
 
 def _describe(exc: BaseException) -> str:

@@ -136,7 +136,9 @@ class BatchPlanner:
 
     def _admit(self, seq: SequenceState, budget: int) -> ScheduledChunk | None:
         block_size = self.kv.block_size
-        cache_hits = self.kv.cached_prefix(seq.hash_chain, seq.token_ids)
+        # A prompt to score is computed whole (a sibling computes the same, so sharing is fine).
+        scores = seq.request.scores_prompt
+        cache_hits = [] if scores else self.kv.cached_prefix(seq.hash_chain, seq.token_ids)
         shared = self._sibling_prefix(seq)
         prefix = shared if len(shared) > len(cache_hits) else cache_hits
         num_computed = len(prefix) * block_size

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import enum
+import logging
 
 import msgspec
 
 from engine.kv.block_table import BlockTable
 from engine.kv.prefix_cache import BlockHashChain
 from engine.messages.params import SamplingParams
-from engine.messages.steps import NewRequest, NewSeq
+from engine.messages.steps import NewRequest, NewSeq, PromptLogprobs, TokenLogprobs
 
 _MASK64 = (1 << 64) - 1
+
+log = logging.getLogger(__name__)
 
 
 def derive_seed(request_seed: int, index: int) -> int:
@@ -39,9 +42,10 @@ ENTRY_BYTES = 32  # the fixed fields of one NewRequest, NewSeq or PlannedChunk
 
 
 class Request:
-    __slots__ = ("announcement_bytes", "arrival", "epoch", "key", "known_to_workers",
-                 "num_preemptions", "params", "prompt_token_ids", "request_id", "samples",
-                 "seed", "worker_params")  # fmt: skip
+    __slots__ = ("announcement_bytes", "arrival", "epoch", "first_reported", "first_scheduled",
+                 "key", "known_to_workers", "num_cached_tokens", "num_preemptions", "params",
+                 "prompt_scores", "prompt_token_ids", "request_id", "samples", "seed",
+                 "worker_params")  # fmt: skip
 
     def __init__(
         self,
@@ -61,7 +65,14 @@ class Request:
         self.arrival = arrival
         self.key = key  # names the request to the workers
         self.num_preemptions = 0
+        # Taken when its first chunk is planned, reported with its first token (FirstScheduled).
+        self.first_scheduled: float | None = None
+        self.num_cached_tokens = 0  # prompt tokens whose KV came from the cache or a sibling
+        self.first_reported = False
         self.samples: dict[int, SequenceState] = {}  # unfinished samples by index
+        # Prompt logprobs by position, while they are to be computed and sent (with the first
+        # token of the epoch); None when not asked for, or already sent in an earlier epoch.
+        self.prompt_scores: dict[int, TokenLogprobs] | None = None
         # Stop strings are matched by the detokenizer: the workers never get them.
         self.worker_params = msgspec.structs.replace(params, stop=[])
         self.known_to_workers = False  # a plan announced it and none has retired it since
@@ -73,6 +84,31 @@ class Request:
 
     def announcement(self) -> NewRequest:
         return NewRequest(self.key, self.prompt_token_ids, self.worker_params)
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Its prompt logprobs are still to come: its prefill may not skip any prompt token
+        (no prefix-cache hits)."""
+        return self.prompt_scores is not None
+
+    def add_prompt_scores(self, scores: PromptLogprobs) -> None:
+        if self.prompt_scores is not None:
+            for offset, entry in enumerate(scores.entries):
+                self.prompt_scores[scores.first_position + offset] = entry
+
+    def take_prompt_scores(self) -> list[TokenLogprobs] | None:
+        """Once, with the epoch's first token: the logprobs of prompt tokens 1.. (token 0 has
+        none)."""
+        scores = self.prompt_scores
+        if scores is None:
+            return None
+        self.prompt_scores = None
+        positions = range(1, len(self.prompt_token_ids))
+        missing = [position for position in positions if position not in scores]
+        if missing:  # never expected: every prompt token of a scored prefill is computed
+            log.error("request %s: no prompt logprobs for positions %s", self.request_id, missing)
+            return None
+        return [scores[position] for position in positions]
 
 
 class SequenceState:

@@ -16,6 +16,7 @@ from typing import NamedTuple
 from engine.kv.block_manager import BlockManager
 from engine.messages.failures import RequestFailed
 from engine.messages.scheduling import (
+    FirstScheduled,
     RequestStatus,
     SampleDelta,
     SchedulerStats,
@@ -131,6 +132,8 @@ class Scheduler:
             self.planner.enqueue(seq)
         if not request.samples:
             del self._requests[request.request_id]
+        elif submit.params.prompt_logprobs is not None and not any(d for _, d in starts):
+            request.prompt_scores = {}  # none were delivered yet: compute them
         return None
 
     def abort(self, request_ids: Iterable[str]) -> None:
@@ -195,6 +198,9 @@ class Scheduler:
         sampled: set[int] = set()
         for chunk in chunks:
             seq = chunk.seq
+            if seq.request.first_scheduled is None:
+                seq.request.first_scheduled = self.clock()
+                seq.request.num_cached_tokens = chunk.start  # what admission found computed
             if seq.needs_announce:
                 if not seq.request.known_to_workers:
                     new_requests.append(seq.request.announcement())
@@ -258,6 +264,10 @@ class Scheduler:
                 self.kv.commit(
                     seq.block_table, seq.hash_chain, seq.token_ids, seq.num_computed_tokens
                 )
+        for scores in result.prompt_logprobs or []:
+            scored = self._seqs.get(scores.seq_id)
+            if scored is not None:
+                scored.request.add_prompt_scores(scores)
         logprobs = result.logprobs
         if logprobs is not None and len(logprobs) != len(result.seq_ids):
             log.warning("step %d: %d logprobs for %d tokens; dropping them",
@@ -279,11 +289,24 @@ class Scheduler:
                     [result.token_ids[position]],
                     [logprobs[position]] if wants_logprobs and logprobs is not None else None,
                     reason,
+                    self._first_report(seq.request),
+                    seq.request.take_prompt_scores(),
                 )
             )
             if reason is not None:
                 self._retire(seq)
         return TokenBatch(items)
+
+    def _first_report(self, request: Request) -> FirstScheduled | None:
+        if request.first_reported or request.first_scheduled is None:
+            return None
+        request.first_reported = True
+        now = self.clock()
+        return FirstScheduled(
+            request.num_cached_tokens,
+            request.first_scheduled - request.arrival,
+            now - request.first_scheduled,
+        )
 
     def take_outputs(self) -> TokenBatch | None:
         """Finishes decided outside a step (by `add`), if any; `update` includes them too."""

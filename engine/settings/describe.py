@@ -47,6 +47,8 @@ def format_value(key: str, value: Any) -> str:
         return "***"
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, tuple | list):
+        return ",".join(map(str, value)) if value else "none"
     return str(value)
 
 

@@ -7,6 +7,7 @@ setting, the value given and the allowed form.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import typing
@@ -18,7 +19,7 @@ import msgspec.inspect as mi
 
 from engine.settings.schema import SECTIONS
 
-Kind = Literal["int", "float", "bool", "str", "choice"]
+Kind = Literal["int", "float", "bool", "str", "choice", "list"]
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -39,6 +40,11 @@ _BYTE_UNITS = {
     "tb": 1000**4,
     "tib": 1 << 40,
 }
+# vLLM's human_readable_int: k/m/g/t = powers of 1000 (decimals allowed, "25.6k"),
+# K/M/G/T = powers of 1024 (whole numbers only, "32K" = 32768).
+_DECIMAL_SUFFIX = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY_SUFFIX = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+_HUMAN_INT_RE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)([kmgtKMGT])$")
 _BYTES_RE = re.compile(r"^\s*([0-9][0-9_]*(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -75,6 +81,8 @@ class FieldSpec:
         """The allowed form in words, e.g. 'an integer in [1, 1024]'."""
         if self.kind == "bool":
             text = "true or false"
+        elif self.kind == "list":
+            text = "a list of strings (JSON, comma-separated, or several words after the flag)"
         elif self.kind == "choice":
             text = "one of " + ", ".join(self.choices)
         elif self.kind == "str":
@@ -108,6 +116,10 @@ class FieldSpec:
                 raise ValueError(self._complaint(text)) from None
         elif self.kind == "choice":
             value = stripped.lower()
+        elif self.kind == "list":
+            value = _parse_list(stripped)
+            if value is None:
+                raise ValueError(self._complaint(text))
         else:
             value = text
         return self.check(value, shown=text)
@@ -119,6 +131,8 @@ class FieldSpec:
             if parsed is None:
                 raise ValueError(self._complaint(value))
             value = parsed
+        if self.kind == "list" and isinstance(value, str):  # TOML: one name for a list of one
+            value = [value]
         if self.kind == "float" and isinstance(value, float) and not math.isfinite(value):
             raise ValueError(self._complaint(value if shown is None else shown))
         try:
@@ -152,7 +166,29 @@ def _parse_int(text: str) -> int | None:
     try:
         return int(text, 10)
     except ValueError:
+        pass
+    match = _HUMAN_INT_RE.match(text)
+    if match is None:
         return None
+    number, suffix = match.groups()
+    if suffix in _DECIMAL_SUFFIX:
+        return int(float(number) * _DECIMAL_SUFFIX[suffix])
+    if "." in number:
+        return None  # as vLLM: no decimals with a binary suffix ("25.6K": say 25.6k)
+    return int(number) * _BINARY_SUFFIX[suffix]
+
+
+def _parse_list(text: str) -> list[str] | None:
+    """A JSON list of strings ('["*"]', as vLLM's flags take it) or comma-separated words."""
+    if text.startswith("["):
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return None
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            return None
+        return value
+    return [part.strip() for part in text.split(",") if part.strip()]
 
 
 def _parse_bytes(text: str) -> int | None:
@@ -202,6 +238,8 @@ def _spec_for(section: str, field: mi.Field, annotation: Any) -> FieldSpec:
         return FieldSpec(kind="choice", choices=tuple(str(v) for v in info.values), **common)
     if isinstance(info, mi.StrType):
         return FieldSpec(kind="str", min_length=info.min_length, **common)
+    if isinstance(info, mi.VarTupleType) and isinstance(info.item_type, mi.StrType):
+        return FieldSpec(kind="list", **common)
     raise TypeError(f"settings field {section}.{field.name}: unsupported type {info!r}")
 
 

@@ -7,6 +7,8 @@ names the setting, its source, the value given and the allowed form.
 
 from __future__ import annotations
 
+import difflib
+import json
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -59,7 +61,23 @@ FLAG_ALIASES: dict[str, str] = {
     "--max-request-bytes": "server.max_request_bytes",
     "--drain-timeout": "server.drain_timeout",
     "--record-trace": "server.record_trace",
+    "--tool-call-parser": "server.tool_call_parser",
+    "--reasoning-parser": "server.reasoning_parser",
     "--admin-socket": "admin.socket",
+    "--chat-template": "model.chat_template",
+    "--generation-config": "model.generation_config",
+    "--max-logprobs": "model.max_logprobs",
+    "--enforce-eager": "model.enforce_eager",
+    "--kv-cache-dtype": "cache.kv_cache_dtype",
+    "--uds": "server.uds",
+    "--root-path": "server.root_path",
+    "--enable-log-requests": "server.enable_log_requests",
+    "--max-log-len": "server.max_log_len",
+    "--disable-log-stats": "server.disable_log_stats",
+    "--allowed-origins": "server.allowed_origins",
+    "--allowed-methods": "server.allowed_methods",
+    "--allowed-headers": "server.allowed_headers",
+    "--allow-credentials": "server.allow_credentials",
     "--log-level": "runtime.log_level",
     "--engine-home": "runtime.engine_home",
 }
@@ -204,11 +222,18 @@ def _parse_flags(argv: list[str]) -> tuple[dict[str, Any], str | None]:
             continue
         target = _flag_target(flag)
         if target is None:
-            raise SettingsError(
-                f"unknown flag {flag}; see --help (every setting is also --section.field VALUE)"
-            )
+            raise SettingsError(unknown_flag_message(flag))
         spec, negated = target
-        if spec.kind == "bool" and not has_inline:
+        if spec.kind == "list" and not has_inline:
+            # As vLLM's nargs="+": every word up to the next flag ("--served-model-name a b")
+            words = []
+            while i < len(argv) and not argv[i].startswith("-"):
+                words.append(argv[i])
+                i += 1
+            if not words:
+                raise _fail(spec, f"flag {flag}", f"needs a value: {spec.expected()}")
+            text = words[0] if len(words) == 1 else json.dumps(words)
+        elif spec.kind == "bool" and not has_inline:
             # A boolean flag alone means true; a following true/false word is its value.
             if i < len(argv) and argv[i].strip().lower() in _TRUE | _FALSE:
                 text, i = argv[i], i + 1
@@ -226,6 +251,14 @@ def _parse_flags(argv: list[str]) -> tuple[dict[str, Any], str | None]:
             raise _fail(spec, f"flag {flag}", str(e)) from None
         out[spec.key] = (not value) if negated else value
     return out, config_path
+
+
+def unknown_flag_message(flag: str) -> str:
+    """One line naming the flag and the known flags closest to it."""
+    known = [*FLAG_ALIASES, *(spec.flag for spec in FIELDS.values()), "--config"]
+    close = difflib.get_close_matches(flag.replace("_", "-"), known, n=3, cutoff=0.6)
+    hint = f"; did you mean {' or '.join(close)}?" if close else ""
+    return f"unknown flag {flag}{hint} (see --help; every setting is also --section.field VALUE)"
 
 
 def _assemble(values: Mapping[str, Any]) -> Settings:

@@ -12,17 +12,18 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-# A byte count; in TOML, env and flags it may also be written "512MiB", "4GB", "1.5GiB".
-BYTES_UNIT = {"unit": "bytes"}
+from engine.settings.section import BYTES_UNIT
+from engine.settings.section import Section as _Section
+from engine.settings.server_schema import ServerSettings
+
+__all__ = ["BYTES_UNIT", "ServerSettings"]  # re-exported: the schema's names live here
+
 
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]
 Device = Literal["auto", "cpu", "cuda"]
 KernelBackendName = Literal["auto", "torch", "triton"]
+KvCacheDtype = Literal["auto"]
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
-
-
-class _Section(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    pass
 
 
 class ModelSettings(_Section, frozen=True):
@@ -31,9 +32,37 @@ class ModelSettings(_Section, frozen=True):
         Meta(description="checkpoint directory (HF layout); unset = the built-in demo model"),
     ] = None
     served_name: Annotated[
+        tuple[str, ...],
+        Meta(
+            description="model names clients may send (the first is shown); unset = the "
+            "--model value as given"
+        ),
+    ] = ()
+    chat_template: Annotated[
         str | None,
-        Meta(description="model name clients send and see; unset = derived from the path"),
+        Meta(
+            description="chat template for requests that bring none: a file path or the "
+            "template itself; unset = the model's"
+        ),
     ] = None
+    generation_config: Annotated[
+        str,
+        Meta(
+            min_length=1,
+            description="sampling defaults: auto = the model's generation_config.json, vllm = "
+            "none, or a directory holding a generation_config.json; request fields win",
+        ),
+    ] = "auto"
+    max_logprobs: Annotated[
+        int, Meta(ge=0, le=20, description="most logprobs / top_logprobs a request may ask for")
+    ] = 20
+    enforce_eager: Annotated[
+        bool,
+        Meta(
+            description="accepted for vLLM compatibility; no effect: the engine captures no "
+            "CUDA graphs (nor anything on CPU)"
+        ),
+    ] = False
     dtype: Annotated[
         Dtype, Meta(description="weight/activation dtype; auto = checkpoint's (float32 on CPU)")
     ] = "auto"
@@ -97,6 +126,10 @@ class CacheSettings(_Section, frozen=True):
     enable_prefix_caching: Annotated[
         bool, Meta(description="reuse KV blocks of identical prompt prefixes")
     ] = True
+    kv_cache_dtype: Annotated[
+        KvCacheDtype,
+        Meta(description="KV cache element type; auto = the model's dtype (the only one yet)"),
+    ] = "auto"
 
 
 class SchedulerSettings(_Section, frozen=True):
@@ -185,64 +218,6 @@ class ParallelSettings(_Section, frozen=True):
             "join before failing; the group then restarts",
         ),
     ] = 300.0
-
-
-class ServerSettings(_Section, frozen=True):
-    host: Annotated[str, Meta(min_length=1, description="address the HTTP server binds")] = (
-        "127.0.0.1"
-    )
-    port: Annotated[
-        int, Meta(ge=0, le=65535, description="HTTP port; 0 = any free port (printed at start)")
-    ] = 8000
-    api_key: Annotated[
-        str | None,
-        Meta(description="require 'Authorization: Bearer KEY' (also env ENGINE_API_KEY)"),
-    ] = None
-    max_request_bytes: Annotated[
-        int, Meta(ge=1, description="largest request body accepted (bigger: 413)", extra=BYTES_UNIT)
-    ] = 4 * 1024 * 1024
-    drain_timeout: Annotated[
-        float, Meta(ge=0.0, description="seconds in-flight requests get to finish on shutdown")
-    ] = 30.0
-    record_trace: Annotated[
-        str | None,
-        Meta(description="append each request's arrival, sizes and timings to this .jsonl file"),
-    ] = None
-    stream_buffer: Annotated[
-        int,
-        Meta(
-            ge=1,
-            description="outputs buffered per request for a client that is not reading; more "
-            "are merged into the last one",
-        ),
-    ] = 64
-    stalled_stream_timeout: Annotated[
-        float,
-        Meta(
-            gt=0.0,
-            description="seconds a client may leave a full stream buffer unread before its "
-            "request is aborted",
-        ),
-    ] = 60.0
-    allow_special_tokens_in_chat: Annotated[
-        bool,
-        Meta(
-            description="tokenize special tokens written in chat message contents as control "
-            "tokens (trusted clients only); off: as plain text",
-        ),
-    ] = False
-    header_timeout: Annotated[
-        float,
-        Meta(
-            gt=0.0,
-            description="seconds a connection gets to send a complete request head; then "
-            "it is answered 408 and closed",
-        ),
-    ] = 10.0
-    max_connections: Annotated[
-        int,
-        Meta(ge=1, description="open HTTP connections; one more is answered 503 and closed"),
-    ] = 2048
 
 
 class AdminSettings(_Section, frozen=True):

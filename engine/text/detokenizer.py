@@ -44,10 +44,13 @@ class DetokenizerOutput(NamedTuple):
 
 
 class _RequestText:
-    __slots__ = ("epoch", "streams")
+    __slots__ = ("epoch", "prompt_token_ids", "streams")
 
-    def __init__(self, epoch: int, streams: dict[int, SampleTextStream]) -> None:
+    def __init__(
+        self, epoch: int, prompt_token_ids: list[int], streams: dict[int, SampleTextStream]
+    ) -> None:
         self.epoch = epoch
+        self.prompt_token_ids = prompt_token_ids  # names the tokens of prompt logprobs
         self.streams = streams
 
 
@@ -103,7 +106,9 @@ class Detokenizer:
                 )
                 for index, delivered in starts.items()
             }
-            self._requests[submit.request_id] = _RequestText(submit.epoch, streams)
+            self._requests[submit.request_id] = _RequestText(
+                submit.epoch, submit.prompt_token_ids, streams
+            )
         return PromptInfo(submit.request_id, submit.epoch, submit.prompt_token_ids)
 
     def abort(self, request_ids: Iterable[str]) -> None:
@@ -149,6 +154,10 @@ class Detokenizer:
         if item.logprobs is not None:
             pairs = zip(item.logprobs, item.new_token_ids, strict=False)
             logprobs = [self._logprobs(entry, token_id) for entry, token_id in pairs]
+        prompt_logprobs = None
+        if item.prompt_logprobs is not None:
+            pairs = zip(item.prompt_logprobs, request.prompt_token_ids[1:], strict=False)
+            prompt_logprobs = [self._logprobs(entry, token_id) for entry, token_id in pairs]
         samples.append(
             SampleDeltaText(
                 item.request_id,
@@ -158,6 +167,9 @@ class Detokenizer:
                 text,
                 logprobs,
                 finish_reason,
+                stream.stop_reason,
+                item.first,
+                prompt_logprobs,
             )
         )
         if finish_reason is None:

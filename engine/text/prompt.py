@@ -11,8 +11,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from engine.admission import check_prompt_length
-from engine.messages.requests import ChatOptions, GenerateRequest
+from engine.admission import check_prompt_length, check_token_ids_named
+from engine.messages.requests import ChatMessage, ChatOptions, GenerateRequest
 
 # Stands in for a special token found in a chat content while the template renders: private-use
 # code points no template writes, numbered so each one maps back to the text it replaced.
@@ -43,17 +43,17 @@ class PromptBuilder:
             token_ids = request.prompt_token_ids
             self._check_ids(token_ids)
         elif request.messages is not None:
-            messages = [(m.role, m.content) for m in request.messages]
-            token_ids = self._chat_token_ids(messages, request.chat or ChatOptions())
+            token_ids = self.chat_token_ids(request.messages, request.chat or ChatOptions())
         elif request.prompt is not None:
             token_ids = self.tokenizer.encode(request.prompt)
         else:
             raise ValueError("a request needs a prompt, prompt token ids or messages")
         max_tokens = request.params.max_tokens if request.resume is None else None
         check_prompt_length(len(token_ids), max_tokens, self.max_model_len)
+        check_token_ids_named(request.params, self.vocab_size)
         return list(token_ids)
 
-    def _chat_token_ids(self, messages: list[tuple[str, str]], chat: ChatOptions) -> list[int]:
+    def chat_token_ids(self, messages: list[ChatMessage], chat: ChatOptions) -> list[int]:
         literals: list[str] = []  # special-token text taken out of contents, by placeholder
 
         def shield(content: str) -> str:
@@ -66,7 +66,10 @@ class PromptBuilder:
 
             return self._special_re.sub(swap, content)
 
-        conversation = [{"role": role, "content": shield(content)} for role, content in messages]
+        conversation = [
+            {**message.template_fields(), "content": shield(message.content)}
+            for message in messages
+        ]
         rendered = self.tokenizer.apply_chat_template(
             conversation,
             chat_template=chat.template,

@@ -17,6 +17,7 @@ class StopStrings:
         self.include_in_output = include_in_output
         longest = max((len(stop) for stop in self.stops), default=0)
         self.hold_back = 0 if include_in_output or not longest else longest - 1
+        self.matched: str | None = None  # the stop string the last cut found
 
     def find_cut(self, text: str, new_from: int) -> int | None:
         """Where to cut `text` if a stop string ends in `text[new_from:]` (the part just added).
@@ -24,14 +25,14 @@ class StopStrings:
         Of several, the one ending first wins (what a character-by-character stream would see);
         at the same end, the longer one.
         """
-        best: tuple[int, int] | None = None  # (end, -start)
+        best: tuple[int, int, str] | None = None  # (end, -start, stop)
         for stop in self.stops:
             start = text.find(stop, max(0, new_from - len(stop) + 1))
             if start != -1:
-                candidate = (start + len(stop), -start)
-                if best is None or candidate < best:
+                candidate = (start + len(stop), -start, stop)
+                if best is None or candidate[:2] < best[:2]:
                     best = candidate
         if best is None:
             return None
-        end, negative_start = best
+        end, negative_start, self.matched = best
         return end if self.include_in_output else -negative_start

@@ -29,9 +29,12 @@ class SampleTextStream:
             tokenizer, prompt_token_ids, params.skip_special_tokens
         )
         self._stops = StopStrings(params.stop, params.include_stop_str_in_output)
+        self._stop_token_ids = frozenset(params.stop_token_ids)
         self.text = ""  # decoded so far (cut at the stop string once one is found)
         self.sent = 0  # characters of `text` the client has
         self.finish_reason: str | None = None
+        # vLLM's stop_reason: the stop string matched or the stop token id; None for EOS/length.
+        self.stop_reason: str | int | None = None
         for token_id in delivered_token_ids:
             if self._append(token_id):
                 break
@@ -61,6 +64,12 @@ class SampleTextStream:
             self._add_text(self._detokenizer.flush())
             if not self.finished:
                 self.finish_reason = finish_reason
+                if (
+                    finish_reason == "stop"
+                    and token_ids[-1:]
+                    and token_ids[-1] in self._stop_token_ids
+                ):
+                    self.stop_reason = token_ids[-1]
         new_text = self.text[self.sent : self._releasable()]
         self.sent += len(new_text)
         return new_text
@@ -79,6 +88,7 @@ class SampleTextStream:
             return False
         self.text = self.text[:cut]
         self.finish_reason = "stop"
+        self.stop_reason = self._stops.matched
         return True
 
     def _releasable(self) -> int:

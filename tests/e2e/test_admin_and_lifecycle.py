@@ -105,9 +105,12 @@ def test_admin_abort_ends_a_running_request(server: Server) -> None:
 def aborted_count(server: Server) -> float:
     with server.http() as http:
         text = http.get("/metrics").text
-    pattern = r'engine_requests_total\{endpoint="completions",outcome="aborted"\} ([0-9.]+)'
-    match = re.search(pattern, text)
-    return float(match.group(1)) if match else 0.0
+    for labels, value in re.findall(
+        r"^engine:http_requests_total\{([^}]*)\} ([0-9.]+)$", text, re.M
+    ):
+        if 'endpoint="completions"' in labels and 'outcome="aborted"' in labels:
+            return float(value)
+    return 0.0
 
 
 def test_disconnect_mid_stream_aborts_and_frees_blocks(server: Server) -> None:
@@ -177,7 +180,8 @@ def test_sigterm_drains_in_flight_and_leaves_nothing(model_args: list[str], tmp_
         assert out["first"].wait(60)
         srv.proc.send_signal(signal.SIGTERM)
         with srv.http() as http:
-            wait_until(lambda: http.get("/health").status_code == 503, timeout=30)
+            wait_until(lambda: http.get("/ready").status_code == 503, timeout=30)
+            assert http.get("/health").status_code == 200  # alive while it drains
             refused = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
         assert refused.status_code == 503 and refused.json()["error"]["type"] == "server_error"
         thread.join(60)

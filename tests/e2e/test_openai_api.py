@@ -167,14 +167,14 @@ def test_health_version_metrics(server: Server) -> None:
         assert http.get("/version").json()["version"]
         text = http.get("/metrics").text
     for name in (
-        "engine_requests_total",
-        "engine_time_to_first_token_seconds_bucket",
-        "engine_inter_token_latency_seconds_bucket",
-        "engine_e2e_request_latency_seconds_bucket",
-        "engine_requests_running",
-        "engine_requests_waiting",
-        "engine_kv_cache_usage_ratio",
-        "engine_prefix_cache_hit_rate",
+        "engine:http_requests_total",
+        "engine:time_to_first_token_seconds_bucket",
+        "engine:inter_token_latency_seconds_bucket",
+        "engine:e2e_request_latency_seconds_bucket",
+        "engine:num_requests_running",
+        "engine:num_requests_waiting",
+        "engine:kv_cache_usage_perc",
+        "engine:prefix_cache_hits_total",
     ):
         assert name in text, name
     assert 'outcome="success"' in text

@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import Callable, Iterator
 
 import pytest
+import torch
 
 from engine import LLM, AsyncLLM, EngineError, RequestOutput, SamplingParams
 from engine.llm import build_settings
@@ -196,3 +197,30 @@ async def _stats_when(
             return stats
         await asyncio.sleep(0.02)
     raise AssertionError(f"no scheduler report met the condition within {timeout}s: {stats}")
+
+
+def test_prompt_logprobs_match_transformers_even_on_a_cached_prefix(
+    llm: LLM, model_path: str
+) -> None:
+    from tests.hf_reference import hf_logits
+
+    prompt = [3 + (7 * i) % 400 for i in range(45)]
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=3)
+    first, again = llm.generate([prompt, prompt], params)  # the second may hit the prefix cache
+    reference = torch.log_softmax(hf_logits(model_path, prompt), dim=-1)
+    for output in (first, again):
+        scores = output.prompt_logprobs
+        assert scores is not None and len(scores) == len(prompt) and scores[0] is None
+        for position, entry in enumerate(scores[1:], start=1):
+            assert entry is not None and entry.token_id == prompt[position]
+            expected = reference[position - 1]
+            assert abs(entry.logprob - float(expected[prompt[position]])) < 1e-4
+            assert [top.token_id for top in entry.top] == expected.topk(3).indices.tolist()
+    plain = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0))[0]
+    assert plain.prompt_logprobs is None
+
+
+def test_prompt_logprobs_out_of_range_are_refused(llm: LLM) -> None:
+    with pytest.raises(EngineError, match="prompt_logprobs must be an integer in") as error:
+        llm.generate(["x"], SamplingParams(prompt_logprobs=21))
+    assert error.value.status == 400 and error.value.param == "prompt_logprobs"

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.admission import check_params, check_prompt_size, check_queue
-from engine.messages.params import SamplingParams
+from engine.admission import check_params, check_prompt_size, check_queue, check_token_ids_named
+from engine.messages.params import SamplingParams, StructuredOutputsParams
 from engine.outputs import EngineError
 from engine.settings.schema import LimitsSettings
 
@@ -70,3 +70,31 @@ def test_prompts_that_could_never_fit_are_refused_before_tokenizing() -> None:
             check_prompt_size(prompt, ids, contents, LIMITS, MAX_MODEL_LEN)
         assert caught.value.status == 400 and caught.value.param == param
         assert str(MAX_MODEL_LEN) in caught.value.message
+
+
+def test_a_constraint_that_cannot_be_enforced_is_refused_before_any_compute() -> None:
+    for spec, problem in (
+        (StructuredOutputsParams(json={"type": "nonsense"}), "nonsense"),
+        (StructuredOutputsParams(regex="(ab"), "unclosed group"),
+        (StructuredOutputsParams(grammar="root ::= missing"), "missing"),
+        (StructuredOutputsParams(regex="a", choice=["a"]), "exactly one"),
+        (StructuredOutputsParams(regex="a", structural_tag="{}"), "structural_tag"),
+    ):
+        error = refusal(structured_outputs=spec)
+        assert error.status == 400 and error.param == "structured_outputs"
+        assert problem in error.message
+    check_params(
+        SamplingParams(structured_outputs=StructuredOutputsParams(choice=["x"])),
+        LIMITS,
+        MAX_MODEL_LEN,
+    )
+
+
+def test_token_controls_are_checked_against_their_ranges_and_the_vocabulary() -> None:
+    assert refusal(logit_bias={3: 101.0}).param == "logit_bias"
+    assert refusal(allowed_token_ids=[]).param == "allowed_token_ids"
+    assert refusal(bad_words=["  "]).param == "bad_words"
+    with pytest.raises(EngineError) as error:
+        check_token_ids_named(SamplingParams(allowed_token_ids=[1, 600]), 512)
+    assert error.value.param == "allowed_token_ids" and "600" in error.value.message
+    check_token_ids_named(SamplingParams(logit_bias={511: 1.0}), 512)

@@ -282,3 +282,19 @@ def test_aborts_rejections_and_logprobs(tokenizer: PreTrainedTokenizerFast) -> N
 
 def test_engine_text_does_not_import_torch() -> None:
     assert imported_after("import engine.text", ("torch",)) == []
+
+
+def test_stop_reason_names_the_stop_string_or_stop_token_and_is_none_otherwise(
+    tokenizer: PreTrainedTokenizerFast,
+) -> None:
+    ids = encode(tokenizer, "the quick brown fox jumps over the lazy dog")
+    by_string = SampleTextStream(tokenizer, [], SamplingParams(stop=["lazy", "fox"]))
+    by_string.push(ids)
+    assert (by_string.finish_reason, by_string.stop_reason) == ("stop", "fox")
+    by_token = SampleTextStream(tokenizer, [], SamplingParams(stop_token_ids=[ids[3]]))
+    by_token.push(ids[:4], "stop")
+    assert (by_token.finish_reason, by_token.stop_reason) == ("stop", ids[3])
+    for reason in ("stop", "length"):  # EOS (a "stop" by no stop token of the request), length
+        plain = SampleTextStream(tokenizer, [], SamplingParams(stop_token_ids=[ids[0]]))
+        plain.push(ids[1:4], reason)
+        assert (plain.finish_reason, plain.stop_reason) == (reason, None)

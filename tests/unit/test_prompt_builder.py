@@ -3,12 +3,13 @@ text, so a user cannot close their turn and forge a system turn (unless the depl
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
 
 from engine.messages.params import SamplingParams
-from engine.messages.requests import ChatMessage, GenerateRequest
+from engine.messages.requests import ChatMessage, ChatOptions, GenerateRequest
 from engine.outputs import EngineError
 from engine.text.hf_tokenizer import load_tokenizer_without_torch
 from engine.text.prompt import PromptBuilder
@@ -73,3 +74,23 @@ def test_a_prompt_that_leaves_no_room_for_max_tokens_names_max_tokens(tokenizer:
     with pytest.raises(EngineError) as caught:
         builder.build(request)
     assert caught.value.param == "max_tokens" and "9 exceeds max_model_len 8" in str(caught.value)
+
+
+def test_tools_calls_and_results_reach_the_chat_template(tokenizer: Any) -> None:
+    builder = PromptBuilder(tokenizer, max_model_len=1024, vocab_size=len(tokenizer))
+    call = {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": {"q": 1}}}
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {}}}]
+    request = GenerateRequest(
+        "r", 0, SamplingParams(max_tokens=4), 1,
+        messages=[
+            ChatMessage("user", "find it"),
+            ChatMessage("assistant", "", tool_calls=[call]),
+            ChatMessage("tool", "found: 42", tool_call_id="c1"),
+        ],
+        chat=ChatOptions(template_kwargs={"tools": tools}),
+    )  # fmt: skip
+    text = tokenizer.decode(builder.build(request))
+    signatures = text.split("<tools>\n", 1)[1].split("\n</tools>", 1)[0]
+    assert json.loads(signatures) == tools[0]
+    assert '<tool_call>\n{"name": "lookup", "arguments": {"q": 1}}\n</tool_call>' in text
+    assert "<tool_response>\nfound: 42\n</tool_response>" in text

@@ -164,7 +164,6 @@ def test_unknown_request_fields_are_ignored() -> None:
         (body(prompt="x", stream="yes"), "stream", "Expected `bool`"),
         (body(prompt="x", stream_options={"include_usage": 1}), "stream_options.include_usage", ""),
         (body(prompt="x", stop_token_ids=["a"]), "stop_token_ids[0]", ""),
-        (body(prompt="x", echo=True), "echo", "not supported"),
     ],
 )
 def test_bad_completion_requests_name_the_field(

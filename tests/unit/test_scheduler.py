@@ -587,3 +587,36 @@ def test_random_workloads_produce_exactly_the_reference_tokens(trial: int) -> No
             assert got == tokens, (request_id, index)
             assert (request_id, index) in outputs.finish
     assert_no_state_left(scheduler, worker)
+
+
+def test_the_first_token_reports_cache_hits_queue_and_prefill_time_once() -> None:
+    now = [100.0]
+    config = SchedulerConfig(
+        num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=32,
+        max_model_len=64, eos_token_ids=[EOS],
+    )  # fmt: skip
+    scheduler, worker = Scheduler(config, clock=lambda: now[0]), ReferenceWorker(4)
+    system = list(range(1, 13))  # three full blocks
+    scheduler.add(submit("first", [*system, 50], max_tokens=1))
+    run_to_end(scheduler, worker)
+    scheduler.add(submit("second", [*system, 60], max_tokens=3, n=2))
+    now[0] = 101.5  # it waited 1.5 s before its first step
+    plan = scheduler.schedule()
+    assert plan is not None
+    now[0] = 102.0  # and prefilled for 0.5 s
+    first = scheduler.update(worker.run(plan)).items
+    reports = [item.first for item in first if item.first is not None]
+    assert len(reports) == 1  # one per request, on its first token, whatever n
+    assert reports[0].num_cached_tokens == 12
+    assert (reports[0].queue_s, reports[0].prefill_s) == (1.5, 0.5)
+    rest = []
+    while (plan := scheduler.schedule()) is not None:
+        result = worker.run(plan)
+        if plan.chunks:
+            rest += scheduler.update(result).items
+    assert len(rest) == 4 and all(item.first is None for item in rest)  # 2 x 2 more tokens
+    scheduler.add(submit("third", [*system, 70], max_tokens=2))
+    plan = scheduler.schedule()
+    assert plan is not None
+    items = scheduler.update(worker.run(plan)).items
+    assert [item.first.num_cached_tokens for item in items if item.first] == [12]

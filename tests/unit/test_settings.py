@@ -80,7 +80,7 @@ def test_vllm_style_aliases_reach_their_settings() -> None:
         "--no-enable-prefix-caching",
     ]
     s, sources = load_settings(argv, {})
-    assert (s.model.path, s.model.served_name, s.model.max_model_len) == ("/ckpt", "tiny", 512)
+    assert (s.model.path, s.model.served_name, s.model.max_model_len) == ("/ckpt", ("tiny",), 512)
     assert (s.parallel.tensor_parallel_size, s.parallel.data_parallel_size) == (2, 3)
     assert (s.scheduler.max_num_seqs, s.scheduler.max_num_batched_tokens) == (7, 99)
     assert (s.cache.block_size, s.model.dtype, s.server.api_key) == (8, "bfloat16", "secret")
@@ -94,11 +94,16 @@ def test_every_setting_is_reachable_as_section_dot_field() -> None:
         if spec.kind == "bool":
             text = "false" if spec.default else "true"
         elif spec.kind == "choice":
-            text = next(c for c in spec.choices if c != spec.default)
+            others = [c for c in spec.choices if c != spec.default]
+            if not others:
+                continue  # one allowed value (cache.kv_cache_dtype): nothing else to set
+            text = others[0]
         elif spec.kind == "str":
             text = "value-for-test"
+        elif spec.kind == "list":
+            text = "a,b"
         elif spec.kind == "int":
-            text = str(int(spec.le) if spec.le is not None else 7)
+            text = str(int(spec.le) if spec.le is not None and spec.le != spec.default else 7)
             if key == "scheduler.max_num_batched_tokens":  # must cover max_num_seqs (256)
                 text = "4096"
         else:

@@ -213,7 +213,10 @@ class Actor:
     def _beat(self) -> None:
         with self._status_lock:
             self._beats += 1
-            beat = Heartbeat(self._beats, self.decode_errors)
+            rings = self.rings  # dict() copies are atomic: the loop may be sending meanwhile
+            beat = Heartbeat(
+                self._beats, self.decode_errors, dict(rings.frames_sent), dict(rings.bytes_sent)
+            )
         self._report(beat)
 
     def _report(self, message: StatusMessage) -> None:

@@ -71,6 +71,8 @@ class ChildProcess:
             time.monotonic()
         )  # of the last status frame: the heartbeat watchdog's input
         self.decode_errors = 0
+        self.frames_sent: dict[str, int] = {}  # as of its last heartbeat, by ring
+        self.bytes_sent: dict[str, int] = {}
         self.exit_reason = ""  # the child's own last word (Exiting), or why we killed it
         self.stopping = False  # the supervisor asked it to go: its exit is not a failure
         self._process: multiprocessing.process.BaseProcess | None = None
@@ -234,6 +236,7 @@ class ChildProcess:
                     self.ready.set_result(message)
             elif isinstance(message, Heartbeat):
                 self.decode_errors = message.decode_errors
+                self.frames_sent, self.bytes_sent = message.frames_sent, message.bytes_sent
             elif isinstance(message, SwapDone):
                 done = self._swaps.get(message.swap_id)
                 if done is not None and not done.done():

@@ -10,6 +10,8 @@ from typing import Any
 
 import msgspec
 
+from engine.messages.admin import ActorRow, RingTraffic
+
 
 class ChildReady(msgspec.Struct, frozen=True):
     name: str
@@ -72,3 +74,31 @@ class ChildStatus(msgspec.Struct, frozen=True):
     restarts: int
     last_restart_reason: str
     decode_errors: int  # malformed frames the child dropped, as of its last heartbeat
+    # Written by all its generations, by outbound ring, as of the last heartbeat
+    frames_sent: dict[str, int] = msgspec.field(default_factory=dict)
+    bytes_sent: dict[str, int] = msgspec.field(default_factory=dict)
+
+
+def ring_traffic(rows: list[ChildStatus]) -> list[RingTraffic]:
+    """What each child has written to each of its rings (for /metrics and admin stats)."""
+    return [
+        RingTraffic(actor=row.name, ring=ring, frames=frames, bytes=row.bytes_sent.get(ring, 0))
+        for row in rows
+        for ring, frames in sorted(row.frames_sent.items())
+    ]
+
+
+def actor_rows(rows: list[ChildStatus]) -> list[ActorRow]:
+    """The admin `actors` listing's rows."""
+    return [
+        ActorRow(
+            name=row.name,
+            role=row.role,
+            pid=row.pid,
+            state=row.state,
+            restarts=row.restarts,
+            last_restart_reason=row.last_restart_reason,
+            generation=row.generation,
+        )
+        for row in rows
+    ]

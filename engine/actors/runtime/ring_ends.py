@@ -26,6 +26,9 @@ class RingEnds:
         }
         self._writers = {name: RingWriter(spec) for name, spec in (outbound or {}).items()}
         self.mailbox = Mailbox(self._readers)  # every inbound ring, awaited together
+        # Traffic written so far, by logical ring name (across swaps): what /metrics shows.
+        self.frames_sent: dict[str, int] = {}
+        self.bytes_sent: dict[str, int] = {}
 
     @property
     def inbound_names(self) -> list[str]:
@@ -68,6 +71,8 @@ class RingEnds:
             if self._writers.get(ring) is writer:
                 raise
             return False  # swapped (or all ends closed) while waiting for space
+        self.frames_sent[ring] = self.frames_sent.get(ring, 0) + len(frames)
+        self.bytes_sent[ring] = self.bytes_sent.get(ring, 0) + sum(map(len, frames))
         return True
 
     def swap(self, inbound: Mapping[str, InboundRing], outbound: Mapping[str, RingSpec]) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.actors.runtime.child_process import ChildProcess
 from engine.actors.runtime.child_spec import ChildSpec
@@ -17,6 +17,25 @@ class SupervisedChild:
     spawned: int = 0  # generations started so far
     restarts: int = 0
     last_restart_reason: str = ""
+    # Ring traffic of its earlier generations, by ring: with the current one's, a monotonic total
+    frames_before: dict[str, int] = field(default_factory=dict)
+    bytes_before: dict[str, int] = field(default_factory=dict)
+
+    def replace_process(self, process: ChildProcess) -> None:
+        """A new generation: the old one's traffic (as of its last heartbeat) is kept."""
+        old = self.process
+        if old is not None:
+            _add(self.frames_before, old.frames_sent)
+            _add(self.bytes_before, old.bytes_sent)
+        self.process = process
+
+    def ring_traffic(self) -> tuple[dict[str, int], dict[str, int]]:
+        """(frames, bytes) written by every generation so far, by ring."""
+        frames, sent = dict(self.frames_before), dict(self.bytes_before)
+        if self.process is not None:
+            _add(frames, self.process.frames_sent)
+            _add(sent, self.process.bytes_sent)
+        return frames, sent
 
     def status(self) -> ChildStatus:
         process = self.process
@@ -31,4 +50,11 @@ class SupervisedChild:
             restarts=self.restarts,
             last_restart_reason=self.last_restart_reason,
             decode_errors=process.decode_errors if process is not None else 0,
+            frames_sent=self.ring_traffic()[0],
+            bytes_sent=self.ring_traffic()[1],
         )
+
+
+def _add(total: dict[str, int], more: dict[str, int]) -> None:
+    for ring, count in more.items():
+        total[ring] = total.get(ring, 0) + count

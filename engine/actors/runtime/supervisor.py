@@ -161,7 +161,7 @@ class Supervisor:
             child.spec, child.spawned, self._prefix, self._exits.put_nowait, self._doorbell_dir
         )
         child.spawned += 1
-        child.process = process
+        child.replace_process(process)
         child.state = "starting"
         self._processes.add(process)
         process.start(*self._rings.ends_of(name), self.spec.log_level)
