@@ -14,8 +14,9 @@ data and sleeps, the other side sees nobody parked and does not ring. A full fen
 store and the load on both sides forbids that outcome; CPython offers no fence, but acquiring
 and releasing a `threading.Lock` runs locked atomic instructions (a full barrier on x86) inside
 glibc's semaphore code. As a second line of defence every park re-checks after
-`SAFETY_RECHECK_S` even without a ring, so a missed doorbell costs at most that much latency and
-can never hang anything.
+`SAFETY_RECHECK_S` even without a ring, so a missed doorbell can never hang anything; a wait that
+goes on re-checks less and less often (doubling up to `MAX_SAFETY_RECHECK_S`), so that an idle
+engine's many parked waits do not wake it tens of times a second.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 SAFETY_RECHECK_S = 0.1
+MAX_SAFETY_RECHECK_S = 1.6
 DEFAULT_MAX_SPIN_US = 200.0  # readers: a reply often comes within tens of µs
 # A writer facing a full ring waits for its reader to get through a whole ring's worth of frames
 # (hundreds of µs); spinning through that only takes CPU from the reader on a busy machine.
@@ -243,6 +245,7 @@ class Waiter:
             if self._interrupts != interrupts:
                 return
         loop = asyncio.get_running_loop()
+        recheck = SAFETY_RECHECK_S
         while True:
             parking = _Parking(loop, parties)
             self._parkings.add(parking)
@@ -250,8 +253,9 @@ class Waiter:
                 full_fence()  # parked flags stored before the positions are loaded
                 if any(party.ready() for party in parties):
                     break
-                parking.listen(SAFETY_RECHECK_S)
+                parking.listen(recheck)
                 await parking.sleep()
+                recheck = min(recheck * 2, MAX_SAFETY_RECHECK_S)
             finally:
                 self._parkings.discard(parking)
                 parking.release()
