@@ -127,8 +127,9 @@ def plan_tools(
 
 
 def template_tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
-    """`tools` as chat templates take them (OpenAI's shape, plain dicts)."""
-    if not req.tools or req.tool_choice == "none":
+    """`tools` as chat templates take them (OpenAI's shape, plain dicts). With tool_choice
+    "none" too, as vLLM does by default: the model still sees them (it may not call them)."""
+    if not req.tools:
         return None
     out = []
     for tool in req.tools:

@@ -14,7 +14,7 @@ from engine.http.chat_output import ChatAnswer, split_reasoning
 from engine.http.errors import ApiError
 from engine.http.output_controls import output_controls, refuse_unimplemented
 from engine.http.protocol import ChatCompletionRequest, ChatDelta
-from engine.http.tool_calls import ToolPlan, plan_tools
+from engine.http.tool_calls import ToolPlan, plan_tools, template_tools
 
 TOOLS = [
     {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}},
@@ -89,6 +89,9 @@ def test_tool_choice_plans() -> None:
     plan, constraint = plan_tools(chat(tools=TOOLS, tool_choice=named), None)
     assert plan is not None and constraint is not None and constraint.json == {"type": "object"}
     assert plan_tools(chat(tools=TOOLS, tool_choice="none"), None) == (None, None)
+    # Not called, yet shown to the model, as vLLM does by default.
+    shown = template_tools(chat(tools=TOOLS, tool_choice="none"))
+    assert shown is not None and [t["function"]["name"] for t in shown] == ["f", "g"]
     with pytest.raises(ApiError) as error:
         plan_tools(chat(tools=TOOLS, tool_choice={"function": {"name": "h"}}), None)
     assert error.value.param == "tool_choice"
