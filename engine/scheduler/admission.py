@@ -10,9 +10,28 @@ from engine.admission import check_prompt_length
 from engine.messages.scheduling import SubmitRequest
 from engine.outputs import EngineError
 
+# What one prompt token's logprobs may take in a message, text included (a generous bound: id,
+# logprob and token text for the token and each alternative).
+PROMPT_LOGPROB_BYTES = 16
+ALTERNATIVE_BYTES = 48
 
-def rejection_reason(submit: SubmitRequest, max_model_len: int) -> str | None:
-    """Why `submit` can never run, naming the values at fault; None if it can."""
+
+def rejection_reason(
+    submit: SubmitRequest, max_model_len: int, max_message_bytes: int | None = None
+) -> str | None:
+    """Why `submit` can never run, naming the values at fault; None if it can.
+
+    `max_message_bytes`: what one message between actors may carry; a request's prompt
+    logprobs travel in one (with its first token), so they must fit."""
+    top = submit.params.prompt_logprobs
+    if top is not None and max_message_bytes is not None:
+        size = len(submit.prompt_token_ids) * (PROMPT_LOGPROB_BYTES + ALTERNATIVE_BYTES * (top + 1))
+        if size > max_message_bytes:
+            return (
+                f"prompt_logprobs={top} on a prompt of {len(submit.prompt_token_ids)} tokens "
+                f"would take about {size} bytes, more than one message may carry "
+                f"({max_message_bytes}): ask for fewer alternatives or score a shorter prompt"
+            )
     try:
         check_prompt_length(len(submit.prompt_token_ids), None, max_model_len)
         submit.params.validate()

@@ -84,7 +84,9 @@ class Scheduler:
                 )
                 return None
             self._drop_request(existing)
-        reason = rejection_reason(submit, self.config.max_model_len)
+        reason = rejection_reason(
+            submit, self.config.max_model_len, self.config.max_plan_bytes // 2
+        )
         if reason is not None:
             return failed(submit.request_id, submit.epoch, 400, reason, "scheduler")
         request = Request(

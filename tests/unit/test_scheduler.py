@@ -242,6 +242,16 @@ def test_invalid_sampling_params_are_rejected_with_the_field_named() -> None:
     assert "top_p" in rejected.message
 
 
+def test_prompt_logprobs_that_could_not_travel_in_one_message_are_rejected() -> None:
+    # Prompt logprobs go to the client in one message with the first token: a client must not
+    # be able to make one that no ring could carry (it would fail an actor, not the request).
+    scheduler, _ = make(max_plan_bytes=64 * 2**10)
+    rejected = scheduler.add(submit("many", list(range(40)), prompt_logprobs=20))
+    assert isinstance(rejected, RequestFailed) and rejected.status == 400
+    assert "prompt_logprobs=20 on a prompt of 40 tokens" in rejected.message
+    assert scheduler.add(submit("few", list(range(40)), prompt_logprobs=5)) is None
+
+
 def test_logprobs_reach_only_the_samples_that_asked() -> None:
     scheduler, worker = make()
     scheduler.add(submit("with", [1, 2, 3], max_tokens=2, logprobs=1))
