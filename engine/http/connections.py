@@ -4,8 +4,9 @@
   keep-alive connections, but sets no deadline on a head: a client that connects and sends half a
   head, or nothing, is held forever, and a few thousand such clients take every file descriptor
   (slowloris). A connection that has not completed its head in time is answered 408 and closed,
-  as nginx, Apache and Node do. The deadline runs from the connection's start or the end of its
-  previous response, not from the last byte, so trickling bytes does not extend it.
+  as nginx, Apache and Node do. The deadline runs from the connection's start, or on a kept-alive
+  connection from the first byte of its next head, not from the last byte, so trickling bytes does
+  not extend it. An idle kept-alive connection is uvicorn's to close (KEEP_ALIVE_S), silently.
 - A cap on open connections (`server.max_connections`). uvicorn's `limit_concurrency` answers
   503 only once a head has arrived, and counts every open connection, so past the limit the next
   request of an existing client is refused too. Here a connection over the cap is answered 503
@@ -41,10 +42,18 @@ def guarded_http_protocol(header_timeout: float, max_connections: int) -> type[a
     )
 
 
+# How long an idle kept-alive connection stays open. Longer than clients keep idle connections
+# in their pools (httpx and so the openai package: 5 s; aiohttp: 15 s), so that the client, not
+# the server, ends an idle connection: a server closing one just as a client reuses it loses
+# that request (the client reads an empty reply). nginx's default is 75 s too.
+KEEP_ALIVE_S = 75
+
+
 class GuardedH11Protocol(H11Protocol):
     header_timeout: float = 10.0
     max_connections: int = 2048
     _head_timer: asyncio.TimerHandle | None = None
+    _idle: bool = False  # between a response and the first byte of the next request
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)  # counts this connection in self.connections
@@ -59,10 +68,12 @@ class GuardedH11Protocol(H11Protocol):
         self._watch_head()
 
     def data_received(self, data: bytes) -> None:
+        self._idle = False
         super().data_received(data)
         self._watch_head()
 
     def on_response_complete(self) -> None:
+        self._idle = True
         super().on_response_complete()
         self._watch_head()
 
@@ -73,7 +84,7 @@ class GuardedH11Protocol(H11Protocol):
     def _watch_head(self) -> None:
         """Run the head timer exactly while the connection owes us a request head."""
         awaiting_head = self.cycle is None or self.cycle.response_complete
-        if not awaiting_head or self.transport.is_closing():
+        if not awaiting_head or self._idle or self.transport.is_closing():
             self._stop_head_timer()
         elif self._head_timer is None:
             self._head_timer = self.loop.call_later(self.header_timeout, self._head_timed_out)

@@ -28,7 +28,7 @@ from engine.generation_defaults import load_chat_template, load_generation_defau
 from engine.http.admin import AdminServer
 from engine.http.admin_paths import prepare_default_socket
 from engine.http.app import build_app
-from engine.http.connections import guarded_http_protocol
+from engine.http.connections import KEEP_ALIVE_S, guarded_http_protocol
 from engine.http.request_log import log_stats_forever
 from engine.http.state import ServerState
 from engine.settings import Settings
@@ -164,7 +164,7 @@ async def _run(
             log_config=None,
             access_log=settings.runtime.log_level == "debug",
             timeout_graceful_shutdown=int(_CONNECTION_GRACE_S),
-            timeout_keep_alive=5,
+            timeout_keep_alive=KEEP_ALIVE_S,
             http=guarded_http_protocol(
                 settings.server.header_timeout, settings.server.max_connections
             ),

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.e2e.conftest import server_args
-from tests.e2e.harness import Server, start_server
+from tests.e2e.harness import API_KEY, Server, start_server
 from tests.e2e.test_bad_input import assert_still_serves, error_of
 
 HUGE = 2**70
@@ -294,6 +294,44 @@ def test_partial_request_head_is_answered_408_and_closed(guarded_unharmed: Serve
         (answer,) = read_until_closed([sock], timeout=HEADER_TIMEOUT_S + 30)
     assert answer.startswith(b"HTTP/1.1 408 "), answer
     assert b"server.header_timeout" in answer
+
+
+def test_a_kept_alive_connection_idle_past_the_head_deadline_still_serves(
+    guarded_unharmed: Server,
+) -> None:
+    """Clients keep idle connections pooled (httpx: 5 s) and reuse them: the server must not
+    close one first, or the request sent on it just then is lost (an empty reply)."""
+    host = httpx.URL(guarded_unharmed.url).host
+    auth = f"Authorization: Bearer {API_KEY}"
+    request = f"GET /v1/models HTTP/1.1\r\nHost: {host}\r\n{auth}\r\n\r\n"
+    with connect(guarded_unharmed) as sock:
+        sock.sendall(request.encode())
+        assert read_response(sock).startswith(b"HTTP/1.1 200 ")
+        time.sleep(max(HEADER_TIMEOUT_S, 5) + 1.5)  # past the head deadline and httpx's expiry
+        sock.sendall(request.encode())
+        assert read_response(sock).startswith(b"HTTP/1.1 200 ")
+
+
+def read_response(sock: socket.socket) -> bytes:
+    """One whole response with a content-length body (b"" if the server closed instead)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return data
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(
+        int(line.split(b":", 1)[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
+    )
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    return head + b"\r\n\r\n" + body
 
 
 def test_requests_are_served_while_200_partial_heads_are_held(guarded_unharmed: Server) -> None:
