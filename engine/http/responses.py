@@ -327,20 +327,16 @@ class ResponseBuilder:
         offsets: list[int] = []
         offset = text_offset
         for entry in entries:
+            top: dict[str, float] | None = None
             if entry is None:  # an echoed prompt's first token: nothing before it to score it
                 echoed = self.echoed.get(choice_index // self.prepared.n)
-                token = "" if echoed is None else echoed.first_token
-                tokens.append(token)
-                token_logprobs.append(None)
-                tops.append(None)
-                offsets.append(offset)
-                offset += len(token)
-                continue
-            token = entry.token
+                token, logprob = ("" if echoed is None else echoed.first_token), None
+            else:
+                token, logprob = entry.token, entry.logprob
+                top = {alt.token: alt.logprob for alt in entry.top}
+                top.setdefault(token, entry.logprob)
             tokens.append(token)
-            token_logprobs.append(entry.logprob)
-            top = {alt.token: alt.logprob for alt in entry.top}
-            top.setdefault(token, entry.logprob)
+            token_logprobs.append(logprob)
             tops.append(top)
             offsets.append(offset)
             offset += len(token)

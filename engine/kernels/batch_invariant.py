@@ -65,10 +65,10 @@ def _row_invariant(
 
 @dataclasses.dataclass
 class InvariantAttentionMetadata(AttentionMetadata):
-    """Per query token: the cache slots of its context (null slot beyond it) and its length."""
+    """Per query token: the cache slots of its context (null slot beyond it); a token at
+    position p sees positions 0..p."""
 
     key_slots: torch.Tensor = dataclasses.field(default_factory=lambda: torch.empty(0))
-    context_lens: torch.Tensor = dataclasses.field(default_factory=lambda: torch.empty(0))
 
 
 def build_attention_metadata(
@@ -102,7 +102,6 @@ def build_attention_metadata(
         slot_mapping=torch.cat(slot_mapping).to(device),
         pieces=[],
         key_slots=torch.cat(key_slots).to(device),
-        context_lens=(all_positions + 1).to(device),
     )
 
 
@@ -132,7 +131,7 @@ def paged_attention(
         v = cache.values[layer][slots].permute(0, 2, 1, 3)
         q = query[start:stop].view(stop - start, kv_heads, -1, 1, head_dim)
         scores = (q * k[:, :, None]).sum(-1) * scale  # [tile, kv_heads, group, keys]
-        hidden = positions[None, :] >= meta.context_lens[start:stop, None]
+        hidden = positions[None, :] > meta.positions[start:stop, None]
         scores.masked_fill_(hidden[:, None, None, :], float("-inf"))
         weights = (scores - scores.amax(-1, keepdim=True)).exp()  # [tile, kv_heads, group, keys]
         total = _sum_over_keys(weights)[..., None]

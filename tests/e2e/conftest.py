@@ -4,12 +4,13 @@ their own. Every server is terminated, waited for and, if need be, killed here."
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import openai
 import pytest
 
-from tests.e2e.harness import API_KEY, Server, start_server
+from tests.e2e.harness import API_KEY, Server, served
 
 MAX_MODEL_LEN = 1024  # long enough that a long request is still running when a test acts
 MAX_NUM_SEQS = 4
@@ -54,17 +55,21 @@ def server(model_args: list[str], tmp_path_factory: pytest.TempPathFactory) -> I
     work = tmp_path_factory.mktemp("server")
     trace = work / "trace.jsonl"
     args = server_args(model_args, work / "admin.sock", "--server.record_trace", str(trace))
-    srv = start_server(args, work, name="shared")
-    srv.extra["trace"] = trace
-    try:
+    with served(args, work, name="shared") as srv:
+        srv.extra["trace"] = trace
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture
 def client(server: Server) -> Iterator[openai.OpenAI]:
+    with openai_client(server, timeout=60.0) as c:
+        yield c
+
+
+@contextmanager
+def openai_client(server: Server, timeout: float) -> Iterator[openai.OpenAI]:
+    """The `openai` package's client for `server`, without retries (a test sees each answer)."""
     with openai.OpenAI(
-        base_url=server.url + "/v1", api_key=API_KEY, timeout=60.0, max_retries=0
+        base_url=server.url + "/v1", api_key=API_KEY, timeout=timeout, max_retries=0
     ) as c:
         yield c

@@ -14,6 +14,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,7 +27,8 @@ from engine.cli.admin_client import send_command
 REPO = Path(__file__).resolve().parents[2]
 API_KEY = "test-key"
 READY_RE = re.compile(
-    r"^engine ready: (?P<url>http://\S+) \(model (?P<model>[^;]+); admin socket (?P<socket>.+)\)$"
+    r"^engine ready: (?P<url>(?:http://|unix:)\S+) \(model (?P<model>[^;]+); "
+    r"admin socket (?P<socket>.+)\)$"
 )
 START_TIMEOUT_S = 180.0
 
@@ -62,6 +65,18 @@ class Server:
 
     def stop(self, timeout: float = 30.0) -> int:
         return stop_process(self.proc, timeout)
+
+
+@contextmanager
+def served(
+    args: list[str], log_dir: Path, env: dict[str, str] | None = None, name: str = "server"
+) -> Iterator[Server]:
+    """A started server (start_server), stopped on leaving, whatever happened."""
+    srv = start_server(args, log_dir, env, name)
+    try:
+        yield srv
+    finally:
+        srv.stop()
 
 
 def stop_process(proc: subprocess.Popen[str], timeout: float) -> int:

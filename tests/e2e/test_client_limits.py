@@ -16,7 +16,7 @@ import pytest
 
 from engine.text.hf_tokenizer import load_tokenizer_without_torch
 from tests.e2e.conftest import MAX_QUEUED, server_args
-from tests.e2e.harness import API_KEY, Server, start_server, wait_until
+from tests.e2e.harness import API_KEY, Server, served, wait_until
 from tests.e2e.test_bad_input import assert_still_serves, error_of
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -92,11 +92,8 @@ def roomy_server(
         "--limits.max_stop_strings", "30000",
         "--limits.max_stop_chars", "4000000",
     ]  # fmt: skip
-    srv = start_server(server_args(model_args, work / "admin.sock", *extra), work, name="roomy")
-    try:
+    with served(server_args(model_args, work / "admin.sock", *extra), work, name="roomy") as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def test_prompt_text_that_could_never_fit_is_refused_before_tokenizing(server: Server) -> None:

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.e2e.conftest import server_args
-from tests.e2e.harness import API_KEY, Server, start_server
+from tests.e2e.harness import API_KEY, Server, served
 from tests.e2e.test_bad_input import assert_still_serves, error_of
 
 HUGE = 2**70
@@ -243,11 +243,8 @@ def guarded(model_args: list[str], tmp_path_factory: pytest.TempPathFactory) -> 
         "--server.header_timeout", str(HEADER_TIMEOUT_S),
         "--server.max_connections", str(MAX_CONNECTIONS),
     )  # fmt: skip
-    srv = start_server(args, work, name="guarded")
-    try:
+    with served(args, work, name="guarded") as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture

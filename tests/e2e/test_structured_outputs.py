@@ -16,8 +16,8 @@ import pytest
 from pydantic import BaseModel, Field
 from transformers import AutoTokenizer
 
-from tests.e2e.conftest import server_args
-from tests.e2e.harness import API_KEY, Server, start_server
+from tests.e2e.conftest import openai_client, server_args
+from tests.e2e.harness import API_KEY, Server, served
 
 
 class Pet(BaseModel):
@@ -69,18 +69,13 @@ def server(model_args: list[str], tmp_path_factory: pytest.TempPathFactory) -> I
     args = server_args(
         model_args, None, "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"
     )
-    srv = start_server(args, work, name="structured")
-    try:
+    with served(args, work, name="structured") as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture
 def client(server: Server) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(
-        base_url=server.url + "/v1", api_key=API_KEY, timeout=120.0, max_retries=0
-    ) as c:
+    with openai_client(server, timeout=120.0) as c:
         yield c
 
 

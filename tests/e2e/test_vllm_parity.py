@@ -16,8 +16,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.conftest import MAX_MODEL_LEN, server_args
-from tests.e2e.harness import API_KEY, Server, start_server, wait_until
+from tests.e2e.conftest import MAX_MODEL_LEN, openai_client, server_args
+from tests.e2e.harness import Server, served, wait_until
 
 NAMES = ("parity-a", "parity-b")
 ALLOWED_ORIGIN = "https://app.example"
@@ -48,18 +48,13 @@ def parity(model_args: list[str], tmp_path_factory: pytest.TempPathFactory) -> I
         "--max-logprobs", "5",
         "--chat-template", TEMPLATE,
     )  # fmt: skip
-    srv = start_server(args, work, name="parity")
-    try:
+    with served(args, work, name="parity") as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture
 def client(parity: Server) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(
-        base_url=parity.url + "/v1", api_key=API_KEY, timeout=60.0, max_retries=0
-    ) as c:
+    with openai_client(parity, timeout=60.0) as c:
         yield c
 
 

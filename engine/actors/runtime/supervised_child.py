@@ -39,6 +39,7 @@ class SupervisedChild:
 
     def status(self) -> ChildStatus:
         process = self.process
+        frames_sent, bytes_sent = self.ring_traffic()
         return ChildStatus(
             name=self.spec.name,
             entry=self.spec.entry,
@@ -50,8 +51,8 @@ class SupervisedChild:
             restarts=self.restarts,
             last_restart_reason=self.last_restart_reason,
             decode_errors=process.decode_errors if process is not None else 0,
-            frames_sent=self.ring_traffic()[0],
-            bytes_sent=self.ring_traffic()[1],
+            frames_sent=frames_sent,
+            bytes_sent=bytes_sent,
         )
 
 
