@@ -37,6 +37,7 @@ class ChildBoot(msgspec.Struct, frozen=True, kw_only=True):
     outbound: dict[str, RingSpec]  # logical ring name -> ring this actor writes
     heartbeat_interval: float  # seconds between Heartbeats
     log_level: str
+    segments: dict[str, str] = {}  # logical segment name -> shared-memory name (SegmentDecl)
 
 
 # root -> child

@@ -67,6 +67,7 @@ class Actor:
         self.generation = boot.generation
         self.log = logging.getLogger(f"engine.actor.{boot.name}")
         self.rings = RingEnds(boot.inbound, boot.outbound)
+        self.segments = boot.segments  # logical name -> shared-memory name (SegmentDecl)
         self._boot = boot
         self._control = RingReader(boot.control)
         self._status = RingWriter(boot.status)

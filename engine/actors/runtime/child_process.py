@@ -96,7 +96,11 @@ class ChildProcess:
         return self._process is not None and not self.exited.done()
 
     def start(
-        self, inbound: Mapping[str, InboundRing], outbound: Mapping[str, RingSpec], log_level: str
+        self,
+        inbound: Mapping[str, InboundRing],
+        outbound: Mapping[str, RingSpec],
+        log_level: str,
+        segments: Mapping[str, str] | None = None,
     ) -> None:
         boot = ChildBoot(
             name=self.name,
@@ -110,6 +114,7 @@ class ChildProcess:
             outbound=dict(outbound),
             heartbeat_interval=self.spec.heartbeat_interval,
             log_level=log_level,
+            segments=dict(segments or {}),
         )
         # daemon: should the root exit without an orderly shutdown, multiprocessing's exit hook
         # SIGTERMs the children instead of joining them forever. (A daemonic process may not

@@ -69,9 +69,20 @@ class RingDecl(msgspec.Struct, frozen=True, kw_only=True):
         return frozenset((self.writer, *self.readers))
 
 
+class SegmentDecl(msgspec.Struct, frozen=True, kw_only=True):
+    """A shared-memory segment of the run that is not a ring (a worker's KV cache, which its
+    kv_transfer actor reads and writes too): created zero-filled by the supervisor at start,
+    owner-only, kept across restarts of its parties, unlinked at shutdown."""
+
+    name: str
+    size: int  # bytes
+    parties: tuple[str, ...]  # the children that map it
+
+
 class SupervisorSpec(msgspec.Struct, frozen=True, kw_only=True):
     children: tuple[ChildSpec, ...]  # start order; shutdown runs in reverse
     rings: tuple[RingDecl, ...] = ()
+    segments: tuple[SegmentDecl, ...] = ()
     strategy: Strategy = Strategy.ONE_FOR_ONE
     max_restarts: int = 3  # intensity: more than this many restarts ...
     max_seconds: float = 5.0  # ... within this many seconds escalates to shutdown
@@ -92,6 +103,11 @@ class SupervisorSpec(msgspec.Struct, frozen=True, kw_only=True):
         _require(len(set(ring_names)) == len(ring_names), "ring names", ring_names, "unique")
         for ring in self.rings:
             _validate_ring(ring, parties)
+        segment_names = [segment.name for segment in self.segments]
+        _require(len(set(segment_names)) == len(segment_names), "segment names", segment_names,
+                 "unique")  # fmt: skip
+        for segment in self.segments:
+            _validate_segment(segment, set(names))
         strategies = " | ".join(f"Strategy.{s.name}" for s in Strategy)
         _require(isinstance(self.strategy, Strategy), "strategy", self.strategy, strategies)
         _require(self.max_restarts >= 0, "max_restarts", self.max_restarts, "an integer >= 0")
@@ -154,6 +170,14 @@ def _validate_ring(ring: RingDecl, parties: set[str]) -> None:
     _require(len(set(ring.readers)) == len(ring.readers), f"{what} readers", ring.readers, "unique")
     _require(ring.writer not in ring.readers, f"{what} readers", ring.readers, "not its writer")
     _require(ring.capacity > 0, f"{what} capacity", ring.capacity, "a positive byte count")
+
+
+def _validate_segment(segment: SegmentDecl, children: set[str]) -> None:
+    what = f"segment {segment.name!r}"
+    _require(bool(_NAME.fullmatch(segment.name)), "segment name", segment.name, _NAME.pattern)
+    _require(segment.size > 0, f"{what} size", segment.size, "a positive byte count")
+    for party in segment.parties:
+        _require(party in children, f"{what} party", party, "a child name")
 
 
 def _positive(field: str, value: float) -> None:

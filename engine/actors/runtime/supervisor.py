@@ -46,6 +46,7 @@ from engine.actors.runtime.restart_policy import RestartIntensity, restart_set
 from engine.actors.runtime.ring import run_prefix, sweep_stale_segments
 from engine.actors.runtime.ring_ends import RingEnds
 from engine.actors.runtime.ring_table import RingTable
+from engine.actors.runtime.segments import create_segments, destroy_segments
 from engine.actors.runtime.supervised_child import SupervisedChild
 from engine.messages.control import LogLevel, Ready
 
@@ -71,6 +72,7 @@ class Supervisor:
         self._rings: RingTable | None = None
         self._root: RingEnds | None = None
         self._prefix = ""
+        self._segments: dict[str, str] = {}  # SegmentDecl name -> shared-memory name
         self._closing: asyncio.Task[None] | None = None
         self._closed: asyncio.Future[str] | None = None
         self.swept: list[str] = []  # stale segments removed at start
@@ -95,6 +97,7 @@ class Supervisor:
         self._prefix = run_prefix()
         self._rings = RingTable(self.spec.rings, self._prefix, self._doorbell_dir)
         self._rings.create_all()
+        self._segments = create_segments(self.spec.segments, self._prefix)
         self._root = RingEnds(*self._rings.ends_of(ROOT))
         try:
             for unit in self._units:
@@ -164,7 +167,12 @@ class Supervisor:
         child.replace_process(process)
         child.state = "starting"
         self._processes.add(process)
-        process.start(*self._rings.ends_of(name), self.spec.log_level)
+        segments = {
+            decl.name: self._segments[decl.name]
+            for decl in self.spec.segments
+            if name in decl.parties and decl.name in self._segments
+        }
+        process.start(*self._rings.ends_of(name), self.spec.log_level, segments)
         return process
 
     async def _start_unit(self, names: list[str], restart_reason: str = "") -> None:
@@ -354,6 +362,7 @@ class Supervisor:
             self._root.close()
         if self._rings is not None:
             self._rings.destroy_all()
+        destroy_segments(self._segments)
         if self._closed is not None and not self._closed.done():
             self._closed.set_result(reason)
         log.info("shut down: %s", reason)
