@@ -92,7 +92,10 @@ class AsyncLLM:
 
         self.max_model_len = self._plan.max_model_len
         self._supervisor, self._replicas = supervise(
-            self._plan.replica_specs, self.gateway, self._plan.max_model_len
+            self._plan.replica_specs,
+            self.gateway,
+            self._plan.max_model_len,
+            self._plan.replica_roles,
         )
         events = self._supervisor.subscribe()
         await self._supervisor.start()
@@ -349,7 +352,7 @@ class AsyncLLM:
             event = await events.get()
             if isinstance(event, ChildDied):
                 log.warning("actor %s died (%s); restarting it", event.name, event.reason)
-                if is_crash(event):
+                if is_crash(event) and self._role(event.name) != Role.KV_TRANSFER:
                     tokenizer = self._role(event.name) == Role.TOKENIZER
                     self.gateway.record_crash(event.name, event.reason, tokenizer=tokenizer)
             elif isinstance(event, ChildRestarted):
@@ -357,6 +360,10 @@ class AsyncLLM:
                 # (for a tokenizer, only what it had not passed on yet). A group restart reports
                 # each member: resubmit once for all of them.
                 restarted = [event.name, *drain_restarts(events)]
+                if all(self._role(name) == Role.KV_TRANSFER for name in restarted):
+                    # It holds no request: its scheduler falls back to computing what it was
+                    # moving (or holds the blocks to their timeout).
+                    continue
                 # With replicas, only those of the restarted actors: the others run on.
                 assert self._replicas is not None
                 only = self._replicas.requests_concerned(restarted)

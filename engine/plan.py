@@ -25,9 +25,17 @@ import msgspec
 
 from engine.actors.detokenizer import DetokenizerConfig
 from engine.actors.roles import Role
-from engine.actors.runtime.child_spec import ROOT, ChildSpec, RingDecl, Strategy, SupervisorSpec
+from engine.actors.runtime.child_spec import (
+    ROOT,
+    ChildSpec,
+    RingDecl,
+    SegmentDecl,
+    Strategy,
+    SupervisorSpec,
+)
 from engine.actors.tokenizer import TokenizerConfig
 from engine.actors.worker_config import WorkerConfig
+from engine.kv_plan import cache_segment, kv_transfer_parts, replica_roles
 from engine.model.capacity import available_cpu_memory, kv_block_bytes
 from engine.model.config import ModelConfig, load_model_config
 from engine.model.parallel.config import Placement, TensorParallelConfig
@@ -63,18 +71,22 @@ class EnginePlan:
     max_model_len: int
     spec: SupervisorSpec  # replica 0's (the whole engine's when data_parallel_size is 1)
     replica_specs: tuple[SupervisorSpec, ...] = ()
+    replica_roles: tuple[str, ...] = ()  # "both" | "prefill" | "decode" per replica (P/D)
 
     def __post_init__(self) -> None:
         if not self.replica_specs:
             object.__setattr__(self, "replica_specs", (self.spec,))
+        if not self.replica_roles:
+            object.__setattr__(self, "replica_roles", ("both",) * len(self.replica_specs))
 
 
 def check_parallel(settings: Settings, config: ModelConfig) -> Placement:
     """The topology's placement; ValueError naming the setting, its value and what fits."""
     parallel = settings.parallel
+    replicas = len(replica_roles(settings))  # P/D's prefill + decode replicas, else dp
     placement = Placement(
         parallel.tensor_parallel_size,
-        parallel.data_parallel_size,
+        replicas,
         parallel.nnodes,
         parallel.node_rank,
     )
@@ -86,11 +98,11 @@ def check_parallel(settings: Settings, config: ModelConfig) -> Placement:
                 f"parallel.master_port must be set (1..65535) when parallel.nnodes is "
                 f"{parallel.nnodes}: the ranks of every host meet rank 0's TCP store there"
             )
-        last = parallel.master_port + parallel.data_parallel_size - 1
+        last = parallel.master_port + replicas - 1
         if last > 65535:
             raise ValueError(
                 f"parallel.master_port {parallel.master_port} leaves no port for replica "
-                f"{parallel.data_parallel_size - 1} (it uses master_port + replica index, {last})"
+                f"{replicas - 1} (it uses master_port + replica index, {last})"
             )
     return placement
 
@@ -168,7 +180,7 @@ def plan_engine(settings: Settings, model_path: str) -> EnginePlan:
         num_blocks * block_size,
         num_blocks * block_bytes / 2**20,
         dtype,
-        f"; {settings.parallel.data_parallel_size} replicas x {tp} ranks"
+        f"; {len(replica_roles(settings))} replicas x {tp} ranks"
         if placement.local_ranks > 1 or placement.nnodes > 1
         else "",
     )
@@ -184,11 +196,19 @@ def plan_engine(settings: Settings, model_path: str) -> EnginePlan:
         **thread_fields(threads_per_rank(settings, device, placement)),
         kernel_backend=kernel_backend_of(settings),
     )
+    roles = replica_roles(settings)
+    if any(role != "both" for role in roles) and device_type(device) != "cpu":
+        raise ValueError(
+            f"P/D disaggregation runs on the CPU only for now (its KV cache is shared with the "
+            f"kv_transfer actor through shared memory); model.device is {device}"
+        )
     specs = tuple(
-        _replica_spec(settings, placement, replica, worker, scheduler, config)
-        for replica in range(settings.parallel.data_parallel_size)
+        _replica_spec(settings, placement, replica, worker, scheduler, config, role)
+        for replica, role in enumerate(roles)
     )
-    return EnginePlan(model_path, config, device, dtype, num_blocks, max_model_len, specs[0], specs)
+    return EnginePlan(
+        model_path, config, device, dtype, num_blocks, max_model_len, specs[0], specs, roles
+    )
 
 
 def kernel_backend_of(settings: Settings) -> str:
@@ -230,15 +250,24 @@ def _replica_spec(
     worker: WorkerConfig,
     scheduler: SchedulerConfig,
     config: ModelConfig,
+    role: str = "both",
 ) -> SupervisorSpec:
-    suffix = replica_suffix(replica, settings.parallel.data_parallel_size)
+    num_replicas = len(replica_roles(settings))
+    suffix = replica_suffix(replica, num_replicas)
+    moves_kv = role != "both"
     runtime = settings.runtime
     timing = {
         "heartbeat_interval": runtime.heartbeat_interval,
         "heartbeat_timeout": runtime.heartbeat_timeout,
         "ready_timeout": runtime.start_timeout,
     }
-    workers = _worker_specs(settings, placement, replica, worker)
+    workers = _worker_specs(settings, placement, replica, worker, moves_kv)
+    if moves_kv:
+        scheduler = msgspec.structs.replace(
+            scheduler,
+            kv_transfer_ranks=len(workers),
+            kv_hold_timeout=settings.kv_transfer.hold_timeout,
+        )
     tokenizer_config = TokenizerConfig(
         worker.model_path,
         worker.max_model_len,
@@ -290,16 +319,29 @@ def _replica_spec(
     if len(workers) > 1 and settings.parallel.master_port == 0:
         # Rank 0 tells the other ranks of this host the port it bound (fresh at each restart).
         rings.append(ring("rendezvous", rank0, *(w.name for w in workers[1:])))
-    return _supervisor_spec(settings, children, tuple(rings))
+    segments: list[SegmentDecl] = []
+    if moves_kv:
+        transfers, kv_rings, segments = kv_transfer_parts(
+            settings, config, worker.dtype, worker.block_size, scheduler.num_blocks, suffix,
+            sched, [w.name for w in workers],
+        )  # fmt: skip
+        children = (*children, *transfers)
+        rings += kv_rings
+    return _supervisor_spec(settings, children, tuple(rings), tuple(segments))
 
 
 def _worker_specs(
-    settings: Settings, placement: Placement, replica: int, worker: WorkerConfig
+    settings: Settings,
+    placement: Placement,
+    replica: int,
+    worker: WorkerConfig,
+    moves_kv: bool = False,
 ) -> list[ChildSpec]:
-    """This host's ranks of one replica, one group (they restart together: one_for_all)."""
+    """This host's ranks of one replica, one group (they restart together: one_for_all).
+    `moves_kv`: each rank's KV cache lives in its segment, shared with its kv_transfer actor."""
     parallel = settings.parallel
     tp = parallel.tensor_parallel_size
-    suffix = replica_suffix(replica, parallel.data_parallel_size)
+    suffix = replica_suffix(replica, len(replica_roles(settings)))
     spans_hosts = placement.nnodes > 1
     port = parallel.master_port + replica if parallel.master_port else 0
     runtime = settings.runtime
@@ -320,7 +362,12 @@ def _worker_specs(
         entry = WORKER
         if spans_hosts:
             entry = RELAY_WORKER if rank == 0 else FOLLOWER_WORKER
-        config = msgspec.structs.replace(worker, rank=rank, tensor_parallel=group_config)
+        config = msgspec.structs.replace(
+            worker,
+            rank=rank,
+            tensor_parallel=group_config,
+            kv_cache_segment=cache_segment(rank) if moves_kv else "",
+        )
         specs.append(
             ChildSpec(
                 name=f"worker{rank}{suffix}",
@@ -337,12 +384,16 @@ def _worker_specs(
 
 
 def _supervisor_spec(
-    settings: Settings, children: tuple[ChildSpec, ...], rings: tuple[RingDecl, ...]
+    settings: Settings,
+    children: tuple[ChildSpec, ...],
+    rings: tuple[RingDecl, ...],
+    segments: tuple[SegmentDecl, ...] = (),
 ) -> SupervisorSpec:
     runtime = settings.runtime
     return SupervisorSpec(
         children=children,
         rings=rings,
+        segments=segments,
         strategy=Strategy.ONE_FOR_ONE,
         max_restarts=runtime.restart_intensity,
         max_seconds=runtime.restart_period,

@@ -13,6 +13,7 @@ is passed on the same way (the scheduler drops whatever it held of that request)
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -21,12 +22,14 @@ import msgspec
 from engine.actors.runtime.actor import Actor
 from engine.messages.codec import encode_in_frames, too_large_for_one_frame
 from engine.messages.failures import RequestFailed
+from engine.messages.kv_transfer import KV_EVENTS, KV_ORDERS
 from engine.messages.reports import SCHEDULER_REPORTS, SchedulerReport
 from engine.messages.scheduling import (
     SCHEDULER_OUTPUTS,
     SCHEDULER_REQUESTS,
     AbortRequests,
     StopSamples,
+    SubmitRequest,
     TokenBatch,
     ToScheduler,
 )
@@ -35,10 +38,11 @@ from engine.scheduler.config import SchedulerConfig
 from engine.scheduler.scheduler import Scheduler, failed
 
 REPORT_INTERVAL_S = 0.2  # the admin socket's and /metrics' view may lag this much
+KV_TICK_S = 1.0  # how often KV holds and pulls are checked against their deadlines
 
 
 class SchedulerActor(Actor):
-    channels = (SCHEDULER_REQUESTS, STEP_RESULTS)
+    channels = (SCHEDULER_REQUESTS, STEP_RESULTS, KV_EVENTS)
 
     async def on_start(self) -> dict[str, Any] | None:
         config = msgspec.msgpack.decode(self.config, type=SchedulerConfig)
@@ -48,11 +52,20 @@ class SchedulerActor(Actor):
         self._last_report = 0.0
         self._reported_idle = False
         self._publish_report()  # so the root's stats are complete from the start
+        if self.scheduler.kv_transfer is not None:
+            self._kv_ticker = asyncio.get_running_loop().create_task(self._tick_kv_transfer())
         return {"num_blocks": config.num_blocks}
 
     async def handle(self, ring: str, frames: list[bytes]) -> None:
         to_detokenizer: list[bytes] = []
-        if ring == "results":
+        if ring.startswith("kv-events"):
+            assert self.scheduler.kv_transfer is not None
+            admitted = []
+            for event in KV_EVENTS.decode_many(frames):
+                admitted += self.scheduler.kv_transfer.on_event(event)
+            to_detokenizer += self._admit_pulled(admitted)
+            await self._plan_next()
+        elif ring == "results":
             for result in STEP_RESULTS.decode_many(frames):
                 if isinstance(result, StepResult):
                     batch = self.scheduler.update(result)
@@ -74,9 +87,33 @@ class SchedulerActor(Actor):
             for message in SCHEDULER_REQUESTS.decode_many(frames):
                 to_detokenizer.extend(self._apply(message))
             await self._plan_next()
+        # Holds first: a handoff in these tokens must never reach a puller before its hold.
+        await self._send_kv_orders()
         if to_detokenizer:
             await self.send_many("tokens", to_detokenizer)
         self._publish_report()
+
+    async def _tick_kv_transfer(self) -> None:
+        """Expire KV holds and pulls past their deadlines (P/D)."""
+        assert self.scheduler.kv_transfer is not None
+        while True:
+            await asyncio.sleep(KV_TICK_S)
+            failures = self._admit_pulled(self.scheduler.kv_transfer.tick())
+            await self._plan_next()
+            if failures:
+                await self.send_many("tokens", failures)
+            await self._send_kv_orders()
+
+    def _admit_pulled(self, submits: list[SubmitRequest]) -> list[bytes]:
+        """Queue requests whose KV arrived or fell back; frames for the detokenizer."""
+        failures = self.scheduler.admit_pulled(submits)
+        return [SCHEDULER_OUTPUTS.encode(failure) for failure in failures]
+
+    async def _send_kv_orders(self) -> None:
+        if self.scheduler.kv_transfer is not None:
+            orders = self.scheduler.kv_transfer.take_orders()
+            if orders:
+                await self.send_many("kv-orders", [KV_ORDERS.encode(o) for o in orders])
 
     async def on_rings_swapped(self, peer: str, rings: list[str]) -> None:
         if "plan" in rings or "results" in rings:

@@ -119,6 +119,8 @@ def _submission(request: GenerateRequest, token_ids: list[int]) -> SubmitRequest
         params=request.params,
         seed=request.seed,
         resume=request.resume,
+        kv_handoff=request.kv_handoff,
+        kv_source=request.kv_source,
     )
 
 

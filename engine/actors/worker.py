@@ -50,6 +50,11 @@ class WorkerActor(Actor):
         if faults.rules:
             self.log.warning("fault injection is on: %s", faults.rules)
         # Only when a test asked: steps otherwise pay nothing for the hooks.
+        cache_buffer = None
+        if config.kv_cache_segment:
+            from engine.actors.runtime.segments import map_segment
+
+            cache_buffer = map_segment(self.segments[config.kv_cache_segment])
         runner = ModelRunner(
             config.model_path,
             dtype=config.dtype,
@@ -61,6 +66,7 @@ class WorkerActor(Actor):
             busy_threads=config.busy_threads,
             kernel_backend=config.kernel_backend,
             tensor_parallel=group,
+            kv_cache_buffer=cache_buffer,
         )
         self.executor = StepExecutor(runner, config.rank, faults if faults.rules else None)
         self._scheduler_generation = 0  # bumped when the scheduler restarts (fresh plan ring)

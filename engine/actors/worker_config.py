@@ -20,3 +20,5 @@ class WorkerConfig(msgspec.Struct, frozen=True):
     busy_threads: int | None = None  # for steps of at least placement.BUSY_STEP_TOKENS tokens
     kernel_backend: str = "auto"
     tensor_parallel: TensorParallelConfig | None = None  # None: a group of one
+    # P/D: the SegmentDecl its KV cache lives in (its kv_transfer actor maps it too); "": none.
+    kv_cache_segment: str = ""

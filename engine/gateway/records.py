@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from engine.gateway.output_stream import OutputStream
 from engine.messages.admin import RequestRow
+from engine.messages.kv_transfer import KvSource
 from engine.messages.outputs import SampleLogprobs
 from engine.messages.params import SamplingParams
 from engine.messages.requests import ChatMessage, ChatOptions, GenerateRequest
@@ -87,7 +88,9 @@ class RequestRecord:
             age_s=round(now - self.arrival, 3),
         )
 
-    def submission(self) -> GenerateRequest:
+    def submission(self, kv_source: KvSource | None = None) -> GenerateRequest:
+        """The request as (re)submitted under its current epoch; `kv_source`: where its prompt's
+        KV lies (P/D handoff)."""
         resume = None
         if self.epoch > 0:
             resume = [sample.resume() for sample in self.samples if not sample.finished]
@@ -102,4 +105,5 @@ class RequestRecord:
             messages=self.messages if self.prompt_token_ids is None else None,
             resume=resume,
             chat=self.chat if self.prompt_token_ids is None else None,
+            kv_source=kv_source,
         )

@@ -40,6 +40,7 @@ from collections.abc import Collection, Iterable
 from engine.gateway.output_stream import OutputStream
 from engine.gateway.records import RequestRecord, SampleRecord
 from engine.messages.admin import RequestRow
+from engine.messages.kv_transfer import KvSource
 from engine.messages.outputs import OutputBatch, SampleDeltaText
 from engine.messages.params import SamplingParams
 from engine.messages.requests import ChatMessage, ChatOptions, GenerateRequest
@@ -78,6 +79,7 @@ class Gateway:
         self._probationer: str | None = None  # the suspect now in flight alone
         self._outbox: list[ToTokenizer] = []  # owed submissions (probation turns, releases)
         self.resubmissions = 0
+        self.handoffs = 0  # P/D: requests handed from a prefill replica to a decode one
         self.quarantined = 0
         self.stalled_aborts = 0
 
@@ -249,8 +251,13 @@ class Gateway:
 
     def take_submissions(self) -> list[ToTokenizer]:
         """Messages owed since the last call (probation moved on or ended, streams found
-        stalled); send them."""
-        out, self._outbox = self._outbox, []
+        stalled, P/D handoffs); send them. A request that ended meanwhile (aborted) is not."""
+        out = [
+            message
+            for message in self._outbox
+            if not isinstance(message, GenerateRequest) or message.request_id in self._records
+        ]
+        self._outbox = []
         if self._stalled:
             out.append(AbortRequests(self._stalled))
             self._stalled = []
@@ -340,6 +347,7 @@ class Gateway:
 
     def _apply(self, record: RequestRecord, deltas: list[SampleDeltaText]) -> None:
         outputs = []
+        handoff = None
         for delta in deltas:
             sample = record.samples[delta.index]
             if sample.finished:
@@ -361,6 +369,9 @@ class Gateway:
                 record.first = delta.first
             if record.prompt_logprobs is None and delta.prompt_logprobs is not None:
                 record.prompt_logprobs = [None, *delta.prompt_logprobs]
+            handoff = delta.handoff or handoff
+        if handoff is not None and not record.finished:
+            self._hand_on(record, handoff)
         if not outputs:
             return
         if record.first_token_at is None:
@@ -375,6 +386,14 @@ class Gateway:
             self._abort_stalled(record)
         elif record.suspect_epoch is not None and record.epoch > record.suspect_epoch:
             self._clear(record)
+
+    def _hand_on(self, record: RequestRecord, source: KvSource) -> None:
+        """P/D: the prefill replica is done with the request; it goes on (next epoch) wherever
+        the router sends a request past its first token, a decode replica, to pull its KV."""
+        record.epoch += 1
+        record.acknowledged = False
+        self.handoffs += 1
+        self._outbox.append(record.submission(kv_source=source))
 
     def _abort_stalled(self, record: RequestRecord) -> None:
         """Its client has left a full stream unread past the timeout: stop generating for it

@@ -91,13 +91,17 @@ class OneReplica:
 
 class ReplicaSet:
     def __init__(
-        self, specs: Sequence[SupervisorSpec], gateway: Gateway, max_model_len: int
+        self,
+        specs: Sequence[SupervisorSpec],
+        gateway: Gateway,
+        max_model_len: int,
+        roles: Sequence[str] | None = None,
     ) -> None:
         self.supervisors = [Supervisor(spec) for spec in specs]
         self.replica_of_actor = {
             child.name: replica for replica, spec in enumerate(specs) for child in spec.children
         }
-        self.router = LeastPendingRouter(len(specs), gateway, max_model_len)
+        self.router = LeastPendingRouter(len(specs), gateway, max_model_len, roles)
         self.reports: list[SchedulerReport | None] = [None] * len(specs)
         self.failed: dict[int, str] = {}  # replica -> why it stopped
         self._root = _MergedRoot(self)
@@ -302,12 +306,15 @@ def merge_reports(reports: Sequence[SchedulerReport]) -> SchedulerReport:
 
 
 def supervise(
-    specs: Sequence[SupervisorSpec], gateway: Gateway, max_model_len: int
+    specs: Sequence[SupervisorSpec],
+    gateway: Gateway,
+    max_model_len: int,
+    roles: Sequence[str] | None = None,
 ) -> tuple[Supervision, Replicas]:
     """What AsyncLLM drives: a plain Supervisor for one replica, a ReplicaSet for more."""
     if len(specs) == 1:
         return Supervisor(specs[0]), OneReplica(gateway, max_model_len)
-    replicas = ReplicaSet(specs, gateway, max_model_len)
+    replicas = ReplicaSet(specs, gateway, max_model_len, roles)
     return replicas, replicas
 
 

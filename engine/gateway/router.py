@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
+import msgspec
+
 from engine.gateway.records import RequestRecord
 from engine.gateway.registry import Gateway
 from engine.messages.requests import GATEWAY_TO_TOKENIZER, GenerateRequest
@@ -55,15 +57,31 @@ def submitted_tokens(request: GenerateRequest, max_model_len: int) -> int:
     return prompt + budget * request.params.n
 
 
+def _has_output(request: GenerateRequest) -> bool:
+    """Some sample of it already has tokens (a resubmission past its first token)."""
+    return any(sample.delivered_token_ids for sample in request.resume or [])
+
+
 def _output_budget(max_tokens: int | None, prompt: int, max_model_len: int) -> int:
     return max(max_model_len - prompt, 0) if max_tokens is None else max_tokens
 
 
 class LeastPendingRouter:
-    def __init__(self, num_replicas: int, gateway: Gateway, max_model_len: int) -> None:
+    def __init__(
+        self,
+        num_replicas: int,
+        gateway: Gateway,
+        max_model_len: int,
+        roles: Sequence[str] | None = None,
+    ) -> None:
+        """`roles`: each replica's P/D role ("prefill" | "decode" | "both"); None: all both."""
         if num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
         self.num_replicas = num_replicas
+        self.roles = list(roles) if roles is not None else ["both"] * num_replicas
+        if len(self.roles) != num_replicas:
+            raise ValueError(f"{len(self.roles)} roles for {num_replicas} replicas")
+        self.disaggregated = any(role != "both" for role in self.roles)
         self.gateway = gateway
         self.max_model_len = max_model_len
         self.replica_of: dict[str, int] = {}
@@ -106,14 +124,19 @@ class LeastPendingRouter:
     # ---- decisions -----------------------------------------------------------------------------
 
     def choose(self, request: GenerateRequest) -> int:
-        """The replica for `request`: where it already is, else the least loaded live one."""
+        """The replica for `request`: where it already is, else the least loaded live one (of
+        the role its stage needs, with P/D: see `candidates`)."""
+        candidates = self.candidates(request)
         replica = self.replica_of.get(request.request_id)
-        if replica is not None and replica in self.live:
+        if replica is not None and replica in candidates:
             return replica  # already counted in that replica's load
+        if replica is not None:  # it moves (P/D: prefilled, on to a decode replica)
+            del self.replica_of[request.request_id]
+            self.invalidate()  # recount without it where it was
         loads = self.loads()
         # Ties (an idle engine, a burst of equal requests) go to the replica with fewer
         # requests, then to the first.
-        replica = min(self.live, key=lambda r: (loads[r], self._requests[r], r))
+        replica = min(candidates, key=lambda r: (loads[r], self._requests[r], r))
         self.replica_of[request.request_id] = replica
         self.routed[replica] += 1
         assert self._loads is not None  # loads() filled it
@@ -121,13 +144,25 @@ class LeastPendingRouter:
         self._requests[replica] += 1
         return replica
 
+    def candidates(self, request: GenerateRequest) -> list[int]:
+        """Live replicas that may serve `request` now. With P/D, a request that has no token
+        yet goes to a prefill replica, one that has (or whose KV was handed off) to a decode
+        replica; when no replica of that role is left, any live one serves it colocated."""
+        if not self.disaggregated:
+            return self.live
+        role = "decode" if request.kv_source is not None or _has_output(request) else "prefill"
+        return [r for r in self.live if self.roles[r] == role] or self.live
+
     def route(self, frames: Sequence[bytes]) -> dict[int, list[bytes]]:
         """Gateway -> tokenizer frames, split by the replica each must go to."""
         out: dict[int, list[bytes]] = {}
         for frame in frames:
             message = GATEWAY_TO_TOKENIZER.decode(frame)
             if isinstance(message, GenerateRequest):
-                out.setdefault(self.choose(message), []).append(frame)
+                chosen = self.choose(message)
+                if self.disaggregated:
+                    frame = self._with_kv_directives(message, chosen, frame)
+                out.setdefault(chosen, []).append(frame)
                 continue
             by_replica: dict[int, list[str]] = {}
             for request_id in message.request_ids:
@@ -140,6 +175,17 @@ class LeastPendingRouter:
                 abort = type(message)(ids)
                 out.setdefault(replica, []).append(GATEWAY_TO_TOKENIZER.encode(abort))
         return out
+
+    def _with_kv_directives(self, request: GenerateRequest, replica: int, frame: bytes) -> bytes:
+        """P/D: a prefill replica hands a request of one sample on after its first token; a KV
+        source is only for a decode replica (on a prefill replica serving colocated, the held
+        blocks are in its own prefix cache anyway)."""
+        handoff = self.roles[replica] == "prefill" and request.params.n == 1
+        source = request.kv_source if self.roles[replica] == "decode" else None
+        if handoff == request.kv_handoff and source is request.kv_source:
+            return frame
+        changed = msgspec.structs.replace(request, kv_handoff=handoff, kv_source=source)
+        return GATEWAY_TO_TOKENIZER.encode(changed)
 
     def requests_on(self, replicas: Collection[int]) -> set[str]:
         """Unfinished requests routed to any of `replicas`, and those routed nowhere now (a dead

@@ -7,6 +7,8 @@ so masked-out positions never read uninitialised memory (0 * NaN would still be 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -23,7 +25,10 @@ class PagedKVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        buffer: Any = None,
     ) -> None:
+        """`buffer`: writable memory to hold the cache (a shared-memory segment its kv_transfer
+        actor maps too, P/D), exactly `storage_bytes` long; None: allocate it."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_layers = num_layers
@@ -31,10 +36,18 @@ class PagedKVCache:
         self.block_size = block_size
         self.num_slots = num_blocks * block_size
         self.null_slot = self.num_slots  # the always-zero padding slot
-        # empty, not zeros: pages of a large CPU cache are only touched as blocks get used.
-        self.storage = torch.empty(
-            (num_layers, 2, self.num_slots + 1, num_kv_heads, head_dim), dtype=dtype, device=device
-        )
+        shape = (num_layers, 2, self.num_slots + 1, num_kv_heads, head_dim)
+        if buffer is not None:
+            if device.type != "cpu":
+                raise ValueError(f"a KV cache in shared memory must be on the CPU, not {device}")
+            raw = torch.frombuffer(buffer, dtype=torch.uint8)
+            expected = storage_bytes(shape, dtype)
+            if raw.numel() != expected:
+                raise ValueError(f"KV cache buffer is {raw.numel()} bytes, expected {expected}")
+            self.storage = raw.view(dtype).view(shape)
+        else:
+            # empty, not zeros: pages of a large CPU cache are only touched as blocks get used.
+            self.storage = torch.empty(shape, dtype=dtype, device=device)
         self.storage[:, :, self.null_slot].zero_()
         self.keys = [self.storage[layer, 0] for layer in range(num_layers)]
         self.values = [self.storage[layer, 1] for layer in range(num_layers)]
@@ -53,3 +66,10 @@ class PagedKVCache:
         """Store the K/V [tokens, kv_heads, head_dim] of this step's tokens into their slots."""
         self.keys[layer].index_copy_(0, slot_mapping, key)
         self.values[layer].index_copy_(0, slot_mapping, value)
+
+
+def storage_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count * torch.empty((), dtype=dtype).element_size()

@@ -6,6 +6,7 @@ import msgspec
 
 from engine.messages.codec import Channel
 from engine.messages.failures import RequestFailed
+from engine.messages.kv_transfer import KvSource
 from engine.messages.scheduling import FirstScheduled
 
 
@@ -37,6 +38,7 @@ class SampleDeltaText(msgspec.Struct, array_like=True):
     first: FirstScheduled | None = None  # passed on from the scheduler's SampleDelta
     # Logprobs of prompt tokens 1.., once per epoch when asked for (the scheduler's, named).
     prompt_logprobs: list[SampleLogprobs] | None = None
+    handoff: KvSource | None = None  # passed on from the scheduler's SampleDelta
 
 
 class PromptInfo(msgspec.Struct, array_like=True):

@@ -17,6 +17,7 @@ import msgspec
 
 from engine.messages.codec import Channel
 from engine.messages.failures import RequestFailed
+from engine.messages.kv_transfer import KvSource
 from engine.messages.params import SamplingParams
 from engine.messages.steps import TokenLogprobs
 
@@ -39,6 +40,11 @@ class SubmitRequest(msgspec.Struct, tag=True, array_like=True):
     # None: a fresh request, all params.n samples. Otherwise only the listed samples run (the
     # others already finished).
     resume: list[SampleResume] | None = None
+    # P/D disaggregation (DESIGN §9): `kv_handoff` asks a prefill instance to hand the request
+    # on after its first token (SampleDelta.handoff); `kv_source` tells a decode instance where
+    # the prompt's KV lies, to pull instead of computing it.
+    kv_handoff: bool = False
+    kv_source: KvSource | None = None
 
 
 class AbortRequests(msgspec.Struct, tag=True, array_like=True):
@@ -83,6 +89,9 @@ class SampleDelta(msgspec.Struct, array_like=True):
     first: FirstScheduled | None = None  # on the request's first token of this epoch
     # With the same first token, when the request asked for them: prompt tokens 1.. logprobs.
     prompt_logprobs: list[TokenLogprobs] | None = None
+    # Set on the first token of a request asked to hand off: the sample did not finish, but
+    # this instance is done with it; it continues on a decode instance, its KV pulled from here.
+    handoff: KvSource | None = None
 
 
 class TokenBatch(msgspec.Struct, tag=True, array_like=True):
@@ -115,6 +124,17 @@ class SchedulerFigures(msgspec.Struct, kw_only=True):
     prefix_cache_hit_tokens: int = 0
     num_preemptions: int = 0
     num_steps: int = 0
+    # P/D disaggregation (all zero without kv_transfer actors); counts are since start.
+    kv_holds: int = 0  # handed-off requests whose blocks are held for a puller now
+    kv_pulls_in_flight: int = 0  # requests waiting for their KV now
+    kv_handoffs: int = 0
+    kv_holds_expired: int = 0  # freed by the hold timeout, not by an acknowledgement
+    kv_pulls: int = 0  # pulls whose KV arrived
+    kv_blocks_pulled: int = 0
+    kv_bytes_pulled: int = 0
+    kv_pull_seconds: float = 0.0  # summed over kv_pulls (divide for the mean latency)
+    kv_fallbacks: int = 0  # requests that computed their prompt: their KV did not arrive
+    kv_blocks_from_cache: int = 0  # source blocks the prefix cache had (not pulled)
 
 
 class SchedulerStats(SchedulerFigures, tag=True, kw_only=True):

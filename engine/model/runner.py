@@ -14,6 +14,7 @@ import dataclasses
 import logging
 from collections.abc import Collection, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -59,7 +60,10 @@ class ModelRunner:
         busy_threads: int | None = None,
         kernel_backend: str = "auto",
         tensor_parallel: TensorParallelGroup | None = None,
+        kv_cache_buffer: Any = None,
     ) -> None:
+        """`kv_cache_buffer`: memory the KV cache must live in (a shared-memory segment its
+        kv_transfer actor maps too); None: the cache allocates its own."""
         if block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size}")
         self.model_path = str(Path(model_path))
@@ -115,6 +119,7 @@ class ModelRunner:
             head_dim=self.config.head_dim,
             dtype=self.dtype,
             device=self.device,
+            buffer=kv_cache_buffer,
         )
         log.info(
             "%s%s on %s (%s threads) in %s (%s kernels): "

@@ -15,6 +15,10 @@ class SchedulerConfig(msgspec.Struct, kw_only=True):
     eos_token_ids: list[int] = msgspec.field(default_factory=list)
     # Bytes one StepPlan may take: the frame must fit the plan ring (messages/steps.py).
     max_plan_bytes: int = 4 * 2**20
+    # P/D disaggregation: how many kv_transfer actors (one per worker rank; 0: none, KV never
+    # moves), and how long a handed-off request's blocks are held for the puller.
+    kv_transfer_ranks: int = 0
+    kv_hold_timeout: float = 30.0
 
     def validate(self) -> None:
         """Raise ValueError naming the offending setting, its value and the allowed range."""

@@ -43,7 +43,8 @@ ENTRY_BYTES = 32  # the fixed fields of one NewRequest, NewSeq or PlannedChunk
 
 class Request:
     __slots__ = ("announcement_bytes", "arrival", "epoch", "first_reported", "first_scheduled",
-                 "key", "known_to_workers", "num_cached_tokens", "num_preemptions", "params",
+                 "key", "known_to_workers", "kv_handoff", "num_cached_tokens", "num_preemptions",
+                 "params",
                  "prompt_scores", "prompt_token_ids", "request_id", "samples", "seed",
                  "worker_params")  # fmt: skip
 
@@ -65,6 +66,7 @@ class Request:
         self.arrival = arrival
         self.key = key  # names the request to the workers
         self.num_preemptions = 0
+        self.kv_handoff = False  # P/D: hand the request on after its first token
         # Taken when its first chunk is planned, reported with its first token (FirstScheduled).
         self.first_scheduled: float | None = None
         self.num_cached_tokens = 0  # prompt tokens whose KV came from the cache or a sibling

@@ -13,8 +13,11 @@ import time
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
+import msgspec
+
 from engine.kv.block_manager import BlockManager
 from engine.messages.failures import RequestFailed
+from engine.messages.kv_transfer import KvSource
 from engine.messages.scheduling import (
     FirstScheduled,
     RequestStatus,
@@ -27,6 +30,7 @@ from engine.messages.scheduling import (
 from engine.messages.steps import NewRequest, NewSeq, PlannedChunk, StepPlan, StepResult
 from engine.scheduler.admission import rejection_reason
 from engine.scheduler.config import SchedulerConfig
+from engine.scheduler.kv_handoff import KvTransfer
 from engine.scheduler.policy import BatchPlanner, ScheduledChunk
 from engine.scheduler.requests import Request, SequenceState
 from engine.scheduler.stopping import finish_reason
@@ -68,11 +72,22 @@ class Scheduler:
         self._retired_request_keys: list[int] = []  # ... and these requests
         self._outbox: list[SampleDelta] = []  # finishes decided outside a step
         self.num_steps = 0
+        # P/D disaggregation: KV holds and pulls, when this instance has kv_transfer actors.
+        self.kv_transfer = (
+            KvTransfer(self.kv, config.kv_transfer_ranks, config.kv_hold_timeout, clock)
+            if config.kv_transfer_ranks
+            else None
+        )
 
     # ---- inbound -------------------------------------------------------------------------------
 
     def add(self, submit: SubmitRequest) -> RequestFailed | None:
-        """Queue a request (or replace an older epoch of it); reject one that can never run."""
+        """Queue a request (or replace an older epoch of it); reject one that can never run.
+
+        A request with a KV source waits (in `kv_transfer.pulls`) until its KV has arrived or
+        failed to; `admit_pulled` then queues it."""
+        if self.kv_transfer is not None:
+            self.kv_transfer.pulls.cancel(submit.request_id)
         existing = self._requests.get(submit.request_id)
         if existing is not None:
             if submit.epoch <= existing.epoch:
@@ -89,6 +104,9 @@ class Scheduler:
         )
         if reason is not None:
             return failed(submit.request_id, submit.epoch, 400, reason, "scheduler")
+        pulls = None if self.kv_transfer is None else self.kv_transfer.pulls
+        if submit.kv_source is not None and pulls is not None and pulls.begin(submit):
+            return None
         request = Request(
             submit.request_id,
             submit.epoch,
@@ -99,6 +117,7 @@ class Scheduler:
             key=self._next_request_key,
         )
         self._next_request_key += 1
+        request.kv_handoff = submit.kv_handoff and submit.params.n == 1
         # A plan must carry the request with a sequence's history and block table beside it.
         room = self.config.max_plan_bytes // 2
         if request.announcement_bytes > room:
@@ -138,9 +157,20 @@ class Scheduler:
             request.prompt_scores = {}  # none were delivered yet: compute them
         return None
 
+    def admit_pulled(self, submits: Iterable[SubmitRequest]) -> list[RequestFailed]:
+        """Queue requests whose KV pull settled (arrived: its blocks are cached prefix now)."""
+        failures = []
+        for submit in submits:
+            rejected = self.add(msgspec.structs.replace(submit, kv_source=None))
+            if rejected is not None:
+                failures.append(rejected)
+        return failures
+
     def abort(self, request_ids: Iterable[str]) -> None:
         """Drop these requests now; their blocks return to the pool at once."""
         for request_id in request_ids:
+            if self.kv_transfer is not None:
+                self.kv_transfer.pulls.cancel(request_id)
             request = self._requests.get(request_id)
             if request is not None:
                 self._drop_request(request)
@@ -178,6 +208,8 @@ class Scheduler:
             request.known_to_workers = False
         self._retired_seq_ids.clear()
         self._retired_request_keys.clear()
+        if self.kv_transfer is not None:
+            self.kv_transfer.on_workers_restarted()
         self.kv.reset_prefix_cache()
 
     # ---- steps ---------------------------------------------------------------------------------
@@ -282,6 +314,7 @@ class Scheduler:
             seq = sampled
             seq.token_ids.append(result.token_ids[position])
             reason = finish_reason(seq, self._eos_token_ids, self.config.max_model_len)
+            handoff = self._hand_off(seq) if reason is None and seq.request.kv_handoff else None
             wants_logprobs = logprobs is not None and seq.params.logprobs is not None
             items.append(
                 SampleDelta(
@@ -293,11 +326,22 @@ class Scheduler:
                     reason,
                     self._first_report(seq.request),
                     seq.request.take_prompt_scores(),
+                    handoff,
                 )
             )
-            if reason is not None:
+            if reason is not None or handoff is not None:
                 self._retire(seq)
         return TokenBatch(items)
+
+    def _hand_off(self, seq: SequenceState) -> KvSource | None:
+        """Hold the prompt's KV for a decode instance (P/D), after the first token only."""
+        if self.kv_transfer is None or seq.num_output_tokens != 1:
+            return None
+        request = seq.request
+        return self.kv_transfer.holds.hand_off(
+            request.request_id, request.epoch, seq.block_table.block_ids,
+            len(request.prompt_token_ids),
+        )  # fmt: skip
 
     def _first_report(self, request: Request) -> FirstScheduled | None:
         if request.first_reported or request.first_scheduled is None:
@@ -321,13 +365,14 @@ class Scheduler:
 
     @property
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests)
+        pulling = self.kv_transfer is not None and self.kv_transfer.pulls.num_pending > 0
+        return bool(self._requests) or pulling
 
     def request_ids(self) -> list[str]:
         return list(self._requests)
 
     def stats(self) -> SchedulerStats:
-        return SchedulerStats(
+        stats = SchedulerStats(
             num_running=len(self.planner.running),
             num_waiting=len(self.planner.waiting),
             num_requests=len(self._requests),
@@ -340,6 +385,9 @@ class Scheduler:
             num_preemptions=self.planner.num_preemptions,
             num_steps=self.num_steps,
         )
+        if self.kv_transfer is not None:
+            stats = msgspec.structs.replace(stats, **self.kv_transfer.stats())
+        return stats
 
     def request_statuses(self) -> list[RequestStatus]:
         now = self.clock()

@@ -12,11 +12,13 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
+from engine.settings.kv_transfer_schema import KvTransferSettings, kv_transfer_problems
 from engine.settings.section import BYTES_UNIT
 from engine.settings.section import Section as _Section
 from engine.settings.server_schema import ServerSettings
 
-__all__ = ["BYTES_UNIT", "ServerSettings"]  # re-exported: the schema's names live here
+# re-exported: the schema's names live here
+__all__ = ["BYTES_UNIT", "KvTransferSettings", "ServerSettings"]
 
 
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]
@@ -273,6 +275,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     server: ServerSettings = msgspec.field(default_factory=ServerSettings)
     admin: AdminSettings = msgspec.field(default_factory=AdminSettings)
     runtime: RuntimeSettings = msgspec.field(default_factory=RuntimeSettings)
+    kv_transfer: KvTransferSettings = msgspec.field(default_factory=KvTransferSettings)
 
 
 SECTIONS: dict[str, type[_Section]] = {
@@ -284,6 +287,7 @@ SECTIONS: dict[str, type[_Section]] = {
     "server": ServerSettings,
     "admin": AdminSettings,
     "runtime": RuntimeSettings,
+    "kv_transfer": KvTransferSettings,
 }
 
 
@@ -312,4 +316,4 @@ def cross_field_problems(settings: Settings) -> list[tuple[str, str]]:
             f"must be auto or torch with model.deterministic (its batch-invariant kernels are "
             f"torch's), got {model.kernel_backend}",
         ))  # fmt: skip
-    return problems
+    return problems + kv_transfer_problems(settings)

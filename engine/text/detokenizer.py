@@ -170,11 +170,13 @@ class Detokenizer:
                 stream.stop_reason,
                 item.first,
                 prompt_logprobs,
+                # A stop string that ended the sample here makes the handoff moot.
+                item.handoff if finish_reason is None else None,
             )
         )
-        if finish_reason is None:
+        if finish_reason is None and item.handoff is None:
             return
-        if item.finish_reason is None:  # ended here, by a stop string
+        if finish_reason is not None and item.finish_reason is None:  # ended by a stop string
             stops.append(StopSamples(item.request_id, item.epoch, [item.index]))
         del request.streams[item.index]
         if not request.streams:

@@ -108,7 +108,12 @@ def test_every_setting_is_reachable_as_section_dot_field() -> None:
                 text = "4096"
         else:
             text = "0.5" if key != "runtime.heartbeat_timeout" else "50"
-        settings, sources = load_settings([f"--{key}", text], {})
+        # One-launch P/D needs both replica counts.
+        partner = {
+            "kv_transfer.prefill_replicas": ["--kv_transfer.decode_replicas", "1"],
+            "kv_transfer.decode_replicas": ["--kv_transfer.prefill_replicas", "1"],
+        }.get(key, [])
+        settings, sources = load_settings([f"--{key}", text, *partner], {})
         value = msgspec.to_builtins(settings)[spec.section][spec.name]
         assert value != spec.default, key
         assert sources[key] == "flag"

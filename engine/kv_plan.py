@@ -1,0 +1,107 @@
+"""The plan's P/D part (DESIGN §9): which replicas prefill, which decode, and the actors, rings
+and segments a replica with KV transfer gets.
+
+A replica with a role other than `both` in a one-launch P/D engine, and the one replica of an
+instance started with `--kv-role prefill|decode`, get one kv_transfer actor per worker rank.
+Each rank's KV cache then lives in a segment of the run (`SegmentDecl`), mapped by the worker and
+by its kv_transfer actor: the kv_transfer actor copies blocks in and out while the worker runs.
+This module never imports torch.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from engine.actors.kv_transfer_config import KvTransferConfig
+from engine.actors.roles import Role
+from engine.actors.runtime.child_spec import ChildSpec, RingDecl, SegmentDecl
+from engine.messages.kv_transfer import KvLayout
+from engine.model.capacity import dtype_bytes
+from engine.model.config import ModelConfig
+from engine.model.parallel.layout import kv_heads_per_rank
+from engine.settings import Settings
+
+KV_TRANSFER = "engine.actors.kv_transfer:KvTransferActor"
+KV_RING_BYTES = 1 << 20  # orders and events are small; a pull names its blocks once
+
+
+def replica_roles(settings: Settings) -> tuple[str, ...]:
+    """Each replica's role: one-launch P/D lists prefill replicas first, then decode ones."""
+    kv = settings.kv_transfer
+    if kv.prefill_replicas and kv.decode_replicas:
+        return ("prefill",) * kv.prefill_replicas + ("decode",) * kv.decode_replicas
+    return (kv.role,) * settings.parallel.data_parallel_size
+
+
+def kv_layout(
+    config: ModelConfig, dtype: str, block_size: int, num_blocks: int, tp: int, rank: int
+) -> KvLayout:
+    kv_heads = kv_heads_per_rank(config, tp)
+    return KvLayout(
+        model=(
+            f"{config.architecture}/L{config.num_layers}/KV{config.num_kv_heads}"
+            f"/D{config.head_dim}/V{config.vocab_size}"
+        ),
+        num_layers=config.num_layers,
+        num_kv_heads=kv_heads,
+        head_dim=config.head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        itemsize=dtype_bytes(dtype),
+        tp_size=tp,
+        tp_rank=rank,
+        num_blocks=num_blocks,
+    )
+
+
+def kv_transfer_parts(
+    settings: Settings,
+    config: ModelConfig,
+    dtype: str,
+    block_size: int,
+    num_blocks: int,
+    suffix: str,
+    scheduler: str,
+    workers: list[str],
+) -> tuple[list[ChildSpec], list[RingDecl], list[SegmentDecl]]:
+    """One replica's kv_transfer actors, their rings, and its ranks' cache segments (worker
+    rank r's cache is segment f"kv-cache{r}")."""
+    kv, runtime = settings.kv_transfer, settings.runtime
+    tp = len(workers)
+    children, rings, segments = [], [], []
+    for rank, worker in enumerate(workers):
+        name = f"kv_transfer{rank}{suffix}"
+        layout = kv_layout(config, dtype, block_size, num_blocks, tp, rank)
+        transfer = KvTransferConfig(
+            rank=rank,
+            layout=layout,
+            cache_segment=cache_segment(rank),
+            listen_host=kv.host,
+            listen_port=kv.port + rank if kv.port else 0,
+            advertise_host=kv.advertise_host,
+            force_tcp=kv.transport == "tcp",
+        )
+        children.append(
+            ChildSpec(
+                name=name,
+                entry=KV_TRANSFER,
+                role=Role.KV_TRANSFER,
+                config=msgspec.msgpack.encode(transfer),
+                heartbeat_interval=runtime.heartbeat_interval,
+                heartbeat_timeout=runtime.heartbeat_timeout,
+                ready_timeout=runtime.start_timeout,
+            )
+        )
+        rings.append(RingDecl(name=f"kv-events{rank}", writer=name, readers=(scheduler,),
+                              capacity=KV_RING_BYTES))  # fmt: skip
+        segments.append(
+            SegmentDecl(name=cache_segment(rank), size=layout.segment_bytes, parties=(worker, name))
+        )
+    names = tuple(child.name for child in children)
+    rings.append(RingDecl(name="kv-orders", writer=scheduler, readers=names,
+                          capacity=KV_RING_BYTES))  # fmt: skip
+    return children, rings, segments
+
+
+def cache_segment(rank: int) -> str:
+    return f"kv-cache{rank}"

@@ -1,0 +1,93 @@
+"""The [kv_transfer] section of the settings schema: prefill/decode disaggregation (DESIGN §9).
+
+Two ways to disaggregate:
+- one launch: `prefill_replicas` P and `decode_replicas` D (both >= 1) run P + D replicas on
+  this host; the root routes each request to a prefill replica, then on to a decode replica;
+- several launches: `role` prefill or decode makes this instance one side, and `engine proxy`
+  routes between instances over HTTP.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from msgspec import Meta
+
+from engine.settings.section import Section
+
+
+class KvTransferSettings(Section, frozen=True):
+    role: Annotated[
+        Literal["both", "prefill", "decode"],
+        Meta(description="this instance's part: both (colocated), prefill or decode"),
+    ] = "both"
+    prefill_replicas: Annotated[
+        int, Meta(ge=0, le=64, description="one-launch P/D: replicas that only prefill")
+    ] = 0
+    decode_replicas: Annotated[
+        int, Meta(ge=0, le=64, description="one-launch P/D: replicas that decode")
+    ] = 0
+    host: Annotated[
+        str, Meta(min_length=1, description="address the kv_transfer actors listen on")
+    ] = "127.0.0.1"
+    port: Annotated[
+        int,
+        Meta(ge=0, le=65535, description="kv_transfer port of rank 0 (rank r: +r); 0 = any free"),
+    ] = 0
+    advertise_host: Annotated[
+        str | None,
+        Meta(description="the address pullers are told to connect to (default: host)"),
+    ] = None
+    hold_timeout: Annotated[
+        float,
+        Meta(
+            gt=0.0,
+            description="seconds a prefill instance keeps a handed-off request's KV blocks for "
+            "a puller that has not acknowledged them",
+        ),
+    ] = 30.0
+    transport: Annotated[
+        Literal["auto", "tcp"],
+        Meta(description="auto: shared memory between processes of one host, else TCP; tcp: TCP"),
+    ] = "auto"
+
+
+def kv_transfer_problems(settings: object) -> list[tuple[str, str]]:
+    """Invalid combinations, as (the setting at fault, what is wrong with it)."""
+    kv = settings.kv_transfer  # type: ignore[attr-defined]
+    parallel = settings.parallel  # type: ignore[attr-defined]
+    problems = []
+    one_launch = kv.prefill_replicas or kv.decode_replicas
+    if one_launch and not (kv.prefill_replicas and kv.decode_replicas):
+        missing, given = ("decode", "prefill") if kv.prefill_replicas else ("prefill", "decode")
+        problems.append((
+            f"kv_transfer.{missing}_replicas",
+            f"must be at least 1 when kv_transfer.{given}_replicas is set (one-launch P/D needs "
+            f"both roles), got 0",
+        ))  # fmt: skip
+    if one_launch and kv.role != "both":
+        problems.append((
+            "kv_transfer.role",
+            f"must be both with kv_transfer.prefill_replicas/decode_replicas (one launch runs "
+            f"both roles), got {kv.role}",
+        ))  # fmt: skip
+    if one_launch and parallel.data_parallel_size != 1:
+        problems.append((
+            "parallel.data_parallel_size",
+            f"must be 1 with kv_transfer.prefill_replicas/decode_replicas (they set the "
+            f"replicas), got {parallel.data_parallel_size}",
+        ))  # fmt: skip
+    disaggregated = one_launch or kv.role != "both"
+    if disaggregated and parallel.nnodes != 1:
+        problems.append((
+            "parallel.nnodes",
+            f"must be 1 with P/D disaggregation (an instance's ranks on one host), got "
+            f"{parallel.nnodes}",
+        ))  # fmt: skip
+    if disaggregated and not settings.cache.enable_prefix_caching:  # type: ignore[attr-defined]
+        problems.append((
+            "cache.enable_prefix_caching",
+            "must be true with P/D disaggregation (pulled KV blocks enter the decode side's "
+            "prefix cache), got false",
+        ))  # fmt: skip
+    return problems

@@ -1,0 +1,323 @@
+"""P/D at the scheduler level: a prefill scheduler hands a request off with its KV held, a decode
+scheduler pulls what its prefix cache lacks and computes only the rest.
+
+Two schedulers, each with the reference worker of test_scheduler (which checks that every token
+it samples from reads exactly the request's history from the KV blocks named in the plan). A
+"transfer" copies the reference cache's blocks from the prefill side to the decode side, as the
+kv_transfer actors copy real KV, so a block pulled into the wrong place, indexed under the wrong
+prefix or freed while in use shows up as a wrong read or a broken pool invariant."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from engine.messages.kv_transfer import (
+    BlocksPulled,
+    BlocksReleased,
+    DropHolds,
+    HoldBlocks,
+    KvEndpoint,
+    KvLayout,
+    PullBlocks,
+    TransferEndpoint,
+)
+from engine.messages.scheduling import SampleResume, SubmitRequest
+from engine.scheduler import Scheduler
+from engine.scheduler.kv_handoff import PULL_GRACE_S, Outcome, RankTally
+from tests.unit.test_scheduler import Outputs, ReferenceWorker, expected, make, step, submit
+
+RANKS = 2
+BLOCK = 4
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def layout(rank: int = 0) -> KvLayout:
+    return KvLayout("m", 2, 1, 8, BLOCK, "float32", 4, RANKS, rank, 64)
+
+
+def instance(clock: Clock, num_blocks: int = 64) -> tuple[Scheduler, ReferenceWorker]:
+    scheduler, worker = make(num_blocks, kv_transfer_ranks=RANKS, kv_hold_timeout=10.0)
+    scheduler.clock = clock
+    assert scheduler.kv_transfer is not None
+    scheduler.kv_transfer.holds._clock = clock
+    scheduler.kv_transfer.pulls._clock = clock
+    for rank in range(RANKS):
+        endpoint = KvEndpoint("127.0.0.1", 9000 + rank, "host")
+        scheduler.kv_transfer.on_event(TransferEndpoint(rank, endpoint, layout(rank)))
+    return scheduler, worker
+
+
+def orders(scheduler: Scheduler) -> list[object]:
+    assert scheduler.kv_transfer is not None
+    return list(scheduler.kv_transfer.take_orders())
+
+
+def prefill_and_hand_off(prefill: Scheduler, worker: ReferenceWorker, request: SubmitRequest):
+    """Run the prefill side until the request is handed off; its first token and source."""
+    assert prefill.add(request) is None
+    outputs = Outputs()
+    for _ in range(50):
+        plan = prefill.schedule()
+        assert plan is not None
+        result = worker.run(plan)
+        batch = prefill.update(result)
+        outputs.add(batch)
+        handoffs = [item for item in batch.items if item.handoff is not None]
+        if handoffs:
+            (item,) = handoffs
+            assert item.finish_reason is None
+            return item.new_token_ids, item.handoff
+    raise AssertionError("no handoff")
+
+
+def transfer(src: ReferenceWorker, dst: ReferenceWorker, pull: PullBlocks) -> None:
+    for src_block, dst_block in zip(pull.src_block_ids, pull.dst_block_ids, strict=True):
+        dst.cache[dst_block] = list(src.cache[src_block])
+
+
+def decode_to_end(decode: Scheduler, worker: ReferenceWorker) -> tuple[Outputs, list[int]]:
+    """Run the decode side to the end; its outputs and the first chunk's start position."""
+    outputs = Outputs()
+    starts = []
+    for _ in range(200):
+        plan = step(decode, worker, outputs)
+        if plan is not None and plan.chunks and not starts:
+            starts.append(plan.chunks[0].start_pos)
+        if plan is None and not decode.has_unfinished_requests:
+            return outputs, starts
+    raise AssertionError("decode did not finish")
+
+
+PROMPT = list(range(1, 15))  # 14 tokens: 3 full blocks of 4 and a partial one
+
+
+def handed_off(clock: Clock, **params: object):
+    prefill, p_worker = instance(clock)
+    request = msgspec.structs.replace(
+        submit("a", PROMPT, seed=5, max_tokens=6, **params), kv_handoff=True
+    )
+    first, source = prefill_and_hand_off(prefill, p_worker, request)
+    return prefill, p_worker, first, source
+
+
+def decode_request(first: list[int], source, **params: object) -> SubmitRequest:
+    request = submit("a", PROMPT, epoch=1, seed=5, max_tokens=6, **params)
+    return msgspec.structs.replace(request, resume=[SampleResume(0, first)], kv_source=source)
+
+
+# ---- the tally -------------------------------------------------------------------------------
+
+
+def test_a_transfer_is_done_only_when_every_rank_reported_success() -> None:
+    tally = RankTally(3)
+    assert tally.record(0) is None
+    assert tally.record(0) is None  # a repeat counts once
+    assert tally.record(7) is None  # no such rank
+    assert tally.record(2) is None
+    assert tally.record(1) is Outcome.DONE
+    assert tally.all_reported
+
+
+def test_one_failing_rank_fails_the_transfer_at_once_and_the_rest_still_report() -> None:
+    tally = RankTally(2)
+    assert tally.record(1, "peer vanished") is Outcome.FAILED
+    assert not tally.all_reported  # rank 0 may still be writing
+    assert tally.record(0) is Outcome.FAILED
+    assert tally.all_reported and tally.first_error() == "peer vanished"
+
+
+# ---- prefill side ----------------------------------------------------------------------------
+
+
+def test_the_prefill_side_hands_off_after_the_first_token_holding_the_full_prompt_blocks() -> None:
+    clock = Clock()
+    prefill, _, first, source = handed_off(clock)
+    assert len(first) == 1
+    assert source.num_tokens == 12 and len(source.block_ids) == 3  # the partial block stays
+    assert [e.port for e in source.endpoints] == [9000, 9001]
+    assert not prefill.has_unfinished_requests  # the request left this instance...
+    pool = prefill.kv.pool
+    assert all(pool.ref_counts[b] == 1 for b in source.block_ids)  # ... its blocks did not
+    (hold,) = [o for o in orders(prefill) if isinstance(o, HoldBlocks)]
+    assert hold.block_ids == source.block_ids and hold.transfer_id == source.transfer_id
+    assert prefill.stats().kv_holds == 1
+
+
+def test_a_hold_ends_when_every_rank_reports_the_acknowledgement() -> None:
+    clock = Clock()
+    prefill, _, _, source = handed_off(clock)
+    assert prefill.kv_transfer is not None
+    prefill.kv_transfer.on_event(BlocksReleased(source.transfer_id, 0))
+    assert prefill.kv.pool.ref_counts[source.block_ids[0]] == 1  # rank 1 has not said so yet
+    prefill.kv_transfer.on_event(BlocksReleased(source.transfer_id, 1))
+    assert all(prefill.kv.pool.ref_counts[b] == 0 for b in source.block_ids)
+    assert prefill.kv.num_free_blocks == prefill.config.num_blocks
+    prefill.kv.pool.check_invariants()
+
+
+def test_the_hold_timeout_frees_the_blocks_and_tells_the_ranks() -> None:
+    clock = Clock()
+    prefill, _, _, source = handed_off(clock)
+    assert prefill.kv_transfer is not None
+    orders(prefill)
+    clock.now += 9.9
+    prefill.kv_transfer.tick()
+    assert prefill.stats().kv_holds == 1
+    clock.now += 0.2
+    prefill.kv_transfer.tick()
+    assert prefill.kv.num_free_blocks == prefill.config.num_blocks
+    assert orders(prefill) == [DropHolds([source.transfer_id])]
+    assert prefill.stats().kv_holds_expired == 1
+
+
+def test_no_handoff_before_every_rank_announced_itself_the_request_runs_here() -> None:
+    scheduler, worker = make(64, kv_transfer_ranks=RANKS)
+    request = msgspec.structs.replace(submit("a", PROMPT, max_tokens=5), kv_handoff=True)
+    scheduler.add(request)
+    outputs = Outputs()
+    for _ in range(50):
+        step(scheduler, worker, outputs)
+    assert outputs.tokens[("a", 0)] == expected(PROMPT, 1, 5)
+    assert outputs.finish[("a", 0)] == "length"
+
+
+def test_a_request_whose_first_token_ends_it_is_not_handed_off() -> None:
+    clock = Clock()
+    prefill, worker = instance(clock)
+    request = msgspec.structs.replace(submit("a", PROMPT, max_tokens=1), kv_handoff=True)
+    prefill.add(request)
+    outputs = Outputs()
+    for _ in range(10):
+        step(prefill, worker, outputs)
+    assert outputs.finish[("a", 0)] == "length"
+    assert prefill.stats().kv_handoffs == 0 and prefill.kv.pool.usage == 0
+
+
+# ---- decode side -----------------------------------------------------------------------------
+
+
+def test_the_decode_side_pulls_the_blocks_then_computes_only_the_tail_and_continues() -> None:
+    clock = Clock()
+    _, p_worker, first, source = handed_off(clock)
+    decode, d_worker = instance(clock)
+    assert decode.add(decode_request(first, source)) is None
+    assert decode.schedule() is None  # waits for its KV
+    (pull,) = orders(decode)
+    assert isinstance(pull, PullBlocks)
+    assert pull.src_block_ids == source.block_ids and len(pull.dst_block_ids) == 3
+    transfer(p_worker, d_worker, pull)
+    assert decode.kv_transfer is not None
+    assert decode.kv_transfer.on_event(BlocksPulled(pull.transfer_id, 0, None, 100, 0.1)) == []
+    ready = decode.kv_transfer.on_event(BlocksPulled(pull.transfer_id, 1, None, 100, 0.2))
+    assert decode.admit_pulled(ready) == []
+    outputs, starts = decode_to_end(decode, d_worker)
+    assert starts == [12]  # the 3 pulled blocks were a cached prefix: only the tail ran
+    assert first + outputs.tokens[("a", 0)] == expected(PROMPT, 5, 6)
+    stats = decode.stats()
+    assert (stats.kv_pulls, stats.kv_blocks_pulled, stats.kv_fallbacks) == (1, 3, 0)
+    assert stats.kv_bytes_pulled == 200 and stats.kv_pull_seconds == pytest.approx(0.2)
+    assert decode.kv.pool.usage == 0
+
+
+def test_the_decode_side_pulls_only_the_blocks_its_prefix_cache_lacks() -> None:
+    clock = Clock()
+    _, _, first, source = handed_off(clock)
+    decode, d_worker = instance(clock)
+    # An earlier request shared the first two blocks of the prompt (8 tokens) here.
+    decode.add(submit("earlier", [*PROMPT[:8], 90, 91], max_tokens=1))
+    decode_to_end(decode, d_worker)
+    decode.add(decode_request(first, source))
+    (pull,) = orders(decode)
+    assert isinstance(pull, PullBlocks)
+    assert pull.src_block_ids == source.block_ids[2:]
+    assert decode.stats().kv_blocks_from_cache == 2
+
+
+def test_a_failed_rank_falls_back_to_local_prefill_and_the_blocks_wait_for_the_other_rank() -> None:
+    clock = Clock()
+    _, _, first, source = handed_off(clock)
+    decode, d_worker = instance(clock)
+    decode.add(decode_request(first, source))
+    (pull,) = orders(decode)
+    assert isinstance(pull, PullBlocks) and decode.kv_transfer is not None
+    ready = decode.kv_transfer.on_event(BlocksPulled(pull.transfer_id, 1, "connection refused"))
+    decode.admit_pulled(ready)
+    outputs = Outputs()
+    plan = step(decode, d_worker, outputs)
+    assert plan is not None and plan.chunks[0].start_pos == 0  # computes the prompt itself
+    used = set(plan.chunks[0].new_block_ids)
+    assert not used & set(pull.dst_block_ids)  # rank 0 may still write into those
+    decode.kv_transfer.on_event(BlocksPulled(pull.transfer_id, 0, None, 100, 0.1))
+    outputs_rest, _ = decode_to_end(decode, d_worker)
+    tokens = first + outputs.tokens[("a", 0)] + outputs_rest.tokens[("a", 0)]
+    assert tokens == expected(PROMPT, 5, 6)
+    assert decode.stats().kv_fallbacks == 1
+    assert decode.kv.num_free_blocks == decode.config.num_blocks
+
+
+def test_a_pull_past_its_deadline_falls_back_and_frees_its_blocks_after_the_grace() -> None:
+    clock = Clock()
+    _, _, first, source = handed_off(clock)
+    decode, d_worker = instance(clock)
+    decode.add(decode_request(first, source))
+    (pull,) = orders(decode)
+    assert isinstance(pull, PullBlocks) and decode.kv_transfer is not None
+    clock.now += 10.0
+    assert decode.admit_pulled(decode.kv_transfer.tick()) == []
+    outputs, starts = decode_to_end(decode, d_worker)
+    assert starts == [0] and first + outputs.tokens[("a", 0)] == expected(PROMPT, 5, 6)
+    assert decode.kv.pool.ref_counts[pull.dst_block_ids[0]] == 1  # not reused yet
+    clock.now += PULL_GRACE_S
+    decode.kv_transfer.tick()
+    assert decode.kv.num_free_blocks == decode.config.num_blocks
+
+
+def test_a_restarted_kv_transfer_rank_fails_the_pulls_in_flight() -> None:
+    clock = Clock()
+    _, _, first, source = handed_off(clock)
+    decode, _ = instance(clock)
+    decode.add(decode_request(first, source))
+    assert decode.kv_transfer is not None
+    orders(decode)
+    again = TransferEndpoint(0, KvEndpoint("127.0.0.1", 9100, "host"), layout(0))
+    (ready,) = decode.kv_transfer.on_event(again)
+    assert ready.request_id == "a"
+    assert decode.stats().kv_fallbacks == 1
+
+
+def test_an_aborted_request_is_never_admitted_and_its_blocks_free_once_the_ranks_report() -> None:
+    clock = Clock()
+    _, _, first, source = handed_off(clock)
+    decode, _ = instance(clock)
+    decode.add(decode_request(first, source))
+    (pull,) = orders(decode)
+    assert isinstance(pull, PullBlocks) and decode.kv_transfer is not None
+    decode.abort(["a"])
+    assert not decode.has_unfinished_requests
+    for rank in range(RANKS):
+        assert decode.kv_transfer.on_event(BlocksPulled(pull.transfer_id, rank, None)) == []
+    assert decode.kv.num_free_blocks == decode.config.num_blocks
+    assert decode.schedule() is None
+
+
+def test_pulled_blocks_from_before_a_worker_restart_are_never_indexed() -> None:
+    clock = Clock()
+    _, _, first, source = handed_off(clock)
+    decode, _ = instance(clock)
+    decode.add(decode_request(first, source))
+    (pull,) = orders(decode)
+    assert isinstance(pull, PullBlocks) and decode.kv_transfer is not None
+    decode.on_workers_restarted()
+    decode.abort(decode.request_ids())
+    for rank in range(RANKS):
+        assert decode.kv_transfer.on_event(BlocksPulled(pull.transfer_id, rank, None)) == []
+    assert decode.kv.pool.hash_to_block == {}
+    assert decode.kv.num_free_blocks == decode.config.num_blocks
