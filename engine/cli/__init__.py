@@ -1,4 +1,4 @@
-"""Command line: `serve` (the default), `config show`, `admin`, `replay`, `trace import`.
+"""Command line: `serve` (the default), `proxy`, `config show`, `admin`, `replay`, `trace import`.
 
 Usage errors print one line to stderr and exit 2; invalid settings exit 2 the same way.
 """
@@ -13,6 +13,8 @@ from engine.settings import SettingsError
 USAGE = """\
 usage: engine serve [MODEL] [flags]   (or python -m engine [serve] ...)  start the server
        (MODEL: a checkpoint directory, or a Hugging Face repo id found in the local HF cache)
+       python -m engine proxy --prefill URL [URL ...] --decode URL [URL ...] [--port N]
+           [--host H]   the P/D front over prefill and decode instances (proxy --help)
        python -m engine config show [flags] [--json]  effective settings and their sources
        python -m engine admin [--socket PATH] COMMAND [ARGS] [--json]
            COMMAND: health | stats | actors | requests | abort ID | drain | shutdown |
@@ -38,6 +40,10 @@ def main(argv: list[str]) -> int:
             from engine.cli.config_cmd import run_config
 
             return run_config(rest, os.environ)
+        if command == "proxy":
+            from engine.cli.proxy_cmd import run_proxy
+
+            return run_proxy(rest, os.environ)
         if command == "admin":
             from engine.cli.admin_client import run_admin
 
@@ -64,7 +70,7 @@ def main(argv: list[str]) -> int:
 
 
 def _split_command(argv: list[str]) -> tuple[str, list[str]]:
-    if argv and argv[0] in ("serve", "config", "admin", "replay", "trace", "help"):
+    if argv and argv[0] in ("serve", "proxy", "config", "admin", "replay", "trace", "help"):
         return argv[0], argv[1:]
     return "serve", argv
 

@@ -1,0 +1,112 @@
+"""`engine proxy --prefill URL [URL ...] --decode URL [URL ...] [--port N] [--host H] ...`.
+
+Bad arguments end the command with status 2 and one line naming what was wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Mapping, Sequence
+from urllib.parse import urlsplit
+
+from engine.http.proxy_config import ProxyConfig
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class ProxyUsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ProxyUsageError(message)
+
+
+def _parser() -> _Parser:
+    defaults = ProxyConfig(prefill=(), decode=())
+    p = _Parser(
+        prog="engine proxy",
+        description="OpenAI-compatible front for prefill and decode instances (P/D).",
+    )
+    p.add_argument("--prefill", nargs="+", action="extend", default=[], metavar="URL")
+    p.add_argument("--decode", nargs="+", action="extend", default=[], metavar="URL")
+    p.add_argument("--host", default=defaults.host)
+    p.add_argument("--port", type=int, default=defaults.port, help="0: any free port")
+    seconds = [
+        ("--connect-timeout", defaults.connect_timeout, "to open a connection to an instance"),
+        ("--read-timeout", defaults.read_timeout, "between two reads of an instance's answer"),
+        ("--probe-interval", defaults.probe_interval, "between probes of down instances"),
+        ("--probe-timeout", defaults.probe_timeout, "for one probe of an instance's /health"),
+        ("--drain-timeout", defaults.drain_timeout, "in-flight requests get after SIGTERM"),
+    ]
+    for flag, default, what in seconds:
+        p.add_argument(flag, type=float, default=default, help=f"seconds {what}")
+    p.add_argument("--max-request-bytes", type=int, default=defaults.max_request_bytes)
+    p.add_argument("--log-level", choices=LOG_LEVELS, default=defaults.log_level)
+    return p
+
+
+def instance_url(text: str, flag: str) -> str:
+    """An instance's base URL, without a trailing slash; an error naming the flag otherwise."""
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https"):
+        raise ProxyUsageError(f"{flag} {text!r}: an instance URL starts with http:// or https://")
+    if not parts.hostname:
+        raise ProxyUsageError(f"{flag} {text!r}: the URL names no host")
+    if parts.query or parts.fragment:
+        raise ProxyUsageError(f"{flag} {text!r}: an instance URL has no query or fragment")
+    try:
+        parts.port  # noqa: B018 (raises on a port that is not a number in range)
+    except ValueError:
+        raise ProxyUsageError(f"{flag} {text!r}: the port is not a number in [0, 65535]") from None
+    return text.rstrip("/")
+
+
+def _instances(urls: Sequence[str], flag: str) -> tuple[str, ...]:
+    if not urls:
+        role = flag.removeprefix("--")
+        raise ProxyUsageError(f"no {role} instance: give at least one with {flag} URL")
+    found = tuple(instance_url(u, flag) for u in urls)
+    repeated = sorted({u for u in found if found.count(u) > 1})
+    if repeated:
+        raise ProxyUsageError(f"{flag} names {', '.join(repeated)} more than once")
+    return found
+
+
+def parse_proxy_args(argv: Sequence[str]) -> ProxyConfig:
+    args = _parser().parse_args(list(argv))
+    if not 0 <= args.port <= 65535:
+        raise ProxyUsageError(f"--port {args.port}: must be in [0, 65535]")
+    for flag in ("connect_timeout", "read_timeout", "probe_interval", "probe_timeout"):
+        if not getattr(args, flag) > 0:
+            raise ProxyUsageError(f"--{flag.replace('_', '-')} must be > 0 seconds")
+    if args.drain_timeout < 0:
+        raise ProxyUsageError("--drain-timeout must be >= 0 seconds")
+    if args.max_request_bytes < 1:
+        raise ProxyUsageError("--max-request-bytes must be >= 1")
+    return ProxyConfig(
+        prefill=_instances(args.prefill, "--prefill"),
+        decode=_instances(args.decode, "--decode"),
+        host=args.host,
+        port=args.port,
+        connect_timeout=args.connect_timeout,
+        read_timeout=args.read_timeout,
+        probe_interval=args.probe_interval,
+        probe_timeout=args.probe_timeout,
+        max_request_bytes=args.max_request_bytes,
+        drain_timeout=args.drain_timeout,
+        log_level=args.log_level,
+    )
+
+
+def run_proxy(argv: list[str], environ: Mapping[str, str]) -> int:
+    try:
+        config = parse_proxy_args(argv)
+    except ProxyUsageError as e:
+        print(f"engine proxy: {e}", file=sys.stderr)
+        return 2
+    from engine.http.proxy_server import serve_proxy
+
+    return serve_proxy(config)

@@ -1,0 +1,277 @@
+"""The P/D proxy's Starlette app: an OpenAI-compatible front over prefill and decode instances.
+
+A completion or chat completion is prefilled on a prefill instance (one token, its KV kept for
+a decode instance) and then sent, as the client wrote it plus the prefill's transfer
+parameters, to a decode instance whose answer (status, content type, body; streams chunk by
+chunk) is the client's. Every other route goes to a decode instance; /health, /ready and
+/metrics are the proxy's own.
+
+Failures (proxy_upstream.InstanceFailed) mark the instance down and the request moves on: to
+another prefill instance, else to a decode instance without KV (it prefills itself); to another
+decode instance while nothing has reached the client; once a stream has begun, its end is an
+SSE error event. A 4xx from any instance is the client's answer, relayed as it came.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import msgspec
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from engine.http.proxy_config import ProxyConfig
+from engine.http.proxy_metrics import ProxyMetrics
+from engine.http.proxy_pd import (
+    decode_body,
+    error_body,
+    json_object,
+    kv_transfer_params_of,
+    prefill_body,
+    stream_error_event,
+)
+from engine.http.proxy_pool import Instance, InstancePool, NoInstanceUp, Role
+from engine.http.proxy_upstream import (
+    Answer,
+    InstanceFailed,
+    OpenStream,
+    open_answer,
+    relay_rest,
+)
+
+log = logging.getLogger("engine.proxy")
+
+JSON = "application/json"
+# Request headers the instances see; the rest (hop-by-hop, host, lengths) are the proxy's own.
+FORWARDED_HEADERS = ("authorization", "content-type", "accept")
+ALL_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE"]
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class _RelayedStream(StreamingResponse):
+    """A stream that always closes its upstream, even when the client went away mid-way (the
+    instance then sees its connection close and aborts the request)."""
+
+    body_iterator: AsyncIterator[bytes]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+class ProxyRoutes:
+    def __init__(
+        self,
+        pool: InstancePool,
+        client: httpx.AsyncClient,
+        metrics: ProxyMetrics,
+        config: ProxyConfig,
+    ) -> None:
+        self.pool = pool
+        self.client = client
+        self.metrics = metrics
+        self.config = config
+
+    # -- routes -----------------------------------------------------------------------------
+
+    async def completions(self, request: Request) -> Response:
+        return await self._counted("completions", self._disaggregated(request))
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._counted("chat_completions", self._disaggregated(request))
+
+    async def forward(self, request: Request) -> Response:
+        async def to_decode() -> Response:
+            body = await self._body(request)
+            return await self._decode(request, body, _upstream_headers(request))
+
+        return await self._counted("other", to_decode())
+
+    async def health(self, request: Request) -> Response:
+        """200 while at least one instance of each role is up; else 503 naming the role(s)."""
+        missing = [role for role in Role if not self.pool.any_up(role)]
+        if missing:
+            message = "; ".join(str(NoInstanceUp(r, self.pool.of_role(r))) for r in missing)
+            return Response(error_body(message, 503), 503, media_type=JSON)
+        state = {
+            role.value: {i.url: "up" if i.up else "down" for i in self.pool.of_role(role)}
+            for role in Role
+        }
+        return Response(_json({"status": "ok", **state}), media_type=JSON)
+
+    async def metrics_text(self, request: Request) -> Response:
+        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    # -- the P/D path -----------------------------------------------------------------------
+
+    async def _disaggregated(self, request: Request) -> Response:
+        body = await self._body(request)
+        headers = _upstream_headers(request)
+        fields = json_object(body)
+        if fields is None:  # not a JSON object: the decode instance answers what is wrong
+            return await self._decode(request, body, headers)
+        prefilled = await self._prefill(request.url.path, fields, headers)
+        if isinstance(prefilled, Response):
+            return prefilled
+        return await self._decode(request, decode_body(fields, prefilled), headers)
+
+    async def _prefill(
+        self, path: str, fields: dict[str, Any], headers: dict[str, str]
+    ) -> dict[str, Any] | Response | None:
+        """The prefill's transfer parameters (None: the decode instance prefills), or the
+        prefill instance's 4xx answer for the client."""
+        body = prefill_body(fields)
+        tried: list[Instance] = []
+        while True:
+            try:
+                instance = self.pool.choose(Role.PREFILL, exclude=tried)
+            except NoInstanceUp as e:
+                log.warning("prefilling on the decode instance: %s", e)
+                self.metrics.prefill_fallbacks.inc()
+                return None
+            if tried:
+                self.metrics.retries.labels(Role.PREFILL.value).inc()
+            tried.append(instance)
+            instance.outstanding += 1
+            try:
+                answer = await open_answer(self.client, instance, "POST", path, body, headers)
+            except InstanceFailed as e:
+                self._failed(instance, str(e))
+                continue
+            finally:
+                instance.outstanding -= 1
+            if isinstance(answer, OpenStream):  # asked stream: false; a stream is not an answer
+                await answer.close()
+                self._failed(instance, "answered a prefill with a stream")
+                continue
+            if answer.status >= 400:
+                return _relay(answer)
+            params = kv_transfer_params_of(answer.body)
+            if params is None:
+                self.metrics.without_kv.inc()
+            return params
+
+    async def _decode(self, request: Request, body: bytes, headers: dict[str, str]) -> Response:
+        path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        tried: list[Instance] = []
+        while True:
+            try:
+                instance = self.pool.choose(Role.DECODE, exclude=tried)
+            except NoInstanceUp as e:
+                return Response(error_body(str(e), 503), 503, media_type=JSON)
+            if tried:
+                self.metrics.retries.labels(Role.DECODE.value).inc()
+            tried.append(instance)
+            instance.outstanding += 1
+            try:
+                answer = await open_answer(
+                    self.client, instance, request.method, path, body, headers
+                )
+            except InstanceFailed as e:
+                instance.outstanding -= 1
+                self._failed(instance, str(e))
+                continue
+            except BaseException:
+                instance.outstanding -= 1
+                raise
+            if isinstance(answer, Answer):
+                instance.outstanding -= 1
+                return _relay(answer)
+            return _RelayedStream(
+                self._relay_stream(instance, answer), answer.status, headers=answer.headers
+            )
+
+    async def _relay_stream(self, instance: Instance, stream: OpenStream) -> AsyncIterator[bytes]:
+        """The decode instance's chunks as they come. Tokens already sent cannot be taken back,
+        so a stream that breaks ends with an error event instead of moving elsewhere."""
+        last = stream.first_chunk
+        try:
+            yield stream.first_chunk
+            async for chunk in relay_rest(stream):
+                last = chunk
+                yield chunk
+        except InstanceFailed as e:
+            self._failed(instance, str(e))
+            self.metrics.broken_streams.inc()
+            # The break may have cut an event in half: end that one before the error event.
+            separator = b"" if not last or last.endswith(b"\n\n") else b"\n\n"
+            message = f"decode instance {instance.url} failed mid-stream: {e}"
+            yield separator + stream_error_event(message)
+        finally:
+            instance.outstanding -= 1
+            await stream.close()
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _failed(self, instance: Instance, why: str) -> None:
+        if self.pool.mark_down(instance, why):
+            log.warning("%s instance %s is down: %s", instance.role.value, instance.url, why)
+
+    async def _body(self, request: Request) -> bytes:
+        limit = self.config.max_request_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise _BodyTooLarge
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _BodyTooLarge
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def _counted(self, route: str, work: Any) -> Response:
+        try:
+            response: Response = await work
+        except _BodyTooLarge:
+            limit = self.config.max_request_bytes
+            message = f"the request body is larger than the proxy's limit of {limit} bytes"
+            body = error_body(message, 413, "invalid_request_error")
+            response = Response(body, 413, media_type=JSON)
+        self.metrics.requests.labels(route, str(response.status_code)).inc()
+        return response
+
+
+def build_proxy_app(
+    pool: InstancePool, client: httpx.AsyncClient, metrics: ProxyMetrics, config: ProxyConfig
+) -> Starlette:
+    routes = ProxyRoutes(pool, client, metrics, config)
+    return Starlette(
+        routes=[
+            Route("/v1/completions", routes.completions, methods=["POST"]),
+            Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
+            Route("/health", routes.health, methods=["GET"]),
+            Route("/ready", routes.health, methods=["GET"]),
+            Route("/metrics", routes.metrics_text, methods=["GET"]),
+            Route("/{path:path}", routes.forward, methods=ALL_METHODS),
+        ]
+    )
+
+
+def _upstream_headers(request: Request) -> dict[str, str]:
+    """The client's Authorization (and content type) for the instances, and one X-Request-Id
+    that the prefill and the decode instance both see (made up when the client sent none)."""
+    headers = {k: v for k in FORWARDED_HEADERS if (v := request.headers.get(k)) is not None}
+    headers["x-request-id"] = request.headers.get("x-request-id") or uuid.uuid4().hex
+    return headers
+
+
+def _relay(answer: Answer) -> Response:
+    return Response(answer.body, answer.status, headers=answer.headers)
+
+
+def _json(value: Any) -> bytes:
+    return msgspec.json.encode(value)

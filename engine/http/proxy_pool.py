@@ -1,0 +1,98 @@
+"""The P/D proxy's instances: which are up, how busy each is, and which one takes the next request.
+
+Plain state without I/O (the proxy's app and its prober drive it), so the choice and the marking
+are tested without servers. An instance is down from the failure that marked it until a probe of
+its /health answers 200; a down instance is never chosen.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class Role(StrEnum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass
+class Instance:
+    url: str
+    role: Role
+    up: bool = True
+    down_since: float | None = None  # wall clock (time.time()), for the 503 message
+    last_error: str = ""
+    outstanding: int = 0  # requests sent to it that have not finished yet
+    failures: int = 0  # times it was marked down
+
+    def describe(self) -> str:
+        if self.up or self.down_since is None:
+            return f"{self.url} up"
+        since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.down_since))
+        why = f": {self.last_error}" if self.last_error else ""
+        return f"{self.url} down since {since}{why}"
+
+
+class NoInstanceUp(Exception):
+    """Every instance of `role` is down (or was already tried by this request)."""
+
+    def __init__(self, role: Role, instances: list[Instance]) -> None:
+        self.role = role
+        named = "; ".join(i.describe() for i in instances)
+        super().__init__(f"no {role.value} instance is up ({named})")
+
+
+@dataclass
+class InstancePool:
+    """Instances of both roles in the order given on the command line."""
+
+    instances: list[Instance]
+    _next: dict[Role, int] = field(default_factory=dict)  # round-robin cursor per role
+
+    @classmethod
+    def of(cls, prefill: Iterable[str], decode: Iterable[str]) -> InstancePool:
+        prefills = [Instance(url, Role.PREFILL) for url in prefill]
+        return cls(prefills + [Instance(url, Role.DECODE) for url in decode])
+
+    def of_role(self, role: Role) -> list[Instance]:
+        return [i for i in self.instances if i.role is role]
+
+    def any_up(self, role: Role) -> bool:
+        return any(i.up for i in self.of_role(role))
+
+    def down(self) -> list[Instance]:
+        return [i for i in self.instances if not i.up]
+
+    def choose(self, role: Role, exclude: Iterable[Instance] = ()) -> Instance:
+        """The live instance of `role` with the fewest outstanding requests; among equals, the
+        first at or after the round-robin cursor, so equal instances take turns. Raises
+        NoInstanceUp when there is none (the excluded ones, already tried, do not count)."""
+        members = self.of_role(role)
+        skipped = {id(i) for i in exclude}
+        live = [n for n, i in enumerate(members) if i.up and id(i) not in skipped]
+        if not live:
+            raise NoInstanceUp(role, members)
+        fewest = min(members[n].outstanding for n in live)
+        cursor = self._next.get(role, 0)
+        tied = [n for n in live if members[n].outstanding == fewest]
+        chosen = min(tied, key=lambda n: (n - cursor) % len(members))
+        self._next[role] = chosen + 1
+        return members[chosen]
+
+    def mark_down(self, instance: Instance, reason: str, now: float | None = None) -> bool:
+        """Mark `instance` down; True if it was up (its first failure since it came back)."""
+        instance.last_error = reason
+        if not instance.up:
+            return False
+        instance.up = False
+        instance.down_since = time.time() if now is None else now
+        instance.failures += 1
+        return True
+
+    def mark_up(self, instance: Instance) -> None:
+        instance.up = True
+        instance.down_since = None
+        instance.last_error = ""
