@@ -1,0 +1,114 @@
+"""The P/D contract's bodies (proxy side) and `engine proxy`'s command line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from engine.cli.proxy_cmd import ProxyUsageError, parse_proxy_args
+from engine.http.proxy_pd import decode_body, kv_transfer_params_of, prefill_body
+from tests.e2e.harness import REPO
+
+CHAT = {
+    "model": "m",
+    "messages": [{"role": "user", "content": "hi"}],
+    "stream": True,
+    "stream_options": {"include_usage": True},
+    "max_completion_tokens": 40,
+    "temperature": 0.7,
+    "seed": 3,
+    "logprobs": True,
+    "top_logprobs": 2,
+    "stop": ["\n"],
+    "kv_transfer_params": {"from": "the client"},
+}
+
+
+def test_the_prefill_asks_one_unstreamed_token_and_the_kv_for_a_decode_instance() -> None:
+    sent = json.loads(prefill_body(CHAT))
+    assert sent["stream"] is False
+    assert "stream_options" not in sent
+    assert sent["max_tokens"] == 1
+    assert sent["max_completion_tokens"] == 1
+    assert sent["kv_transfer_params"] == {"do_remote_decode": True}
+    untouched = {"stream", "stream_options", "max_tokens", "max_completion_tokens"}
+    untouched.add("kv_transfer_params")
+    assert {k: v for k, v in sent.items() if k not in untouched} == {
+        k: v for k, v in CHAT.items() if k not in untouched
+    }
+
+
+def test_a_completion_prefill_adds_no_max_completion_tokens() -> None:
+    sent = json.loads(prefill_body({"model": "m", "prompt": "x", "max_tokens": 9}))
+    assert sent["max_tokens"] == 1
+    assert "max_completion_tokens" not in sent
+
+
+def test_the_decode_instance_gets_every_client_field_plus_the_prefills_params() -> None:
+    params = {"remote_host": "10.0.0.1", "remote_block_ids": [1, 2], "transfer_id": "x-0"}
+    sent = json.loads(decode_body(CHAT, params))
+    assert sent == {**CHAT, "kv_transfer_params": params}
+    without = json.loads(decode_body(CHAT, None))
+    assert without == {k: v for k, v in CHAT.items() if k != "kv_transfer_params"}
+
+
+@pytest.mark.parametrize(
+    ("answer", "params"),
+    [
+        (b'{"id": "x", "kv_transfer_params": {"a": 1}}', {"a": 1}),
+        (b'{"id": "x", "kv_transfer_params": null}', None),
+        (b'{"id": "x"}', None),
+        (b'{"id": "x", "kv_transfer_params": [1]}', None),
+        (b"not json", None),
+    ],
+)
+def test_transfer_params_are_read_from_the_prefills_answer(
+    answer: bytes, params: dict[str, int] | None
+) -> None:
+    assert kv_transfer_params_of(answer) == params
+
+
+def test_good_arguments_make_a_config() -> None:
+    config = parse_proxy_args(
+        ["--prefill", "http://a:1/", "https://b:2", "--decode", "http://c:3", "--port", "0"]
+    )
+    assert config.prefill == ("http://a:1", "https://b:2")
+    assert config.decode == ("http://c:3",)
+    assert config.port == 0
+    assert config.host == "127.0.0.1"
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--decode", "http://c:3"], "no prefill instance"),
+        (["--prefill", "http://a:1"], "no decode instance"),
+        (["--prefill", "a:1", "--decode", "http://c:3"], "'a:1'"),
+        (["--prefill", "http://a:1", "--decode", "ftp://c:3"], "'ftp://c:3'"),
+        (["--prefill", "http://a:x", "--decode", "http://c:3"], "the port"),
+        (["--prefill", "http://a:1", "http://a:1/", "--decode", "http://c:3"], "more than once"),
+        (["--prefill", "http://a:1", "--decode", "http://c:3", "--port", "70000"], "--port"),
+        (["--prefill", "http://a:1", "--decode", "http://c:3", "--read-timeout", "0"], "read"),
+        (["--prefill", "http://a:1", "--decode", "http://c:3", "--bogus"], "--bogus"),
+    ],
+)
+def test_bad_arguments_are_named(argv: list[str], named: str) -> None:
+    with pytest.raises(ProxyUsageError, match=named):
+        parse_proxy_args(argv)
+
+
+def test_the_command_exits_nonzero_with_one_line() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "engine", "proxy", "--prefill", "localhost:8000"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert "localhost:8000" in lines[0]
