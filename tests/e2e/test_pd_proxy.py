@@ -1,0 +1,404 @@
+"""`python -m engine proxy` in front of real `python -m engine` instances on loopback.
+
+Two instances (A: the prefill side, B: the decode side) serve every test; proxies are cheap
+(under a second to start), so each test starts the one whose instance list it needs, some with
+an address where nothing listens. The instances here are colocated ones, which accept and ignore
+`kv_transfer_params`: what is proven is the proxy's side of the contract (which instance gets
+what, streams relayed as they come, answers relayed unchanged, instances marked down and back
+up), compared with what the decode instance answers directly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.e2e.conftest import server_args
+from tests.e2e.harness import (
+    API_KEY,
+    REPO,
+    Server,
+    free_port,
+    read_line_starting,
+    start_server,
+    stop_process,
+    wait_until,
+)
+from tests.integration.test_fault_tolerance import alive, children_of
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+PROMPT = "The quick brown fox jumps over the lazy dog because"
+GREEDY = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+LONG = {"prompt": PROMPT, "max_tokens": 900, "temperature": 0.0, "ignore_eos": True}
+
+
+@dataclass
+class Proxy:
+    proc: subprocess.Popen[str]
+    url: str
+    log_path: Path
+
+    def http(self, **kw: Any) -> httpx.Client:
+        kw.setdefault("timeout", 60.0)
+        return httpx.Client(base_url=self.url, headers=AUTH, **kw)
+
+    def metric(self, name: str, /, **labels: str) -> float:
+        return metric(self.url, name, **labels)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+@contextmanager
+def proxied(
+    log_dir: Path, prefill: list[str], decode: list[str], *flags: str, name: str = "proxy"
+) -> Iterator[Proxy]:
+    log_path = log_dir / f"{name}.log"
+    argv = ["--prefill", *prefill, "--decode", *decode, "--port", "0", *flags]
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "engine", "proxy", *argv],
+            cwd=REPO,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            stdout=subprocess.PIPE,
+            stderr=log_file,
+            text=True,
+        )
+    try:
+        line = read_line_starting(proc, "engine ready:", 60.0)
+        yield Proxy(proc, line.split()[2], log_path)
+    finally:
+        status = stop_process(proc, 30.0)
+    assert status == 0, log_path.read_text(errors="replace")
+
+
+def metric(base_url: str, name: str, /, **labels: str) -> float:
+    """The sum of `name`'s samples at `base_url`/metrics whose labels include `labels`."""
+    text = httpx.get(base_url + "/metrics", headers=AUTH, timeout=30.0).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and labels.items() <= sample.labels.items()
+    )
+
+
+class Instances:
+    """A and B; a test that kills A puts its restarted successor here."""
+
+    def __init__(self, a: Server, b: Server, args: list[str], log_dir: Path) -> None:
+        self.a, self.b, self.args, self.log_dir = a, b, args, log_dir
+
+    def restart_a(self) -> None:
+        port = self.a.url.rsplit(":", 1)[1]
+        args = list(self.args)
+        args[args.index("--port") + 1] = port
+        self.a = start_server(args, self.log_dir, name="a-restarted")
+
+
+@pytest.fixture(scope="module")
+def instances(
+    model_args: list[str], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Instances]:
+    work = tmp_path_factory.mktemp("pd_proxy")
+    args = server_args(model_args, None)
+    a = start_server(args, work, name="a")
+    try:
+        b = start_server(args, work, name="b")
+    except BaseException:
+        a.stop()
+        raise
+    pair = Instances(a, b, args, work)
+    try:
+        yield pair
+    finally:
+        pair.a.stop()
+        pair.b.stop()
+
+
+@pytest.fixture
+def pd_proxy(instances: Instances, tmp_path: Path) -> Iterator[Proxy]:
+    with proxied(tmp_path, [instances.a.url], [instances.b.url]) as proxy:
+        yield proxy
+
+
+def direct(server: Server, path: str, body: dict[str, Any]) -> httpx.Response:
+    with server.http() as http:
+        return http.post(path, json=body)
+
+
+def completion_fields(answer: dict[str, Any]) -> dict[str, Any]:
+    """What must agree between two answers to one request: ids, times and prefix-cache hits
+    differ, and a prompt partly read from the prefix cache moves logprobs in the last digits."""
+    usage = {k: v for k, v in answer["usage"].items() if k != "prompt_tokens_details"}
+    return {"choices": rounded(answer["choices"]), "usage": usage}
+
+
+def rounded(value: Any) -> Any:
+    if isinstance(value, float):
+        return round(value, 3)
+    if isinstance(value, list):
+        return [rounded(v) for v in value]
+    if isinstance(value, dict):
+        return {k: rounded(v) for k, v in value.items()}
+    return value
+
+
+def test_prefill_goes_to_the_prefill_instance_and_the_answer_to_the_decode_instances(
+    instances: Instances, pd_proxy: Proxy
+) -> None:
+    a, b = instances.a, instances.b
+    body = {"model": b.model, **GREEDY, "logprobs": 2}
+    a_tokens, b_tokens = (metric(s.url, "engine:generation_tokens_total") for s in (a, b))
+    prompt_tokens = "engine:prompt_tokens_total"
+    a_prompts = metric(a.url, prompt_tokens)
+    with pd_proxy.http() as http:
+        through = http.post("/v1/completions", json=body)
+    assert through.status_code == 200, through.text
+    answer = through.json()
+    # The prefill instance computed the prompt and one token; the decode instance the answer.
+    assert metric(a.url, "engine:generation_tokens_total") == a_tokens + 1
+    assert metric(a.url, prompt_tokens) == a_prompts + answer["usage"]["prompt_tokens"]
+    assert metric(b.url, "engine:generation_tokens_total") == b_tokens + GREEDY["max_tokens"]
+    reference = direct(b, "/v1/completions", body)
+    assert completion_fields(answer) == completion_fields(reference.json())
+    assert through.headers["content-type"] == reference.headers["content-type"]
+    assert pd_proxy.metric("engine:proxy_requests_total", route="completions", status="200") == 1
+
+
+def test_every_field_reaches_the_decode_instance(instances: Instances, pd_proxy: Proxy) -> None:
+    """Seeded sampling of two choices with logprobs and a stop string: the decode instance's
+    answer through the proxy is the one it gives directly."""
+    b = instances.b
+    body = {
+        "model": b.model,
+        "prompt": PROMPT,
+        "max_tokens": 12,
+        "n": 2,
+        "temperature": 0.9,
+        "top_k": 20,
+        "seed": 1234,
+        "logprobs": 1,
+        "stop": ["\n\n"],
+        "presence_penalty": 0.5,
+    }
+    with pd_proxy.http() as http:
+        through = http.post("/v1/completions", json=body)
+    assert through.status_code == 200, through.text
+    assert completion_fields(through.json()) == completion_fields(
+        direct(b, "/v1/completions", body).json()
+    )
+
+
+def test_a_chat_completion_through_the_proxy(instances: Instances, pd_proxy: Proxy) -> None:
+    b = instances.b
+    body = {
+        "model": b.model,
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_completion_tokens": 6,
+        "temperature": 0.0,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
+    with pd_proxy.http() as http:
+        through = http.post("/v1/chat/completions", json=body)
+    assert through.status_code == 200, through.text
+    reference = direct(b, "/v1/chat/completions", body).json()
+    assert completion_fields(through.json()) == completion_fields(reference)
+
+
+def test_a_stream_is_relayed_event_by_event_as_an_event_stream(
+    instances: Instances, pd_proxy: Proxy
+) -> None:
+    b = instances.b
+    with pd_proxy.http() as http:
+        body = {"model": b.model, **LONG, "stream": True}
+        with http.stream("POST", "/v1/completions", json=body) as resp:
+            assert resp.status_code == 200
+            assert resp.headers["content-type"].startswith("text/event-stream")
+            request_id = resp.headers["x-request-id"]
+            lines = resp.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            # An event reached the client while the decode instance is still generating: the
+            # proxy relays as chunks come, it does not wait for the end.
+            assert request_id in {r["request_id"] for r in b.admin("requests")}
+        # The client hung up: the proxy closes its upstream and the instance aborts the request.
+        wait_until(lambda: not b.admin("requests"), timeout=30)
+    assert pd_proxy.metric("engine:proxy_instance_outstanding", role="decode") == 0
+
+    chat = {
+        "model": b.model,
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": 10,
+        "temperature": 0.0,
+        "stream_options": {"include_usage": True},
+    }
+    seen = [stream_text_and_usage(url, chat) for url in (pd_proxy.url, b.url)]
+    assert seen[0] == seen[1]
+    assert seen[0][1] is not None  # include_usage reached the decode instance
+
+
+def stream_text_and_usage(url: str, body: dict[str, Any]) -> tuple[str, Any]:
+    with openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0) as client:
+        chunks = list(client.chat.completions.create(stream=True, **body))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    usage = [c.usage.model_dump() for c in chunks if c.usage is not None]
+    return text, usage[-1] if usage else None
+
+
+@pytest.mark.parametrize(
+    ("body", "headers"),
+    [
+        ({"prompt": PROMPT, "max_tokens": -5}, AUTH),
+        ({"prompt": PROMPT, "temperature": "hot"}, AUTH),
+        ({"prompt": PROMPT, "max_tokens": 4}, {}),  # no API key: the instance's 401
+        ({"model": "no-such-model", "prompt": PROMPT}, AUTH),
+        (b"{not json", AUTH),
+    ],
+)
+def test_an_instances_client_error_reaches_the_client_unchanged(
+    instances: Instances, pd_proxy: Proxy, body: dict[str, Any] | bytes, headers: dict[str, str]
+) -> None:
+    if isinstance(body, dict):
+        body = json.dumps({"model": instances.b.model, **body}).encode()
+    answers = [
+        httpx.post(
+            url + "/v1/completions",
+            content=body,
+            headers={**headers, "content-type": "application/json"},
+            timeout=60.0,
+        )
+        for url in (pd_proxy.url, instances.b.url)
+    ]
+    assert 400 <= answers[0].status_code < 500
+    assert answers[0].status_code == answers[1].status_code
+    assert answers[0].headers["content-type"] == answers[1].headers["content-type"]
+    assert answers[0].json() == answers[1].json()
+
+
+def test_request_ids_pass_through_and_one_is_made_when_absent(
+    instances: Instances, pd_proxy: Proxy
+) -> None:
+    body = {"model": instances.b.model, **GREEDY}
+    with pd_proxy.http() as http:
+        named = http.post("/v1/completions", json=body, headers={"X-Request-Id": "pd-proxy-1"})
+        unnamed = http.post("/v1/completions", json=body)
+    assert named.status_code == unnamed.status_code == 200
+    assert named.headers["x-request-id"] == "pd-proxy-1"
+    assert named.json()["id"].endswith("pd-proxy-1")
+    assert unnamed.headers["x-request-id"]
+
+
+def test_other_routes_are_the_decode_instances(instances: Instances, pd_proxy: Proxy) -> None:
+    b = instances.b
+    with pd_proxy.http() as through, b.http() as straight:
+        for method, path, body in [
+            ("GET", "/v1/models", None),
+            ("POST", "/tokenize", {"model": b.model, "prompt": PROMPT}),
+            ("GET", "/no/such/route", None),
+        ]:
+            ours = through.request(method, path, json=body)
+            theirs = straight.request(method, path, json=body)
+            assert (ours.status_code, ours.content) == (theirs.status_code, theirs.content)
+
+
+def test_health_and_metrics_are_the_proxys_own(instances: Instances, pd_proxy: Proxy) -> None:
+    health = httpx.get(pd_proxy.url + "/health", timeout=30.0)
+    assert health.status_code == 200
+    assert health.json()["prefill"] == {instances.a.url: "up"}
+    assert httpx.get(pd_proxy.url + "/ready", timeout=30.0).status_code == 200
+    assert pd_proxy.metric("engine:proxy_instance_up", url=instances.a.url) == 1
+    assert pd_proxy.metric("engine:proxy_instance_up", url=instances.b.url) == 1
+
+
+def test_no_decode_instance_up_is_a_503_that_names_it(instances: Instances, tmp_path: Path) -> None:
+    nowhere = f"http://127.0.0.1:{free_port()}"
+    with proxied(tmp_path, [instances.a.url], [nowhere]) as proxy, proxy.http() as http:
+        answer = http.post("/v1/completions", json={"model": instances.a.model, **GREEDY})
+        health = http.get("/health")
+    assert answer.status_code == 503
+    error = answer.json()["error"]
+    assert error["code"] == 503
+    assert error["message"].startswith(f"no decode instance is up ({nowhere} down since ")
+    assert health.status_code == 503
+    assert "no decode instance is up" in health.json()["error"]["message"]
+    assert "prefill" not in health.json()["error"]["message"]
+
+
+def test_a_stream_whose_decode_instance_stops_answering_ends_with_an_error_event(
+    instances: Instances, tmp_path: Path
+) -> None:
+    """B is paused (SIGSTOP) mid-stream: past the read timeout the proxy ends the stream with
+    an SSE error event naming B and marks B down; resumed, B is probed back up."""
+    b = instances.b
+    flags = ("--read-timeout", "2", "--probe-interval", "0.5")
+    with proxied(tmp_path, [instances.a.url], [b.url], *flags) as proxy, proxy.http() as http:
+        body = {"model": b.model, **LONG, "stream": True}
+        with http.stream("POST", "/v1/completions", json=body) as resp:
+            lines = resp.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            os.kill(b.pid, signal.SIGSTOP)
+            try:
+                events = [line[6:] for line in lines if line.startswith("data: ")]
+            finally:
+                os.kill(b.pid, signal.SIGCONT)
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert f"decode instance {b.url} failed mid-stream" in error["message"]
+        assert len(events) < LONG["max_tokens"]
+        assert proxy.metric("engine:proxy_broken_streams_total") == 1
+        assert proxy.metric("engine:proxy_instance_failures_total", url=b.url) == 1
+        wait_until(lambda: http.get("/health").status_code == 200, timeout=30)
+        again = http.post("/v1/completions", json={"model": b.model, **GREEDY})
+        assert again.status_code == 200, again.text
+    wait_until(lambda: not b.admin("requests"), timeout=30)
+
+
+def test_a_killed_instance_is_marked_down_skipped_and_taken_back_once_restarted(
+    instances: Instances, tmp_path: Path
+) -> None:
+    """A is both the prefill instance and a decode instance. Killed, requests still succeed
+    (prefilled on B, decoded on B after A fails as a decode instance before its first byte),
+    /health names A, and once A is restarted on its port the proxy prefills on it again."""
+    a, b = instances.a, instances.b
+    body = {"model": b.model, **GREEDY}
+    expected = completion_fields(direct(b, "/v1/completions", body).json())
+    flags = ("--probe-interval", "0.5")
+    with proxied(tmp_path, [a.url], [b.url, a.url], *flags) as proxy, proxy.http() as http:
+        first = http.post("/v1/completions", json=body)  # decoded on B: A is next in turn
+        assert completion_fields(first.json()) == expected
+        children = children_of(a.pid)
+        os.kill(a.pid, signal.SIGKILL)
+        a.proc.wait(30)
+        wait_until(lambda: not any(alive(pid) for pid in children), timeout=30)
+        for _ in range(2):
+            answer = http.post("/v1/completions", json=body)
+            assert answer.status_code == 200, answer.text
+            assert completion_fields(answer.json()) == expected
+        assert proxy.metric("engine:proxy_prefill_fallbacks_total") == 2
+        assert proxy.metric("engine:proxy_retries_total", role="decode") == 1
+        assert proxy.metric("engine:proxy_instance_up", url=a.url) == 0
+        health = http.get("/health")
+        assert health.status_code == 503
+        assert f"no prefill instance is up ({a.url} down since " in health.text
+
+        instances.restart_a()
+        wait_until(lambda: http.get("/health").status_code == 200, timeout=60)
+        a_requests = metric(a.url, "engine:http_requests_total")
+        answer = http.post("/v1/completions", json=body)
+        assert completion_fields(answer.json()) == expected
+        assert metric(a.url, "engine:http_requests_total") > a_requests
+        assert proxy.metric("engine:proxy_prefill_fallbacks_total") == 2  # prefilled on A
