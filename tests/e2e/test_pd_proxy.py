@@ -402,3 +402,18 @@ def test_a_killed_instance_is_marked_down_skipped_and_taken_back_once_restarted(
         assert completion_fields(answer.json()) == expected
         assert metric(a.url, "engine:http_requests_total") > a_requests
         assert proxy.metric("engine:proxy_prefill_fallbacks_total") == 2  # prefilled on A
+
+
+def test_sigterm_lets_an_inflight_stream_finish(instances: Instances, tmp_path: Path) -> None:
+    b = instances.b
+    body = {"model": b.model, **LONG, "max_tokens": 300, "stream": True}
+    with proxied(tmp_path, [instances.a.url], [b.url]) as proxy, proxy.http() as http:
+        with http.stream("POST", "/v1/completions", json=body) as resp:
+            lines = resp.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            proxy.proc.send_signal(signal.SIGTERM)
+            events = [line[6:] for line in lines if line.startswith("data: ")]
+        assert proxy.proc.wait(30) == 0
+    assert events[-1] == "[DONE]"
+    finished = json.loads(events[-2])["choices"][0]
+    assert finished["finish_reason"] == "length"
