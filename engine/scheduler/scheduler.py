@@ -117,7 +117,7 @@ class Scheduler:
             key=self._next_request_key,
         )
         self._next_request_key += 1
-        request.kv_handoff = submit.kv_handoff and submit.params.n == 1
+        request.kv_handoff = submit.kv_handoff if submit.params.n == 1 else ""
         # A plan must carry the request with a sequence's history and block table beside it.
         room = self.config.max_plan_bytes // 2
         if request.announcement_bytes > room:
@@ -314,7 +314,7 @@ class Scheduler:
             seq = sampled
             seq.token_ids.append(result.token_ids[position])
             reason = finish_reason(seq, self._eos_token_ids, self.config.max_model_len)
-            handoff = self._hand_off(seq) if reason is None and seq.request.kv_handoff else None
+            handoff = self._hand_off(seq, reason)
             wants_logprobs = logprobs is not None and seq.params.logprobs is not None
             items.append(
                 SampleDelta(
@@ -333,10 +333,13 @@ class Scheduler:
                 self._retire(seq)
         return TokenBatch(items)
 
-    def _hand_off(self, seq: SequenceState) -> KvSource | None:
+    def _hand_off(self, seq: SequenceState, reason: str | None) -> KvSource | None:
         """Hold the prompt's KV for a decode instance (P/D), after the first token only."""
-        if self.kv_transfer is None or seq.num_output_tokens != 1:
+        mode = seq.request.kv_handoff
+        if not mode or self.kv_transfer is None or seq.num_output_tokens != 1:
             return None
+        if mode == "continue" and reason is not None:
+            return None  # it ends here: nothing goes on
         request = seq.request
         return self.kv_transfer.holds.hand_off(
             request.request_id, request.epoch, seq.block_table.block_ids,
