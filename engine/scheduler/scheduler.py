@@ -32,6 +32,7 @@ from engine.scheduler.admission import rejection_reason
 from engine.scheduler.config import SchedulerConfig
 from engine.scheduler.kv_handoff import KvTransfer
 from engine.scheduler.policy import BatchPlanner, ScheduledChunk
+from engine.scheduler.reporting import request_statuses, scheduler_stats
 from engine.scheduler.requests import Request, SequenceState
 from engine.scheduler.stopping import finish_reason
 
@@ -375,37 +376,11 @@ class Scheduler:
         return list(self._requests)
 
     def stats(self) -> SchedulerStats:
-        stats = SchedulerStats(
-            num_running=len(self.planner.running),
-            num_waiting=len(self.planner.waiting),
-            num_requests=len(self._requests),
-            kv_usage=self.kv.usage,
-            num_free_blocks=self.kv.num_free_blocks,
-            num_cached_blocks=self.kv.pool.num_cached_free_blocks,
-            prefix_cache_hit_rate=self.kv.prefix_stats.hit_rate,
-            prefix_cache_queried_tokens=self.kv.prefix_stats.queried_tokens,
-            prefix_cache_hit_tokens=self.kv.prefix_stats.hit_tokens,
-            num_preemptions=self.planner.num_preemptions,
-            num_steps=self.num_steps,
-        )
-        if self.kv_transfer is not None:
-            stats = msgspec.structs.replace(stats, **self.kv_transfer.stats())
-        return stats
+        return scheduler_stats(self.kv, self.planner, len(self._requests), self.num_steps,
+                               self.kv_transfer)  # fmt: skip
 
     def request_statuses(self) -> list[RequestStatus]:
-        now = self.clock()
-        return [
-            RequestStatus(
-                request_id=request.request_id,
-                epoch=request.epoch,
-                num_prompt_tokens=len(request.prompt_token_ids),
-                num_output_tokens=[seq.num_output_tokens for seq in request.samples.values()],
-                states=[seq.status.value for seq in request.samples.values()],
-                num_preemptions=request.num_preemptions,
-                age_s=now - request.arrival,
-            )
-            for request in self._requests.values()
-        ]
+        return request_statuses(self._requests.values(), self.clock())
 
     # ---- internals -----------------------------------------------------------------------------
 
