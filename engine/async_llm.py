@@ -32,6 +32,7 @@ from engine.actors.runtime.ring import RingClosed
 from engine.actors.runtime.supervision import Supervision
 from engine.admission import check_params, check_prompt_size, check_queue
 from engine.gateway.crashes import drain_restarts, is_crash
+from engine.gateway.kv_params import kv_directives
 from engine.gateway.registry import Gateway, ToTokenizer
 from engine.gateway.replicas import Replicas, supervise
 from engine.messages.admin import ActorRow, EngineStats, Health, RequestRow
@@ -85,6 +86,10 @@ class AsyncLLM:
         model_path = str(Path(model_path).expanduser().resolve())
         self.model_path = model_path
         self._plan = plan_engine(self.settings, model_path)
+        # One-launch P/D: a prefill replica's handoff goes on to a decode replica here.
+        self.gateway.hands_on_locally = "decode" in self._plan.replica_roles and (
+            "prefill" in self._plan.replica_roles
+        )
         # As vLLM: the name clients use is the --model value as given, unless one is set.
         self.model_name = (
             self.settings.model.served_name or (self.settings.model.path or "demo",)
@@ -167,13 +172,18 @@ class AsyncLLM:
         chat_template_kwargs: Mapping[str, Any] | None = None,
         add_generation_prompt: bool = True,
         request_id: str | None = None,
+        kv_transfer_params: Mapping[str, Any] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Incremental outputs: each holds the new text / tokens of the samples that advanced.
 
         `prompt`: text, token ids, {"prompt": text} or {"prompt_token_ids": ids}; or chat
         `messages`, rendered with the model's chat template (or `chat_template`, given
-        `chat_template_kwargs`)."""
+        `chat_template_kwargs`). `kv_transfer_params`: P/D across instances
+        (engine/gateway/kv_params.py)."""
         params = params or SamplingParams()
+        kv_handoff, kv_source = kv_directives(kv_transfer_params, self.settings.kv_transfer.role)
+        if kv_handoff == "hold":  # a prefill instance computes the prompt and one token
+            params = msgspec.structs.replace(params, max_tokens=1)
         text, token_ids = split_prompt(prompt)
         chat = chat_messages(messages) if messages is not None else None
         options = None
@@ -189,6 +199,8 @@ class AsyncLLM:
             messages=chat,
             chat=options,
             request_id=request_id,
+            kv_handoff=kv_handoff,
+            kv_source=kv_source,
         )
         finished = False
         try:

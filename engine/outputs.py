@@ -7,7 +7,7 @@ position as `TokenLogprob`s) is the very struct the detokenizer sends; nothing c
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine.messages.outputs import SampleLogprobs as Logprob
 from engine.messages.outputs import TokenLogprob
@@ -42,6 +42,9 @@ class RequestOutput:
     # vLLM's prompt_logprobs: None for the first prompt token, then each token's logprob given
     # those before it, with the top alternatives (when SamplingParams.prompt_logprobs is set).
     prompt_logprobs: list[Logprob | None] | None = None
+    # P/D across instances: on a prefill instance, where a decode instance pulls this
+    # request's KV from (pass it as the decode request's kv_transfer_params).
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class EngineError(Exception):

@@ -209,23 +209,30 @@ def render(describe: str, figures: list[Figures]) -> str:
     widths = [8, 8, 7] + [10] * len(COLUMNS)
     head = ["server", "load", "ok", *(h for h, *_ in COLUMNS)]
     units = "latencies in ms"
-    if len({f.server for f in figures}) > 1:
-        units += "; ratio rows: throughput engine/vLLM, latency vLLM/engine (> 1 = engine better)"
+    names = list(dict.fromkeys(_name(f) for f in figures))
+    if len(names) > 1:
+        first, second = names[:2]
+        units += (f"; ratio rows: throughput {first}/{second}, latency {second}/{first} "
+                  f"(> 1 = {first} better)")  # fmt: skip
     lines = [describe, units, "", _line(head, widths)]
     for load in dict.fromkeys(f.load for f in figures):
         rows = [f for f in figures if f.load == load]
         for f in rows:
             cells = [_cell(getattr(f, name), fmt) for _, name, fmt, _ in COLUMNS]
-            lines.append(_line([SERVER_NAMES[f.server], load, f"{f.ok}/{f.requests}", *cells],
-                               widths))  # fmt: skip
+            lines.append(_line([_name(f), load, f"{f.ok}/{f.requests}", *cells], widths))
         if len(rows) == 2:
             cells = [_cell(r, "{:.2f}x") for r in ratios(rows[0], rows[1]).values()]
             lines.append(_line(["ratio", load, "", *cells], widths))
     for f in figures:
         if f.first_error:
-            lines.append(f"{SERVER_NAMES[f.server]} at {f.load}: {f.requests - f.ok} failed, "
+            lines.append(f"{_name(f)} at {f.load}: {f.requests - f.ok} failed, "
                          f"first: {f.first_error}")  # fmt: skip
     return "\n".join(lines)
+
+
+def _name(figures: Figures) -> str:
+    """How a row is labelled: vLLM's or ours; a setup of ours by its own name (bench_pd)."""
+    return SERVER_NAMES.get(figures.server, figures.server)
 
 
 def _cell(value: float | None, fmt: str) -> str:

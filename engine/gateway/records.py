@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.gateway.output_stream import OutputStream
 from engine.messages.admin import RequestRow
-from engine.messages.kv_transfer import KvSource
+from engine.messages.kv_transfer import KvHandoff, KvSource
 from engine.messages.outputs import SampleLogprobs
 from engine.messages.params import SamplingParams
 from engine.messages.requests import ChatMessage, ChatOptions, GenerateRequest
@@ -51,6 +52,12 @@ class RequestRecord:
     first: FirstScheduled | None = None  # the scheduler's first report (cache hits, times)
     # When asked for, once computed: None for the first prompt token (as vLLM), then each one's.
     prompt_logprobs: list[SampleLogprobs | None] | None = None
+    # P/D across instances: "hold" (a prefill instance keeps the prompt's KV for a decode
+    # instance) and the source a decode instance pulls from at first submission; the
+    # kv_transfer_params a prefill instance answers with once it holds the KV.
+    kv_handoff: KvHandoff = ""
+    kv_source: KvSource | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
     def output(self, outputs: list[CompletionOutput], finished: bool) -> RequestOutput:
         """What its stream gets next: `outputs`, with what is known of the whole request."""
@@ -63,6 +70,7 @@ class RequestRecord:
             num_cached_tokens=None if self.first is None else self.first.num_cached_tokens,
             scheduling=self.first,
             prompt_logprobs=self.prompt_logprobs,
+            kv_transfer_params=self.kv_transfer_params,
         )
 
     @property
@@ -105,5 +113,7 @@ class RequestRecord:
             messages=self.messages if self.prompt_token_ids is None else None,
             resume=resume,
             chat=self.chat if self.prompt_token_ids is None else None,
-            kv_source=kv_source,
+            kv_handoff=self.kv_handoff,
+            # A client's source only at first: after a failure, the KV is computed here.
+            kv_source=kv_source or (self.kv_source if self.epoch == 0 else None),
         )

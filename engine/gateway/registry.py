@@ -37,10 +37,12 @@ import time
 from collections import deque
 from collections.abc import Collection, Iterable
 
+import msgspec
+
 from engine.gateway.output_stream import OutputStream
 from engine.gateway.records import RequestRecord, SampleRecord
 from engine.messages.admin import RequestRow
-from engine.messages.kv_transfer import KvSource
+from engine.messages.kv_transfer import KvHandoff, KvSource
 from engine.messages.outputs import OutputBatch, SampleDeltaText
 from engine.messages.params import SamplingParams
 from engine.messages.requests import ChatMessage, ChatOptions, GenerateRequest
@@ -80,6 +82,9 @@ class Gateway:
         self._outbox: list[ToTokenizer] = []  # owed submissions (probation turns, releases)
         self.resubmissions = 0
         self.handoffs = 0  # P/D: requests handed from a prefill replica to a decode one
+        # One-launch P/D: a handed-off request goes on here (to a decode replica); else the
+        # handoff is the client's to take to a decode instance (kv_transfer_params).
+        self.hands_on_locally = False
         self.quarantined = 0
         self.stalled_aborts = 0
 
@@ -103,6 +108,8 @@ class Gateway:
         messages: list[ChatMessage] | None = None,
         chat: ChatOptions | None = None,
         request_id: str | None = None,
+        kv_handoff: KvHandoff = "",
+        kv_source: KvSource | None = None,
     ) -> tuple[RequestRecord, GenerateRequest | None]:
         """Register a new request; its record and the submission to send (None: held back
         while a suspect is on probation; it is sent when probation ends)."""
@@ -123,6 +130,8 @@ class Gateway:
             stream=OutputStream(self.stream_buffer),
             held=self.on_probation,
             chat=chat,
+            kv_handoff=kv_handoff,
+            kv_source=kv_source,
         )
         self._records[request_id] = record
         return record, None if record.held else record.submission()
@@ -370,8 +379,10 @@ class Gateway:
             if record.prompt_logprobs is None and delta.prompt_logprobs is not None:
                 record.prompt_logprobs = [None, *delta.prompt_logprobs]
             handoff = delta.handoff or handoff
-        if handoff is not None and not record.finished:
+        if handoff is not None and self.hands_on_locally and not record.finished:
             self._hand_on(record, handoff)
+        elif handoff is not None and not self.hands_on_locally:  # for a decode instance
+            record.kv_transfer_params = msgspec.to_builtins(handoff)
         if not outputs:
             return
         if record.first_token_at is None:

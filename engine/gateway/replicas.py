@@ -63,9 +63,10 @@ class Replicas(Protocol):
 class OneReplica:
     """`Replicas` for an engine of one replica: every request is on it."""
 
-    def __init__(self, gateway: Gateway, max_model_len: int) -> None:
+    def __init__(self, gateway: Gateway, max_model_len: int, role: str = "both") -> None:
         self._gateway = gateway
         self._max_model_len = max_model_len
+        self._role = role
 
     def requests_concerned(self, restarted: Sequence[str]) -> set[str] | None:
         return None
@@ -82,6 +83,7 @@ class OneReplica:
             ReplicaRow(
                 **_figures(report),
                 replica=0,
+                role=self._role,
                 state="running",
                 in_flight=len(self._gateway),
                 pending_tokens=sum(pending_tokens(r, self._max_model_len) for r in records),
@@ -186,6 +188,7 @@ class ReplicaSet:
             ReplicaRow(
                 **_figures(own),
                 replica=replica,
+                role=self.router.roles[replica],
                 state="failed" if replica in self.failed else "running",
                 in_flight=requests[replica],
                 pending_tokens=loads[replica],
@@ -313,7 +316,8 @@ def supervise(
 ) -> tuple[Supervision, Replicas]:
     """What AsyncLLM drives: a plain Supervisor for one replica, a ReplicaSet for more."""
     if len(specs) == 1:
-        return Supervisor(specs[0]), OneReplica(gateway, max_model_len)
+        role = roles[0] if roles else "both"
+        return Supervisor(specs[0]), OneReplica(gateway, max_model_len, role)
     replicas = ReplicaSet(specs, gateway, max_model_len, roles)
     return replicas, replicas
 

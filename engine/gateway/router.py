@@ -180,7 +180,7 @@ class LeastPendingRouter:
         """P/D: a prefill replica hands a request of one sample on after its first token; a KV
         source is only for a decode replica (on a prefill replica serving colocated, the held
         blocks are in its own prefix cache anyway)."""
-        handoff = self.roles[replica] == "prefill" and request.params.n == 1
+        handoff = "continue" if self.roles[replica] == "prefill" and request.params.n == 1 else ""
         source = request.kv_source if self.roles[replica] == "decode" else None
         if handoff == request.kv_handoff and source is request.kv_source:
             return frame

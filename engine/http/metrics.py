@@ -24,6 +24,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from engine.http.kv_metrics import kv_transfer_metrics
 from engine.messages.admin import EngineStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -198,3 +199,4 @@ class _EngineStatsCollector(Collector):
             sent.add_metric([self._model_name, row.actor, row.ring], float(row.bytes))
         yield frames
         yield sent
+        yield from kv_transfer_metrics(stats, self._model_name)

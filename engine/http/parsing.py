@@ -54,6 +54,7 @@ class PreparedRequest:
     want_prompt_logprobs: bool = False  # vLLM's prompt_logprobs field in the response
     tool_plan: ToolPlan | None = None  # chat: how the answer becomes tool calls
     chat_template_kwargs: dict[str, Any] | None = None  # chat: variables for the template
+    kv_transfer_params: dict[str, Any] | None = None  # P/D across instances
 
     @property
     def n(self) -> int:
@@ -116,6 +117,7 @@ def parse_completion(body: bytes, served_model: str | Sequence[str]) -> Prepared
         echo=req.echo,
         echo_only=echo_only,
         want_prompt_logprobs=req.prompt_logprobs is not None,
+        kv_transfer_params=req.kv_transfer_params,
     )
 
 
@@ -167,6 +169,7 @@ def parse_chat(body: bytes, served_model: str | Sequence[str]) -> PreparedReques
         want_prompt_logprobs=req.prompt_logprobs is not None,
         tool_plan=tool_plan,
         chat_template_kwargs=template_kwargs or None,
+        kv_transfer_params=req.kv_transfer_params,
     )
 
 

@@ -122,6 +122,8 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
     allowed_token_ids: list[TokenId] | None = None
     bad_words: list[str] | None = None
+    # P/D across instances (vLLM's field; engine/gateway/kv_params.py says what it asks)
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -195,6 +197,7 @@ class CompletionResponse(msgspec.Struct, kw_only=True):
     choices: list[CompletionChoice]
     usage: Usage | None
     object: str = "text_completion"
+    kv_transfer_params: dict[str, Any] | msgspec.UnsetType | None = msgspec.UNSET  # prefill P/D
 
 
 class TopLogprob(msgspec.Struct, kw_only=True):
@@ -257,6 +260,7 @@ class ChatCompletionResponse(msgspec.Struct, kw_only=True):
     object: str = "chat.completion"
     prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET  # return_token_ids only
     prompt_logprobs: PromptLogprobsOut | msgspec.UnsetType = msgspec.UNSET  # when asked for
+    kv_transfer_params: dict[str, Any] | msgspec.UnsetType | None = msgspec.UNSET  # prefill P/D
 
 
 class ChatDelta(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -8,6 +8,7 @@ chunks, for completions and chat alike. No I/O here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 
@@ -80,6 +81,7 @@ class ResponseBuilder:
         self.cached_tokens: dict[int, int] = {}  # per prompt, once the scheduler reported it
         self.echoed: dict[int, EchoedPrompt] = {}  # per prompt, with echo (set by the run)
         self.prompt_logprobs: dict[int, list[Logprob | None]] = {}  # per prompt, when asked
+        self.kv_transfer_params: dict[str, Any] | None = None  # a prefill instance's (P/D)
         self._echo_sent: set[int] = set()  # choices whose stream has had its echo
 
     @property
@@ -101,6 +103,8 @@ class ResponseBuilder:
             self.cached_tokens[prompt_index] = out.num_cached_tokens
         if out.prompt_logprobs is not None:
             self.prompt_logprobs[prompt_index] = out.prompt_logprobs
+        if out.kv_transfer_params is not None:
+            self.kv_transfer_params = out.kv_transfer_params
         advanced = []
         for delta in out.outputs:
             if self.prepared.echo_only:  # the token generated to end the request is not shown
@@ -125,6 +129,13 @@ class ResponseBuilder:
             total_tokens=prompt + completion,
             prompt_tokens_details=details,
         )
+
+    def _kv_transfer_params(self) -> dict[str, Any] | msgspec.UnsetType | None:
+        """What a prefill instance answers (P/D): where to pull the KV from; null when it holds
+        none (left out when the request did not ask)."""
+        if self.prepared.kv_transfer_params is None:
+            return msgspec.UNSET
+        return self.kv_transfer_params
 
     def _token_ids(self, ids: list[int]) -> list[int] | msgspec.UnsetType:
         return list(ids) if self.prepared.return_token_ids else msgspec.UNSET
@@ -160,6 +171,7 @@ class ResponseBuilder:
                         for c in self.choices
                     ],
                     usage=self.usage(),
+                    kv_transfer_params=self._kv_transfer_params(),
                 )
             )
         return encode(
@@ -171,6 +183,7 @@ class ResponseBuilder:
                 usage=self.usage(),
                 prompt_token_ids=self._prompt_ids(0),
                 prompt_logprobs=self._vllm_prompt_logprobs(0),
+                kv_transfer_params=self._kv_transfer_params(),
             )
         )
 

@@ -78,6 +78,7 @@ class RequestRun:
                 request_id=p.engine_request_id(i),
                 chat_template=self.state.chat_template if p.messages is not None else None,
                 chat_template_kwargs=p.chat_template_kwargs,
+                kv_transfer_params=p.kv_transfer_params,
             )
             self._streams.append(aiter(stream))
         results = await asyncio.gather(

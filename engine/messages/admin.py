@@ -54,6 +54,7 @@ class ReplicaRow(SchedulerFigures, kw_only=True):
     pending_tokens: int
     routed_requests: int = 0
     reason: str | None = None  # why it failed
+    role: str = "both"  # P/D: prefill | decode | both
 
 
 class EngineStats(SchedulerFigures, kw_only=True):

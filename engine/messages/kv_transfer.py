@@ -24,9 +24,14 @@ said, so nothing leaks when a peer vanishes.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 
 from engine.messages.codec import Channel
+
+# What a prefill instance does after a request's first token (SubmitRequest.kv_handoff).
+KvHandoff = Literal["", "continue", "hold"]
 
 
 class KvLayout(msgspec.Struct, frozen=True, array_like=True):

@@ -12,7 +12,7 @@ from typing import Any
 import msgspec
 
 from engine.messages.codec import Channel
-from engine.messages.kv_transfer import KvSource
+from engine.messages.kv_transfer import KvHandoff, KvSource
 from engine.messages.params import SamplingParams
 from engine.messages.scheduling import AbortRequests, SampleResume
 
@@ -58,7 +58,7 @@ class GenerateRequest(msgspec.Struct, tag=True, array_like=True):
     messages: list[ChatMessage] | None = None
     resume: list[SampleResume] | None = None  # None: a fresh request, every sample from the start
     chat: ChatOptions | None = None  # with messages; None: the model's template, defaults
-    kv_handoff: bool = False  # P/D: see SubmitRequest
+    kv_handoff: KvHandoff = ""  # P/D: see SubmitRequest
     kv_source: KvSource | None = None
 
 

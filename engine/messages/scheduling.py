@@ -17,7 +17,7 @@ import msgspec
 
 from engine.messages.codec import Channel
 from engine.messages.failures import RequestFailed
-from engine.messages.kv_transfer import KvSource
+from engine.messages.kv_transfer import KvHandoff, KvSource
 from engine.messages.params import SamplingParams
 from engine.messages.steps import TokenLogprobs
 
@@ -40,10 +40,12 @@ class SubmitRequest(msgspec.Struct, tag=True, array_like=True):
     # None: a fresh request, all params.n samples. Otherwise only the listed samples run (the
     # others already finished).
     resume: list[SampleResume] | None = None
-    # P/D disaggregation (DESIGN §9): `kv_handoff` asks a prefill instance to hand the request
-    # on after its first token (SampleDelta.handoff); `kv_source` tells a decode instance where
-    # the prompt's KV lies, to pull instead of computing it.
-    kv_handoff: bool = False
+    # P/D disaggregation (DESIGN §9): `kv_handoff` asks a prefill instance to hold the prompt's
+    # KV after the first token and say so (SampleDelta.handoff): "continue" when the request
+    # goes on elsewhere in this launch (not if the first token ended it), "hold" whatever the
+    # first token (another instance, told by the client, recomputes it); `kv_source` tells a
+    # decode instance where the prompt's KV lies, to pull instead of computing it.
+    kv_handoff: KvHandoff = ""
     kv_source: KvSource | None = None
 
 

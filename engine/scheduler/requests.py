@@ -66,7 +66,7 @@ class Request:
         self.arrival = arrival
         self.key = key  # names the request to the workers
         self.num_preemptions = 0
-        self.kv_handoff = False  # P/D: hand the request on after its first token
+        self.kv_handoff = ""  # P/D: hold its KV after its first token (SubmitRequest)
         # Taken when its first chunk is planned, reported with its first token (FirstScheduled).
         self.first_scheduled: float | None = None
         self.num_cached_tokens = 0  # prompt tokens whose KV came from the cache or a sibling

@@ -32,6 +32,7 @@ from engine.scheduler.admission import rejection_reason
 from engine.scheduler.config import SchedulerConfig
 from engine.scheduler.kv_handoff import KvTransfer
 from engine.scheduler.policy import BatchPlanner, ScheduledChunk
+from engine.scheduler.reporting import request_statuses, scheduler_stats
 from engine.scheduler.requests import Request, SequenceState
 from engine.scheduler.stopping import finish_reason
 
@@ -117,7 +118,7 @@ class Scheduler:
             key=self._next_request_key,
         )
         self._next_request_key += 1
-        request.kv_handoff = submit.kv_handoff and submit.params.n == 1
+        request.kv_handoff = submit.kv_handoff if submit.params.n == 1 else ""
         # A plan must carry the request with a sequence's history and block table beside it.
         room = self.config.max_plan_bytes // 2
         if request.announcement_bytes > room:
@@ -314,7 +315,7 @@ class Scheduler:
             seq = sampled
             seq.token_ids.append(result.token_ids[position])
             reason = finish_reason(seq, self._eos_token_ids, self.config.max_model_len)
-            handoff = self._hand_off(seq) if reason is None and seq.request.kv_handoff else None
+            handoff = self._hand_off(seq, reason)
             wants_logprobs = logprobs is not None and seq.params.logprobs is not None
             items.append(
                 SampleDelta(
@@ -333,10 +334,13 @@ class Scheduler:
                 self._retire(seq)
         return TokenBatch(items)
 
-    def _hand_off(self, seq: SequenceState) -> KvSource | None:
+    def _hand_off(self, seq: SequenceState, reason: str | None) -> KvSource | None:
         """Hold the prompt's KV for a decode instance (P/D), after the first token only."""
-        if self.kv_transfer is None or seq.num_output_tokens != 1:
+        mode = seq.request.kv_handoff
+        if not mode or self.kv_transfer is None or seq.num_output_tokens != 1:
             return None
+        if mode == "continue" and reason is not None:
+            return None  # it ends here: nothing goes on
         request = seq.request
         return self.kv_transfer.holds.hand_off(
             request.request_id, request.epoch, seq.block_table.block_ids,
@@ -372,37 +376,11 @@ class Scheduler:
         return list(self._requests)
 
     def stats(self) -> SchedulerStats:
-        stats = SchedulerStats(
-            num_running=len(self.planner.running),
-            num_waiting=len(self.planner.waiting),
-            num_requests=len(self._requests),
-            kv_usage=self.kv.usage,
-            num_free_blocks=self.kv.num_free_blocks,
-            num_cached_blocks=self.kv.pool.num_cached_free_blocks,
-            prefix_cache_hit_rate=self.kv.prefix_stats.hit_rate,
-            prefix_cache_queried_tokens=self.kv.prefix_stats.queried_tokens,
-            prefix_cache_hit_tokens=self.kv.prefix_stats.hit_tokens,
-            num_preemptions=self.planner.num_preemptions,
-            num_steps=self.num_steps,
-        )
-        if self.kv_transfer is not None:
-            stats = msgspec.structs.replace(stats, **self.kv_transfer.stats())
-        return stats
+        return scheduler_stats(self.kv, self.planner, len(self._requests), self.num_steps,
+                               self.kv_transfer)  # fmt: skip
 
     def request_statuses(self) -> list[RequestStatus]:
-        now = self.clock()
-        return [
-            RequestStatus(
-                request_id=request.request_id,
-                epoch=request.epoch,
-                num_prompt_tokens=len(request.prompt_token_ids),
-                num_output_tokens=[seq.num_output_tokens for seq in request.samples.values()],
-                states=[seq.status.value for seq in request.samples.values()],
-                num_preemptions=request.num_preemptions,
-                age_s=now - request.arrival,
-            )
-            for request in self._requests.values()
-        ]
+        return request_statuses(self._requests.values(), self.clock())
 
     # ---- internals -----------------------------------------------------------------------------
 

@@ -102,7 +102,7 @@ PROMPT = list(range(1, 15))  # 14 tokens: 3 full blocks of 4 and a partial one
 def handed_off(clock: Clock, **params: object):
     prefill, p_worker = instance(clock)
     request = msgspec.structs.replace(
-        submit("a", PROMPT, seed=5, max_tokens=6, **params), kv_handoff=True
+        submit("a", PROMPT, seed=5, max_tokens=6, **params), kv_handoff="continue"
     )
     first, source = prefill_and_hand_off(prefill, p_worker, request)
     return prefill, p_worker, first, source
@@ -180,7 +180,7 @@ def test_the_hold_timeout_frees_the_blocks_and_tells_the_ranks() -> None:
 
 def test_no_handoff_before_every_rank_announced_itself_the_request_runs_here() -> None:
     scheduler, worker = make(64, kv_transfer_ranks=RANKS)
-    request = msgspec.structs.replace(submit("a", PROMPT, max_tokens=5), kv_handoff=True)
+    request = msgspec.structs.replace(submit("a", PROMPT, max_tokens=5), kv_handoff="continue")
     scheduler.add(request)
     outputs = Outputs()
     for _ in range(50):
@@ -192,7 +192,7 @@ def test_no_handoff_before_every_rank_announced_itself_the_request_runs_here() -
 def test_a_request_whose_first_token_ends_it_is_not_handed_off() -> None:
     clock = Clock()
     prefill, worker = instance(clock)
-    request = msgspec.structs.replace(submit("a", PROMPT, max_tokens=1), kv_handoff=True)
+    request = msgspec.structs.replace(submit("a", PROMPT, max_tokens=1), kv_handoff="continue")
     prefill.add(request)
     outputs = Outputs()
     for _ in range(10):

@@ -67,6 +67,7 @@ class ChildProcess:
         self._loop = asyncio.get_running_loop()
         self.ready: asyncio.Future[Ready] = self._loop.create_future()
         self.exited: asyncio.Future[int] = self._loop.create_future()
+        self.dying = False  # its sentinel fired: it is dead, perhaps not yet reaped (`exited`)
         self.last_seen = (
             time.monotonic()
         )  # of the last status frame: the heartbeat watchdog's input
@@ -252,6 +253,7 @@ class ChildProcess:
     def _on_sentinel(self) -> None:
         assert self._process is not None
         self._loop.remove_reader(self._process.sentinel)
+        self.dying = True
         self._reap()
 
     def _reap(self) -> None:

@@ -52,6 +52,8 @@ from engine.messages.control import LogLevel, Ready
 
 __all__ = ["ChildStartError", "Supervisor"]
 
+REAP_WAIT_S = 1.0  # how long a death waits for a sibling that died with it to be reaped
+
 log = logging.getLogger(__name__)
 
 
@@ -210,6 +212,15 @@ class Supervisor:
         """The next death and every other one already queued, less the exits the supervisor
         caused itself (a stop, a process replaced meanwhile)."""
         exited = [await self._exits.get()]
+        # A sibling that died too may not be reapable yet (its sentinel fires a moment before
+        # the kernel lets the parent reap it): it belongs to this failure, so wait for it.
+        unreaped = [
+            child.process.exited
+            for child in self._children.values()
+            if child.process is not None and child.process.dying and not child.process.exited.done()
+        ]
+        if unreaped:
+            await asyncio.wait(unreaped, timeout=REAP_WAIT_S)
         while not self._exits.empty():
             exited.append(self._exits.get_nowait())
         failures = []
