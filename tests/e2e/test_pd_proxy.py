@@ -13,87 +13,22 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.conftest import server_args
-from tests.e2e.harness import (
-    API_KEY,
-    REPO,
-    Server,
-    free_port,
-    read_line_starting,
-    start_server,
-    stop_process,
-    wait_until,
-)
+from tests.e2e.harness import API_KEY, Server, free_port, start_server, wait_until
+from tests.e2e.proxy_harness import AUTH, Proxy, completion_fields, direct, metric, proxied
 from tests.integration.test_fault_tolerance import alive, children_of
 
-AUTH = {"Authorization": f"Bearer {API_KEY}"}
 PROMPT = "The quick brown fox jumps over the lazy dog because"
 GREEDY = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
 LONG = {"prompt": PROMPT, "max_tokens": 900, "temperature": 0.0, "ignore_eos": True}
-
-
-@dataclass
-class Proxy:
-    proc: subprocess.Popen[str]
-    url: str
-    log_path: Path
-
-    def http(self, **kw: Any) -> httpx.Client:
-        kw.setdefault("timeout", 60.0)
-        return httpx.Client(base_url=self.url, headers=AUTH, **kw)
-
-    def metric(self, name: str, /, **labels: str) -> float:
-        return metric(self.url, name, **labels)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-
-@contextmanager
-def proxied(
-    log_dir: Path, prefill: list[str], decode: list[str], *flags: str, name: str = "proxy"
-) -> Iterator[Proxy]:
-    log_path = log_dir / f"{name}.log"
-    argv = ["--prefill", *prefill, "--decode", *decode, "--port", "0", *flags]
-    with open(log_path, "w") as log_file:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "engine", "proxy", *argv],
-            cwd=REPO,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            stdout=subprocess.PIPE,
-            stderr=log_file,
-            text=True,
-        )
-    try:
-        line = read_line_starting(proc, "engine ready:", 60.0)
-        yield Proxy(proc, line.split()[2], log_path)
-    finally:
-        status = stop_process(proc, 30.0)
-    assert status == 0, log_path.read_text(errors="replace")
-
-
-def metric(base_url: str, name: str, /, **labels: str) -> float:
-    """The sum of `name`'s samples at `base_url`/metrics whose labels include `labels`."""
-    text = httpx.get(base_url + "/metrics", headers=AUTH, timeout=30.0).text
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == name and labels.items() <= sample.labels.items()
-    )
 
 
 class Instances:
@@ -133,28 +68,6 @@ def instances(
 def pd_proxy(instances: Instances, tmp_path: Path) -> Iterator[Proxy]:
     with proxied(tmp_path, [instances.a.url], [instances.b.url]) as proxy:
         yield proxy
-
-
-def direct(server: Server, path: str, body: dict[str, Any]) -> httpx.Response:
-    with server.http() as http:
-        return http.post(path, json=body)
-
-
-def completion_fields(answer: dict[str, Any]) -> dict[str, Any]:
-    """What must agree between two answers to one request: ids, times and prefix-cache hits
-    differ, and a prompt partly read from the prefix cache moves logprobs in the last digits."""
-    usage = {k: v for k, v in answer["usage"].items() if k != "prompt_tokens_details"}
-    return {"choices": rounded(answer["choices"]), "usage": usage}
-
-
-def rounded(value: Any) -> Any:
-    if isinstance(value, float):
-        return round(value, 3)
-    if isinstance(value, list):
-        return [rounded(v) for v in value]
-    if isinstance(value, dict):
-        return {k: rounded(v) for k, v in value.items()}
-    return value
 
 
 def test_prefill_goes_to_the_prefill_instance_and_the_answer_to_the_decode_instances(
