@@ -51,7 +51,7 @@ log = logging.getLogger("engine.proxy")
 JSON = "application/json"
 # Request headers the instances see; the rest (hop-by-hop, host, lengths) are the proxy's own.
 FORWARDED_HEADERS = ("authorization", "content-type", "accept")
-ALL_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE"]
+ALL_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 
 
 class _BodyTooLarge(Exception):
@@ -158,7 +158,11 @@ class ProxyRoutes:
                 continue
             if answer.status >= 400:
                 return _relay(answer)
-            params = kv_transfer_params_of(answer.body)
+            try:
+                params = kv_transfer_params_of(answer.body)
+            except ValueError as e:
+                log.warning("prefill instance %s: %s; decoding without", instance.url, e)
+                params = None
             if params is None:
                 self.metrics.without_kv.inc()
             return params

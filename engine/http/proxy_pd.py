@@ -48,11 +48,14 @@ def decode_body(request: dict[str, Any], kv_transfer_params: dict[str, Any] | No
 
 
 def kv_transfer_params_of(prefill_answer: bytes) -> dict[str, Any] | None:
-    """The answer's transfer parameters; None when absent, null or not an object (the prompt
-    was too short to hand off, or the instance is colocated)."""
+    """The answer's transfer parameters; None when absent or null (the prompt was too short to
+    hand off, or the instance is colocated). ValueError when they are something else: a decode
+    instance would refuse them, so they are not passed on."""
     answer = json_object(prefill_answer)
     params = answer.get(FIELD) if answer is not None else None
-    return params if isinstance(params, dict) else None
+    if params is None or isinstance(params, dict):
+        return params
+    raise ValueError(f"{FIELD} is a JSON {type(params).__name__}, not an object")
 
 
 def error_body(message: str, status: int, kind: str = "server_error") -> bytes:

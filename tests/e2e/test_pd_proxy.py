@@ -283,38 +283,49 @@ def test_a_stream_whose_decode_instance_stops_answering_ends_with_an_error_event
 def test_a_killed_instance_is_marked_down_skipped_and_taken_back_once_restarted(
     instances: Instances, tmp_path: Path
 ) -> None:
-    """A is both the prefill instance and a decode instance. Killed, requests still succeed
-    (prefilled on B, decoded on B after A fails as a decode instance before its first byte),
-    /health names A, and once A is restarted on its port the proxy prefills on it again."""
+    """A dies (SIGKILL). Proxy `solo` has A as its only prefill instance and as a decode
+    instance: requests are still served (decoded on B without KV, after A fails as a decode
+    instance before its first byte), /health names A, and once A is restarted on its port the
+    proxy prefills on it again. Proxy `both` prefills on A and B in turn: the request that finds
+    A dead is prefilled on B instead."""
     a, b = instances.a, instances.b
     body = {"model": b.model, **GREEDY}
     expected = completion_fields(direct(b, "/v1/completions", body).json())
     flags = ("--probe-interval", "0.5")
-    with proxied(tmp_path, [a.url], [b.url, a.url], *flags) as proxy, proxy.http() as http:
-        first = http.post("/v1/completions", json=body)  # decoded on B: A is next in turn
-        assert completion_fields(first.json()) == expected
+    with (
+        proxied(tmp_path, [a.url], [b.url, a.url], *flags, name="solo") as solo,
+        proxied(tmp_path, [a.url, b.url], [b.url], name="both") as both,
+    ):
+        for proxy in (solo, both):  # solo: decoded on B, A next in turn; both: prefilled on A
+            with proxy.http() as http:
+                assert completion_fields(http.post("/v1/completions", json=body).json()) == expected
         children = children_of(a.pid)
         os.kill(a.pid, signal.SIGKILL)
         a.proc.wait(30)
         wait_until(lambda: not any(alive(pid) for pid in children), timeout=30)
-        for _ in range(2):
-            answer = http.post("/v1/completions", json=body)
-            assert answer.status_code == 200, answer.text
-            assert completion_fields(answer.json()) == expected
-        assert proxy.metric("engine:proxy_prefill_fallbacks_total") == 2
-        assert proxy.metric("engine:proxy_retries_total", role="decode") == 1
-        assert proxy.metric("engine:proxy_instance_up", url=a.url) == 0
-        health = http.get("/health")
-        assert health.status_code == 503
-        assert f"no prefill instance is up ({a.url} down since " in health.text
+        for proxy in (solo, both):
+            with proxy.http() as http:
+                for _ in range(2):
+                    answer = http.post("/v1/completions", json=body)
+                    assert answer.status_code == 200, answer.text
+                    assert completion_fields(answer.json()) == expected
+        assert solo.metric("engine:proxy_prefill_fallbacks_total") == 2
+        assert solo.metric("engine:proxy_retries_total", role="decode") == 1
+        assert solo.metric("engine:proxy_instance_up", url=a.url) == 0
+        assert both.metric("engine:proxy_prefill_fallbacks_total") == 0
+        assert both.metric("engine:proxy_retries_total", role="prefill") == 1
+        with solo.http() as http:
+            health = http.get("/health")
+            assert health.status_code == 503
+            assert f"no prefill instance is up ({a.url} down since " in health.text
 
-        instances.restart_a()
-        wait_until(lambda: http.get("/health").status_code == 200, timeout=60)
-        a_requests = metric(a.url, "engine:http_requests_total")
-        answer = http.post("/v1/completions", json=body)
+            instances.restart_a()
+            wait_until(lambda: http.get("/health").status_code == 200, timeout=60)
+            a_requests = metric(a.url, "engine:http_requests_total")
+            answer = http.post("/v1/completions", json=body)
         assert completion_fields(answer.json()) == expected
         assert metric(a.url, "engine:http_requests_total") > a_requests
-        assert proxy.metric("engine:proxy_prefill_fallbacks_total") == 2  # prefilled on A
+        assert solo.metric("engine:proxy_prefill_fallbacks_total") == 2  # prefilled on A
 
 
 def test_sigterm_lets_an_inflight_stream_finish(instances: Instances, tmp_path: Path) -> None:

@@ -61,7 +61,6 @@ def test_the_decode_instance_gets_every_client_field_plus_the_prefills_params() 
         (b'{"id": "x", "kv_transfer_params": {"a": 1}}', {"a": 1}),
         (b'{"id": "x", "kv_transfer_params": null}', None),
         (b'{"id": "x"}', None),
-        (b'{"id": "x", "kv_transfer_params": [1]}', None),
         (b"not json", None),
     ],
 )
@@ -69,6 +68,12 @@ def test_transfer_params_are_read_from_the_prefills_answer(
     answer: bytes, params: dict[str, int] | None
 ) -> None:
     assert kv_transfer_params_of(answer) == params
+
+
+def test_transfer_params_that_are_not_an_object_are_refused() -> None:
+    """A decode instance takes an object only: an array would come back as a 400."""
+    with pytest.raises(ValueError, match="kv_transfer_params is a JSON list, not an object"):
+        kv_transfer_params_of(b'{"kv_transfer_params": ["req@0", [1, 2]]}')
 
 
 def test_good_arguments_make_a_config() -> None:
