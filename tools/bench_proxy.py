@@ -13,6 +13,7 @@ in front of it, in one run, side by side.
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 
@@ -50,7 +51,7 @@ def stream_timings(client: httpx.Client, base: str, model: str, tokens: int) -> 
         for line in resp.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 arrivals.append(time.perf_counter())
-    gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
+    gaps = [b - a for a, b in itertools.pairwise(arrivals)]
     return {
         "first_event_ms": (arrivals[0] - start) * 1e3,
         "gap_p50_ms": percentile(gaps, 0.5) * 1e3,
