@@ -14,9 +14,10 @@ SSE error event. A 4xx from any instance is the client's answer, relayed as it c
 
 from __future__ import annotations
 
+import functools
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -59,16 +60,31 @@ class _BodyTooLarge(Exception):
 
 
 class _RelayedStream(StreamingResponse):
-    """A stream that always closes its upstream, even when the client went away mid-way (the
-    instance then sees its connection close and aborts the request)."""
+    """A stream whose `release` (close the upstream, count the instance's request done) runs
+    exactly once however the response ends: relayed to the end, broken, or the client gone
+    mid-way (the instance then sees its connection close and aborts the request) or before the
+    first byte (when the body iterator never started, so its own `finally` would not run)."""
 
-    body_iterator: AsyncIterator[bytes]
+    body_iterator: AsyncGenerator[bytes, None]
+
+    def __init__(
+        self,
+        body: AsyncGenerator[bytes, None],
+        status: int,
+        headers: dict[str, str],
+        release: Callable[[], Awaitable[None]],
+    ) -> None:
+        super().__init__(body, status, headers=headers)
+        self.release = release
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            try:
+                await self.body_iterator.aclose()
+            finally:
+                await self.release()
 
 
 class ProxyRoutes:
@@ -193,11 +209,13 @@ class ProxyRoutes:
             if isinstance(answer, Answer):
                 instance.outstanding -= 1
                 return _relay(answer)
-            return _RelayedStream(
-                self._relay_stream(instance, answer), answer.status, headers=answer.headers
-            )
+            chunks = self._relay_stream(instance, answer)
+            release = functools.partial(_release, instance, answer)
+            return _RelayedStream(chunks, answer.status, answer.headers, release)
 
-    async def _relay_stream(self, instance: Instance, stream: OpenStream) -> AsyncIterator[bytes]:
+    async def _relay_stream(
+        self, instance: Instance, stream: OpenStream
+    ) -> AsyncGenerator[bytes, None]:
         """The decode instance's chunks as they come. Tokens already sent cannot be taken back,
         so a stream that breaks ends with an error event instead of moving elsewhere."""
         last = stream.first_chunk
@@ -213,9 +231,6 @@ class ProxyRoutes:
             separator = b"" if not last or last.endswith(b"\n\n") else b"\n\n"
             message = f"decode instance {instance.url} failed mid-stream: {e}"
             yield separator + stream_error_event(message)
-        finally:
-            instance.outstanding -= 1
-            await stream.close()
 
     # -- helpers ----------------------------------------------------------------------------
 
@@ -271,6 +286,11 @@ def _upstream_headers(request: Request) -> dict[str, str]:
     headers = {k: v for k in FORWARDED_HEADERS if (v := request.headers.get(k)) is not None}
     headers["x-request-id"] = request.headers.get("x-request-id") or uuid.uuid4().hex
     return headers
+
+
+async def _release(instance: Instance, stream: OpenStream) -> None:
+    instance.outstanding -= 1
+    await stream.close()
 
 
 def _relay(answer: Answer) -> Response:

@@ -14,6 +14,7 @@ import json
 import os
 import signal
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -162,6 +163,32 @@ def test_a_stream_is_relayed_event_by_event_as_an_event_stream(
     seen = [stream_text_and_usage(url, chat) for url in (pd_proxy.url, b.url)]
     assert seen[0] == seen[1]
     assert seen[0][1] is not None  # include_usage reached the decode instance
+
+
+def test_concurrent_streams_spread_over_the_decode_instances(
+    instances: Instances, tmp_path: Path
+) -> None:
+    """Four streams open at once through a proxy whose decode instances are A and B: each
+    decodes two, and every stream is relayed whole (the same greedy text)."""
+    a, b = instances.a, instances.b
+    tokens = 200
+    body = {"model": b.model, **LONG, "max_tokens": tokens, "stream": True}
+    before = {srv.url: metric(srv.url, "engine:generation_tokens_total") for srv in (a, b)}
+    with proxied(tmp_path, [a.url], [a.url, b.url]) as proxy, proxy.http() as http:
+        with ExitStack() as open_streams:
+            streams = [
+                open_streams.enter_context(http.stream("POST", "/v1/completions", json=body))
+                for _ in range(4)
+            ]
+            events = [[x for x in s.iter_lines() if x.startswith("data: ")] for s in streams]
+        assert proxy.metric("engine:proxy_instance_outstanding") == 0
+    texts = {"".join(json.loads(x[6:])["choices"][0]["text"] for x in e[:-1]) for e in events}
+    assert len(texts) == 1
+    assert all(e[-1] == "data: [DONE]" for e in events)
+    assert all(json.loads(e[-2][6:])["choices"][0]["finish_reason"] == "length" for e in events)
+    generated = {srv.url: metric(srv.url, "engine:generation_tokens_total") for srv in (a, b)}
+    assert generated[a.url] - before[a.url] == 4 + 2 * tokens  # 4 prefills, 2 decodes
+    assert generated[b.url] - before[b.url] == 2 * tokens
 
 
 def stream_text_and_usage(url: str, body: dict[str, Any]) -> tuple[str, Any]:
