@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 
@@ -11,6 +12,7 @@ import pytest
 from engine.cli.proxy_cmd import ProxyUsageError, parse_proxy_args
 from engine.http.proxy_pd import decode_body, kv_transfer_params_of, prefill_body
 from tests.e2e.harness import REPO
+from tests.fresh_process import imported_after
 
 CHAT = {
     "model": "m",
@@ -117,3 +119,27 @@ def test_the_command_exits_nonzero_with_one_line() -> None:
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, done.stderr
     assert "localhost:8000" in lines[0]
+
+
+def test_the_proxy_imports_no_model_code() -> None:
+    """It starts in well under a second: torch and transformers stay out of it."""
+    code = "import engine.cli.proxy_cmd, engine.http.proxy_server"
+    assert imported_after(code, ("torch", "transformers", "engine.async_llm")) == []
+
+
+def test_a_busy_port_is_one_line_and_status_1() -> None:
+    nowhere = "http://127.0.0.1:9"
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        argv = ["proxy", "--prefill", nowhere, "--decode", nowhere, "--port", str(port)]
+        done = subprocess.run(
+            [sys.executable, "-m", "engine", *argv],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert "cannot listen on" in lines[0] and f"127.0.0.1:{port}" in lines[0]
