@@ -38,7 +38,7 @@ def _parser() -> _Parser:
         ("--connect-timeout", defaults.connect_timeout, "to open a connection to an instance"),
         ("--read-timeout", defaults.read_timeout, "between two reads of an instance's answer"),
         ("--probe-interval", defaults.probe_interval, "between probes of down instances"),
-        ("--probe-timeout", defaults.probe_timeout, "for one probe of an instance's /health"),
+        ("--probe-timeout", defaults.probe_timeout, "for one probe of an instance's /ready"),
         ("--drain-timeout", defaults.drain_timeout, "in-flight requests get after SIGTERM"),
     ]
     for flag, default, what in seconds:

@@ -13,7 +13,7 @@ class ProxyConfig:
     port: int = 8000
     connect_timeout: float = 5.0  # seconds to open a connection to an instance
     read_timeout: float = 600.0  # seconds between two reads of an answer (a whole non-stream one)
-    probe_interval: float = 2.0  # seconds between probes of down instances' /health
+    probe_interval: float = 2.0  # seconds between probes of down instances' /ready
     probe_timeout: float = 2.0
     max_request_bytes: int = 64 * 1024 * 1024
     drain_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM

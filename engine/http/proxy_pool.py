@@ -2,7 +2,7 @@
 
 Plain state without I/O (the proxy's app and its prober drive it), so the choice and the marking
 are tested without servers. An instance is down from the failure that marked it until a probe of
-its /health answers 200; a down instance is never chosen.
+its /ready answers 200; a down instance is never chosen.
 """
 
 from __future__ import annotations

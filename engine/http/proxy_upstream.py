@@ -119,12 +119,18 @@ async def relay_rest(stream: OpenStream) -> AsyncIterator[bytes]:
 
 
 async def probe(client: httpx.AsyncClient, instance: Instance, timeout: float) -> str | None:
-    """None if the instance's /health answers 200 within `timeout`, else why not."""
+    """None if the instance can take requests now, else why not. Our instances answer /ready
+    (503 while draining or restarting an actor, when /health still says 200: taken back then,
+    a draining instance would fail every request sent to it); others, /health."""
     try:
-        response = await client.get(instance.url + "/health", timeout=timeout)
+        response = await client.get(instance.url + "/ready", timeout=timeout)
+        if response.status_code == 404:
+            response = await client.get(instance.url + "/health", timeout=timeout)
     except httpx.HTTPError as e:
         return _why(e)
-    return None if response.status_code == 200 else f"/health answered {response.status_code}"
+    if response.status_code == 200:
+        return None
+    return f"{response.url.path} answered {response.status_code}"
 
 
 async def probe_all(
@@ -145,7 +151,7 @@ async def probe_down_forever(
     pool: InstancePool, client: httpx.AsyncClient, interval: float, timeout: float
 ) -> None:
     """Every `interval` seconds, probe the instances that are down (a failed request marked
-    them); those that answer are chosen again."""
+    them); those ready again are chosen again."""
     while True:
         await asyncio.sleep(interval)
         down = pool.down()

@@ -354,6 +354,15 @@ def test_a_killed_instance_is_marked_down_skipped_and_taken_back_once_restarted(
         assert metric(a.url, "engine:http_requests_total") > a_requests
         assert solo.metric("engine:proxy_prefill_fallbacks_total") == 2  # prefilled on A
 
+        # Drained, A answers 503 (and /ready 503): down again, and not taken back by probes.
+        assert instances.a.admin("drain")["drained"]
+        with solo.http() as http:
+            answer = http.post("/v1/completions", json=body)
+            assert completion_fields(answer.json()) == expected
+            assert solo.metric("engine:proxy_prefill_fallbacks_total") == 3
+            wait_until(lambda: "/ready answered 503" in http.get("/health").text, timeout=30)
+            assert solo.metric("engine:proxy_instance_up", role="prefill", url=a.url) == 0
+
 
 def test_sigterm_lets_an_inflight_stream_finish(instances: Instances, tmp_path: Path) -> None:
     b = instances.b
