@@ -152,11 +152,12 @@ class KvHolds:
         held = block_ids[: num_prompt_tokens // block_size]
         tid = transfer_id(request_id, epoch)
         self._release(tid)  # a replaced epoch's hold of the same attempt id, if any
-        for block_id in held:
-            self._kv.pool.acquire(block_id)
-        deadline = self._clock() + self._hold_timeout
-        self._holds[tid] = _Hold(held, deadline, RankTally(self._endpoints.num_ranks))
-        self._orders.append(HoldBlocks(tid, held, deadline))
+        if held:  # a prompt shorter than a block has nothing worth moving: no hold
+            for block_id in held:
+                self._kv.pool.acquire(block_id)
+            deadline = self._clock() + self._hold_timeout
+            self._holds[tid] = _Hold(held, deadline, RankTally(self._endpoints.num_ranks))
+            self._orders.append(HoldBlocks(tid, held, deadline))
         self._figures.handoffs += 1
         ranks = [self._endpoints.by_rank[rank] for rank in range(self._endpoints.num_ranks)]
         return KvSource(
@@ -235,9 +236,11 @@ class KvPulls:
 
     def begin(self, submit: SubmitRequest) -> bool:
         """Start pulling the KV `submit.kv_source` names; False: admit the request now (nothing
-        to pull, no room to pull into, or a source this instance cannot read)."""
+        held for it, no room to pull into, or a source this instance cannot read)."""
         source = submit.kv_source
         assert source is not None
+        if not source.block_ids:
+            return False  # nothing was held for us
         block_size = self._kv.block_size
         if (
             not self._kv.enable_prefix_caching
@@ -256,8 +259,8 @@ class KvPulls:
             if pool.lookup(key) is None:
                 wanted.append((block_id, key))
         self._figures.blocks_from_cache += len(source.block_ids) - len(wanted)
-        if not wanted:
-            return False
+        # With every block cached here, the pull moves nothing but still acknowledges, which
+        # ends the source's hold at once instead of at its timeout.
         if len(wanted) > pool.num_free_blocks:
             self._figures.fallbacks += 1
             return False
