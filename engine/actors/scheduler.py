@@ -101,9 +101,10 @@ class SchedulerActor(Actor):
             await asyncio.sleep(KV_TICK_S)
             failures = self._admit_pulled(self.scheduler.kv_transfer.tick())
             await self._plan_next()
+            await self._send_kv_orders()
             if failures:
                 await self.send_many("tokens", failures)
-            await self._send_kv_orders()
+            self._publish_report()  # an expired hold changes the figures of an idle scheduler
 
     def _admit_pulled(self, submits: list[SubmitRequest]) -> list[bytes]:
         """Queue requests whose KV arrived or fell back; frames for the detokenizer."""
