@@ -356,3 +356,17 @@ def test_with_every_block_cached_the_pull_moves_nothing_but_still_acknowledges()
     assert decode.admit_pulled(ready) == []
     outputs, starts = decode_to_end(decode, d_worker)
     assert starts == [12] and first + outputs.tokens[("a", 0)] == expected(PROMPT, 5, 6)
+
+
+def test_a_source_of_another_layout_is_not_pulled_the_request_computes_its_prompt() -> None:
+    clock = Clock()
+    _, _, first, source = handed_off(clock)
+    decode, d_worker = instance(clock)
+    other = msgspec.structs.replace(
+        source, layout=msgspec.structs.replace(source.layout, dtype="bfloat16")
+    )
+    decode.add(decode_request(first, other))
+    assert orders(decode) == []
+    outputs, starts = decode_to_end(decode, d_worker)
+    assert starts == [0] and first + outputs.tokens[("a", 0)] == expected(PROMPT, 5, 6)
+    assert decode.stats().kv_fallbacks == 1
