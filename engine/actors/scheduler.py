@@ -28,6 +28,7 @@ from engine.messages.scheduling import (
     SCHEDULER_OUTPUTS,
     SCHEDULER_REQUESTS,
     AbortRequests,
+    SchedulerStats,
     StopSamples,
     SubmitRequest,
     TokenBatch,
@@ -50,7 +51,7 @@ class SchedulerActor(Actor):
         self.scheduler = Scheduler(config, first_id=self.generation << 40)
         self._max_frame_bytes = self.rings.writer("tokens").spec.max_frame_bytes
         self._last_report = 0.0
-        self._reported_idle = False
+        self._reported_stats: SchedulerStats | None = None
         self._publish_report()  # so the root's stats are complete from the start
         if self.scheduler.kv_transfer is not None:
             self._kv_ticker = asyncio.get_running_loop().create_task(self._tick_kv_transfer())
@@ -100,9 +101,10 @@ class SchedulerActor(Actor):
             await asyncio.sleep(KV_TICK_S)
             failures = self._admit_pulled(self.scheduler.kv_transfer.tick())
             await self._plan_next()
+            await self._send_kv_orders()
             if failures:
                 await self.send_many("tokens", failures)
-            await self._send_kv_orders()
+            self._publish_report()  # an expired hold changes the figures of an idle scheduler
 
     def _admit_pulled(self, submits: list[SubmitRequest]) -> list[bytes]:
         """Queue requests whose KV arrived or fell back; frames for the detokenizer."""
@@ -167,13 +169,18 @@ class SchedulerActor(Actor):
             await self.send("plan", STEP_PLANS.encode(plan))
 
     def _publish_report(self) -> None:
+        """At most one report per interval while busy; once idle, one as soon as anything
+        changed since the last report (so the figures of a short burst are not left out)."""
         now = time.monotonic()
         idle = not self.scheduler.has_unfinished_requests
-        if now - self._last_report < REPORT_INTERVAL_S and not (idle and not self._reported_idle):
+        stats = self.scheduler.stats()
+        if now - self._last_report < REPORT_INTERVAL_S and not (
+            idle and stats != self._reported_stats
+        ):
             return
         self._last_report = now
-        self._reported_idle = idle
-        report = SchedulerReport(self.scheduler.stats(), self.scheduler.request_statuses())
+        self._reported_stats = stats
+        report = SchedulerReport(stats, self.scheduler.request_statuses())
         frame = SCHEDULER_REPORTS.encode(report)
         writer = self.rings.writer("reports")
         if len(frame) > writer.spec.max_frame_bytes:  # the figures still go; the listing not

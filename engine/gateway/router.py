@@ -177,10 +177,12 @@ class LeastPendingRouter:
         return out
 
     def _with_kv_directives(self, request: GenerateRequest, replica: int, frame: bytes) -> bytes:
-        """P/D: a prefill replica hands a request of one sample on after its first token; a KV
-        source is only for a decode replica (on a prefill replica serving colocated, the held
-        blocks are in its own prefix cache anyway)."""
-        handoff = "continue" if self.roles[replica] == "prefill" and request.params.n == 1 else ""
+        """P/D: a prefill replica hands a request of one sample on after its first token (while a
+        decode replica is left to take it); a KV source is only for a decode replica (on a
+        prefill replica serving colocated, the held blocks are in its own prefix cache)."""
+        decoders = any(self.roles[r] == "decode" for r in self.live)
+        prefills = self.roles[replica] == "prefill"
+        handoff = "continue" if prefills and decoders and request.params.n == 1 else ""
         source = request.kv_source if self.roles[replica] == "decode" else None
         if handoff == request.kv_handoff and source is request.kv_source:
             return frame

@@ -34,7 +34,7 @@ from engine.messages.codec import Channel
 KvHandoff = Literal["", "continue", "hold"]
 
 
-class KvLayout(msgspec.Struct, frozen=True, array_like=True):
+class KvLayout(msgspec.Struct, frozen=True):
     """The shape of one rank's KV cache: two ends of a transfer must agree on all of it (but
     `num_blocks`, each side's own). The cache is `[num_layers, 2, num_blocks * block_size + 1,
     num_kv_heads, head_dim]` (K and V; the extra slot is the zero padding slot), so one layer's K
@@ -77,7 +77,7 @@ class KvLayout(msgspec.Struct, frozen=True, array_like=True):
         return None
 
 
-class KvEndpoint(msgspec.Struct, frozen=True, array_like=True):
+class KvEndpoint(msgspec.Struct, frozen=True):
     """Where one rank's kv_transfer actor listens; `host_id` tells whether a puller shares its
     host (and may then read the cache segment directly instead of over TCP)."""
 
@@ -86,9 +86,11 @@ class KvEndpoint(msgspec.Struct, frozen=True, array_like=True):
     host_id: str
 
 
-class KvSource(msgspec.Struct, frozen=True, array_like=True):
+class KvSource(msgspec.Struct, frozen=True):
     """Where a handed-off request's prompt KV lies: `block_ids[i]` holds tokens
-    [i * block_size, (i + 1) * block_size) of the prompt, on every rank."""
+    [i * block_size, (i + 1) * block_size) of the prompt, on every rank. Across instances it is
+    the kv_transfer_params object a client carries from the prefill instance to the decode one
+    (so these three structs are maps, not arrays: a JSON object with named fields)."""
 
     transfer_id: str
     endpoints: list[KvEndpoint]  # one per rank, by rank

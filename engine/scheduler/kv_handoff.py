@@ -22,6 +22,7 @@ be writing into them (every rank reported, or the deadline plus a grace period p
 from __future__ import annotations
 
 import enum
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -40,6 +41,8 @@ from engine.messages.kv_transfer import (
     transfer_id,
 )
 from engine.messages.scheduling import SubmitRequest
+
+log = logging.getLogger(__name__)
 
 # After a pull's deadline, how long before its set-aside blocks are reused: a kv_transfer actor
 # checks the deadline between copies, so none is still writing by then.
@@ -152,11 +155,12 @@ class KvHolds:
         held = block_ids[: num_prompt_tokens // block_size]
         tid = transfer_id(request_id, epoch)
         self._release(tid)  # a replaced epoch's hold of the same attempt id, if any
-        for block_id in held:
-            self._kv.pool.acquire(block_id)
-        deadline = self._clock() + self._hold_timeout
-        self._holds[tid] = _Hold(held, deadline, RankTally(self._endpoints.num_ranks))
-        self._orders.append(HoldBlocks(tid, held, deadline))
+        if held:  # a prompt shorter than a block has nothing worth moving: no hold
+            for block_id in held:
+                self._kv.pool.acquire(block_id)
+            deadline = self._clock() + self._hold_timeout
+            self._holds[tid] = _Hold(held, deadline, RankTally(self._endpoints.num_ranks))
+            self._orders.append(HoldBlocks(tid, held, deadline))
         self._figures.handoffs += 1
         ranks = [self._endpoints.by_rank[rank] for rank in range(self._endpoints.num_ranks)]
         return KvSource(
@@ -218,14 +222,15 @@ class KvPulls:
     def __init__(
         self,
         kv: BlockManager,
-        num_ranks: int,
+        endpoints: KvEndpoints,
         timeout: float,
         clock: Callable[[], float],
         orders: list[KvOrder],
         figures: KvTransferFigures,
     ) -> None:
         self._kv = kv
-        self._num_ranks = num_ranks
+        self._endpoints = endpoints
+        self._num_ranks = endpoints.num_ranks
         self._timeout = timeout
         self._clock = clock
         self._orders = orders
@@ -235,19 +240,17 @@ class KvPulls:
 
     def begin(self, submit: SubmitRequest) -> bool:
         """Start pulling the KV `submit.kv_source` names; False: admit the request now (nothing
-        to pull, no room to pull into, or a source this instance cannot read)."""
+        held for it, no room to pull into, or a source this instance cannot read)."""
         source = submit.kv_source
         assert source is not None
-        block_size = self._kv.block_size
-        if (
-            not self._kv.enable_prefix_caching
-            or source.layout.block_size != block_size
-            or len(source.endpoints) != self._num_ranks
-            or source.num_tokens > len(submit.prompt_token_ids)
-        ):
-            if source.block_ids:
-                self._figures.fallbacks += 1
+        if not source.block_ids:
+            return False  # nothing was held for us
+        problem = self._unreadable(submit, source)
+        if problem is not None:
+            log.warning("request %s computes its prompt: %s", submit.request_id, problem)
+            self._figures.fallbacks += 1
             return False
+        block_size = self._kv.block_size
         chain = BlockHashChain(block_size)
         pool = self._kv.pool
         wanted: list[tuple[int, bytes]] = []  # (source block, its key) the cache lacks
@@ -256,8 +259,8 @@ class KvPulls:
             if pool.lookup(key) is None:
                 wanted.append((block_id, key))
         self._figures.blocks_from_cache += len(source.block_ids) - len(wanted)
-        if not wanted:
-            return False
+        # With every block cached here, the pull moves nothing but still acknowledges, which
+        # ends the source's hold at once instead of at its timeout.
         if len(wanted) > pool.num_free_blocks:
             self._figures.fallbacks += 1
             return False
@@ -272,6 +275,20 @@ class KvPulls:
         self._by_request[submit.request_id] = tid
         self._orders.append(PullBlocks(tid, source, [b for b, _ in wanted], dst, deadline))
         return True
+
+    def _unreadable(self, submit: SubmitRequest, source: KvSource) -> str | None:
+        """Why this instance cannot take the source's blocks as they are, if it cannot."""
+        if not self._kv.enable_prefix_caching:
+            return "pulled KV needs the prefix cache, which is off here"
+        if len(source.endpoints) != self._num_ranks:
+            return (f"the source has {len(source.endpoints)} tensor-parallel ranks, this "
+                    f"instance {self._num_ranks}")  # fmt: skip
+        if source.num_tokens > len(submit.prompt_token_ids):
+            return f"the source holds {source.num_tokens} tokens of a shorter prompt"
+        ours = self._endpoints.by_rank.get(0)
+        if ours is None:
+            return "this instance's kv_transfer actors have not announced themselves yet"
+        return ours.layout.mismatch(source.layout)
 
     def pulled(self, event: BlocksPulled) -> list[SubmitRequest]:
         """A rank's report; the requests that may now be admitted."""
@@ -303,6 +320,8 @@ class KvPulls:
         for tid, pull in list(self._pulls.items()):
             if not pull.admitted and now >= pull.deadline:
                 pull.errors.append("the pull timed out")
+                log.warning("request %s computes its prompt: the pull of %s timed out",
+                            pull.submit.request_id, tid)  # fmt: skip
                 admit = self._fall_back(pull)
                 if admit is not None:
                     ready.append(admit)
@@ -348,6 +367,9 @@ class KvPulls:
             return admit
         if outcome is Outcome.FAILED:
             pull.errors.append(pull.tally.first_error())
+            if not pull.admitted:
+                log.warning("request %s computes its prompt: the pull of %s failed: %s",
+                            pull.submit.request_id, tid, pull.errors[-1])  # fmt: skip
             admit = self._fall_back(pull)
         if pull.tally.all_reported:
             self._drop(tid)
@@ -391,7 +413,7 @@ class KvTransfer:
         self.figures = KvTransferFigures()
         self.endpoints = KvEndpoints(num_ranks)
         self.holds = KvHolds(kv, self.endpoints, hold_timeout, clock, self.orders, self.figures)
-        self.pulls = KvPulls(kv, num_ranks, hold_timeout, clock, self.orders, self.figures)
+        self.pulls = KvPulls(kv, self.endpoints, hold_timeout, clock, self.orders, self.figures)
 
     def on_event(self, event: KvEvent) -> list[SubmitRequest]:
         """A kv_transfer actor's report; the requests whose KV is now settled (to admit)."""

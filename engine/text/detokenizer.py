@@ -170,8 +170,9 @@ class Detokenizer:
                 stream.stop_reason,
                 item.first,
                 prompt_logprobs,
-                # A stop string that ended the sample here makes the handoff moot.
-                item.handoff if finish_reason is None else None,
+                # A stop string that ended the sample here makes a handoff to continue moot (a
+                # hold, made whatever the first token, comes with the scheduler's finish).
+                item.handoff if finish_reason is None or item.finish_reason is not None else None,
             )
         )
         if finish_reason is None and item.handoff is None:

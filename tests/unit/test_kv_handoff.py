@@ -321,3 +321,52 @@ def test_pulled_blocks_from_before_a_worker_restart_are_never_indexed() -> None:
         assert decode.kv_transfer.on_event(BlocksPulled(pull.transfer_id, rank, None)) == []
     assert decode.kv.pool.hash_to_block == {}
     assert decode.kv.num_free_blocks == decode.config.num_blocks
+
+
+def test_a_prompt_shorter_than_a_block_is_handed_off_without_a_hold_or_a_pull() -> None:
+    clock = Clock()
+    prefill, p_worker = instance(clock)
+    short = [5, 6, 7]
+    request = msgspec.structs.replace(
+        submit("s", short, seed=5, max_tokens=4), kv_handoff="continue"
+    )
+    first, source = prefill_and_hand_off(prefill, p_worker, request)
+    assert source.block_ids == [] and prefill.stats().kv_holds == 0
+    assert not [o for o in orders(prefill) if isinstance(o, HoldBlocks)]
+    decode, d_worker = instance(clock)
+    resumed = submit("s", short, epoch=1, seed=5, max_tokens=4)
+    decode.add(msgspec.structs.replace(resumed, resume=[SampleResume(0, first)], kv_source=source))
+    assert orders(decode) == []
+    outputs, starts = decode_to_end(decode, d_worker)
+    assert starts == [0] and first + outputs.tokens[("s", 0)] == expected(short, 5, 4)
+
+
+def test_with_every_block_cached_the_pull_moves_nothing_but_still_acknowledges() -> None:
+    clock = Clock()
+    _, _, first, source = handed_off(clock)
+    decode, d_worker = instance(clock)
+    decode.add(submit("earlier", [*PROMPT[:12], 90, 91], max_tokens=1))
+    decode_to_end(decode, d_worker)
+    decode.add(decode_request(first, source))
+    (pull,) = orders(decode)
+    assert isinstance(pull, PullBlocks) and pull.src_block_ids == pull.dst_block_ids == []
+    assert decode.kv_transfer is not None
+    for rank in range(RANKS):
+        ready = decode.kv_transfer.on_event(BlocksPulled(pull.transfer_id, rank, None))
+    assert decode.admit_pulled(ready) == []
+    outputs, starts = decode_to_end(decode, d_worker)
+    assert starts == [12] and first + outputs.tokens[("a", 0)] == expected(PROMPT, 5, 6)
+
+
+def test_a_source_of_another_layout_is_not_pulled_the_request_computes_its_prompt() -> None:
+    clock = Clock()
+    _, _, first, source = handed_off(clock)
+    decode, d_worker = instance(clock)
+    other = msgspec.structs.replace(
+        source, layout=msgspec.structs.replace(source.layout, dtype="bfloat16")
+    )
+    decode.add(decode_request(first, other))
+    assert orders(decode) == []
+    outputs, starts = decode_to_end(decode, d_worker)
+    assert starts == [0] and first + outputs.tokens[("a", 0)] == expected(PROMPT, 5, 6)
+    assert decode.stats().kv_fallbacks == 1

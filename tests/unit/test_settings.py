@@ -283,3 +283,36 @@ def test_a_step_budget_below_the_running_sequences_is_refused_on_every_path() ->
     assert "max_num_seqs (64)" in message and "got 32" in message
     with pytest.raises(ValueError, match=r"max_num_batched_tokens: .*\(64\).*got 32"):
         build_settings(**{"scheduler.max_num_seqs": 64, "scheduler.max_num_batched_tokens": 32})
+
+
+@pytest.mark.parametrize(
+    ("flags", "named", "says"),
+    [
+        (["--prefill-replicas", "1"], "kv_transfer.decode_replicas", "needs both roles"),
+        (["--decode-replicas", "2"], "kv_transfer.prefill_replicas", "needs both roles"),
+        (["--prefill-replicas", "1", "--decode-replicas", "1", "--kv-role", "decode"],
+         "kv_transfer.role", "one launch runs both roles"),  # fmt: skip
+        (["--prefill-replicas", "1", "--decode-replicas", "1", "--dp", "2"],
+         "parallel.data_parallel_size", "they set the replicas"),  # fmt: skip
+        (["--kv-role", "prefill", "--nnodes", "2"], "parallel.nnodes", "on one host"),
+        (["--kv-role", "decode", "--enable-prefix-caching", "false"],
+         "cache.enable_prefix_caching", "prefix cache"),  # fmt: skip
+    ],
+)
+def test_invalid_pd_combinations_fail_naming_the_setting(
+    flags: list[str], named: str, says: str
+) -> None:
+    with pytest.raises(SettingsError) as raised:
+        load_settings(flags, {})
+    message = str(raised.value)
+    assert "\n" not in message and named in message and says in message, message
+
+
+def test_pd_flags_reach_their_settings() -> None:
+    s, _ = load_settings(
+        ["--kv-role", "prefill", "--kv-transfer-port", "7100", "--kv-hold-timeout", "5",
+         "--kv-transfer-host", "0.0.0.0", "--kv-transfer-advertise-host", "10.0.0.2"], {}
+    )  # fmt: skip
+    kv = s.kv_transfer
+    assert (kv.role, kv.port, kv.hold_timeout) == ("prefill", 7100, 5.0)
+    assert (kv.host, kv.advertise_host) == ("0.0.0.0", "10.0.0.2")
