@@ -14,6 +14,8 @@ SSE error event. A 4xx from any instance is the client's answer, relayed as it c
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import logging
 import uuid
@@ -52,6 +54,7 @@ log = logging.getLogger("engine.proxy")
 JSON = "application/json"
 # Request headers the instances see; the rest (hop-by-hop, host, lengths) are the proxy's own.
 FORWARDED_HEADERS = ("authorization", "content-type", "accept")
+CLIENT_CLOSED_REQUEST = 499
 ALL_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 
 
@@ -103,17 +106,16 @@ class ProxyRoutes:
     # -- routes -----------------------------------------------------------------------------
 
     async def completions(self, request: Request) -> Response:
-        return await self._counted("completions", self._disaggregated(request))
+        return await self._served("completions", request, self._disaggregated)
 
     async def chat_completions(self, request: Request) -> Response:
-        return await self._counted("chat_completions", self._disaggregated(request))
+        return await self._served("chat_completions", request, self._disaggregated)
 
     async def forward(self, request: Request) -> Response:
-        async def to_decode() -> Response:
-            body = await self._body(request)
+        async def to_decode(request: Request, body: bytes) -> Response:
             return await self._decode(request, body, _upstream_headers(request))
 
-        return await self._counted("other", to_decode())
+        return await self._served("other", request, to_decode)
 
     async def health(self, request: Request) -> Response:
         """200 while at least one instance of each role is up; else 503 naming the role(s)."""
@@ -132,8 +134,7 @@ class ProxyRoutes:
 
     # -- the P/D path -----------------------------------------------------------------------
 
-    async def _disaggregated(self, request: Request) -> Response:
-        body = await self._body(request)
+    async def _disaggregated(self, request: Request, body: bytes) -> Response:
         headers = _upstream_headers(request)
         fields = json_object(body)
         if fields is None:  # not a JSON object: the decode instance answers what is wrong
@@ -252,16 +253,46 @@ class ProxyRoutes:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    async def _counted(self, route: str, work: Any) -> Response:
+    async def _served(
+        self, route: str, request: Request, work: Callable[[Request, bytes], Awaitable[Response]]
+    ) -> Response:
+        """`work` on the request's body, counted by route and status. A client that hangs up
+        before the answer is ready cancels the work, which closes its upstream requests, so the
+        instances abort them instead of computing an answer for nobody."""
         try:
-            response: Response = await work
+            body = await self._body(request)
         except _BodyTooLarge:
             limit = self.config.max_request_bytes
             message = f"the request body is larger than the proxy's limit of {limit} bytes"
             body = error_body(message, 413, "invalid_request_error")
             response = Response(body, 413, media_type=JSON)
+        else:
+            response = await _unless_client_leaves(request, work(request, body))
         self.metrics.requests.labels(route, str(response.status_code)).inc()
         return response
+
+
+async def _unless_client_leaves(request: Request, work: Awaitable[Response]) -> Response:
+    """`work`'s response; or, if the client disconnects first, `work` cancelled and a 499 (as
+    nginx logs it) that no one reads."""
+    answer = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not answer.done():
+            answer.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        return await answer
+    return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+
+async def _disconnect(request: Request) -> None:
+    """Returns once the client has disconnected (its body has been read already: what the
+    server receives next is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def build_proxy_app(

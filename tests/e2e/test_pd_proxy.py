@@ -165,6 +165,21 @@ def test_a_stream_is_relayed_event_by_event_as_an_event_stream(
     assert seen[0][1] is not None  # include_usage reached the decode instance
 
 
+def test_a_client_that_leaves_before_a_non_streamed_answer_aborts_it_upstream(
+    instances: Instances, pd_proxy: Proxy
+) -> None:
+    """The proxy closes its request to the decode instance, which stops generating (counted by
+    tokens: the instance counts a non-streamed request aborted this way as a success)."""
+    b = instances.b
+    before = metric(b.url, "engine:generation_tokens_total")
+    body = {"model": b.model, **LONG}
+    with pytest.raises(httpx.ReadTimeout), pd_proxy.http(timeout=httpx.Timeout(30, read=1)) as h:
+        h.post("/v1/completions", json=body)
+    wait_until(lambda: not b.admin("requests"))
+    assert metric(b.url, "engine:generation_tokens_total") - before < LONG["max_tokens"]
+    wait_until(lambda: pd_proxy.metric("engine:proxy_instance_outstanding") == 0)
+
+
 def test_concurrent_streams_spread_over_the_decode_instances(
     instances: Instances, tmp_path: Path
 ) -> None:
