@@ -6,6 +6,8 @@ instance's for the same requests, and the KV did move (no decode-side fallback).
 
 from __future__ import annotations
 
+import os
+import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib.util import find_spec
@@ -14,8 +16,9 @@ import openai
 import pytest
 
 from tests.e2e.conftest import server_args
-from tests.e2e.harness import API_KEY, Server, start_server
+from tests.e2e.harness import API_KEY, Server, start_server, wait_until
 from tests.e2e.proxy_harness import Proxy, completion_fields, direct, metric, proxied
+from tests.integration.test_fault_tolerance import alive, children_of
 
 pytestmark = pytest.mark.skipif(
     find_spec("engine.actors.kv_transfer") is None, reason="the kv_transfer actor is not merged"
@@ -105,3 +108,23 @@ def test_a_streamed_chat_through_the_pair_equals_a_colocated_one(
     with pair.proxy.http() as http, http.stream("POST", "/v1/chat/completions", json=body) as resp:
         assert resp.headers["content-type"].startswith("text/event-stream")
         assert resp.read().endswith(b"data: [DONE]\n\n")
+
+
+def test_with_its_prefill_instance_dead_the_decode_instance_prefills_itself(
+    pair: Pair, server: Server
+) -> None:
+    """(Last here: it kills the prefill instance.)"""
+    decode = pair.decode
+    pulls = kv_figure(decode, "pulls")
+    children = children_of(pair.prefill.pid)
+    os.kill(pair.prefill.pid, signal.SIGKILL)
+    pair.prefill.proc.wait(30)
+    wait_until(lambda: not any(alive(pid) for pid in children), timeout=30)
+    body = {"model": server.model, "prompt": PROMPTS[4], "max_tokens": MAX_TOKENS}
+    with pair.proxy.http() as http:
+        through = http.post("/v1/completions", json={**body, "temperature": 0.0})
+    assert through.status_code == 200, through.text
+    expected = direct(server, "/v1/completions", {**body, "temperature": 0.0}).json()
+    assert completion_fields(through.json()) == completion_fields(expected)
+    assert pair.proxy.metric("engine:proxy_prefill_fallbacks_total") == 1
+    assert kv_figure(decode, "pulls") == pulls
