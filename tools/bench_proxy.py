@@ -35,10 +35,12 @@ def route_latencies(client: httpx.Client, base: str, n: int) -> list[float]:
     return out
 
 
-def stream_timings(client: httpx.Client, base: str, model: str, tokens: int) -> dict[str, float]:
+def stream_timings(
+    client: httpx.Client, base: str, model: str, prompt: str, tokens: int
+) -> dict[str, float]:
     body = {
         "model": model,
-        "prompt": "Measure the relay of a stream of tokens",
+        "prompt": prompt,
         "max_tokens": tokens,
         "temperature": 0.0,
         "ignore_eos": True,
@@ -68,6 +70,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--stream-tokens", type=int, default=400)
     parser.add_argument("--rounds", type=int, default=3, help="streams per side (median kept)")
+    parser.add_argument(
+        "--prompt-words", type=int, default=8, help="words per prompt (each round's differ)"
+    )
     args = parser.parse_args()
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     with httpx.Client(headers=headers, timeout=120.0) as client:
@@ -77,9 +82,11 @@ def main() -> None:
         for label, q in (("GET /v1/models p50 ms", 0.5), ("GET /v1/models p99 ms", 0.99)):
             _row(label, *(percentile(routes[s], q) * 1e3 for s in ("direct", "proxy")))
         runs: dict[str, list[dict[str, float]]] = {"direct": [], "proxy": []}
-        for _ in range(args.rounds):  # interleaved, so both sides see the same machine load
+        for n in range(args.rounds):  # interleaved, so both sides see the same machine load
             for side, url in _sides(args):
-                runs[side].append(stream_timings(client, url, model, args.stream_tokens))
+                # A prompt no earlier round has sent: no side finds it in its prefix cache.
+                prompt = " ".join(f"{side}{n}w{i}" for i in range(args.prompt_words))
+                runs[side].append(stream_timings(client, url, model, prompt, args.stream_tokens))
         for key in ("first_event_ms", "gap_p50_ms", "gap_p99_ms", "events_per_s"):
             medians = [statistics.median(r[key] for r in runs[s]) for s in ("direct", "proxy")]
             _row(f"stream {key}", *medians)
