@@ -191,7 +191,8 @@ class ProxyRoutes:
             try:
                 instance = self.pool.choose(Role.DECODE, exclude=tried)
             except NoInstanceUp as e:
-                return Response(error_body(str(e), 503), 503, media_type=JSON)
+                own = {"x-request-id": headers["x-request-id"]}
+                return Response(error_body(str(e), 503), 503, own, media_type=JSON)
             if tried:
                 self.metrics.retries.labels(Role.DECODE.value).inc()
             tried.append(instance)

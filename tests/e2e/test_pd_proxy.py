@@ -282,9 +282,14 @@ def test_health_and_metrics_are_the_proxys_own(instances: Instances, pd_proxy: P
 def test_no_decode_instance_up_is_a_503_that_names_it(instances: Instances, tmp_path: Path) -> None:
     nowhere = f"http://127.0.0.1:{free_port()}"
     with proxied(tmp_path, [instances.a.url], [nowhere]) as proxy, proxy.http() as http:
-        answer = http.post("/v1/completions", json={"model": instances.a.model, **GREEDY})
+        answer = http.post(
+            "/v1/completions",
+            json={"model": instances.a.model, **GREEDY},
+            headers={"X-Request-Id": "pd-proxy-503"},
+        )
         health = http.get("/health")
     assert answer.status_code == 503
+    assert answer.headers["x-request-id"] == "pd-proxy-503"
     error = answer.json()["error"]
     assert error["code"] == 503
     assert error["message"].startswith(f"no decode instance is up ({nowhere} down since ")
