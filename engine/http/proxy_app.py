@@ -102,6 +102,7 @@ class ProxyRoutes:
         self.client = client
         self.metrics = metrics
         self.config = config
+        self._falling_back = False  # no prefill instance was up at the last request
 
     # -- routes -----------------------------------------------------------------------------
 
@@ -155,7 +156,9 @@ class ProxyRoutes:
             try:
                 instance = self.pool.choose(Role.PREFILL, exclude=tried)
             except NoInstanceUp as e:
-                log.warning("prefilling on the decode instance: %s", e)
+                if not self._falling_back:  # once per outage, not once per request
+                    log.warning("prefilling on decode instances until one is back: %s", e)
+                self._falling_back = True
                 self.metrics.prefill_fallbacks.inc()
                 return None
             if tried:
@@ -173,6 +176,7 @@ class ProxyRoutes:
                 await answer.close()
                 self._failed(instance, "answered a prefill with a stream")
                 continue
+            self._falling_back = False
             if answer.status >= 400:
                 return _relay(answer)
             try:
