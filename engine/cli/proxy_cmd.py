@@ -30,9 +30,17 @@ def _parser() -> _Parser:
         prog="engine proxy",
         description="OpenAI-compatible front for prefill and decode instances (P/D).",
     )
-    p.add_argument("--prefill", nargs="+", action="extend", default=[], metavar="URL")
-    p.add_argument("--decode", nargs="+", action="extend", default=[], metavar="URL")
-    p.add_argument("--host", default=defaults.host)
+    for role in ("prefill", "decode"):
+        p.add_argument(
+            f"--{role}",
+            nargs="+",
+            action="extend",
+            default=[],
+            metavar="URL",
+            help=f"base URL of a {role} instance (engine serve --kv-role {role}), e.g. "
+            "http://10.0.0.5:8000; at least one",
+        )
+    p.add_argument("--host", default=defaults.host, help="address to listen on")
     p.add_argument("--port", type=int, default=defaults.port, help="0: any free port")
     seconds = [
         ("--connect-timeout", defaults.connect_timeout, "to open a connection to an instance"),
@@ -43,7 +51,12 @@ def _parser() -> _Parser:
     ]
     for flag, default, what in seconds:
         p.add_argument(flag, type=float, default=default, help=f"seconds {what}")
-    p.add_argument("--max-request-bytes", type=int, default=defaults.max_request_bytes)
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=defaults.max_request_bytes,
+        help="larger request bodies are answered 413",
+    )
     p.add_argument("--log-level", choices=LOG_LEVELS, default=defaults.log_level)
     return p
 
