@@ -321,6 +321,9 @@ def _upstream_headers(request: Request) -> dict[str, str]:
     that the prefill and the decode instance both see (made up when the client sent none)."""
     headers = {k: v for k in FORWARDED_HEADERS if (v := request.headers.get(k)) is not None}
     headers["x-request-id"] = request.headers.get("x-request-id") or uuid.uuid4().hex
+    # Streams are relayed as raw bytes: an instance must not compress them (httpx would ask for
+    # gzip by default, and the client would get gzip bytes without their content-encoding).
+    headers["accept-encoding"] = "identity"
     return headers
 
 
