@@ -210,7 +210,8 @@ def stream_text_and_usage(url: str, body: dict[str, Any]) -> tuple[str, Any]:
     with openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0) as client:
         chunks = list(client.chat.completions.create(stream=True, **body))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    usage = [c.usage.model_dump() for c in chunks if c.usage is not None]
+    # Prefix-cache hits differ between two sends of one prompt.
+    usage = [c.usage.model_dump(exclude={"prompt_tokens_details"}) for c in chunks if c.usage]
     return text, usage[-1] if usage else None
 
 
