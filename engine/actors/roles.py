@@ -10,3 +10,4 @@ class Role(enum.StrEnum):
     SCHEDULER = "scheduler"
     WORKER = "worker"
     DETOKENIZER = "detokenizer"
+    KV_TRANSFER = "kv_transfer"

@@ -1,0 +1,150 @@
+"""The kv_transfer actor, one per worker rank: serves the blocks its scheduler holds to pullers
+on other instances, and pulls blocks from them into its own rank's cache (DESIGN §9).
+
+Orders come on "kv-orders" (HoldBlocks, DropHolds, PullBlocks); events go out on
+"kv-events<rank>" (TransferEndpoint at every start, BlocksReleased, BlocksPulled). The cache is
+the worker's shared-memory segment, mapped here too. The domain work is engine.kv_transfer;
+sockets are served and pulls run on threads, so the loop (and its heartbeats) stays free while
+gigabytes move.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+import time
+from typing import Any
+
+import msgspec
+
+from engine.actors.kv_transfer_config import KvTransferConfig
+from engine.actors.runtime.actor import Actor
+from engine.actors.runtime.segments import map_segment
+from engine.actors.runtime.shm import SHM_DIR
+from engine.kv_transfer.cache_view import CacheView
+from engine.kv_transfer.holds import HoldTable
+from engine.kv_transfer.host import host_id
+from engine.kv_transfer.puller import Puller
+from engine.kv_transfer.server import BlockServer
+from engine.messages.kv_transfer import (
+    KV_EVENTS,
+    KV_ORDERS,
+    BlocksReleased,
+    DropHolds,
+    HoldBlocks,
+    KvEndpoint,
+    PullBlocks,
+    TransferEndpoint,
+)
+
+ORDERS = "kv-orders"
+
+
+class KvTransferActor(Actor):
+    channels = (KV_ORDERS,)
+
+    async def on_start(self) -> dict[str, Any] | None:
+        config = msgspec.msgpack.decode(self.config, type=KvTransferConfig)
+        self.settings = config
+        self.events = f"kv-events{config.rank}"
+        if config.cache_segment not in self.segments:
+            raise KeyError(f"no segment {config.cache_segment!r}; mapped: {list(self.segments)}")
+        segment = self.segments[config.cache_segment]
+        self.view = CacheView(config.layout, map_segment(segment))
+        self.holds = HoldTable()
+        here = host_id(SHM_DIR)
+        loop = asyncio.get_running_loop()
+        self._released: asyncio.Queue[str] = asyncio.Queue()
+
+        def on_released(transfer_id: str) -> None:  # on a connection's thread
+            loop.call_soon_threadsafe(self._released.put_nowait, transfer_id)
+
+        self.server = BlockServer(
+            self.view, segment, self.holds, here, on_released, config.idle_timeout
+        )
+        self.puller = Puller(
+            self.view, here, lambda name: map_segment(name, writable=False), config.force_tcp
+        )
+        self._listener = socket.create_server((config.listen_host, config.port), backlog=64)
+        self._listener.setblocking(False)
+        port = self._listener.getsockname()[1]
+        self.endpoint = KvEndpoint(config.advertised_host or config.listen_host, port, here)
+        self._hold_added = asyncio.Event()
+        self._pulls: set[asyncio.Task[None]] = set()
+        self._tasks = [
+            loop.create_task(self._accept(), name="accept"),
+            loop.create_task(self._report_releases(), name="releases"),
+            loop.create_task(self._expire_holds(), name="expiry"),
+        ]
+        await self._announce()
+        return {"cache_segment": segment, "port": port}
+
+    async def handle(self, ring: str, frames: list[bytes]) -> None:
+        for order in KV_ORDERS.decode_many(frames):
+            if isinstance(order, HoldBlocks):
+                self._hold(order)
+            elif isinstance(order, DropHolds):
+                self.holds.drop(order.transfer_ids, "the scheduler dropped its hold")
+            elif isinstance(order, PullBlocks):
+                task = asyncio.get_running_loop().create_task(self._pull(order))
+                self._pulls.add(task)
+                task.add_done_callback(self._pulls.discard)
+
+    async def on_rings_swapped(self, peer: str, rings: list[str]) -> None:
+        if ORDERS in rings:  # a restarted scheduler forgot its holds: their blocks are free
+            self.holds.drop_all(f"{peer} restarted")
+        if self.events in rings:
+            await self._announce()
+
+    async def on_stop(self) -> None:
+        self._listener.close()
+        for task in [*self._tasks, *self._pulls]:
+            task.cancel()
+        await asyncio.gather(*self._tasks, *self._pulls, return_exceptions=True)
+
+    def _hold(self, order: HoldBlocks) -> None:
+        try:
+            self.view.check_block_ids(order.block_ids, "held")
+        except ValueError as exc:
+            self.log.error("ignored HoldBlocks %r: %s", order.transfer_id, exc)
+            return
+        self.holds.hold(order.transfer_id, order.block_ids, order.deadline)
+        self._hold_added.set()
+
+    async def _announce(self) -> None:
+        message = TransferEndpoint(self.settings.rank, self.endpoint, self.settings.layout)
+        await self.send(self.events, KV_EVENTS.encode(message))
+
+    async def _accept(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            connection, _ = await loop.sock_accept(self._listener)
+            connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(
+                target=self.server.serve, args=(connection,), name="kv-serve", daemon=True
+            ).start()
+
+    async def _report_releases(self) -> None:
+        while True:
+            transfer_id = await self._released.get()
+            released = BlocksReleased(transfer_id, self.settings.rank)
+            await self.send(self.events, KV_EVENTS.encode(released))
+
+    async def _expire_holds(self) -> None:
+        """Drop each hold at its deadline (a pull of it is refused from then on anyway)."""
+        while True:
+            deadline = self.holds.next_deadline()
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            self._hold_added.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._hold_added.wait(), timeout)
+            for transfer_id in self.holds.expire():
+                self.log.info("hold of %r expired", transfer_id)
+
+    async def _pull(self, order: PullBlocks) -> None:
+        outcome = await asyncio.to_thread(self.puller.pull, order, self.settings.rank)
+        if outcome.error is not None:
+            self.log.warning("%s", outcome.error)
+        await self.send(self.events, KV_EVENTS.encode(outcome))
