@@ -158,9 +158,7 @@ def recv_into_buffers(
 
     got = _move(sock, buffers, deadline, receive)
     if got < total:
-        raise ProtocolError(
-            f"connection closed mid-transfer: got {got} of the {total} bytes of {what}"
-        )
+        raise ProtocolError(f"connection closed after {got} of the {total} bytes of {what}")
     return got
 
 
