@@ -37,6 +37,8 @@ class CacheView:
         flat = np.frombuffer(buffer, dtype=np.uint8, count=layout.segment_bytes)
         self.layout = layout
         self.slots = flat.reshape(layout.num_layers, 2, slots, slot_bytes)
+        self._bytes = memoryview(flat)  # slicing it is cheaper than slicing `slots`
+        self._part_bytes = slots * slot_bytes  # one layer's K (or V)
 
     def check_block_ids(self, block_ids: Sequence[int], what: str) -> None:
         """ValueError naming the first id that is not a block of this cache."""
@@ -56,12 +58,13 @@ class CacheView:
         """The transfer stream of these blocks, as writable-if-the-cache-is buffers in stream
         order: one per (layer, K/V, run of consecutive ids)."""
         self.check_block_ids(block_ids, "a")
-        block_runs = runs(block_ids)
+        chunk = self.layout.chunk_bytes
+        spans = [(start * chunk, length * chunk) for start, length in runs(block_ids)]
+        whole = self._bytes
         return [
-            memoryview(self.run(start, length)[layer, kv].reshape(-1))
-            for layer in range(self.layout.num_layers)
-            for kv in (0, 1)
-            for start, length in block_runs
+            whole[part + offset : part + offset + size]
+            for part in range(0, 2 * self.layout.num_layers * self._part_bytes, self._part_bytes)
+            for offset, size in spans
         ]
 
     def stream_bytes(self, num_blocks: int) -> int:

@@ -37,7 +37,10 @@ from engine.messages.kv_transfer import KvLayout
 
 MAX_FRAME_BYTES = 1 << 20  # a header; block bytes travel unframed after BlocksFollow
 _LENGTH = struct.Struct(">I")
-_IOV_MAX = 1024  # buffers per sendmsg / recvmsg_into call (Linux's IOV_MAX)
+_IOV_MAX = 1024  # buffers per sendmsg / recvmsg_into call at most (Linux's IOV_MAX)
+# ... and about this many bytes: a call moves at most what the socket buffers hold (a few MiB),
+# and parsing a thousand small buffers to fill a few of them costs more than the bytes do.
+_BATCH_BYTES = 4 << 20
 
 VIA_SHM = "shm"
 VIA_TCP = "tcp"
@@ -181,7 +184,11 @@ def _move(
     index = moved_total = 0
     while index < len(pending):
         sock.settimeout(remaining(deadline))
-        moved = step(pending[index : index + _IOV_MAX])
+        end, batch_bytes = index, 0
+        while end < len(pending) and end - index < _IOV_MAX and batch_bytes < _BATCH_BYTES:
+            batch_bytes += len(pending[end])
+            end += 1
+        moved = step(pending[index:end])
         if moved == 0:
             break
         moved_total += moved
