@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import socket
 import threading
 import time
@@ -22,7 +23,7 @@ import msgspec
 from engine.actors.kv_transfer_config import KvTransferConfig
 from engine.actors.runtime.actor import Actor
 from engine.actors.runtime.segments import map_segment
-from engine.actors.runtime.shm import SHM_DIR
+from engine.actors.runtime.shm import SHM_DIR, segment_path
 from engine.kv_transfer.cache_view import CacheView
 from engine.kv_transfer.holds import HoldTable
 from engine.kv_transfer.host import host_id
@@ -65,7 +66,11 @@ class KvTransferActor(Actor):
             self.view, segment, self.holds, here, on_released, config.idle_timeout
         )
         self.puller = Puller(
-            self.view, here, lambda name: map_segment(name, writable=False), config.force_tcp
+            self.view,
+            here,
+            lambda name: map_segment(name, writable=False),
+            lambda name: os.path.exists(segment_path(name)),
+            config.force_tcp,
         )
         self._listener = socket.create_server((config.listen_host, config.port), backlog=64)
         self._listener.setblocking(False)

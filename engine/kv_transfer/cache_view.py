@@ -26,7 +26,8 @@ class CacheView:
     """`layout`'s cache over `buffer` (an mmap of the cache segment, or any buffer that large)."""
 
     def __init__(self, layout: KvLayout, buffer: Any) -> None:
-        size = len(memoryview(buffer).cast("B"))
+        whole = memoryview(buffer).cast("B")
+        size = len(whole)
         if size < layout.segment_bytes:
             raise ValueError(
                 f"a cache of {layout.num_blocks} blocks takes {layout.segment_bytes} bytes, "
@@ -37,7 +38,7 @@ class CacheView:
         flat = np.frombuffer(buffer, dtype=np.uint8, count=layout.segment_bytes)
         self.layout = layout
         self.slots = flat.reshape(layout.num_layers, 2, slots, slot_bytes)
-        self._bytes = memoryview(flat)  # slicing it is cheaper than slicing `slots`
+        self._bytes = whole[: layout.segment_bytes]  # slicing it is cheaper than `slots`
         self._part_bytes = slots * slot_bytes  # one layer's K (or V)
 
     def check_block_ids(self, block_ids: Sequence[int], what: str) -> None:

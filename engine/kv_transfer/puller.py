@@ -38,12 +38,14 @@ class Puller:
         view: CacheView,
         host_id: str,
         open_segment: Callable[[str], mmap.mmap],  # maps a same-host server's cache read-only
+        segment_exists: Callable[[str], bool],
         force_tcp: bool = False,
     ) -> None:
         self.view = view
         self.host_id = host_id
         self.force_tcp = force_tcp
         self._open_segment = open_segment
+        self._segment_exists = segment_exists
         self._sources: dict[str, CacheView] = {}  # segment name -> its view, mapped once
         self._lock = threading.Lock()  # pulls run on several threads
 
@@ -100,6 +102,10 @@ class Puller:
         with self._lock:
             view = self._sources.get(grant.segment)
             if view is None or view.layout != grant.layout:
+                # A source run that ended unlinked its segment, but our mapping would keep its
+                # memory (a whole cache) alive: let go of those before mapping another.
+                for name in [n for n in self._sources if not self._segment_exists(n)]:
+                    del self._sources[name]
                 view = CacheView(grant.layout, self._open_segment(grant.segment))
                 self._sources[grant.segment] = view
             return view

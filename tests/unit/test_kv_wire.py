@@ -3,6 +3,7 @@ no processes): what arrives, what is acknowledged, and every refusal with the re
 
 from __future__ import annotations
 
+import gc
 import os
 import secrets
 import socket
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 
 from engine.actors.runtime.segments import map_segment
-from engine.actors.runtime.shm import create_segment, unlink_segment
+from engine.actors.runtime.shm import create_segment, segment_path, unlink_segment
 from engine.kv_transfer.cache_view import CacheView
 from engine.kv_transfer.holds import HoldTable
 from engine.kv_transfer.puller import Puller
@@ -94,7 +95,13 @@ def served() -> Iterator[Served]:
 def puller(force_tcp: bool = False, dst_layout: KvLayout | None = None) -> Puller:
     dst_layout = dst_layout or layout(DST_BLOCKS)
     view = CacheView(dst_layout, bytearray(dst_layout.segment_bytes))
-    return Puller(view, HOST, lambda name: map_segment(name, writable=False), force_tcp)
+    return Puller(
+        view,
+        HOST,
+        lambda name: map_segment(name, writable=False),
+        lambda name: os.path.exists(segment_path(name)),
+        force_tcp,
+    )
 
 
 def block_bytes(buffer: object, lay: KvLayout, layer: int, kv: int, block_id: int) -> bytes:
@@ -234,3 +241,32 @@ def test_holds_end_at_their_deadline() -> None:
     with pytest.raises(ValueError, match="'a@0' is not held: its hold expired"):
         holds.check("a@0", [1], now=0.0)
     assert len(holds) == 0 and holds.next_deadline() is None
+
+
+def test_a_puller_lets_go_of_the_segment_of_a_source_that_ended() -> None:
+    pulling, first = puller(), Served()
+    first.holds.hold("t@1", [1], time.monotonic() + 30)
+    assert pulling.pull(first.order("t@1", [1], [0]), 0).error is None
+    old = first.segment
+    assert mapped(old)
+    first.close()  # unlinks the segment; the source run is over
+    del first
+    second = Served()
+    try:
+        second.holds.hold("t@2", [1], time.monotonic() + 30)
+
+        assert pulling.pull(second.order("t@2", [1], [0]), 0).error is None
+
+        deadline = time.monotonic() + 10  # the old server's threads let go as they end
+        while mapped(old) and time.monotonic() < deadline:
+            gc.collect()
+            time.sleep(0.01)
+        assert not mapped(old), "a mapping keeps an unlinked cache segment's memory alive"
+    finally:
+        second.close()
+
+
+def mapped(segment: str) -> bool:
+    """Whether this process maps the segment (still, if it is unlinked: its memory lives)."""
+    with open("/proc/self/maps") as maps:
+        return any(segment in line for line in maps)
