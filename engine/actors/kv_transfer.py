@@ -41,6 +41,8 @@ from engine.messages.kv_transfer import (
 )
 
 ORDERS = "kv-orders"
+MAX_CONNECTIONS = 64  # served at once (a thread each); more are closed at once
+ACCEPT_RETRY = 0.1  # seconds before accepting again after accept failed
 
 
 class KvTransferActor(Actor):
@@ -78,11 +80,14 @@ class KvTransferActor(Actor):
         self.endpoint = KvEndpoint(config.advertised_host or config.listen_host, port, here)
         self._hold_added = asyncio.Event()
         self._pulls: set[asyncio.Task[None]] = set()
+        self._connections = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._tasks = [
             loop.create_task(self._accept(), name="accept"),
             loop.create_task(self._report_releases(), name="releases"),
             loop.create_task(self._expire_holds(), name="expiry"),
         ]
+        for task in self._tasks:
+            task.add_done_callback(self._on_task_done)
         await self._announce()
         return {"cache_segment": segment, "port": port}
 
@@ -109,6 +114,12 @@ class KvTransferActor(Actor):
             task.cancel()
         await asyncio.gather(*self._tasks, *self._pulls, return_exceptions=True)
 
+    def _on_task_done(self, task: asyncio.Task[None]) -> None:
+        # These tasks run for the actor's whole life: one that ends takes the actor down (its
+        # supervisor restarts it), rather than leaving it alive but deaf.
+        if not task.cancelled():
+            self.stop(f"task {task.get_name()!r} ended: {task.exception()!r}")
+
     def _hold(self, order: HoldBlocks) -> None:
         try:
             self.view.check_block_ids(order.block_ids, "held")
@@ -125,11 +136,24 @@ class KvTransferActor(Actor):
     async def _accept(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            connection, _ = await loop.sock_accept(self._listener)
+            try:
+                connection, _ = await loop.sock_accept(self._listener)
+            except OSError as exc:  # out of descriptors, a connection reset before accept
+                self.log.warning("accept failed: %s", exc)
+                await asyncio.sleep(ACCEPT_RETRY)
+                continue
+            if not self._connections.acquire(blocking=False):
+                self.log.warning("refused a connection: %d are being served", MAX_CONNECTIONS)
+                connection.close()
+                continue
             connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(
-                target=self.server.serve, args=(connection,), name="kv-serve", daemon=True
-            ).start()
+            threading.Thread(target=self._serve_connection, args=(connection,), daemon=True).start()
+
+    def _serve_connection(self, connection: socket.socket) -> None:  # on its own thread
+        try:
+            self.server.serve(connection)
+        finally:
+            self._connections.release()
 
     async def _report_releases(self) -> None:
         while True:

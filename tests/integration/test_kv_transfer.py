@@ -46,6 +46,7 @@ from tests.integration.sample_actors import (
 
 LAYOUT = KvLayout("TestForCausalLM/L4", 4, 2, 32, 16, "bfloat16", 2, 1, 0, num_blocks=64)
 KV = "kv0"
+HEARTBEAT_TIMEOUT = 1.0  # the puller's, in the test of a source killed mid-pull
 E = TypeVar("E", bound=KvEvent)
 
 
@@ -76,7 +77,9 @@ class Instance:
 
 
 @contextlib.asynccontextmanager
-async def instance(force_tcp: bool = False) -> AsyncIterator[Instance]:
+async def instance(
+    force_tcp: bool = False, heartbeat_timeout: float = 5.0
+) -> AsyncIterator[Instance]:
     config = KvTransferConfig(rank=0, layout=LAYOUT, cache_segment="cache", force_tcp=force_tcp)
     child = ChildSpec(
         name=KV,
@@ -86,7 +89,7 @@ async def instance(force_tcp: bool = False) -> AsyncIterator[Instance]:
         shutdown_timeout=2.0,
         ready_timeout=EVENT_TIMEOUT,
         heartbeat_interval=0.1,
-        heartbeat_timeout=5.0,
+        heartbeat_timeout=heartbeat_timeout,
     )
     rings = (
         RingDecl(name="kv-orders", writer=ROOT, readers=(KV,), capacity=1 << 16),
@@ -155,23 +158,30 @@ async def test_a_pull_of_an_expired_hold_reports_an_error_and_releases_nothing()
 
 
 async def test_a_source_killed_during_a_pull_ends_it_with_an_error_then_serves_again() -> None:
-    async with instance() as source, instance(force_tcp=True) as destination:
+    async with (
+        instance() as source,
+        instance(force_tcp=True, heartbeat_timeout=HEARTBEAT_TIMEOUT) as destination,
+    ):
         endpoint = await source.next_event(TransferEndpoint)
         await source.order(HoldBlocks("req-3@0", [1, 2], time.monotonic() + 600))
-        pid = source.run.pid(KV)
-        os.kill(pid, signal.SIGSTOP)  # it accepts no more: the pull waits on its answer
+        pid, puller_pid = source.run.pid(KV), destination.run.pid(KV)
+        os.kill(pid, signal.SIGSTOP)  # it answers no more: the pull waits on it
 
         # A deadline far beyond the test's wait: an error must come from the death, not it.
         await destination.order(pull_order("req-3@0", endpoint, [1, 2], [1, 2], timeout=600))
         await async_wait_until(
             lambda: connected_to(endpoint.endpoint.port), EVENT_TIMEOUT, "the pull to connect"
         )
+        # Longer than the puller may go without a heartbeat: its loop beats while it waits.
+        await asyncio.sleep(2 * HEARTBEAT_TIMEOUT)
         os.kill(pid, signal.SIGKILL)
         pulled = await destination.next_event(BlocksPulled)
         await source.run.next(ChildRestarted, KV)
         renewed = await source.next_event(TransferEndpoint)
 
         assert pulled.error is not None and "timed out" not in pulled.error
+        assert destination.run.pid(KV) == puller_pid
+        assert destination.run.row(KV).restarts == 0
         assert renewed.endpoint.port != 0
 
 
