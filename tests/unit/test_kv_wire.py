@@ -4,6 +4,7 @@ no processes): what arrives, what is acknowledged, and every refusal with the re
 from __future__ import annotations
 
 import gc
+import itertools
 import os
 import secrets
 import socket
@@ -30,6 +31,8 @@ from engine.kv_transfer.wire import (
     PullRequest,
     ShmGrant,
     WireError,
+    recv_into_buffers,
+    send_buffers,
 )
 from engine.messages.kv_transfer import KvEndpoint, KvLayout, KvSource, PullBlocks
 from tests.unit.test_kv_cache_view import layout
@@ -270,3 +273,32 @@ def mapped(segment: str) -> bool:
     """Whether this process maps the segment (still, if it is unlinked: its memory lives)."""
     with open("/proc/self/maps") as maps:
         return any(segment in line for line in maps)
+
+
+def test_gathered_sends_and_scattered_receives_survive_partial_moves() -> None:
+    """Many buffers through small socket buffers: calls stop mid-buffer on both sides."""
+    rng = np.random.default_rng(3)
+    data = rng.integers(0, 256, 300_000, dtype=np.uint8).tobytes()
+
+    def cut(sizes: np.ndarray) -> list[int]:
+        edges = sorted({0, len(data), *np.cumsum(sizes).tolist()})
+        return [edge for edge in edges if edge <= len(data)]
+
+    send_edges = cut(rng.integers(0, 3000, 400))  # zero-length pieces included
+    recv_edges = cut(rng.integers(1, 5000, 200))
+    received = bytearray(len(data))
+    whole = memoryview(received)
+    sending, receiving = socket.socketpair()
+    for sock in (sending, receiving):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    pieces = [memoryview(data)[a:b] for a, b in itertools.pairwise(send_edges)]
+    deadline = time.monotonic() + 30
+    sender = threading.Thread(target=send_buffers, args=(sending, pieces, deadline))
+    with sending, receiving:
+        sender.start()
+        targets = [whole[a:b] for a, b in itertools.pairwise(recv_edges)]
+        got = recv_into_buffers(receiving, targets, deadline, "the test's stream")
+        sender.join(30)
+
+    assert got == len(data) and bytes(received) == data
