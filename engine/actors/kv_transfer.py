@@ -16,7 +16,8 @@ import os
 import socket
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -41,6 +42,7 @@ from engine.messages.kv_transfer import (
 )
 
 ORDERS = "kv-orders"
+T = TypeVar("T")
 MAX_CONNECTIONS = 64  # served at once (a thread each); more are closed at once
 ACCEPT_RETRY = 0.1  # seconds before accepting again after accept failed
 
@@ -62,7 +64,8 @@ class KvTransferActor(Actor):
         self._released: asyncio.Queue[str] = asyncio.Queue()
 
         def on_released(transfer_id: str) -> None:  # on a connection's thread
-            loop.call_soon_threadsafe(self._released.put_nowait, transfer_id)
+            with contextlib.suppress(RuntimeError):  # the loop closed: the actor is ending
+                loop.call_soon_threadsafe(self._released.put_nowait, transfer_id)
 
         self.server = BlockServer(
             self.view, segment, self.holds, here, on_released, config.idle_timeout
@@ -173,7 +176,34 @@ class KvTransferActor(Actor):
                 self.log.info("hold of %r expired", transfer_id)
 
     async def _pull(self, order: PullBlocks) -> None:
-        outcome = await asyncio.to_thread(self.puller.pull, order, self.settings.rank)
+        outcome = await _on_daemon_thread(self.puller.pull, order, self.settings.rank)
         if outcome.error is not None:
             self.log.warning("%s", outcome.error)
         await self.send(self.events, KV_EVENTS.encode(outcome))
+
+
+async def _on_daemon_thread(function: Callable[..., T], *args: Any) -> T:
+    """`function(*args)` on a thread of its own that does not hold up the process's exit (as
+    asyncio.to_thread's would: a pull waits up to its deadline, minutes maybe)."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: T | None, error: BaseException | None) -> None:
+        if done.done():  # cancelled meanwhile
+            return
+        if error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(result)  # type: ignore[arg-type]
+
+    def run() -> None:
+        result, error = None, None
+        try:
+            result = function(*args)
+        except BaseException as exc:
+            error = exc
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, daemon=True).start()
+    return await done

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 import stat
@@ -183,6 +184,27 @@ async def test_a_source_killed_during_a_pull_ends_it_with_an_error_then_serves_a
         assert destination.run.pid(KV) == puller_pid
         assert destination.run.row(KV).restarts == 0
         assert renewed.endpoint.port != 0
+
+
+async def test_an_actor_with_a_pull_in_flight_stops_when_asked(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="engine.actors.runtime.child_process")
+    async with instance() as source:
+        endpoint = await source.next_event(TransferEndpoint)
+        pid = source.run.pid(KV)
+        os.kill(pid, signal.SIGSTOP)  # the pull will wait on it until its deadline
+        try:
+            async with instance(force_tcp=True) as destination:
+                await destination.order(pull_order("req-4@0", endpoint, [1], [1], timeout=600))
+                await async_wait_until(
+                    lambda: connected_to(endpoint.endpoint.port), EVENT_TIMEOUT, "a connection"
+                )
+        finally:
+            os.kill(pid, signal.SIGCONT)
+
+    escalations = [r.getMessage() for r in caplog.records if "still running" in r.getMessage()]
+    assert escalations == []  # the waiting pull did not hold the actor's exit up
 
 
 async def test_the_supervisor_creates_the_cache_segment_owner_only_and_unlinks_it() -> None:
