@@ -79,8 +79,8 @@ def kv_transfer_parts(
             layout=layout,
             cache_segment=cache_segment(rank),
             listen_host=kv.host,
-            listen_port=kv.port + replica * tp + rank if kv.port else 0,
-            advertise_host=kv.advertise_host,
+            port_base=kv.port + replica * tp if kv.port else 0,  # rank r: + r
+            advertised_host=kv.advertise_host or "",
             force_tcp=kv.transport == "tcp",
         )
         children.append(
