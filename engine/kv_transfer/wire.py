@@ -19,8 +19,7 @@ MAX_FRAME_BYTES, cut short, malformed, or of a type the receiving side does not 
 ProtocolError naming what was wrong; the server answers it with a WireError and closes that
 connection (the stream is out of step), and goes on serving the others.
 
-These messages travel only between kv_transfer actors, never over a ring, which is why they
-live beside the code that speaks them.
+The messages are in engine/messages/kv_wire.py, with every other message type (DESIGN §1).
 """
 
 from __future__ import annotations
@@ -35,7 +34,31 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from engine.messages.kv_transfer import KvLayout
+from engine.messages.kv_wire import (
+    VIA_SHM,
+    VIA_TCP,
+    Acknowledge,
+    AckResult,
+    BlocksFollow,
+    PullRequest,
+    ShmGrant,
+    ToPuller,
+    ToServer,
+    WireError,
+)
+
+__all__ = [  # the messages are re-exported: the protocol's users import them from here
+    "VIA_SHM",
+    "VIA_TCP",
+    "AckResult",
+    "Acknowledge",
+    "BlocksFollow",
+    "PullRequest",
+    "ShmGrant",
+    "ToPuller",
+    "ToServer",
+    "WireError",
+]
 
 MAX_FRAME_BYTES = 1 << 20  # a header; block bytes travel unframed after BlocksFollow
 _LENGTH = struct.Struct(">I")
@@ -43,43 +66,6 @@ _IOV_MAX = 1024  # buffers per sendmsg / recvmsg_into call at most (Linux's IOV_
 # ... and about this many bytes: a call moves at most what the socket buffers hold (a few MiB),
 # and parsing a thousand small buffers to fill a few of them costs more than the bytes do.
 _BATCH_BYTES = 4 << 20
-
-VIA_SHM = "shm"
-VIA_TCP = "tcp"
-
-
-class PullRequest(msgspec.Struct, tag=True, array_like=True):
-    transfer_id: str
-    block_ids: list[int]  # the server's blocks, in stream order
-    layout: KvLayout  # the puller's
-    host_id: str  # the puller's (see host.host_id)
-    via: str  # VIA_SHM or VIA_TCP
-
-
-class Acknowledge(msgspec.Struct, tag=True, array_like=True):
-    transfer_id: str
-
-
-class ShmGrant(msgspec.Struct, tag=True, array_like=True):
-    segment: str  # the server's cache segment: map it read-only and copy
-    layout: KvLayout  # the server's (its num_blocks sizes the segment)
-
-
-class BlocksFollow(msgspec.Struct, tag=True, array_like=True):
-    num_bytes: int
-
-
-class AckResult(msgspec.Struct, tag=True, array_like=True):
-    transfer_id: str
-    error: str | None
-
-
-class WireError(msgspec.Struct, tag=True, array_like=True):
-    error: str
-
-
-ToServer = PullRequest | Acknowledge
-ToPuller = ShmGrant | BlocksFollow | AckResult | WireError
 
 T = TypeVar("T")
 
