@@ -2,6 +2,7 @@
 
     python tools/bench_pd.py transfer                       # 1k, 4k, 16k, 64k-token prompts
     python tools/bench_pd.py transfer --tokens 1024 4096 --scatter --repeats 5
+    python tools/bench_pd.py serving --window 0:30 --input-scale 16   # tools/pd_serving.py
 
 `transfer`: KV transfer throughput between two kv_transfer actors in their own processes, each
 under its own supervisor (as two instances run), for prompts of the given lengths: same host
@@ -41,6 +42,10 @@ import msgspec
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from pd_serving import add_arguments as add_serving_arguments
+from pd_serving import serving
+
 from engine.actors.kv_transfer_config import KvTransferConfig
 from engine.actors.roles import Role
 from engine.actors.runtime.child_spec import (
@@ -288,8 +293,9 @@ async def _transfer_figures(
 
 def main() -> int:
     args = parse_args()
-    if args.command == "transfer":
-        asyncio.run(bench_transfer(args))
+    if args.command == "serving":
+        return serving(args)
+    asyncio.run(bench_transfer(args))
     return 0
 
 
@@ -306,6 +312,9 @@ def parse_args() -> argparse.Namespace:
     transfer.add_argument("--repeats", type=int, default=3)
     transfer.add_argument("--verbose", action="store_true", help="print every attempt's seconds")
     transfer.add_argument("--scatter", action="store_true", help="shuffle both sides' block ids")
+    add_serving_arguments(
+        commands.add_parser("serving", help="disaggregated vs colocated on a trace window")
+    )
     args = parser.parse_args()
     if args.command == "transfer":
         for tokens in args.tokens:
