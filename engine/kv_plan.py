@@ -60,12 +60,14 @@ def kv_transfer_parts(
     dtype: str,
     block_size: int,
     num_blocks: int,
+    replica: int,
     suffix: str,
     scheduler: str,
     workers: list[str],
 ) -> tuple[list[ChildSpec], list[RingDecl], list[SegmentDecl]]:
     """One replica's kv_transfer actors, their rings, and its ranks' cache segments (worker
-    rank r's cache is segment f"kv-cache{r}")."""
+    rank r's cache is segment f"kv-cache{r}"). With kv_transfer.port set, replica i's rank r
+    listens on port + i * tp + r."""
     kv, runtime = settings.kv_transfer, settings.runtime
     tp = len(workers)
     children, rings, segments = [], [], []
@@ -77,8 +79,8 @@ def kv_transfer_parts(
             layout=layout,
             cache_segment=cache_segment(rank),
             listen_host=kv.host,
-            listen_port=kv.port + rank if kv.port else 0,
-            advertise_host=kv.advertise_host,
+            port_base=kv.port + replica * tp if kv.port else 0,  # rank r: + r
+            advertised_host=kv.advertise_host or "",
             force_tcp=kv.transport == "tcp",
         )
         children.append(

@@ -322,8 +322,8 @@ def _replica_spec(
     segments: list[SegmentDecl] = []
     if moves_kv:
         transfers, kv_rings, segments = kv_transfer_parts(
-            settings, config, worker.dtype, worker.block_size, scheduler.num_blocks, suffix,
-            sched, [w.name for w in workers],
+            settings, config, worker.dtype, worker.block_size, scheduler.num_blocks, replica,
+            suffix, sched, [w.name for w in workers],
         )  # fmt: skip
         children = (*children, *transfers)
         rings += kv_rings

@@ -206,10 +206,10 @@ def ratios(ours: Figures, peer: Figures) -> dict[str, float | None]:
 
 
 def render(describe: str, figures: list[Figures]) -> str:
-    widths = [8, 8, 7] + [10] * len(COLUMNS)
+    names = list(dict.fromkeys(_name(f) for f in figures))
+    widths = [max(8, *(len(n) + 2 for n in names)), 8, 7] + [10] * len(COLUMNS)
     head = ["server", "load", "ok", *(h for h, *_ in COLUMNS)]
     units = "latencies in ms"
-    names = list(dict.fromkeys(_name(f) for f in figures))
     if len(names) > 1:
         first, second = names[:2]
         units += (f"; ratio rows: throughput {first}/{second}, latency {second}/{first} "

@@ -1,4 +1,4 @@
-"""What a kv_transfer actor is started with (encoded into its ChildSpec by the plan)."""
+"""The kv_transfer actor's settings, built by whoever plans an instance (one per worker rank)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,15 @@ from engine.messages.kv_transfer import KvLayout
 
 
 class KvTransferConfig(msgspec.Struct, frozen=True, kw_only=True):
-    rank: int  # the worker rank whose cache it moves
-    layout: KvLayout  # that rank's cache
-    cache_segment: str  # logical name of the SegmentDecl holding the cache (Actor.segments)
+    rank: int
+    layout: KvLayout  # this rank's cache, as the worker lays it out in the segment
+    cache_segment: str  # logical name of the cache's SegmentDecl (self.segments[name])
     listen_host: str = "127.0.0.1"
-    listen_port: int = 0  # 0: any free port (announced in TransferEndpoint)
-    advertise_host: str | None = None  # what pullers connect to (default: listen_host)
-    force_tcp: bool = False  # never read a peer's cache through shared memory
+    port_base: int = 0  # 0: an ephemeral port; else port_base + rank (multi-host: known ports)
+    advertised_host: str = ""  # what pullers connect to; "" means listen_host
+    force_tcp: bool = False  # pull over TCP even from a same-host source (tests, benchmarks)
+    idle_timeout: float = 30.0  # a connection with no request for this long is closed
+
+    @property
+    def port(self) -> int:
+        return self.port_base + self.rank if self.port_base else 0

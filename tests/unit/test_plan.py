@@ -7,8 +7,10 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import msgspec
 import pytest
 
+from engine.actors.kv_transfer_config import KvTransferConfig
 from engine.llm import build_settings
 from engine.model.config import ModelConfig, load_model_config
 from engine.model.parallel.config import Placement
@@ -142,3 +144,44 @@ def test_a_worker_node_plans_only_its_ranks_and_node_zero_is_not_one(path: Path)
     ]
     with pytest.raises(ValueError, match="node_rank 0 serves the API"):
         plan_worker_node(build_settings(**flags), str(path))
+
+
+def test_a_pd_plan_gives_each_replica_kv_transfer_actors_sharing_each_rank_cache(
+    path: Path,
+) -> None:
+    settings = build_settings(
+        **{
+            "model.path": str(path),
+            "cache.kv_cache_memory": 2**20,
+            "parallel.tensor_parallel_size": 2,
+            "kv_transfer.prefill_replicas": 1,
+            "kv_transfer.decode_replicas": 2,
+            "kv_transfer.port": 7100,
+        }
+    )
+    plan = plan_engine(settings, str(path))
+    assert plan.replica_roles == ("prefill", "decode", "decode")
+    ports = []
+    for replica, spec in enumerate(plan.replica_specs):
+        names = {child.name for child in spec.children}
+        transfers = [f"kv_transfer{rank}-r{replica}" for rank in range(2)]
+        assert set(transfers) <= names
+        for rank, name in enumerate(transfers):
+            (segment,) = [s for s in spec.segments if name in s.parties]
+            assert segment.parties == (f"worker{rank}-r{replica}", name)
+            (child,) = [c for c in spec.children if c.name == name]
+            config = msgspec.msgpack.decode(child.config, type=KvTransferConfig)
+            assert config.layout.segment_bytes == segment.size
+            assert config.layout.num_blocks == plan.num_blocks and config.layout.tp_rank == rank
+            ports.append(config.port)
+        rings = {ring.name: ring for ring in spec.rings}
+        assert rings["kv-orders"].readers == tuple(transfers)
+        assert [rings[f"kv-events{r}"].writer for r in range(2)] == transfers
+    assert ports == list(range(7100, 7106))  # no two ranks of the launch share a port
+
+
+def test_a_plan_without_pd_has_no_kv_transfer_actor_or_segment(path: Path) -> None:
+    plan = plan_engine(build_settings(**{"model.path": str(path)}), str(path))
+    assert plan.replica_roles == ("both",)
+    assert not plan.spec.segments
+    assert not [c for c in plan.spec.children if c.role == "kv_transfer"]

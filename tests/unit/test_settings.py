@@ -290,13 +290,22 @@ def test_a_step_budget_below_the_running_sequences_is_refused_on_every_path() ->
     [
         (["--prefill-replicas", "1"], "kv_transfer.decode_replicas", "needs both roles"),
         (["--decode-replicas", "2"], "kv_transfer.prefill_replicas", "needs both roles"),
-        (["--prefill-replicas", "1", "--decode-replicas", "1", "--kv-role", "decode"],
-         "kv_transfer.role", "one launch runs both roles"),  # fmt: skip
-        (["--prefill-replicas", "1", "--decode-replicas", "1", "--dp", "2"],
-         "parallel.data_parallel_size", "they set the replicas"),  # fmt: skip
+        (
+            ["--prefill-replicas", "1", "--decode-replicas", "1", "--kv-role", "decode"],
+            "kv_transfer.role",
+            "one launch runs both roles",
+        ),
+        (
+            ["--prefill-replicas", "1", "--decode-replicas", "1", "--dp", "2"],
+            "parallel.data_parallel_size",
+            "they set the replicas",
+        ),
         (["--kv-role", "prefill", "--nnodes", "2"], "parallel.nnodes", "on one host"),
-        (["--kv-role", "decode", "--enable-prefix-caching", "false"],
-         "cache.enable_prefix_caching", "prefix cache"),  # fmt: skip
+        (
+            ["--kv-role", "decode", "--enable-prefix-caching", "false"],
+            "cache.enable_prefix_caching",
+            "prefix cache",
+        ),
     ],
 )
 def test_invalid_pd_combinations_fail_naming_the_setting(

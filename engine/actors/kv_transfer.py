@@ -1,0 +1,218 @@
+"""The kv_transfer actor, one per worker rank: serves the blocks its scheduler holds to pullers
+on other instances, and pulls blocks from them into its own rank's cache (DESIGN §9).
+
+Orders come on "kv-orders" (HoldBlocks, DropHolds, PullBlocks); events go out on
+"kv-events<rank>" (TransferEndpoint at every start, BlocksReleased, BlocksPulled). The cache is
+the worker's shared-memory segment, mapped here too. The domain work is engine.kv_transfer;
+sockets are served and pulls run on threads, so the loop (and its heartbeats) stays free while
+gigabytes move.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import msgspec
+
+from engine.actors.kv_transfer_config import KvTransferConfig
+from engine.actors.runtime.actor import Actor
+from engine.actors.runtime.segments import map_segment
+from engine.actors.runtime.shm import SHM_DIR, segment_path
+from engine.kv_transfer.cache_view import CacheView
+from engine.kv_transfer.holds import HoldTable
+from engine.kv_transfer.host import host_id
+from engine.kv_transfer.puller import Puller
+from engine.kv_transfer.server import BlockServer
+from engine.messages.kv_transfer import (
+    KV_EVENTS,
+    KV_ORDERS,
+    BlocksReleased,
+    DropHolds,
+    HoldBlocks,
+    KvEndpoint,
+    PullBlocks,
+    TransferEndpoint,
+)
+
+ORDERS = "kv-orders"
+# Tests only (like the workers' ENGINE_FAULT_INJECTION, never set by the engine): seconds each
+# pull waits before it starts, so that a test's kill lands while KV is on its way.
+PULL_DELAY_ENV = "ENGINE_KV_PULL_DELAY"
+T = TypeVar("T")
+MAX_CONNECTIONS = 64  # served at once (a thread each); more are closed at once
+ACCEPT_RETRY = 0.1  # seconds before accepting again after accept failed
+
+
+class KvTransferActor(Actor):
+    channels = (KV_ORDERS,)
+
+    async def on_start(self) -> dict[str, Any] | None:
+        config = msgspec.msgpack.decode(self.config, type=KvTransferConfig)
+        self.settings = config
+        self.events = f"kv-events{config.rank}"
+        if config.cache_segment not in self.segments:
+            raise KeyError(f"no segment {config.cache_segment!r}; mapped: {list(self.segments)}")
+        segment = self.segments[config.cache_segment]
+        self.view = CacheView(config.layout, map_segment(segment))
+        self.holds = HoldTable()
+        self._pull_delay = float(os.environ.get(PULL_DELAY_ENV) or 0.0)
+        if self._pull_delay:
+            self.log.warning("%s is set: each pull waits %g s first", PULL_DELAY_ENV,
+                             self._pull_delay)  # fmt: skip
+        here = host_id(SHM_DIR)
+        loop = asyncio.get_running_loop()
+        self._released: asyncio.Queue[str] = asyncio.Queue()
+
+        def on_released(transfer_id: str) -> None:  # on a connection's thread
+            with contextlib.suppress(RuntimeError):  # the loop closed: the actor is ending
+                loop.call_soon_threadsafe(self._released.put_nowait, transfer_id)
+
+        self.server = BlockServer(
+            self.view, segment, self.holds, here, on_released, config.idle_timeout
+        )
+        self.puller = Puller(
+            self.view,
+            here,
+            lambda name: map_segment(name, writable=False),
+            lambda name: os.path.exists(segment_path(name)),
+            config.force_tcp,
+        )
+        self._listener = socket.create_server((config.listen_host, config.port), backlog=64)
+        self._listener.setblocking(False)
+        port = self._listener.getsockname()[1]
+        self.endpoint = KvEndpoint(config.advertised_host or config.listen_host, port, here)
+        self._hold_added = asyncio.Event()
+        self._pulls: set[asyncio.Task[None]] = set()
+        self._connections = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._tasks = [
+            loop.create_task(self._accept(), name="accept"),
+            loop.create_task(self._report_releases(), name="releases"),
+            loop.create_task(self._expire_holds(), name="expiry"),
+        ]
+        for task in self._tasks:
+            task.add_done_callback(self._on_task_done)
+        await self._announce()
+        return {"cache_segment": segment, "port": port}
+
+    async def handle(self, ring: str, frames: list[bytes]) -> None:
+        for order in KV_ORDERS.decode_many(frames):
+            if isinstance(order, HoldBlocks):
+                self._hold(order)
+            elif isinstance(order, DropHolds):
+                self.holds.drop(order.transfer_ids, "the scheduler dropped its hold")
+            elif isinstance(order, PullBlocks):
+                task = asyncio.get_running_loop().create_task(self._pull(order))
+                self._pulls.add(task)
+                task.add_done_callback(self._pulls.discard)
+
+    async def on_rings_swapped(self, peer: str, rings: list[str]) -> None:
+        if ORDERS in rings:  # a restarted scheduler forgot its holds: their blocks are free
+            self.holds.drop_all(f"{peer} restarted")
+        if self.events in rings:
+            await self._announce()
+
+    async def on_stop(self) -> None:
+        self._listener.close()
+        for task in [*self._tasks, *self._pulls]:
+            task.cancel()
+        await asyncio.gather(*self._tasks, *self._pulls, return_exceptions=True)
+
+    def _on_task_done(self, task: asyncio.Task[None]) -> None:
+        # These tasks run for the actor's whole life: one that ends takes the actor down (its
+        # supervisor restarts it), rather than leaving it alive but deaf.
+        if not task.cancelled():
+            self.stop(f"task {task.get_name()!r} ended: {task.exception()!r}")
+
+    def _hold(self, order: HoldBlocks) -> None:
+        try:
+            self.view.check_block_ids(order.block_ids, "held")
+        except ValueError as exc:
+            self.log.error("ignored HoldBlocks %r: %s", order.transfer_id, exc)
+            return
+        self.holds.hold(order.transfer_id, order.block_ids, order.deadline)
+        self._hold_added.set()
+
+    async def _announce(self) -> None:
+        message = TransferEndpoint(self.settings.rank, self.endpoint, self.settings.layout)
+        await self.send(self.events, KV_EVENTS.encode(message))
+
+    async def _accept(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                connection, _ = await loop.sock_accept(self._listener)
+            except OSError as exc:  # out of descriptors, a connection reset before accept
+                self.log.warning("accept failed: %s", exc)
+                await asyncio.sleep(ACCEPT_RETRY)
+                continue
+            if not self._connections.acquire(blocking=False):
+                self.log.warning("refused a connection: %d are being served", MAX_CONNECTIONS)
+                connection.close()
+                continue
+            connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=self._serve_connection, args=(connection,), daemon=True).start()
+
+    def _serve_connection(self, connection: socket.socket) -> None:  # on its own thread
+        try:
+            self.server.serve(connection)
+        finally:
+            self._connections.release()
+
+    async def _report_releases(self) -> None:
+        while True:
+            transfer_id = await self._released.get()
+            released = BlocksReleased(transfer_id, self.settings.rank)
+            await self.send(self.events, KV_EVENTS.encode(released))
+
+    async def _expire_holds(self) -> None:
+        """Drop each hold at its deadline (a pull of it is refused from then on anyway)."""
+        while True:
+            deadline = self.holds.next_deadline()
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            self._hold_added.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._hold_added.wait(), timeout)
+            for transfer_id in self.holds.expire():
+                self.log.info("hold of %r expired", transfer_id)
+
+    async def _pull(self, order: PullBlocks) -> None:
+        if self._pull_delay:  # tests only: a kill then lands while the pull is under way
+            await asyncio.sleep(self._pull_delay)
+        outcome = await _on_daemon_thread(self.puller.pull, order, self.settings.rank)
+        if outcome.error is not None:
+            self.log.warning("%s", outcome.error)
+        await self.send(self.events, KV_EVENTS.encode(outcome))
+
+
+async def _on_daemon_thread(function: Callable[..., T], *args: Any) -> T:
+    """`function(*args)` on a thread of its own that does not hold up the process's exit (as
+    asyncio.to_thread's would: a pull waits up to its deadline, minutes maybe)."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: T | None, error: BaseException | None) -> None:
+        if done.done():  # cancelled meanwhile
+            return
+        if error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(result)  # type: ignore[arg-type]
+
+    def run() -> None:
+        result, error = None, None
+        try:
+            result = function(*args)
+        except BaseException as exc:
+            error = exc
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, daemon=True).start()
+    return await done

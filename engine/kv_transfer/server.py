@@ -1,0 +1,113 @@
+"""The serving side of a transfer: answers pulls of held blocks of this rank's cache.
+
+Each connection is served by blocking calls on its own thread (the caller's choice), so bulk
+sends never hold the actor's event loop; every wait is bounded (an idle connection by
+`idle_timeout`, a send of blocks by the hold's deadline).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import time
+from collections.abc import Callable
+
+from engine.kv_transfer.cache_view import CacheView
+from engine.kv_transfer.holds import HoldTable
+from engine.kv_transfer.wire import (
+    TO_PULLER,
+    TO_SERVER,
+    VIA_SHM,
+    VIA_TCP,
+    Acknowledge,
+    AckResult,
+    BlocksFollow,
+    ConnectionEnded,
+    ProtocolError,
+    PullRequest,
+    ShmGrant,
+    WireError,
+    send_buffers,
+)
+
+REPLY_TIMEOUT = 10.0  # for a small reply to a puller that stopped reading
+
+
+class Refused(Exception):
+    """A pull this server will not serve; the text goes to the puller."""
+
+
+class BlockServer:
+    def __init__(
+        self,
+        view: CacheView,
+        segment: str,
+        holds: HoldTable,
+        host_id: str,
+        on_released: Callable[[str], None],
+        idle_timeout: float = 30.0,
+    ) -> None:
+        self.view = view
+        self.segment = segment  # the shared-memory name of the cache `view` shows
+        self.holds = holds
+        self.host_id = host_id
+        self.on_released = on_released  # called (on the connection's thread) per acknowledgement
+        self.idle_timeout = idle_timeout
+
+    def serve(self, sock: socket.socket) -> None:
+        """Answer requests on `sock` until the peer closes it, errs, or idles; closes it."""
+        with sock:
+            while True:
+                try:
+                    request = TO_SERVER.receive(sock, time.monotonic() + self.idle_timeout)
+                except ProtocolError as exc:  # the stream is out of step: say why and close
+                    self._reply(sock, WireError(str(exc)))
+                    return
+                except (ConnectionEnded, OSError):
+                    return
+                try:
+                    if isinstance(request, PullRequest):
+                        self._serve_pull(sock, request)
+                    else:
+                        self._acknowledge(sock, request)
+                except Refused as exc:
+                    self._reply(sock, WireError(str(exc)))
+                except (ProtocolError, OSError):
+                    return
+
+    def _serve_pull(self, sock: socket.socket, request: PullRequest) -> None:
+        mismatch = self.view.layout.mismatch(request.layout)
+        if mismatch is not None:
+            raise Refused(mismatch)
+        try:
+            self.view.check_block_ids(request.block_ids, "requested")
+            hold = self.holds.check(request.transfer_id, request.block_ids)
+        except ValueError as exc:
+            raise Refused(str(exc)) from None
+        if request.via == VIA_SHM:
+            if request.host_id != self.host_id:
+                raise Refused(
+                    f"a shared-memory pull needs the same host: the puller's host id is "
+                    f"{request.host_id!r}, this server's {self.host_id!r}"
+                )
+            self._reply(sock, ShmGrant(self.segment, self.view.layout))
+        elif request.via == VIA_TCP:
+            chunks = self.view.chunks(request.block_ids)
+            num_bytes = self.view.stream_bytes(len(request.block_ids))
+            TO_PULLER.send(sock, BlocksFollow(num_bytes), hold.deadline)
+            send_buffers(sock, chunks, hold.deadline)
+        else:
+            raise Refused(f"via must be {VIA_SHM!r} or {VIA_TCP!r}, got {request.via!r}")
+
+    def _acknowledge(self, sock: socket.socket, ack: Acknowledge) -> None:
+        try:
+            self.holds.acknowledge(ack.transfer_id)
+        except ValueError as exc:
+            self._reply(sock, AckResult(ack.transfer_id, str(exc)))
+            return
+        self.on_released(ack.transfer_id)
+        self._reply(sock, AckResult(ack.transfer_id, None))
+
+    def _reply(self, sock: socket.socket, message: WireError | ShmGrant | AckResult) -> None:
+        with contextlib.suppress(OSError):  # the puller is gone: it learns nothing more
+            TO_PULLER.send(sock, message, time.monotonic() + REPLY_TIMEOUT)

@@ -1,0 +1,163 @@
+"""P/D across instances at the library level: a --kv-role prefill engine and a --kv-role decode
+engine, each with its own supervisor and kv_transfer actor, in one process (what `engine proxy`
+does over HTTP, minus HTTP: tests/e2e/test_pd_proxy.py covers that).
+
+The prefill engine computes a prompt and one token and answers with the kv_transfer_params;
+the decode engine, given them, pulls the prompt's KV and continues: greedy output equals
+transformers'. Bad transfers (an unknown or expired transfer id, a layout that does not match)
+make the decode engine compute the prompt itself, with the same output, and it keeps serving;
+malformed kv_transfer_params are a 400 naming them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from engine import AsyncLLM, SamplingParams
+from engine.llm import build_settings
+from engine.outputs import EngineError
+from tests.checkpoints import tiny_checkpoint
+from tests.hf_reference import assert_greedy_matches_hf
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+WAIT_S = 120.0
+HOLD_TIMEOUT_S = 3.0
+PROMPT = [3 + (7 * i) % 190 for i in range(50)]  # three full blocks of 16 and a partial one
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+@dataclass
+class Pair:
+    path: str
+    prefill: AsyncLLM
+    decode: AsyncLLM
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def pair() -> AsyncIterator[Pair]:
+    path = str(tiny_checkpoint(arch="qwen2"))
+
+    def engine(role: str) -> AsyncLLM:
+        return AsyncLLM(
+            build_settings(
+                **{
+                    "model.path": path,
+                    "cache.kv_cache_memory": 2 * 2**20,
+                    "kv_transfer.role": role,
+                    "kv_transfer.hold_timeout": HOLD_TIMEOUT_S,
+                }
+            )
+        )
+
+    prefill, decode = engine("prefill"), engine("decode")
+    try:
+        await asyncio.wait_for(asyncio.gather(prefill.start(), decode.start()), WAIT_S)
+        yield Pair(path, prefill, decode)
+    finally:
+        await asyncio.gather(
+            asyncio.wait_for(prefill.shutdown(), WAIT_S),
+            asyncio.wait_for(decode.shutdown(), WAIT_S),
+        )
+
+
+async def complete(
+    engine: AsyncLLM, params: SamplingParams = GREEDY, kv: dict[str, Any] | None = None
+) -> tuple[list[int], dict[str, Any] | None]:
+    tokens: list[int] = []
+    answered = None
+    async for out in engine.stream(PROMPT, params, kv_transfer_params=kv):
+        for sample in out.outputs:
+            tokens += sample.token_ids
+        answered = out.kv_transfer_params or answered
+    return tokens, answered
+
+
+async def prefilled(pair: Pair) -> dict[str, Any]:
+    tokens, params = await complete(pair.prefill, kv={"do_remote_decode": True})
+    assert len(tokens) == 1  # a prefill instance computes the prompt and one token
+    assert params is not None
+    return params
+
+
+def decode_figures(pair: Pair) -> tuple[int, int]:
+    (row,) = pair.decode.stats().replicas
+    return row.kv_pulls, row.kv_fallbacks
+
+
+async def settled(pair: Pair, pulls: int, fallbacks: int) -> None:
+    """Wait (bounded) for the decode engine's figures to reach these counts."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 10.0
+    while decode_figures(pair) < (pulls, fallbacks) and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    assert decode_figures(pair) == (pulls, fallbacks)
+
+
+async def test_the_decode_instance_pulls_the_prefill_instance_kv_and_matches_transformers(
+    pair: Pair,
+) -> None:
+    params = await prefilled(pair)
+    assert params["num_tokens"] == 48 and len(params["block_ids"]) == 3
+    pulls, fallbacks = decode_figures(pair)
+    tokens, _ = await complete(pair.decode, kv=params)
+    assert_greedy_matches_hf(pair.path, PROMPT, tokens)
+    await settled(pair, pulls + 1, fallbacks)
+    (prefill_row,) = pair.prefill.stats().replicas
+    assert prefill_row.kv_handoffs >= 1
+
+
+NOBODY = {"host": "127.0.0.1", "port": 1, "host_id": "elsewhere"}
+TAMPERED = {
+    "unknown-transfer": lambda p: {**p, "transfer_id": "no-such-request@0"},
+    "other-dtype": lambda p: {**p, "layout": {**p["layout"], "dtype": "bfloat16"}},
+    "other-tp-size": lambda p: {**p, "layout": {**p["layout"], "tp_size": 2}},
+    "nobody-listening": lambda p: {**p, "endpoints": [NOBODY]},
+}
+
+
+@pytest.mark.parametrize("tamper", list(TAMPERED))
+async def test_a_transfer_that_cannot_be_pulled_falls_back_to_local_prefill(
+    pair: Pair, tamper: str
+) -> None:
+    params = TAMPERED[tamper](await prefilled(pair))
+    pulls, fallbacks = decode_figures(pair)
+    tokens, _ = await complete(pair.decode, kv=params)
+    assert_greedy_matches_hf(pair.path, PROMPT, tokens)
+    await settled(pair, pulls, fallbacks + 1)
+
+
+async def test_an_expired_transfer_falls_back_to_local_prefill(pair: Pair) -> None:
+    params = await prefilled(pair)
+    await asyncio.sleep(HOLD_TIMEOUT_S + 1.5)  # the prefill instance let the blocks go
+    pulls, fallbacks = decode_figures(pair)
+    tokens, _ = await complete(pair.decode, kv=params)
+    assert_greedy_matches_hf(pair.path, PROMPT, tokens)
+    await settled(pair, pulls, fallbacks + 1)
+
+
+@pytest.mark.parametrize(
+    ("role", "kv", "says"),
+    [
+        ("decode", {"transfer_id": 5}, "not a KV source"),
+        ("decode", {"do_remote_decode": True}, "asks for a prefill instance"),
+        ("prefill", {"transfer_id": "x@0"}, "for a decode instance"),
+    ],
+)
+async def test_malformed_kv_transfer_params_are_a_400_naming_them(
+    pair: Pair, role: str, kv: dict[str, Any], says: str
+) -> None:
+    engine = pair.decode if role == "decode" else pair.prefill
+    with pytest.raises(EngineError) as raised:
+        await complete(engine, kv=kv)
+    assert raised.value.status == 400 and raised.value.param == "kv_transfer_params"
+    assert says in raised.value.message
+    # ... and it serves on.
+    tokens, _ = await complete(engine)
+    assert len(tokens) == GREEDY.max_tokens
