@@ -118,6 +118,12 @@ class ProxyRoutes:
 
         return await self._served("other", request, to_decode)
 
+    async def abort(self, request: Request) -> Response:
+        async def everywhere(request: Request, body: bytes) -> Response:
+            return await self._abort_everywhere(body, _upstream_headers(request))
+
+        return await self._served("abort", request, everywhere)
+
     async def health(self, request: Request) -> Response:
         """200 while at least one instance of each role is up; else 503 naming the role(s)."""
         missing = [role for role in Role if not self.pool.any_up(role)]
@@ -238,6 +244,32 @@ class ProxyRoutes:
             message = f"decode instance {instance.url} failed mid-stream: {e}"
             yield separator + stream_error_event(message)
 
+    async def _abort_everywhere(self, body: bytes, headers: dict[str, str]) -> Response:
+        """POST /abort to every instance up (the request is on its prefill or its decode
+        instance, which the client cannot name): a 200 from any is the answer, else the first
+        answer (a 404: in flight nowhere). An abort that arrives while the request is being
+        prefilled ends the prefill only: its decode is still sent."""
+        targets = list({i.url: i for i in self.pool.instances if i.up}.values())
+        if not targets:
+            return Response(error_body("no instance is up", 503), 503, media_type=JSON)
+        results = await asyncio.gather(
+            *(open_answer(self.client, i, "POST", "/abort", body, headers) for i in targets),
+            return_exceptions=True,
+        )
+        answers: list[Answer] = []
+        for instance, result in zip(targets, results, strict=True):
+            if isinstance(result, Answer):
+                answers.append(result)
+            elif isinstance(result, OpenStream):
+                await result.close()
+            elif isinstance(result, InstanceFailed):
+                self._failed(instance, str(result))
+            elif isinstance(result, BaseException):
+                raise result
+        if not answers:
+            return Response(error_body("no instance answered the abort", 503), 503, media_type=JSON)
+        return _relay(next((a for a in answers if a.status == 200), answers[0]))
+
     # -- helpers ----------------------------------------------------------------------------
 
     def _failed(self, instance: Instance, why: str) -> None:
@@ -311,6 +343,7 @@ def build_proxy_app(
             Route("/health", routes.health, methods=["GET"]),
             Route("/ready", routes.health, methods=["GET"]),
             Route("/metrics", routes.metrics_text, methods=["GET"]),
+            Route("/abort", routes.abort, methods=["POST"]),
             Route("/{path:path}", routes.forward, methods=ALL_METHODS),
         ]
     )

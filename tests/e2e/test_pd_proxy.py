@@ -180,6 +180,30 @@ def test_a_client_that_leaves_before_a_non_streamed_answer_aborts_it_upstream(
     wait_until(lambda: pd_proxy.metric("engine:proxy_instance_outstanding") == 0)
 
 
+def test_abort_through_the_proxy_reaches_the_instance_decoding_the_request(
+    instances: Instances, tmp_path: Path
+) -> None:
+    """With two decode instances the client cannot know which one has its request: the proxy
+    asks every instance, and the stream ends as an aborted one does."""
+    a, b = instances.a, instances.b
+    body = {"model": b.model, **LONG, "stream": True}
+    with proxied(tmp_path, [a.url], [a.url, b.url]) as proxy, proxy.http() as http:
+        http.post("/v1/completions", json={"model": b.model, **GREEDY})  # next decode: on B
+        with http.stream("POST", "/v1/completions", json=body) as resp:
+            request_id = resp.headers["x-request-id"]
+            lines = resp.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            aborted = http.post("/abort", json={"request_id": request_id})
+            rest = [line[6:] for line in lines if line.startswith("data: ")]
+        assert aborted.status_code == 200, aborted.text
+        assert aborted.json() == {"aborted": request_id}
+        assert rest[-1] == "[DONE]"
+        assert json.loads(rest[-2])["choices"][0]["finish_reason"] == "abort"
+        unknown = http.post("/abort", json={"request_id": "no-such-request"})
+        assert unknown.status_code == 404
+        assert unknown.json() == direct(b, "/abort", {"request_id": "no-such-request"}).json()
+
+
 def test_concurrent_streams_spread_over_the_decode_instances(
     instances: Instances, tmp_path: Path
 ) -> None:
