@@ -10,7 +10,6 @@ import os
 import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
-from importlib.util import find_spec
 
 import openai
 import pytest
@@ -19,10 +18,6 @@ from tests.e2e.conftest import server_args
 from tests.e2e.harness import API_KEY, Server, start_server, wait_until
 from tests.e2e.proxy_harness import Proxy, completion_fields, direct, metric, proxied
 from tests.integration.test_fault_tolerance import alive, children_of
-
-pytestmark = pytest.mark.skipif(
-    find_spec("engine.actors.kv_transfer") is None, reason="the kv_transfer actor is not merged"
-)
 
 # Prompts of several KV blocks each, none a prefix of another: every one is pulled in full.
 PROMPTS = [
