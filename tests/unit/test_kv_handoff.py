@@ -358,3 +358,18 @@ def test_a_source_of_another_layout_is_not_pulled_the_request_computes_its_promp
     outputs, starts = decode_to_end(decode, d_worker)
     assert starts == [0] and first + outputs.tokens[("a", 0)] == expected(PROMPT, 5, 6)
     assert decode.stats().kv_fallbacks == 1
+
+
+def test_the_same_transfer_submitted_again_while_pulled_computes_instead() -> None:
+    clock = Clock()
+    decode, d_worker, first, pull = pending_pull(clock)
+    again = msgspec.structs.replace(decode_request(first, pull.source), epoch=2)
+    decode.add(again)  # the first is cancelled but its blocks are still being written
+    assert orders(decode) == []
+    assert decode.kv.pool.ref_counts[pull.dst_block_ids[0]] == 1
+    outputs, starts = decode_to_end(decode, d_worker)
+    assert starts == [0] and first + outputs.tokens[("a", 0)] == expected(PROMPT, 5, 6)
+    assert decode.kv_transfer is not None
+    for rank in range(RANKS):
+        decode.kv_transfer.on_event(BlocksPulled(pull.transfer_id, rank, None))
+    assert decode.kv.num_free_blocks == decode.config.num_blocks
