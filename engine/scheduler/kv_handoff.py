@@ -210,7 +210,6 @@ class _Pull:
     block_hashes: list[bytes]  # for each pulled block, its prefix-cache key
     deadline: float
     tally: RankTally
-    started: float
     admitted: bool = False  # the request went on (KV arrived, or it fell back)
     void: bool = False  # the cache the blocks were pulled into is gone: never index them
     num_bytes: int = 0
@@ -246,6 +245,10 @@ class KvPulls:
         if not source.block_ids:
             return False  # nothing was held for us
         problem = self._unreadable(submit, source)
+        if problem is None and source.transfer_id in self._pulls:
+            # The same transfer submitted again while its first pull is under way: the ranks'
+            # reports could not be told apart, and its blocks are still being written.
+            problem = f"transfer {source.transfer_id} is already being pulled"
         if problem is not None:
             log.warning("request %s computes its prompt: %s", submit.request_id, problem)
             self._figures.fallbacks += 1
@@ -265,12 +268,9 @@ class KvPulls:
             self._figures.fallbacks += 1
             return False
         dst = pool.allocate(len(wanted))
-        now = self._clock()
-        deadline = now + self._timeout
+        deadline = self._clock() + self._timeout
         tid = source.transfer_id
-        self._drop(tid)  # an older pull of the same attempt (a repeated submission)
-        pull = _Pull(submit, dst, [key for _, key in wanted], deadline, RankTally(self._num_ranks),
-                     now)  # fmt: skip
+        pull = _Pull(submit, dst, [key for _, key in wanted], deadline, RankTally(self._num_ranks))
         self._pulls[tid] = pull
         self._by_request[submit.request_id] = tid
         self._orders.append(PullBlocks(tid, source, [b for b, _ in wanted], dst, deadline))

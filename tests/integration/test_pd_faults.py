@@ -27,10 +27,13 @@ from engine.llm import build_settings
 from engine.messages.admin import ReplicaRow
 from tests.checkpoints import tiny_checkpoint
 from tests.integration.test_fault_tolerance import (
+    Job,
+    Outcome,
     alive,
     children_of,
     children_started_since,
     ipc_files,
+    run_job,
     wait_for,
 )
 
@@ -44,20 +47,13 @@ WAIT_S = 180.0
 PREFILL, DECODE = 0, 1  # replica indices (prefill replicas come first)
 
 
-@dataclass(frozen=True)
-class Outcome:
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None
-
-
-def workload() -> list[tuple[list[int], SamplingParams]]:
+def workload() -> list[Job]:
     jobs = []
     for i in range(STREAMS):
         params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.0)
         if i % 2:
             params.temperature, params.top_p, params.seed = 0.9, 0.95, 700 + i
-        jobs.append(([5 + 13 * i + k for k in range(PROMPT_LEN)], params))
+        jobs.append(Job([5 + 13 * i + k for k in range(PROMPT_LEN)], params))
     return jobs
 
 
@@ -111,20 +107,6 @@ async def shared() -> AsyncIterator[Shared]:
         await asyncio.wait_for(engine.shutdown(), WAIT_S)
 
 
-async def run_job(
-    engine: AsyncLLM, prompt: list[int], params: SamplingParams, progress: list[int], slot: int
-) -> Outcome:
-    tokens: list[int] = []
-    text, finish = "", None
-    async for delta in engine.stream(prompt, params):
-        for output in delta.outputs:
-            tokens += output.token_ids
-            text += output.text
-            finish = output.finish_reason or finish
-        progress[slot] = len(tokens)
-    return Outcome(tokens, text, finish)
-
-
 async def run_workload(
     engine: AsyncLLM,
     disturb: Callable[[], Awaitable[None]] | None = None,
@@ -132,7 +114,7 @@ async def run_workload(
 ) -> list[Outcome]:
     progress = [0] * STREAMS
     runs = asyncio.ensure_future(
-        asyncio.gather(*(run_job(engine, p, s, progress, i) for i, (p, s) in enumerate(workload())))
+        asyncio.gather(*(run_job(engine, job, progress, i) for i, job in enumerate(workload())))
     )
     try:
         if disturb is not None:

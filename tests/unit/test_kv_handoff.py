@@ -113,6 +113,17 @@ def decode_request(first: list[int], source, **params: object) -> SubmitRequest:
     return msgspec.structs.replace(request, resume=[SampleResume(0, first)], kv_source=source)
 
 
+def pending_pull(clock: Clock) -> tuple[Scheduler, ReferenceWorker, list[int], PullBlocks]:
+    """A decode scheduler whose request "a" waits for its KV; its worker, the first token (from
+    the prefill side) and the pull it ordered."""
+    _, _, first, source = handed_off(clock)
+    decode, worker = instance(clock)
+    decode.add(decode_request(first, source))
+    (pull,) = orders(decode)
+    assert isinstance(pull, PullBlocks) and decode.kv_transfer is not None
+    return decode, worker, first, pull
+
+
 # ---- the tally -------------------------------------------------------------------------------
 
 
@@ -243,11 +254,7 @@ def test_the_decode_side_pulls_only_the_blocks_its_prefix_cache_lacks() -> None:
 
 def test_a_failed_rank_falls_back_to_local_prefill_and_the_blocks_wait_for_the_other_rank() -> None:
     clock = Clock()
-    _, _, first, source = handed_off(clock)
-    decode, d_worker = instance(clock)
-    decode.add(decode_request(first, source))
-    (pull,) = orders(decode)
-    assert isinstance(pull, PullBlocks) and decode.kv_transfer is not None
+    decode, d_worker, first, pull = pending_pull(clock)
     ready = decode.kv_transfer.on_event(BlocksPulled(pull.transfer_id, 1, "connection refused"))
     decode.admit_pulled(ready)
     outputs = Outputs()
@@ -265,11 +272,7 @@ def test_a_failed_rank_falls_back_to_local_prefill_and_the_blocks_wait_for_the_o
 
 def test_a_pull_past_its_deadline_falls_back_and_frees_its_blocks_after_the_grace() -> None:
     clock = Clock()
-    _, _, first, source = handed_off(clock)
-    decode, d_worker = instance(clock)
-    decode.add(decode_request(first, source))
-    (pull,) = orders(decode)
-    assert isinstance(pull, PullBlocks) and decode.kv_transfer is not None
+    decode, d_worker, first, pull = pending_pull(clock)
     clock.now += 10.0
     assert decode.admit_pulled(decode.kv_transfer.tick()) == []
     outputs, starts = decode_to_end(decode, d_worker)
@@ -281,12 +284,7 @@ def test_a_pull_past_its_deadline_falls_back_and_frees_its_blocks_after_the_grac
 
 
 def test_a_restarted_kv_transfer_rank_fails_the_pulls_in_flight() -> None:
-    clock = Clock()
-    _, _, first, source = handed_off(clock)
-    decode, _ = instance(clock)
-    decode.add(decode_request(first, source))
-    assert decode.kv_transfer is not None
-    orders(decode)
+    decode, _, _, _ = pending_pull(Clock())
     again = TransferEndpoint(0, KvEndpoint("127.0.0.1", 9100, "host"), layout(0))
     (ready,) = decode.kv_transfer.on_event(again)
     assert ready.request_id == "a"
@@ -294,12 +292,7 @@ def test_a_restarted_kv_transfer_rank_fails_the_pulls_in_flight() -> None:
 
 
 def test_an_aborted_request_is_never_admitted_and_its_blocks_free_once_the_ranks_report() -> None:
-    clock = Clock()
-    _, _, first, source = handed_off(clock)
-    decode, _ = instance(clock)
-    decode.add(decode_request(first, source))
-    (pull,) = orders(decode)
-    assert isinstance(pull, PullBlocks) and decode.kv_transfer is not None
+    decode, _, _, pull = pending_pull(Clock())
     decode.abort(["a"])
     assert not decode.has_unfinished_requests
     for rank in range(RANKS):
@@ -309,12 +302,7 @@ def test_an_aborted_request_is_never_admitted_and_its_blocks_free_once_the_ranks
 
 
 def test_pulled_blocks_from_before_a_worker_restart_are_never_indexed() -> None:
-    clock = Clock()
-    _, _, first, source = handed_off(clock)
-    decode, _ = instance(clock)
-    decode.add(decode_request(first, source))
-    (pull,) = orders(decode)
-    assert isinstance(pull, PullBlocks) and decode.kv_transfer is not None
+    decode, _, _, pull = pending_pull(Clock())
     decode.on_workers_restarted()
     decode.abort(decode.request_ids())
     for rank in range(RANKS):
@@ -370,3 +358,18 @@ def test_a_source_of_another_layout_is_not_pulled_the_request_computes_its_promp
     outputs, starts = decode_to_end(decode, d_worker)
     assert starts == [0] and first + outputs.tokens[("a", 0)] == expected(PROMPT, 5, 6)
     assert decode.stats().kv_fallbacks == 1
+
+
+def test_the_same_transfer_submitted_again_while_pulled_computes_instead() -> None:
+    clock = Clock()
+    decode, d_worker, first, pull = pending_pull(clock)
+    again = msgspec.structs.replace(decode_request(first, pull.source), epoch=2)
+    decode.add(again)  # the first is cancelled but its blocks are still being written
+    assert orders(decode) == []
+    assert decode.kv.pool.ref_counts[pull.dst_block_ids[0]] == 1
+    outputs, starts = decode_to_end(decode, d_worker)
+    assert starts == [0] and first + outputs.tokens[("a", 0)] == expected(PROMPT, 5, 6)
+    assert decode.kv_transfer is not None
+    for rank in range(RANKS):
+        decode.kv_transfer.on_event(BlocksPulled(pull.transfer_id, rank, None))
+    assert decode.kv.num_free_blocks == decode.config.num_blocks
