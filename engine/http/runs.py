@@ -195,8 +195,11 @@ class RequestRun:
             self.outcome = "error"
             raise api_error_from(e) from None
         finally:
+            # Before abort_unfinished, which counts what it aborts as finished: a client that
+            # left before the end (this coroutine cancelled) leaves the outcome "aborted".
+            ran_to_end = len(self._finished) == len(self._streams)
             self.abort_unfinished()
-            if self.outcome == "aborted" and len(self._finished) == len(self._streams):
+            if self.outcome == "aborted" and ran_to_end:
                 self.outcome = self._ended_outcome()
             self.finish()
         return self.builder.final_body()

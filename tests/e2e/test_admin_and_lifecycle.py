@@ -127,10 +127,13 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server: Server) -> None:
 
 
 def test_disconnect_during_non_streamed_request_aborts(server: Server) -> None:
+    aborted_before = aborted_count(server)
     body = {**LONG_STREAM, "stream": False}
     with pytest.raises(httpx.ReadTimeout), server.http(timeout=httpx.Timeout(30, read=1.0)) as http:
         http.post("/v1/completions", json=body)
     wait_until(lambda: idle(server), timeout=30)
+    # Counted as aborted, not as a success (it was, while the abort marked it finished).
+    wait_until(lambda: aborted_count(server) == aborted_before + 1, timeout=30)
 
 
 def _stream_in_thread(server: Server, out: dict[str, Any]) -> threading.Thread:
