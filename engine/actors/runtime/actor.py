@@ -222,9 +222,12 @@ class Actor:
 
     def _report(self, message: StatusMessage) -> None:
         # Never waits: a root too busy to read status loses a heartbeat, not the actor's loop.
+        # A heartbeat rings no doorbell: the root's watchdog reads every status ring each
+        # heartbeat interval anyway, and waking it for each one was most of an idle root's work.
         with self._status_lock:
             if not self._status_closed:
-                self._status.try_send_many([STATUS.encode(message)])
+                quiet = isinstance(message, Heartbeat)
+                self._status.try_send_many([STATUS.encode(message)], quiet=quiet)
 
 
 def child_main(boot_frame: bytes) -> None:

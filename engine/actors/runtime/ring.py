@@ -163,8 +163,10 @@ class RingWriter:
         self._known_head = self._slowest_head()
         return self._capacity - (self._tail - self._known_head)
 
-    def try_send_many(self, frames: Sequence[bytes]) -> int:
-        """Write as many leading frames as fit, as one record; returns how many (maybe 0)."""
+    def try_send_many(self, frames: Sequence[bytes], *, quiet: bool = False) -> int:
+        """Write as many leading frames as fit, as one record; returns how many (maybe 0).
+        `quiet`: ring no doorbell (a parked reader finds the frames at its next safety recheck
+        or read): for frames nobody waits for, such as heartbeats."""
         self._check_open()
         if not frames:
             return 0
@@ -194,7 +196,7 @@ class RingWriter:
             for piece in (b"".join(header), *frames):
                 self._copy_in(position, piece)
                 position += len(piece)
-        self._publish(self._tail + size)
+        self._publish(self._tail + size, quiet)
         return count
 
     def _copy_in(self, position: int, piece: bytes) -> None:
@@ -209,11 +211,13 @@ class RingWriter:
                 self._segment[start : start + first] = view[:first]
                 self._segment[self._data : self._data + size - first] = view[first:]
 
-    def _publish(self, tail: int) -> None:
+    def _publish(self, tail: int, quiet: bool = False) -> None:
         self._tail = tail
         words = self._words
         full_fence()  # the record's bytes before the tail that makes them visible
         words[shm.W_TAIL] = self._tail
+        if quiet:
+            return
         full_fence()  # tail stored before the parked flags are loaded (lost-wakeup race)
         for reader, parked_word in enumerate(self._parked_words):
             if words[parked_word]:
