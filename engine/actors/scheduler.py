@@ -5,6 +5,11 @@ Inbound: requests from the tokenizer ("submit"), one StepResult per step from wo
 every rank ("plan", broadcast), one TokenBatch per step to the detokenizer ("tokens"), and a
 periodic report to the root ("reports"). Exactly one step is in flight at a time.
 
+With P/D (DESIGN §9) it also orders its kv_transfer actors ("kv-orders", broadcast: holds and
+pulls), hears each rank's events ("kv-events<rank>"), and checks holds and pulls against their
+deadlines once a second. Orders go out before the tokens of the same step, so a handoff never
+reaches a puller before its hold reached the ranks' ring.
+
 A request that breaks something here fails alone: a submission the scheduler cannot take in, or
 sequences the workers could not compute (WorkerFailed), become a RequestFailed with status
 500 for the detokenizer to pass on; the other requests go on. A RequestFailed from the tokenizer
