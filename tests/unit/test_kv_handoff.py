@@ -24,7 +24,8 @@ from engine.messages.kv_transfer import (
 )
 from engine.messages.scheduling import SampleResume, SubmitRequest
 from engine.scheduler import Scheduler
-from engine.scheduler.kv_handoff import PULL_GRACE_S, Outcome, RankTally
+from engine.scheduler.kv_pulls import PULL_GRACE_S
+from engine.scheduler.kv_tally import Outcome, RankTally
 from tests.unit.test_scheduler import Outputs, ReferenceWorker, expected, make, step, submit
 
 RANKS = 2
