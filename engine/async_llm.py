@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from engine.actors.roles import Role
+from engine.actors.roles import Role, holds_requests
 from engine.actors.runtime.events import (
     ChildDied,
     ChildRestarted,
@@ -364,7 +364,7 @@ class AsyncLLM:
             event = await events.get()
             if isinstance(event, ChildDied):
                 log.warning("actor %s died (%s); restarting it", event.name, event.reason)
-                if is_crash(event) and self._role(event.name) != Role.KV_TRANSFER:
+                if is_crash(event) and self._holds_requests(event.name):
                     tokenizer = self._role(event.name) == Role.TOKENIZER
                     self.gateway.record_crash(event.name, event.reason, tokenizer=tokenizer)
             elif isinstance(event, ChildRestarted):
@@ -372,9 +372,7 @@ class AsyncLLM:
                 # (for a tokenizer, only what it had not passed on yet). A group restart reports
                 # each member: resubmit once for all of them.
                 restarted = [event.name, *drain_restarts(events)]
-                if all(self._role(name) == Role.KV_TRANSFER for name in restarted):
-                    # It holds no request: its scheduler falls back to computing what it was
-                    # moving (or holds the blocks to their timeout).
+                if not any(self._holds_requests(name) for name in restarted):
                     continue
                 # With replicas, only those of the restarted actors: the others run on.
                 assert self._replicas is not None
@@ -408,6 +406,9 @@ class AsyncLLM:
             elif isinstance(event, Escalated):
                 self._failure = event.reason
                 self.gateway.fail_all(EngineError(f"the engine failed: {event.reason}", 503))
+
+    def _holds_requests(self, name: str) -> bool:
+        return holds_requests(self._role(name))
 
     def _role(self, name: str) -> str:
         rows = self._supervisor.status() if self._supervisor is not None else []

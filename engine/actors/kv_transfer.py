@@ -40,11 +40,9 @@ from engine.messages.kv_transfer import (
     PullBlocks,
     TransferEndpoint,
 )
+from engine.testing.fault_injection import KV_PULL_DELAY_ENV
 
 ORDERS = "kv-orders"
-# Tests only (like the workers' ENGINE_FAULT_INJECTION, never set by the engine): seconds each
-# pull waits before it starts, so that a test's kill lands while KV is on its way.
-PULL_DELAY_ENV = "ENGINE_KV_PULL_DELAY"
 T = TypeVar("T")
 MAX_CONNECTIONS = 64  # served at once (a thread each); more are closed at once
 ACCEPT_RETRY = 0.1  # seconds before accepting again after accept failed
@@ -62,9 +60,9 @@ class KvTransferActor(Actor):
         segment = self.segments[config.cache_segment]
         self.view = CacheView(config.layout, map_segment(segment))
         self.holds = HoldTable()
-        self._pull_delay = float(os.environ.get(PULL_DELAY_ENV) or 0.0)
+        self._pull_delay = float(os.environ.get(KV_PULL_DELAY_ENV) or 0.0)
         if self._pull_delay:
-            self.log.warning("%s is set: each pull waits %g s first", PULL_DELAY_ENV,
+            self.log.warning("%s is set: each pull waits %g s first", KV_PULL_DELAY_ENV,
                              self._pull_delay)  # fmt: skip
         here = host_id(SHM_DIR)
         loop = asyncio.get_running_loop()

@@ -58,6 +58,7 @@ class SchedulerActor(Actor):
         self._last_report = 0.0
         self._reported_stats: SchedulerStats | None = None
         self._publish_report()  # so the root's stats are complete from the start
+        self._kv_ticker: asyncio.Task[None] | None = None
         if self.scheduler.kv_transfer is not None:
             self._kv_ticker = asyncio.get_running_loop().create_task(self._tick_kv_transfer())
         return {"num_blocks": config.num_blocks}
@@ -98,6 +99,10 @@ class SchedulerActor(Actor):
         if to_detokenizer:
             await self.send_many("tokens", to_detokenizer)
         self._publish_report()
+
+    async def on_stop(self) -> None:
+        if self._kv_ticker is not None:
+            self._kv_ticker.cancel()
 
     async def _tick_kv_transfer(self) -> None:
         """Expire KV holds and pulls past their deadlines (P/D)."""
@@ -177,11 +182,10 @@ class SchedulerActor(Actor):
         """At most one report per interval while busy; once idle, one as soon as anything
         changed since the last report (so the figures of a short burst are not left out)."""
         now = time.monotonic()
-        idle = not self.scheduler.has_unfinished_requests
+        if now - self._last_report < REPORT_INTERVAL_S and self.scheduler.has_unfinished_requests:
+            return  # busy: the next report is due at the interval (no figures built per step)
         stats = self.scheduler.stats()
-        if now - self._last_report < REPORT_INTERVAL_S and not (
-            idle and stats != self._reported_stats
-        ):
+        if now - self._last_report < REPORT_INTERVAL_S and stats == self._reported_stats:
             return
         self._last_report = now
         self._reported_stats = stats

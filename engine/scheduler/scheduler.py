@@ -315,7 +315,7 @@ class Scheduler:
             seq = sampled
             seq.token_ids.append(result.token_ids[position])
             reason = finish_reason(seq, self._eos_token_ids, self.config.max_model_len)
-            handoff = self._hand_off(seq, reason)
+            handoff = self._hand_off(seq, reason) if seq.request.kv_handoff else None
             wants_logprobs = logprobs is not None and seq.params.logprobs is not None
             items.append(
                 SampleDelta(
@@ -336,10 +336,9 @@ class Scheduler:
 
     def _hand_off(self, seq: SequenceState, reason: str | None) -> KvSource | None:
         """Hold the prompt's KV for a decode instance (P/D), after the first token only."""
-        mode = seq.request.kv_handoff
-        if not mode or self.kv_transfer is None or seq.num_output_tokens != 1:
+        if self.kv_transfer is None or seq.num_output_tokens != 1:
             return None
-        if mode == "continue" and reason is not None:
+        if seq.request.kv_handoff == "continue" and reason is not None:
             return None  # it ends here: nothing goes on
         request = seq.request
         return self.kv_transfer.holds.hand_off(

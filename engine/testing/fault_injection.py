@@ -24,6 +24,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from engine.model.step_inputs import SeqChunk, SequenceStart
 
 FAULT_INJECTION_ENV = "ENGINE_FAULT_INJECTION"
+# Seconds each kv_transfer actor's pull waits before it starts (P/D tests: a kill then lands
+# while KV is on its way). Like FAULT_INJECTION_ENV, only tests set it.
+KV_PULL_DELAY_ENV = "ENGINE_KV_PULL_DELAY"
 FAULT_EXIT_STATUS = 70  # EX_SOFTWARE: what an injected native crash exits with
 
 _RULE = re.compile(r"(raise-late|raise|exit|sleep(\d+(?:\.\d+)?))(?:@(\d+))?:(\d+)")

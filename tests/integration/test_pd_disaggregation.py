@@ -22,12 +22,8 @@ from engine.messages.admin import EngineStats, ReplicaRow
 from engine.model.config import load_model_config
 from tests.checkpoints import tiny_checkpoint
 from tests.hf_reference import assert_greedy_matches_hf
+from tests.integration.test_llm_matches_hf import ARCHS
 
-ARCHS = {
-    "llama": {"arch": "llama"},
-    "qwen2": {"arch": "qwen2"},
-    "qwen3-tied": {"arch": "qwen3", "tie_word_embeddings": True},
-}
 BLOCK = 16
 MAX_TOKENS = 10
 SETTLE_S = 10.0

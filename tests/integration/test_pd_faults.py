@@ -3,8 +3,8 @@ decode replica (DESIGN §9), each with its kv_transfer actor.
 
 One engine (module scope) serves every test. The undisturbed workload (greedy and seeded
 streams) runs first; every disturbed run must reproduce it token for token: no token lost or
-repeated. Pulls are slowed (ENGINE_KV_PULL_DELAY, read by the kv_transfer actors, like the
-workers' fault injection never set by the engine itself) so that a kill lands while KV is on
+repeated. Pulls are slowed (KV_PULL_DELAY_ENV, read by the kv_transfer actors; like the workers'
+fault injection, never set by the engine itself) so that a kill lands while KV is on
 its way. After each fault, no KV block stays held or set aside on either side; the last tests
 take the decode replica away for good (the prefill replica then serves colocated) and check
 that shutdown leaves no process or segment.
@@ -15,9 +15,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 import pytest_asyncio
@@ -25,14 +23,17 @@ import pytest_asyncio
 from engine import AsyncLLM, SamplingParams
 from engine.llm import build_settings
 from engine.messages.admin import ReplicaRow
+from engine.testing.fault_injection import KV_PULL_DELAY_ENV
 from tests.checkpoints import tiny_checkpoint
 from tests.integration.test_fault_tolerance import (
     Job,
     Outcome,
+    Shared,
     alive,
     children_of,
     children_started_since,
     ipc_files,
+    no_leftover_segments,  # noqa: F401  (autouse here: the last test checks after shutdown)
     run_job,
     wait_for,
 )
@@ -57,24 +58,6 @@ def workload() -> list[Job]:
     return jobs
 
 
-@pytest.fixture(autouse=True)
-def no_leftover_segments() -> Iterator[None]:
-    """Replaces the suite's per-test check: the last test checks after shutdown."""
-    yield
-
-
-@dataclass
-class Shared:
-    engine: AsyncLLM
-    reference: list[Outcome]
-    ipc_before: set[Path]
-    children_before: set[int]
-    pids: set[int] = field(default_factory=set)
-
-    def note_pids(self) -> None:
-        self.pids.update(row.pid for row in self.engine.actors() if row.pid is not None)
-
-
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def shared() -> AsyncIterator[Shared]:
     path = str(tiny_checkpoint(arch="llama"))
@@ -94,16 +77,16 @@ async def shared() -> AsyncIterator[Shared]:
     )
     ipc_before = ipc_files()
     children_before = set(children_of(os.getpid()))
-    os.environ["ENGINE_KV_PULL_DELAY"] = str(PULL_DELAY_S)  # the actors inherit it
+    os.environ[KV_PULL_DELAY_ENV] = str(PULL_DELAY_S)  # the actors inherit it
     engine = AsyncLLM(settings)
     try:
         await asyncio.wait_for(engine.start(), WAIT_S)
         reference = await run_workload(engine)
-        state = Shared(engine, reference, ipc_before, children_before)
+        state = Shared(engine, reference, ipc_before, children_before, set())
         state.note_pids()
         yield state
     finally:
-        os.environ.pop("ENGINE_KV_PULL_DELAY", None)
+        os.environ.pop(KV_PULL_DELAY_ENV, None)
         await asyncio.wait_for(engine.shutdown(), WAIT_S)
 
 
@@ -245,7 +228,10 @@ async def test_with_no_decode_replica_left_the_prefill_replica_serves_colocated(
         return rows(engine)[DECODE].state == "failed"
 
     async def kill_until_it_gives_up() -> None:
-        while not decode_failed():
+        # Its restart intensity (3) lets it give up at the 4th kill of this module at most.
+        for _ in range(4):
+            if decode_failed():
+                return
             await wait_for(lambda: decode_failed() or pid_of(engine, "worker0-r1") is not None,
                            "the decode worker")  # fmt: skip
             pid = pid_of(engine, "worker0-r1")
@@ -256,6 +242,7 @@ async def test_with_no_decode_replica_left_the_prefill_replica_serves_colocated(
                 lambda pid=pid: decode_failed() or pid_of(engine, "worker0-r1") not in (None, pid),
                 "a restart or the replica's end",
             )
+        await wait_for(decode_failed, "the decode replica to give up")
 
     shared.note_pids()
     outcomes = await run_workload(engine, kill_until_it_gives_up, lambda p: min(p) >= 5)

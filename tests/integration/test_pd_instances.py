@@ -92,10 +92,11 @@ def decode_figures(pair: Pair) -> tuple[int, int]:
 
 
 async def settled(pair: Pair, pulls: int, fallbacks: int) -> None:
-    """Wait (bounded) for the decode engine's figures to reach these counts."""
+    """Wait (bounded) for the decode engine's figures to reach these counts: its report reaches
+    the root a moment after the output it counts."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 10.0
-    while decode_figures(pair) < (pulls, fallbacks) and loop.time() < deadline:
+    while decode_figures(pair) != (pulls, fallbacks) and loop.time() < deadline:
         await asyncio.sleep(0.05)
     assert decode_figures(pair) == (pulls, fallbacks)
 

@@ -239,16 +239,23 @@ def test_the_decode_side_pulls_the_blocks_then_computes_only_the_tail_and_contin
     assert decode.kv.pool.usage == 0
 
 
-def test_the_decode_side_pulls_only_the_blocks_its_prefix_cache_lacks() -> None:
-    clock = Clock()
+def pull_after_a_shared_prefix(clock: Clock, shared_tokens: int):  # type: ignore[no-untyped-def]
+    """The pull ordered for request "a" on a decode side where an earlier request had computed
+    the prompt's first `shared_tokens` tokens; the scheduler, its worker, the first token, the
+    source and the pull."""
     _, _, first, source = handed_off(clock)
-    decode, d_worker = instance(clock)
-    # An earlier request shared the first two blocks of the prompt (8 tokens) here.
-    decode.add(submit("earlier", [*PROMPT[:8], 90, 91], max_tokens=1))
-    decode_to_end(decode, d_worker)
+    decode, worker = instance(clock)
+    decode.add(submit("earlier", [*PROMPT[:shared_tokens], 90, 91], max_tokens=1))
+    decode_to_end(decode, worker)
     decode.add(decode_request(first, source))
     (pull,) = orders(decode)
     assert isinstance(pull, PullBlocks)
+    return decode, worker, first, source, pull
+
+
+def test_the_decode_side_pulls_only_the_blocks_its_prefix_cache_lacks() -> None:
+    # The earlier request shared the first two blocks of the prompt (8 tokens).
+    decode, _, _, source, pull = pull_after_a_shared_prefix(Clock(), 8)
     assert pull.src_block_ids == source.block_ids[2:]
     assert decode.stats().kv_blocks_from_cache == 2
 
@@ -331,14 +338,8 @@ def test_a_prompt_shorter_than_a_block_is_handed_off_without_a_hold_or_a_pull() 
 
 
 def test_with_every_block_cached_the_pull_moves_nothing_but_still_acknowledges() -> None:
-    clock = Clock()
-    _, _, first, source = handed_off(clock)
-    decode, d_worker = instance(clock)
-    decode.add(submit("earlier", [*PROMPT[:12], 90, 91], max_tokens=1))
-    decode_to_end(decode, d_worker)
-    decode.add(decode_request(first, source))
-    (pull,) = orders(decode)
-    assert isinstance(pull, PullBlocks) and pull.src_block_ids == pull.dst_block_ids == []
+    decode, d_worker, first, _, pull = pull_after_a_shared_prefix(Clock(), 12)
+    assert pull.src_block_ids == pull.dst_block_ids == []
     assert decode.kv_transfer is not None
     for rank in range(RANKS):
         ready = decode.kv_transfer.on_event(BlocksPulled(pull.transfer_id, rank, None))
