@@ -14,6 +14,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m engine.kernels.cpu.build
 	touch $(STAMP)
 
 # SERVE_ARGS passes flags through, e.g. make serve SERVE_ARGS="--port 8080".

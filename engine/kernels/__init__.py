@@ -1,8 +1,10 @@
 """Kernel backends for attention, norms and rotary embeddings, and the one place that picks one.
 
 The model calls only the functions bundled in a `KernelBackend`; `select_backend` decides which
-implementation that is for a device: the torch backend (CPU, and CUDA through torch's own SDPA),
-or by name the Triton backend (engine/kernels/triton: GPU, or its interpreter on the CPU).
+implementation that is for a device. On the CPU that is the compiled backend (engine/kernels/cpu:
+the torch backend with decode attention in a C++ kernel built on first use), or the torch
+backend where it cannot be built; on CUDA the torch backend (torch's own SDPA). By name: the
+Triton backend (engine/kernels/triton: GPU, or its interpreter on the CPU), torch, cpu.
 FlashInfer will plug in here with the same signatures.
 """
 
@@ -16,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import attention_metadata, batch_invariant, torch_attention, torch_ops
+from engine.kernels import cpu as cpu_kernels  # does not build or load the library itself
 from engine.kernels import triton as triton_kernels  # does not import Triton itself
 from engine.kernels.attention_metadata import AttentionMetadata
 from engine.kernels.backend import KernelBackend
@@ -62,7 +65,10 @@ BACKENDS: dict[str, KernelBackend] = {
 # Backends whose modules load only when selected: name -> (why not on this device, loader).
 OPTIONAL_BACKENDS: dict[
     str, tuple[Callable[[torch.device], str | None], Callable[[], KernelBackend]]
-] = {"triton": (triton_kernels.unavailable_reason, triton_kernels.backend)}
+] = {
+    "triton": (triton_kernels.unavailable_reason, triton_kernels.backend),
+    "cpu": (cpu_kernels.unavailable_reason, cpu_kernels.backend),
+}
 
 
 def select_backend(device: torch.device | str, name: str = "auto") -> KernelBackend:
@@ -84,5 +90,11 @@ def select_backend(device: torch.device | str, name: str = "auto") -> KernelBack
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"unsupported device {str(device)!r}; expected 'cpu' or 'cuda'")
     backend = TORCH_BACKEND
+    if device.type == "cpu":
+        reason = cpu_kernels.unavailable_reason(device)
+        if reason is None:
+            backend = cpu_kernels.backend()
+        else:
+            log.warning("%s: using kernel backend 'torch'", reason)
     log.debug("kernel backend for %s: %s", device, backend.name)
     return backend

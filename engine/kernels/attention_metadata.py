@@ -3,9 +3,11 @@ layer.
 
 A step's chunks become a few attention calls ("pieces"):
 - decode tokens and short prefill chunks (<= SHORT_CHUNK tokens, e.g. prompt suffixes after a
-  prefix hit) together in one `SlotRows` piece: every (token, query head) is one row of a sparse
-  [rows, cache slots x kv heads] pattern listing the keys it may see, so attention reads K and V
-  where they lie in the cache (no copy of the context, no padding);
+  prefix hit) together in one piece that reads K and V where they lie in the cache (no copy of
+  the context, no padding). For the torch kernels that is a `SlotRows` piece: every (token,
+  query head) is one row of a sparse [rows, cache slots x kv heads] pattern listing the keys it
+  may see. For the compiled CPU kernel (engine/kernels/cpu) it is a `TableRows` piece: each
+  token walks its chunk's block table itself, so only the tables and counts are built;
 - every other prefill chunk alone: plain causal attention over its own K/V when nothing is
   cached before it, else its queries in tiles, each with the keys it may see gathered (a copy of
   the context once per chunk, amortised over its > SHORT_CHUNK queries).
@@ -19,7 +21,7 @@ import itertools
 import warnings
 from array import array
 from collections.abc import Iterable, Sequence
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 import torch
 
@@ -47,6 +49,17 @@ class SlotRows:
 
 
 @dataclasses.dataclass
+class TableRows:
+    """Tokens that attend, every query head, to keys 0..seen-1 of their chunk, read through the
+    chunk's block table where they lie in the cache (the compiled CPU kernel's piece)."""
+
+    rows: torch.Tensor | None  # [tokens] step row of each token; None: every row, in order
+    tables: torch.Tensor  # [chunks, max blocks] int64 block tables, padded with block 0
+    token_chunk: torch.Tensor  # [tokens] int64 row of `tables` each token reads
+    seen: torch.Tensor  # [tokens] int64 keys each token attends to: its position + 1
+
+
+@dataclasses.dataclass
 class ChunkPrefill:
     """Rows [start, stop) of one chunk: causal on their own K/V when kv_slots is None, else
     attending to the gathered keys under `mask` [1, 1, group * rows, kv_len]."""
@@ -57,7 +70,8 @@ class ChunkPrefill:
     kv_len: int
 
 
-Piece = SlotRows | ChunkPrefill
+Piece = SlotRows | TableRows | ChunkPrefill
+InPlace = Literal["sparse", "table"]  # which piece the short chunks become
 
 
 @dataclasses.dataclass
@@ -68,7 +82,7 @@ class AttentionMetadata:
     pieces: list[Piece]  # one SDPA call each; together they cover every token row once
 
 
-_PieceT = TypeVar("_PieceT", SlotRows, ChunkPrefill)
+_PieceT = TypeVar("_PieceT", SlotRows, TableRows, ChunkPrefill)
 _arange_cache = torch.arange(1024)
 
 
@@ -80,8 +94,10 @@ def build_attention_metadata(
     cache: PagedKVCache,
     queries_per_kv: int,
     device: torch.device,
+    in_place: InPlace = "sparse",
 ) -> AttentionMetadata:
-    """Index tensors for one step; chunk i has query_lens[i] tokens from start_positions[i]."""
+    """Index tensors for one step; chunk i has query_lens[i] tokens from start_positions[i].
+    `in_place`: the piece short chunks become (SlotRows for "sparse", TableRows for "table")."""
     block_size = cache.block_size
     context_lens = [s + q for s, q in zip(start_positions, query_lens, strict=True)]
     tables = _padded_block_tables(block_tables, context_lens, block_size, cache.num_blocks)
@@ -107,10 +123,14 @@ def build_attention_metadata(
             positions % block_size
         )
 
-    in_place = [i for i, n in enumerate(query_lens) if n <= SHORT_CHUNK]
     pieces: list[Piece] = []
-    if in_place:
-        pieces.append(layout.slot_rows(in_place, all_rows=len(in_place) == len(query_lens)))
+    short = [i for i, n in enumerate(query_lens) if n <= SHORT_CHUNK]
+    if short:
+        all_rows = len(short) == len(query_lens)
+        if in_place == "table":
+            pieces.append(layout.table_rows(short, all_rows=all_rows, positions=positions))
+        else:
+            pieces.append(layout.slot_rows(short, all_rows=all_rows))
     for i in range(len(query_lens)):
         if query_lens[i] > SHORT_CHUNK:
             pieces.extend(layout.chunk_prefill(i))
@@ -147,6 +167,17 @@ class _StepLayout:
     cache: PagedKVCache
     queries_per_kv: int
 
+    def table_rows(
+        self, chunks: list[int], *, all_rows: bool, positions: torch.Tensor
+    ) -> TableRows:
+        """`positions`: of every token of the step (those of `chunks` are taken from it)."""
+        if all_rows:
+            return TableRows(None, self.tables, self._token_chunk(chunks), positions + 1)
+        rows = self._rows(chunks)
+        return TableRows(
+            rows, self.tables[long_tensor(chunks)], self._token_chunk(chunks), positions[rows] + 1
+        )
+
     def slot_rows(self, chunks: list[int], *, all_rows: bool) -> SlotRows:
         kv_heads = self.cache.keys[0].shape[1]
         heads = kv_heads * self.queries_per_kv
@@ -154,7 +185,7 @@ class _StepLayout:
         longest = max(self.context_lens[i] for i in chunks)
         tables = self.tables if all_rows else self.tables[long_tensor(chunks)]
         key_slots = self._key_slots(tables, longest)  # [chunks, longest]
-        token_chunk = torch.repeat_interleave(_arange(len(chunks)), lens)
+        token_chunk = self._token_chunk(chunks)
         first = torch.cumsum(lens, 0) - lens
         starts = long_tensor(self.start_positions[i] for i in chunks)
         positions = starts[token_chunk] + _arange(token_chunk.numel()) - first[token_chunk]
@@ -170,13 +201,20 @@ class _StepLayout:
             grid_index = torch.nonzero(visible.reshape(-1)).view(-1)
             columns = cache_rows.reshape(-1)[grid_index]
         pattern = _csr_pattern(crow, columns, self.cache)
-        rows = None
-        if not all_rows:
-            ranges = (
-                range(self.first_rows[i], self.first_rows[i] + self.query_lens[i]) for i in chunks
-            )
-            rows = long_tensor(itertools.chain.from_iterable(ranges))
-        return SlotRows(rows, pattern, grid_index, longest)
+        return SlotRows(None if all_rows else self._rows(chunks), pattern, grid_index, longest)
+
+    def _token_chunk(self, chunks: list[int]) -> torch.Tensor:
+        """[tokens of `chunks`] the index in `chunks` of each token's chunk."""
+        if all(self.query_lens[i] == 1 for i in chunks):
+            return _arange(len(chunks))
+        lens = long_tensor(self.query_lens[i] for i in chunks)
+        return torch.repeat_interleave(_arange(len(chunks)), lens)
+
+    def _rows(self, chunks: list[int]) -> torch.Tensor:
+        """The step rows of the tokens of `chunks`, in order."""
+        first = self.first_rows
+        ranges = (range(first[i], first[i] + self.query_lens[i]) for i in chunks)
+        return long_tensor(itertools.chain.from_iterable(ranges))
 
     def chunk_prefill(self, i: int) -> list[ChunkPrefill]:
         first, length, start = self.first_rows[i], self.query_lens[i], self.start_positions[i]

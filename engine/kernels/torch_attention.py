@@ -70,7 +70,9 @@ def _attend(
 ) -> torch.Tensor:
     if isinstance(piece, SlotRows):
         return _slot_rows(query, cache, layer, piece, scale)
-    return _chunk_prefill(query, key, value, cache, layer, piece, scale)
+    if isinstance(piece, ChunkPrefill):
+        return chunk_prefill(query, key, value, cache, layer, piece, scale)
+    raise TypeError(f"the torch kernel backend got a {type(piece).__name__} piece")
 
 
 def _slot_rows(
@@ -121,7 +123,7 @@ def _gather(
     return k.transpose(1, 2), v.transpose(1, 2)
 
 
-def _chunk_prefill(
+def chunk_prefill(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,

@@ -23,7 +23,7 @@ __all__ = ["BYTES_UNIT", "KvTransferSettings", "ServerSettings"]
 
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]
 Device = Literal["auto", "cpu", "cuda"]
-KernelBackendName = Literal["auto", "torch", "triton"]
+KernelBackendName = Literal["auto", "torch", "cpu", "triton"]
 KvCacheDtype = Literal["auto"]
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 
@@ -74,8 +74,10 @@ class ModelSettings(_Section, frozen=True):
     kernel_backend: Annotated[
         KernelBackendName,
         Meta(
-            description="attention/norm kernels: torch, or triton (a GPU, or the CPU under "
-            "TRITON_INTERPRET=1); auto = torch"
+            description="attention/norm kernels: torch; cpu (torch's, with decode attention "
+            "in a C++ kernel built on first use); or triton (a GPU, or the CPU under "
+            "TRITON_INTERPRET=1); auto = cpu on the CPU (torch where it cannot be built), "
+            "torch on a GPU"
         ),
     ] = "auto"
     deterministic: Annotated[

@@ -1,4 +1,5 @@
-"""The torch paged-attention backend against plain per-sequence causal attention."""
+"""The CPU paged-attention backends (torch's, and the compiled one: engine/kernels/cpu) against
+plain per-sequence causal attention."""
 
 from __future__ import annotations
 
@@ -6,23 +7,26 @@ import pytest
 import torch
 
 from engine.kernels import PagedKVCache, attention_metadata, select_backend
-from engine.kernels.attention_metadata import SlotRows, build_attention_metadata
-from engine.kernels.torch_attention import paged_attention
+from engine.kernels.attention_metadata import SlotRows, TableRows, build_attention_metadata
 from engine.kernels.torch_ops import apply_rotary, output_projection, rms_norm
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 8, 4
-SCALE = HEAD_DIM**-0.5
+# The compiled kernel has register-blocked code for head sizes 64 and 128, a plain loop else.
+BACKENDS = ["torch", "cpu"]
 
 
 def make_cache(
-    num_blocks: int = 512, kv_heads: int = KV_HEADS, dtype: torch.dtype = torch.float32
+    num_blocks: int = 512,
+    kv_heads: int = KV_HEADS,
+    dtype: torch.dtype = torch.float32,
+    head_dim: int = HEAD_DIM,
 ) -> PagedKVCache:
     cache = PagedKVCache(
         num_layers=1,
         num_blocks=num_blocks,
         block_size=BLOCK,
         num_kv_heads=kv_heads,
-        head_dim=HEAD_DIM,
+        head_dim=head_dim,
         dtype=dtype,
         device=torch.device("cpu"),
     )
@@ -37,10 +41,11 @@ def reference_attention(
     """q [n, heads, d] at positions start.., k/v [start + n, kv_heads, d]: causal attention,
     in float32."""
     q, k, v = q.float(), k.float(), v.float()
+    scale = q.shape[-1] ** -0.5
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q, k) * SCALE
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
     query_pos = torch.arange(start, start + q.shape[0])[:, None]
     scores = scores.masked_fill(torch.arange(k.shape[0])[None, :] > query_pos, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(q.shape[0], -1)
@@ -53,26 +58,29 @@ def run_step(
     kv_heads: int = KV_HEADS,
     dtype: torch.dtype = torch.float32,
     tolerance: float = 1e-5,
+    backend: str = "torch",
+    head_dim: int = HEAD_DIM,
 ) -> None:
     """chunks: (start_pos, query_len) per sequence. Prefixes are written to scattered blocks
-    (a random permutation of the cache) first, then one step runs all chunks together; each
-    output must equal the reference."""
+    (a random permutation of the cache) first, then one step runs all chunks together through
+    `backend`; each output must equal the reference."""
+    kernels = select_backend("cpu", backend)
     generator = torch.Generator().manual_seed(seed)
-    cache = make_cache(kv_heads=kv_heads, dtype=dtype)
+    cache = make_cache(kv_heads=kv_heads, dtype=dtype, head_dim=head_dim)
     blocks = torch.randperm(cache.num_blocks, generator=generator).tolist()
     tables, histories, queries = [], [], []
     for start, length in chunks:
         total = start + length
         table = [blocks.pop() for _ in range(-(-total // BLOCK))]
-        k = torch.randn(total, kv_heads, HEAD_DIM, generator=generator).to(dtype)
-        v = torch.randn(total, kv_heads, HEAD_DIM, generator=generator).to(dtype)
+        k = torch.randn(total, kv_heads, head_dim, generator=generator).to(dtype)
+        v = torch.randn(total, kv_heads, head_dim, generator=generator).to(dtype)
         if start:
             slots = torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK for p in range(start)])
             cache.write(0, slots, k[:start], v[:start])
         tables.append(table)
         histories.append((k, v))
-        queries.append(torch.randn(length, heads, HEAD_DIM, generator=generator).to(dtype))
-    meta = build_attention_metadata(
+        queries.append(torch.randn(length, heads, head_dim, generator=generator).to(dtype))
+    meta = kernels.build_attention_metadata(
         [n for _, n in chunks],
         [s for s, _ in chunks],
         tables,
@@ -82,7 +90,8 @@ def run_step(
     )
     new_k = torch.cat([k[s:] for (s, _), (k, _) in zip(chunks, histories, strict=True)])
     new_v = torch.cat([v[s:] for (s, _), (_, v) in zip(chunks, histories, strict=True)])
-    out = paged_attention(torch.cat(queries), new_k, new_v, cache, 0, meta, SCALE)
+    queries_in_step = torch.cat(queries)
+    out = kernels.paged_attention(queries_in_step, new_k, new_v, cache, 0, meta, head_dim**-0.5)
     assert torch.isfinite(out).all()
     row = 0
     for (start, length), q, (k, v) in zip(chunks, queries, histories, strict=True):
@@ -107,16 +116,18 @@ def run_step(
         [(3, 1), (4, 1), (7, 2), (8, 1), (15, 1), (16, 1), (11, 6)],  # around block boundaries
     ],
 )
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_paged_attention_equals_per_sequence_causal_attention(
-    chunks: list[tuple[int, int]],
+    chunks: list[tuple[int, int]], backend: str
 ) -> None:
-    run_step(chunks)
+    run_step(chunks, backend=backend)
 
 
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (4, 2), (8, 2), (6, 1)])
 @pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize(("backend", "head_dim"), [("torch", 8), ("cpu", 8), ("cpu", 64)])
 def test_in_place_attention_over_shuffled_blocks_for_each_gqa_ratio(
-    heads: int, kv_heads: int, seed: int
+    heads: int, kv_heads: int, seed: int, backend: str, head_dim: int
 ) -> None:
     generator = torch.Generator().manual_seed(seed)
     chunks = []
@@ -128,7 +139,7 @@ def test_in_place_attention_over_shuffled_blocks_for_each_gqa_ratio(
             else int(torch.randint(2, 20, (), generator=generator))
         )
         chunks.append((start, length))
-    run_step(chunks, seed, heads, kv_heads)
+    run_step(chunks, seed, heads, kv_heads, backend=backend, head_dim=head_dim)
 
 
 def test_decodes_and_short_chunks_attend_in_place_together() -> None:
@@ -149,20 +160,57 @@ def test_decodes_and_short_chunks_attend_in_place_together() -> None:
     assert in_place[0].pattern.crow_indices().diff().tolist() == [
         n for n in seen for _ in range(HEADS)
     ]
+    # The compiled kernel's piece: the same tokens, each with its block table and count.
+    meta = build_attention_metadata(
+        [1, 5, 40, 1],
+        [9, 3, 0, 17],
+        [[1, 2, 3], [4, 5], list(range(6, 16)), [20, 21, 22, 23, 24]],
+        cache=cache,
+        queries_per_kv=2,
+        device=torch.device("cpu"),
+        in_place="table",
+    )
+    tables = [p for p in meta.pieces if isinstance(p, TableRows)]
+    assert len(tables) == 1 and tables[0].rows is not None
+    assert tables[0].rows.tolist() == [0, 1, 2, 3, 4, 5, 46]
+    assert tables[0].seen.tolist() == seen
+    assert tables[0].token_chunk.tolist() == [0, 1, 1, 1, 1, 1, 2]
+    contexts = [10, 8, 18]  # per short chunk: the blocks it reads are the first of its table
+    rows = tables[0].tables.tolist()
+    assert [row[: -(-n // BLOCK)] for row, n in zip(rows, contexts, strict=True)] == [
+        [1, 2, 3],
+        [4, 5],
+        [20, 21, 22, 23, 24],
+    ]
 
 
-def test_half_precision_cache_attends_like_float32() -> None:
-    run_step([(0, 5), (9, 1), (4, 7), (30, 1)], dtype=torch.bfloat16, tolerance=3e-2)
+@pytest.mark.parametrize(
+    ("backend", "dtype", "head_dim"),
+    [
+        ("torch", torch.bfloat16, 8),
+        ("cpu", torch.bfloat16, 8),
+        ("cpu", torch.bfloat16, 128),
+        ("cpu", torch.float16, 64),
+    ],
+)
+def test_half_precision_cache_attends_like_float32(
+    backend: str, dtype: torch.dtype, head_dim: int
+) -> None:
+    chunks = [(0, 5), (9, 1), (4, 7), (30, 1)]
+    run_step(chunks, dtype=dtype, tolerance=3e-2, backend=backend, head_dim=head_dim)
 
 
-def test_long_chunks_after_cached_tokens_attend_in_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_long_chunks_after_cached_tokens_attend_in_tiles(
+    monkeypatch: pytest.MonkeyPatch, backend: str
+) -> None:
     monkeypatch.setattr(attention_metadata, "MASK_BUDGET", 64)  # tiles of 16 query rows
     cache = make_cache(64)
     meta = build_attention_metadata(
         [40], [10], [list(range(13))], cache=cache, queries_per_kv=2, device=torch.device("cpu")
     )
     assert [piece.rows for piece in meta.pieces] == [(0, 16), (16, 32), (32, 40)]
-    run_step([(10, 40), (0, 3), (6, 1)])
+    run_step([(10, 40), (0, 3), (6, 1)], backend=backend)
 
 
 def test_new_keys_and_values_land_in_their_slots() -> None:
@@ -212,7 +260,10 @@ def test_output_projection_equals_a_plain_matmul() -> None:
 
 
 def test_backend_selection_names_what_it_accepts() -> None:
-    assert select_backend("cpu").name == "torch"
+    # auto on the CPU: the compiled backend (this machine has a C++ compiler; see
+    # test_cpu_kernel for a machine without one), torch by name
+    assert select_backend("cpu").name == "cpu"
+    assert select_backend("cpu", "torch").name == "torch"
     with pytest.raises(ValueError, match="unknown kernel backend 'flashy'"):
         select_backend("cpu", "flashy")
     with pytest.raises(ValueError, match="unsupported device 'meta'"):

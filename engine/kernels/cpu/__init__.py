@@ -1,0 +1,52 @@
+"""The compiled CPU backend: the torch backend with decode and short-chunk attention in a C++
+kernel (paged_attention.cpp) that reads the context in place through the block tables.
+
+The kernel is built with the system's C++ compiler (engine/kernels/cpu/build.py) at install
+time or on first use. Importing this package neither builds nor loads it; `unavailable_reason`
+does, and says in one line why the backend cannot run (no compiler, a failed build, not a CPU).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from engine.kernels.backend import KernelBackend
+
+
+def unavailable_reason(device: torch.device) -> str | None:
+    """Why the compiled CPU backend cannot run on `device`, in one line; None when it can."""
+    if device.type != "cpu":
+        return f"kernel backend 'cpu' runs on the CPU only, not on {str(device)!r}"
+    from engine.kernels.cpu.build import KernelBuildError, load_library
+
+    try:
+        load_library()
+    except KernelBuildError as exc:
+        return f"kernel backend 'cpu' is unavailable ({exc}); kernel backend 'torch' needs no build"
+    return None
+
+
+@functools.cache
+def backend() -> KernelBackend:
+    from engine.kernels import attention_metadata, torch_ops
+    from engine.kernels.backend import KernelBackend
+    from engine.kernels.cpu import attention
+
+    return KernelBackend(
+        name="cpu",
+        build_attention_metadata=functools.partial(
+            attention_metadata.build_attention_metadata, in_place="table"
+        ),
+        paged_attention=attention.paged_attention,
+        rms_norm=torch_ops.rms_norm,
+        rms_norm_per_head=torch_ops.rms_norm_per_head,
+        rotary_cos_sin=torch_ops.rotary_cos_sin,
+        apply_rotary=torch_ops.apply_rotary,
+        silu_and_mul=torch_ops.silu_and_mul,
+        linear=torch.nn.functional.linear,
+        output_projection=torch_ops.output_projection,
+    )

@@ -1,0 +1,90 @@
+"""The compiled CPU backend's paged_attention: decode tokens and short chunks go to the C++
+kernel (paged_attention.cpp), which reads each token's context through its block table where it
+lies in the cache; long prefill chunks take the torch backend's SDPA path (their many queries
+amortise one gather of the context, and SDPA's matmuls beat a per-token loop there)."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from engine.kernels import torch_attention
+from engine.kernels.attention_metadata import AttentionMetadata, ChunkPrefill, TableRows
+from engine.kernels.cpu.build import load_library
+from engine.kernels.kv_cache import PagedKVCache
+
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cache: PagedKVCache,
+    layer: int,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """As torch_attention.paged_attention, for metadata built with in_place="table"."""
+    cache.write(layer, meta.slot_mapping, key, value)
+    num_tokens, heads, head_dim = query.shape
+    out = query.new_empty(num_tokens, heads * head_dim)
+    for piece in meta.pieces:
+        if isinstance(piece, TableRows):
+            attend_in_place(query, cache, layer, piece, scale, out)
+        elif isinstance(piece, ChunkPrefill):
+            start, stop = piece.rows
+            out[start:stop] = torch_attention.chunk_prefill(
+                query, key, value, cache, layer, piece, scale
+            )
+        else:
+            raise TypeError(f"the CPU kernel backend got a {type(piece).__name__} piece")
+    return out
+
+
+def attend_in_place(
+    query: torch.Tensor,
+    cache: PagedKVCache,
+    layer: int,
+    piece: TableRows,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Write attention for the piece's tokens into their rows of `out` [step rows, heads *
+    head_dim]; query [step rows, heads, head_dim] with each head's row contiguous."""
+    _, heads, head_dim = query.shape
+    keys, values = cache.keys[layer], cache.values[layer]
+    kv_heads = keys.shape[1]
+    if query.stride(2) != 1 or query.stride(1) != head_dim:
+        query = query.contiguous()
+    for name, tensor in (("keys", keys), ("values", values), ("out", out)):
+        if not tensor.is_contiguous():
+            raise ValueError(f"the CPU attention kernel needs contiguous {name}")
+    if query.dtype not in DTYPE_CODES or keys.dtype != query.dtype or out.dtype != query.dtype:
+        raise ValueError(
+            f"the CPU attention kernel takes one dtype of {sorted(map(str, DTYPE_CODES))} for "
+            f"query, cache and output, got {query.dtype}, {keys.dtype} and {out.dtype}"
+        )
+    status = load_library().engine_paged_attention(
+        DTYPE_CODES[query.dtype],
+        query.data_ptr(),
+        query.stride(0),
+        keys.data_ptr(),
+        values.data_ptr(),
+        piece.tables.data_ptr(),
+        piece.tables.shape[1],
+        piece.token_chunk.data_ptr(),
+        piece.seen.data_ptr(),
+        None if piece.rows is None else piece.rows.data_ptr(),
+        piece.seen.numel(),
+        heads,
+        kv_heads,
+        head_dim,
+        cache.block_size,
+        ctypes.c_float(scale),
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if status != 0:
+        raise RuntimeError(f"the CPU attention kernel failed (status {status})")

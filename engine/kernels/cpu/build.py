@@ -1,0 +1,142 @@
+"""Build the CPU kernels' shared library with the system's C++ compiler, once per source and
+machine, and load it through ctypes.
+
+The library lands in $ENGINE_HOME/kernels (default ~/.cache/engine/kernels) under a name that
+hashes the source, the compiler flags and this CPU's instruction-set flags (-march=native:
+a home shared by machines of different CPUs gets one build per CPU kind). Processes that build
+at the same time each compile to a temporary file and rename it into place, so a reader never
+sees a half-written library. `make` builds it during installation
+(`python -m engine.kernels.cpu.build`); a process that finds none builds it on first use.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("paged_attention.cpp")
+FLAGS = (
+    "-O3",
+    "-march=native",
+    "-fopenmp-simd",
+    "-ffp-contract=fast",
+    "-std=c++17",
+    "-shared",
+    "-fPIC",
+    "-pthread",
+)
+BUILD_TIMEOUT_S = 300.0
+
+
+class KernelBuildError(RuntimeError):
+    """The library could not be built or loaded; the message says why, in one line."""
+
+
+def compiler() -> str | None:
+    """The C++ compiler to use ($CXX, else c++ or g++ on PATH), or None."""
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+
+
+def library_path() -> Path:
+    home = Path(os.environ.get("ENGINE_HOME") or "~/.cache/engine").expanduser()
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest.update(" ".join(FLAGS).encode())
+    digest.update(_cpu_flags().encode())
+    return home / "kernels" / f"paged_attention-{digest.hexdigest()[:16]}.so"
+
+
+def _cpu_flags() -> str:
+    """This CPU's instruction-set flags (Linux), the part of -march=native a build depends on."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next((line for line in info if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def build(target: Path) -> None:
+    """Compile SOURCE into `target` (atomically replaced). Raises KernelBuildError."""
+    cxx = compiler()
+    if cxx is None:
+        raise KernelBuildError("no C++ compiler found ($CXX, c++ or g++)")
+    if shutil.which(cxx) is None:
+        raise KernelBuildError(f"C++ compiler {cxx!r} not found")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    handle, staging = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=target.parent)
+    os.close(handle)
+    try:
+        done = subprocess.run(
+            [cxx, *FLAGS, "-o", staging, str(SOURCE)],
+            capture_output=True,
+            text=True,
+            timeout=BUILD_TIMEOUT_S,
+            check=False,
+        )
+        if done.returncode != 0:
+            last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+            raise KernelBuildError(
+                f"{cxx} failed to build {SOURCE.name} ({done.returncode}): {last}"
+            )
+        os.chmod(staging, 0o755)
+        os.replace(staging, target)
+    except subprocess.TimeoutExpired as exc:
+        raise KernelBuildError(f"{cxx} took over {BUILD_TIMEOUT_S:.0f} s on {SOURCE.name}") from exc
+    finally:
+        if os.path.exists(staging):
+            os.unlink(staging)
+
+
+@functools.cache
+def load_library() -> ctypes.CDLL:
+    """The built library with its function's signature declared; built first if missing."""
+    target = library_path()
+    if not target.is_file():
+        log.info("building the CPU attention kernel (once) into %s", target)
+        build(target)
+    try:
+        library = ctypes.CDLL(str(target))
+    except OSError as exc:
+        raise KernelBuildError(f"cannot load {target}: {exc}") from exc
+    function = library.engine_paged_attention
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    function.argtypes = [
+        ctypes.c_int,  # dtype
+        ptr,  # query
+        i64,  # query token stride
+        ptr,  # key cache
+        ptr,  # value cache
+        ptr,  # block tables
+        i64,  # table width
+        ptr,  # token -> block table row
+        ptr,  # keys seen per token
+        ptr,  # step row per token, or null
+        i64,  # tokens
+        i64,  # heads
+        i64,  # kv heads
+        i64,  # head dim
+        i64,  # block size
+        ctypes.c_float,  # scale
+        ptr,  # out
+        ctypes.c_int,  # threads
+    ]
+    function.restype = ctypes.c_int
+    return library
+
+
+if __name__ == "__main__":  # the install step: build now rather than at first use
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        print(load_library()._name)
+    except KernelBuildError as exc:
+        # Not fatal: the engine then runs the torch backend on the CPU.
+        print(f"CPU attention kernel not built: {exc}", file=sys.stderr)

@@ -1,0 +1,363 @@
+// Paged attention on the CPU for tokens that attend to their cached context in place.
+//
+// Each token reads the keys and values it may see where they lie in the paged KV cache, block
+// by block through its sequence's block table: no gather, no padding, no copy of the context.
+// One work item is one token: it reads each cache slot's row (every KV head) once, contiguously,
+// and scores every query head against it (grouped-query attention costs no extra traffic). Softmax is exact (max-subtracted, two passes over the scores,
+// which stay in a per-thread buffer), accumulated in float32 whatever the cache dtype.
+//
+// Built by engine/kernels/cpu/build.py with the system's C++ compiler and loaded through
+// ctypes: the interface is plain C, no torch or Python headers, so the build takes seconds.
+// Threads: a small pool of its own whose idle threads sleep on a condition variable (the
+// engine's actors share few cores; nothing here may spin).
+
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include <unistd.h>
+
+namespace {
+
+enum Dtype : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+
+inline float to_float(float x) { return x; }
+
+struct BFloat16 {
+  uint16_t bits;
+};
+inline float to_float(BFloat16 x) {
+  uint32_t widened = static_cast<uint32_t>(x.bits) << 16;
+  float out;
+  std::memcpy(&out, &widened, sizeof out);
+  return out;
+}
+inline void store(BFloat16* p, float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) {  // NaN stays a (quiet) NaN
+    p->bits = static_cast<uint16_t>((bits >> 16) | 0x40u);
+    return;
+  }
+  bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest even, as torch does
+  p->bits = static_cast<uint16_t>(bits >> 16);
+}
+
+struct Float16 {
+  _Float16 value;
+};
+inline float to_float(Float16 x) { return static_cast<float>(x.value); }
+inline void store(Float16* p, float x) { p->value = static_cast<_Float16>(x); }
+inline void store(float* p, float x) { *p = x; }
+
+// Hardware prefetchers stop at page boundaries, and a sequence's blocks lie anywhere: the next
+// block (its rows are contiguous) is fetched ahead while this one is read.
+template <typename T>
+inline void prefetch_row(const T* row, int64_t elements) {
+  const char* bytes = reinterpret_cast<const char*>(row);
+  const int64_t size = elements * static_cast<int64_t>(sizeof(T));
+  for (int64_t offset = 0; offset < size; offset += 64) __builtin_prefetch(bytes + offset);
+}
+
+struct Problem {
+  const void* query;
+  int64_t query_token_stride;  // elements between consecutive tokens' queries
+  const void* key_cache;       // [slots, kv_heads, head_dim]
+  const void* value_cache;
+  const int64_t* block_tables;  // [chunks, table_width]
+  int64_t table_width;
+  const int64_t* token_chunk;  // [tokens] row of block_tables each token reads
+  const int64_t* seen;         // [tokens] keys each token attends to (positions 0..seen-1)
+  const int64_t* rows;         // [tokens] step row of each token (query and output), or null
+  int64_t heads;
+  int64_t kv_heads;
+  int64_t head_dim;
+  int64_t block_size;
+  float scale;
+  void* out;  // [step rows, heads * head_dim]
+};
+
+struct Scratch {
+  std::vector<float> query;   // [heads, head_dim], scaled
+  std::vector<float> scores;  // [heads, seen]
+  std::vector<float> acc;     // [heads, head_dim]
+  std::vector<float> block;   // one block's rows in float32 (caches of other dtypes)
+};
+
+// 8 floats in one vector register (GCC's vector extension: AVX on x86, two NEON on Arm).
+typedef float Vec8 __attribute__((vector_size(32)));
+inline Vec8 load8(const float* p) {
+  Vec8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void store8(float* p, Vec8 v) { std::memcpy(p, &v, sizeof v); }
+inline float sum8(Vec8 v) {
+  const float low = (v[0] + v[4]) + (v[1] + v[5]);
+  const float high = (v[2] + v[6]) + (v[3] + v[7]);
+  return low + high;
+}
+
+// `count` rows of `width` elements from `rows` as float32: the cache itself when it is float32,
+// else converted into `buffer`.
+inline const float* as_float(const float* rows, int64_t, std::vector<float>&) { return rows; }
+template <typename T>
+const float* as_float(const T* rows, int64_t elements, std::vector<float>& buffer) {
+  buffer.resize(elements);
+  for (int64_t i = 0; i < elements; ++i) buffer[i] = to_float(rows[i]);
+  return buffer.data();
+}
+
+// Scores of every query head against `count` consecutive slot rows. DIM > 0: the head size
+// known at compile time (a multiple of 16), the key's vectors held in registers for its heads.
+template <int DIM, typename T>
+void score_rows(const Problem& p, const float* query, const float* rows, int64_t count,
+                float* scores, int64_t seen, const T* next) {
+  const int64_t dim = DIM > 0 ? DIM : p.head_dim;
+  const int64_t group = p.heads / p.kv_heads;
+  const int64_t slot_stride = p.kv_heads * dim;
+  for (int64_t i = 0; i < count; ++i) {
+    if (next != nullptr) prefetch_row(next + i * slot_stride, slot_stride);
+    const float* row = rows + i * slot_stride;
+    for (int64_t g = 0; g < p.kv_heads; ++g) {
+      const float* key = row + g * dim;
+      for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+        const float* qh = query + h * dim;
+        float dot;
+        if constexpr (DIM > 0) {
+          Vec8 even = {}, odd = {};
+          for (int c = 0; c < DIM; c += 16) {
+            even += load8(qh + c) * load8(key + c);
+            odd += load8(qh + c + 8) * load8(key + c + 8);
+          }
+          dot = sum8(even + odd);
+        } else {
+          dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t d = 0; d < dim; ++d) dot += qh[d] * key[d];
+        }
+        scores[h * seen + i] = dot;
+      }
+    }
+  }
+}
+
+// acc[h] += sum over the `count` rows of weight[h, row] * value[row, kv head of h].
+template <int DIM, typename T>
+void accumulate_rows(const Problem& p, const float* weights, int64_t seen, const float* rows,
+                     int64_t count, float* acc, const T* next) {
+  const int64_t dim = DIM > 0 ? DIM : p.head_dim;
+  const int64_t group = p.heads / p.kv_heads;
+  const int64_t slot_stride = p.kv_heads * dim;
+  if (next != nullptr) {
+    for (int64_t i = 0; i < count; ++i) prefetch_row(next + i * slot_stride, slot_stride);
+  }
+  for (int64_t h = 0; h < p.heads; ++h) {
+    const float* wh = weights + h * seen;
+    const float* value = rows + (h / group) * dim;
+    float* ah = acc + h * dim;
+    if constexpr (DIM > 0) {
+      Vec8 sums[DIM / 8];  // the head's whole output in registers across the block's rows
+      for (int c = 0; c < DIM / 8; ++c) sums[c] = load8(ah + 8 * c);
+      for (int64_t i = 0; i < count; ++i) {
+        const float* v = value + i * slot_stride;
+        for (int c = 0; c < DIM / 8; ++c) sums[c] += wh[i] * load8(v + 8 * c);
+      }
+      for (int c = 0; c < DIM / 8; ++c) store8(ah + 8 * c, sums[c]);
+    } else {
+      for (int64_t i = 0; i < count; ++i) {
+        const float* v = value + i * slot_stride;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) ah[d] += wh[i] * v[d];
+      }
+    }
+  }
+}
+
+inline void softmax_rows(float* scores, int64_t heads, int64_t seen) {
+  for (int64_t h = 0; h < heads; ++h) {
+    float* sh = scores + h * seen;
+    float peak = -INFINITY;
+    for (int64_t j = 0; j < seen; ++j) peak = std::max(peak, sh[j]);
+    float total = 0.0f;
+    for (int64_t j = 0; j < seen; ++j) {
+      sh[j] = std::exp(sh[j] - peak);
+      total += sh[j];
+    }
+    const float inverse = 1.0f / total;
+    for (int64_t j = 0; j < seen; ++j) sh[j] *= inverse;
+  }
+}
+
+// One token: both passes over its context, block by block through its block table.
+template <typename T, int DIM>
+void attend(const Problem& p, int64_t token, Scratch& s) {
+  const int64_t heads = p.heads;
+  const int64_t dim = p.head_dim;
+  const int64_t seen = p.seen[token];
+  const int64_t row = p.rows ? p.rows[token] : token;
+  const int64_t* table = p.block_tables + p.token_chunk[token] * p.table_width;
+  const int64_t slot_stride = p.kv_heads * dim;
+
+  s.query.resize(heads * dim);
+  s.scores.resize(heads * seen);
+  s.acc.assign(heads * dim, 0.0f);
+  const T* q = static_cast<const T*>(p.query) + row * p.query_token_stride;
+  for (int64_t i = 0; i < heads * dim; ++i) s.query[i] = to_float(q[i]) * p.scale;
+
+  for (int pass = 0; pass < 2; ++pass) {  // 0: scores from keys; 1: values weighted by them
+    const T* cache = static_cast<const T*>(pass == 0 ? p.key_cache : p.value_cache);
+    for (int64_t start = 0; start < seen; start += p.block_size) {
+      const int64_t block = start / p.block_size;
+      const int64_t count = std::min(p.block_size, seen - start);
+      const T* next = start + p.block_size < seen
+                          ? cache + table[block + 1] * p.block_size * slot_stride
+                          : nullptr;
+      const T* first = cache + table[block] * p.block_size * slot_stride;
+      const float* rows = as_float(first, count * slot_stride, s.block);
+      if (pass == 0) {
+        score_rows<DIM>(p, s.query.data(), rows, count, s.scores.data() + start, seen, next);
+      } else {
+        accumulate_rows<DIM>(p, s.scores.data() + start, seen, rows, count, s.acc.data(), next);
+      }
+    }
+    if (pass == 0) softmax_rows(s.scores.data(), heads, seen);
+  }
+
+  T* out = static_cast<T*>(p.out) + row * heads * dim;
+  for (int64_t i = 0; i < heads * dim; ++i) store(out + i, s.acc[i]);
+}
+
+// One call's work: items handed out one at a time to whichever thread is free.
+struct Job {
+  void (*run)(const Problem&, int64_t, Scratch&);
+  const Problem* problem;
+  int64_t items;
+  std::atomic<int64_t> next{0};
+
+  void work() {
+    thread_local Scratch scratch;
+    for (int64_t item; (item = next.fetch_add(1)) < items;) run(*problem, item, scratch);
+  }
+};
+
+// Helper threads that sleep between calls. The calling thread always works too.
+class Pool {
+ public:
+  void run(Job& job, int helpers) {
+    grow(helpers);
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      job_ = &job;
+      wanted_ = helpers;
+      busy_ = helpers;
+      ++generation_;
+    }
+    wake_.notify_all();
+    job.work();
+    std::unique_lock<std::mutex> lock(mutex_);
+    // A helper decrements busy_ only after its last item: the caller cannot return (and free
+    // the job) while one still reads it, and no helper can miss a generation.
+    done_.wait(lock, [this] { return busy_ == 0; });
+    job_ = nullptr;
+  }
+
+ private:
+  void grow(int helpers) {
+    while (started_ < helpers) {
+      const int index = started_++;
+      std::thread([this, index] { loop(index); }).detach();
+    }
+  }
+
+  void loop(int index) {
+    uint64_t seen = 0;
+    for (;;) {
+      Job* job;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        wake_.wait(lock, [&] { return generation_ != seen; });
+        seen = generation_;
+        if (index >= wanted_) continue;
+        job = job_;
+      }
+      job->work();
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (--busy_ == 0) done_.notify_one();
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::condition_variable done_;
+  Job* job_ = nullptr;
+  uint64_t generation_ = 0;
+  int wanted_ = 0;
+  int busy_ = 0;
+  int started_ = 0;
+};
+
+// Threads do not survive fork(): a process forked from one that used the pool starts its own
+// (the parent's pool object is left behind in the child, never touched). Torch's own OpenMP
+// threads hang in such a child anyway; the engine forks its workers from the supervisor, which
+// never runs a model.
+Pool& pool() {
+  static pid_t owner = 0;
+  static Pool* instance = nullptr;
+  if (instance == nullptr || owner != getpid()) {
+    instance = new Pool();
+    owner = getpid();
+  }
+  return *instance;
+}
+
+template <typename T>
+void attend_item(const Problem& p, int64_t item, Scratch& s) {
+  switch (p.head_dim) {  // the usual head sizes get register-blocked code
+    case 64: return attend<T, 64>(p, item, s);
+    case 128: return attend<T, 128>(p, item, s);
+    default: return attend<T, 0>(p, item, s);
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Returns 0, or -1 for an unknown dtype. Arguments are checked by the Python caller.
+int engine_paged_attention(int dtype, const void* query, int64_t query_token_stride,
+                           const void* key_cache, const void* value_cache,
+                           const int64_t* block_tables, int64_t table_width,
+                           const int64_t* token_chunk, const int64_t* seen, const int64_t* rows,
+                           int64_t num_tokens, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                           int64_t block_size, float scale, void* out, int num_threads) {
+  const Problem problem{query,       query_token_stride, key_cache, value_cache, block_tables,
+                        table_width, token_chunk,        seen,      rows,        heads,
+                        kv_heads,    head_dim,           block_size, scale,      out};
+  Job job;
+  switch (dtype) {
+    case kFloat32: job.run = attend_item<float>; break;
+    case kBFloat16: job.run = attend_item<BFloat16>; break;
+    case kFloat16: job.run = attend_item<Float16>; break;
+    default: return -1;
+  }
+  job.problem = &problem;
+  job.items = num_tokens;
+  const int64_t most_helpers = job.items - 1;
+  const int helpers = static_cast<int>(std::min<int64_t>(num_threads - 1, most_helpers));
+  if (helpers <= 0) {
+    job.work();
+  } else {
+    static std::mutex one_caller;  // the pool serves one call at a time
+    std::lock_guard<std::mutex> lock(one_caller);
+    pool().run(job, helpers);
+  }
+  return 0;
+}
+
+}  // extern "C"

@@ -1,0 +1,80 @@
+"""The compiled CPU attention kernel (engine/kernels/cpu) where test_kernels does not reach: its
+thread pool, its build from scratch, and a machine where it cannot be built (the engine then
+runs the torch backend)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.unit.test_kernels import run_step
+
+# Long contexts over many shuffled blocks, decodes and short chunks, and a long chunk apart.
+MIXED_STEP = [(300, 1), (5, 1), (700, 1), (20, 3), (0, 50), (63, 1), (64, 1), (1, 30)]
+
+
+@pytest.fixture
+def two_threads() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("head_dim", [8, 64, 128])
+def test_tokens_split_across_the_pool_attend_like_the_reference(
+    two_threads: None, head_dim: int
+) -> None:
+    run_step(MIXED_STEP, seed=3, heads=8, kv_heads=2, backend="cpu", head_dim=head_dim)
+
+
+def run_python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+def test_the_install_step_builds_the_library_into_the_engine_home(tmp_path: Path) -> None:
+    done = run_python(
+        "import runpy; runpy.run_module('engine.kernels.cpu.build', run_name='__main__')",
+        ENGINE_HOME=str(tmp_path),
+    )
+    assert done.returncode == 0, done.stderr
+    built = Path(done.stdout.strip())
+    assert built.parent == tmp_path / "kernels" and built.is_file()
+    assert not list(built.parent.glob(".build-*"))  # no staging file left behind
+
+
+@pytest.mark.parametrize(
+    ("compiler", "reason"),
+    [("/nonexistent/c++", "C++ compiler '/nonexistent/c++' not found"), ("false", "failed")],
+)
+def test_without_a_working_compiler_the_cpu_runs_the_torch_backend(
+    tmp_path: Path, compiler: str, reason: str
+) -> None:
+    done = run_python(
+        "from engine.kernels import select_backend\n"
+        "print(select_backend('cpu').name)\n"
+        "try:\n"
+        "    select_backend('cpu', 'cpu')\n"
+        "except ValueError as exc:\n"
+        "    print(exc)\n",
+        ENGINE_HOME=str(tmp_path),
+        CXX=compiler,
+    )
+    assert done.returncode == 0, done.stderr
+    chosen, refusal = done.stdout.strip().splitlines()
+    assert chosen == "torch"
+    assert "kernel backend 'cpu' is unavailable" in refusal and reason in refusal
+    assert reason in done.stderr  # the fallback is logged, naming why
