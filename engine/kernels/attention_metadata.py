@@ -57,6 +57,7 @@ class TableRows:
     tables: torch.Tensor  # [chunks, max blocks] int64 block tables, padded with block 0
     token_chunk: torch.Tensor  # [tokens] int64 row of `tables` each token reads
     seen: torch.Tensor  # [tokens] int64 keys each token attends to: its position + 1
+    keys: int  # sum of `seen`: how much the piece reads (sets the kernel's thread count)
 
 
 @dataclasses.dataclass
@@ -171,12 +172,10 @@ class _StepLayout:
         self, chunks: list[int], *, all_rows: bool, positions: torch.Tensor
     ) -> TableRows:
         """`positions`: of every token of the step (those of `chunks` are taken from it)."""
-        if all_rows:
-            return TableRows(None, self.tables, self._token_chunk(chunks), positions + 1)
-        rows = self._rows(chunks)
-        return TableRows(
-            rows, self.tables[long_tensor(chunks)], self._token_chunk(chunks), positions[rows] + 1
-        )
+        rows = None if all_rows else self._rows(chunks)
+        seen = positions + 1 if rows is None else positions[rows] + 1
+        tables = self.tables if rows is None else self.tables[long_tensor(chunks)]
+        return TableRows(rows, tables, self._token_chunk(chunks), seen, int(seen.sum()))
 
     def slot_rows(self, chunks: list[int], *, all_rows: bool) -> SlotRows:
         kv_heads = self.cache.keys[0].shape[1]

@@ -25,3 +25,5 @@ class KernelBackend:
     # x @ weight.T + bias, for the decoder's linear layers
     linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
     output_projection: Callable[[torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]
+    # Told the cores given to this rank, for kernels with threads of their own (None: none do).
+    set_max_threads: Callable[[int], None] | None = None

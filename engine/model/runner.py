@@ -84,6 +84,8 @@ class ModelRunner:
         self.config: ModelConfig = load_model_config(model_path, max_model_len)
         self.dtype = resolve_dtype(dtype, self.config, self.device)
         self.backend = select_backend(self.device, kernel_backend)
+        if self.threads is not None and self.backend.set_max_threads is not None:
+            self.backend.set_max_threads(self.threads.busy)
         self.model = load_model(
             model_path,
             self.config,

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.kernels.attention_metadata import TableRows
+from engine.kernels.cpu import attention
 from tests.unit.test_kernels import run_step
 
 # Long contexts over many shuffled blocks, decodes and short chunks, and a long chunk apart.
@@ -20,11 +22,12 @@ MIXED_STEP = [(300, 1), (5, 1), (700, 1), (20, 3), (0, 50), (63, 1), (64, 1), (1
 
 
 @pytest.fixture
-def two_threads() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
+def two_threads(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Every piece on two threads (the kernel's own pool), whatever its size."""
+    monkeypatch.setattr(attention, "PARALLEL_KEYS", 1)
+    attention.set_max_threads(2)
     yield
-    torch.set_num_threads(before)
+    attention.set_max_threads(0)
 
 
 @pytest.mark.parametrize("head_dim", [8, 64, 128])
@@ -32,6 +35,24 @@ def test_tokens_split_across_the_pool_attend_like_the_reference(
     two_threads: None, head_dim: int
 ) -> None:
     run_step(MIXED_STEP, seed=3, heads=8, kv_heads=2, backend="cpu", head_dim=head_dim)
+
+
+def test_large_pieces_use_every_core_of_the_rank_small_ones_one() -> None:
+    def piece(keys: int) -> TableRows:
+        empty = torch.zeros(0, dtype=torch.int64)
+        return TableRows(None, empty, empty, empty, keys)
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)  # a small step's matmuls: one core left to the other actors
+        attention.set_max_threads(4)
+        assert attention.kernel_threads(piece(attention.PARALLEL_KEYS)) == 4
+        assert attention.kernel_threads(piece(attention.PARALLEL_KEYS - 1)) == 1
+        attention.set_max_threads(0)  # not told: torch's count
+        assert attention.kernel_threads(piece(attention.PARALLEL_KEYS)) == 1
+    finally:
+        attention.set_max_threads(0)
+        torch.set_num_threads(before)
 
 
 def run_python(code: str, **env: str) -> subprocess.CompletedProcess[str]:

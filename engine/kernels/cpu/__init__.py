@@ -49,4 +49,5 @@ def backend() -> KernelBackend:
         silu_and_mul=torch_ops.silu_and_mul,
         linear=torch.nn.functional.linear,
         output_projection=torch_ops.output_projection,
+        set_max_threads=attention.set_max_threads,
     )

@@ -246,7 +246,10 @@ struct Job {
   }
 };
 
-// Helper threads that sleep between calls. The calling thread always works too.
+// Helper threads that sleep between calls. The calling thread always works too, and waits at
+// the end only for helpers that joined the call: one that has not woken by then (its core busy
+// with another process) finds the job withdrawn and goes back to sleep, so a late helper costs
+// the call nothing (an OpenMP team would wait for every member at its barrier).
 class Pool {
  public:
   void run(Job& job, int helpers) {
@@ -255,15 +258,14 @@ class Pool {
       std::lock_guard<std::mutex> lock(mutex_);
       job_ = &job;
       wanted_ = helpers;
-      busy_ = helpers;
       ++generation_;
     }
     wake_.notify_all();
     job.work();
     std::unique_lock<std::mutex> lock(mutex_);
-    // A helper decrements busy_ only after its last item: the caller cannot return (and free
-    // the job) while one still reads it, and no helper can miss a generation.
-    done_.wait(lock, [this] { return busy_ == 0; });
+    // A helper joins (active_++) and leaves (active_--) under the mutex, and reads job_ only in
+    // between: once none is active, withdrawing the job under the same mutex is safe.
+    done_.wait(lock, [this] { return active_ == 0; });
     job_ = nullptr;
   }
 
@@ -283,12 +285,13 @@ class Pool {
         std::unique_lock<std::mutex> lock(mutex_);
         wake_.wait(lock, [&] { return generation_ != seen; });
         seen = generation_;
-        if (index >= wanted_) continue;
+        if (index >= wanted_ || job_ == nullptr) continue;
         job = job_;
+        ++active_;
       }
       job->work();
       std::lock_guard<std::mutex> lock(mutex_);
-      if (--busy_ == 0) done_.notify_one();
+      if (--active_ == 0) done_.notify_one();
     }
   }
 
@@ -298,7 +301,7 @@ class Pool {
   Job* job_ = nullptr;
   uint64_t generation_ = 0;
   int wanted_ = 0;
-  int busy_ = 0;
+  int active_ = 0;
   int started_ = 0;
 };
 
