@@ -37,7 +37,7 @@ if __package__ in (None, ""):  # run as a script: make `engine` importable from 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.model.capacity import kv_block_bytes
-from engine.model.runner import ModelRunner
+from engine.model.runner import ModelRunner, describe_threads
 from engine.model.step_inputs import SeqChunk
 from tools.step_limits import MachineRates, ModelCost
 
@@ -308,7 +308,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     print(
         f"model {model}: {runner.config.architecture}, {runner.dtype}, "
-        f"{torch.get_num_threads()} threads"
+        f"{describe_threads(runner.threads)} threads, {runner.backend.name} kernels"
     )
     if args.correct:
         texts = greedy_texts(runner, CORRECTNESS_PROMPTS, args.output_len[0])
@@ -334,8 +334,14 @@ def main(argv: Sequence[str] | None = None) -> None:
                     print(f"skip batch {batch_size} in {input_len} out {output_len}: {reason}")
                     continue
                 results.append(bench_case(runner, batch_size, input_len, output_len))
+    # The limits are those of the most threads a step may use (a large step's matmuls, and the
+    # CPU attention kernel's share of a long context): the machine the model gets at its best.
+    most = runner.threads.busy if runner.threads is not None else torch.get_num_threads()
+    before = torch.get_num_threads()
+    torch.set_num_threads(most)
     rates = MachineRates.measure(runner.dtype)
-    print(f"limits: {rates.describe()}, {torch.get_num_threads()} threads")
+    torch.set_num_threads(before)
+    print(f"limits: {rates.describe()}, {most} threads")
     print_table(results, runner, rates)
     if (args.tp > 1 or args.dp > 1) and results:
         print_parallel(runner, model, results, args)

@@ -131,7 +131,7 @@ class ModelRunner:
             if self.group.size > 1
             else "",
             self.device,
-            _describe_threads(self.threads),
+            describe_threads(self.threads),
             str(self.dtype).removeprefix("torch."),
             self.backend.name,
             self.num_blocks,
@@ -215,7 +215,7 @@ class ModelRunner:
                 )
 
 
-def _describe_threads(threads: placement.ThreadPolicy | None) -> str:
+def describe_threads(threads: placement.ThreadPolicy | None) -> str:
     if threads is None:
         return str(torch.get_num_threads())
     if threads.light == threads.busy:
