@@ -51,7 +51,7 @@ from engine.model.placement import (
 )
 from engine.model.placement import kv_cache_bytes as placement_kv_cache_bytes
 from engine.scheduler.config import SchedulerConfig
-from engine.settings import Settings
+from engine.settings import Settings, resolve_home
 
 log = logging.getLogger(__name__)
 
@@ -195,6 +195,7 @@ def plan_engine(settings: Settings, model_path: str) -> EnginePlan:
         max_model_len=max_model_len,
         **thread_fields(threads_per_rank(settings, device, placement)),
         kernel_backend=kernel_backend_of(settings),
+        engine_home=str(resolve_home(settings)),
     )
     roles = replica_roles(settings)
     if any(role != "both" for role in roles) and device_type(device) != "cpu":
@@ -235,6 +236,7 @@ def plan_worker_node(settings: Settings, model_path: str) -> tuple[SupervisorSpe
         max_model_len=settings.model.max_model_len or config.max_position_embeddings,
         **thread_fields(threads_per_rank(settings, device, placement)),
         kernel_backend=kernel_backend_of(settings),
+        engine_home=str(resolve_home(settings)),
     )
     specs = []
     for replica in range(settings.parallel.data_parallel_size):

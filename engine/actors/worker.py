@@ -40,6 +40,8 @@ class WorkerActor(Actor):
         from engine.model.step import StepExecutor
 
         config = msgspec.msgpack.decode(self.config, type=WorkerConfig)
+        if config.engine_home:  # engine/kernels/cpu/build.py keeps the kernel there
+            os.environ["ENGINE_HOME"] = config.engine_home
         group = None
         if config.tensor_parallel is not None:  # a rank of a group: join it first
             from engine.actors.tp_group import join_group_of

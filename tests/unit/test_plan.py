@@ -11,6 +11,7 @@ import msgspec
 import pytest
 
 from engine.actors.kv_transfer_config import KvTransferConfig
+from engine.actors.worker_config import WorkerConfig
 from engine.llm import build_settings
 from engine.model.config import ModelConfig, load_model_config
 from engine.model.parallel.config import Placement
@@ -185,3 +186,24 @@ def test_a_plan_without_pd_has_no_kv_transfer_actor_or_segment(path: Path) -> No
     assert plan.replica_roles == ("both",)
     assert not plan.spec.segments
     assert not [c for c in plan.spec.children if c.role == "kv_transfer"]
+
+
+def test_every_worker_rank_is_told_the_engine_home_its_cpu_kernel_is_built_in(
+    path: Path, tmp_path: Path
+) -> None:
+    home = str(tmp_path / "home")
+    settings = build_settings(
+        **{
+            "parallel.tensor_parallel_size": 2,
+            "runtime.engine_home": home,
+            "cache.kv_cache_memory": 2**20,
+            "model.max_model_len": 256,
+        }
+    )
+    workers = [
+        msgspec.msgpack.decode(child.config, type=WorkerConfig)
+        for spec in plan_engine(settings, str(path)).replica_specs
+        for child in spec.children
+        if child.name.startswith("worker")
+    ]
+    assert [worker.engine_home for worker in workers] == [home, home]
