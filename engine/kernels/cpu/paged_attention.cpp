@@ -3,8 +3,9 @@
 // Each token reads the keys and values it may see where they lie in the paged KV cache, block
 // by block through its sequence's block table: no gather, no padding, no copy of the context.
 // One work item is one token: it reads each cache slot's row (every KV head) once, contiguously,
-// and scores every query head against it (grouped-query attention costs no extra traffic). Softmax is exact (max-subtracted, two passes over the scores,
-// which stay in a per-thread buffer), accumulated in float32 whatever the cache dtype.
+// and scores every query head against it (grouped-query attention costs no extra traffic).
+// Softmax is exact (max-subtracted; a pass over the keys for the scores, which stay in a
+// per-thread buffer, then one over the values), accumulated in float32 whatever the cache dtype.
 //
 // Built by engine/kernels/cpu/build.py with the system's C++ compiler and loaded through
 // ctypes: the interface is plain C, no torch or Python headers, so the build takes seconds.
@@ -56,7 +57,8 @@ inline void store(Float16* p, float x) { p->value = static_cast<_Float16>(x); }
 inline void store(float* p, float x) { *p = x; }
 
 // Hardware prefetchers stop at page boundaries, and a sequence's blocks lie anywhere: the next
-// block (its rows are contiguous) is fetched ahead while this one is read.
+// block (its rows are contiguous) is fetched ahead while this one is read (measured: 5.5-6.1 ->
+// 4.4 ms per layer at 32 x 1024 keys over shuffled blocks, one thread).
 template <typename T>
 inline void prefetch_row(const T* row, int64_t elements) {
   const char* bytes = reinterpret_cast<const char*>(row);
@@ -103,8 +105,8 @@ inline float sum8(Vec8 v) {
   return low + high;
 }
 
-// `count` rows of `width` elements from `rows` as float32: the cache itself when it is float32,
-// else converted into `buffer`.
+// `elements` values from `rows` as float32: the cache itself when it is float32, else converted
+// into `buffer`.
 inline const float* as_float(const float* rows, int64_t, std::vector<float>&) { return rows; }
 template <typename T>
 const float* as_float(const T* rows, int64_t elements, std::vector<float>& buffer) {
@@ -113,8 +115,9 @@ const float* as_float(const T* rows, int64_t elements, std::vector<float>& buffe
   return buffer.data();
 }
 
-// Scores of every query head against `count` consecutive slot rows. DIM > 0: the head size
-// known at compile time (a multiple of 16), the key's vectors held in registers for its heads.
+// Scores of every query head against `count` consecutive slot rows, prefetching `next`'s rows
+// one by one. DIM > 0: the head size known at compile time (a multiple of 16), each dot product
+// unrolled into two independent vector accumulators.
 template <int DIM, typename T>
 void score_rows(const Problem& p, const float* query, const float* rows, int64_t count,
                 float* scores, int64_t seen, const T* next) {
@@ -147,7 +150,8 @@ void score_rows(const Problem& p, const float* query, const float* rows, int64_t
   }
 }
 
-// acc[h] += sum over the `count` rows of weight[h, row] * value[row, kv head of h].
+// acc[h] += sum over the `count` rows of weight[h, row] * value[row, kv head of h]; `next`'s
+// rows are prefetched first.
 template <int DIM, typename T>
 void accumulate_rows(const Problem& p, const float* weights, int64_t seen, const float* rows,
                      int64_t count, float* acc, const T* next) {
