@@ -144,14 +144,19 @@ def test_in_place_attention_over_shuffled_blocks_for_each_gqa_ratio(
 
 def test_decodes_and_short_chunks_attend_in_place_together() -> None:
     cache = make_cache(64)
-    meta = build_attention_metadata(
-        [1, 5, 40, 1],
-        [9, 3, 0, 17],
-        [[1, 2, 3], [4, 5], list(range(6, 16)), [20, 21, 22, 23, 24]],
-        cache=cache,
-        queries_per_kv=2,
-        device=torch.device("cpu"),
-    )
+
+    def step_metadata(in_place: attention_metadata.InPlace) -> attention_metadata.AttentionMetadata:
+        return build_attention_metadata(
+            [1, 5, 40, 1],
+            [9, 3, 0, 17],
+            [[1, 2, 3], [4, 5], list(range(6, 16)), [20, 21, 22, 23, 24]],
+            cache=cache,
+            queries_per_kv=2,
+            device=torch.device("cpu"),
+            in_place=in_place,
+        )
+
+    meta = step_metadata("sparse")
     in_place = [p for p in meta.pieces if isinstance(p, SlotRows)]
     assert len(in_place) == 1
     assert in_place[0].rows.tolist() == [0, 1, 2, 3, 4, 5, 46]  # the 40-token chunk is apart
@@ -161,16 +166,7 @@ def test_decodes_and_short_chunks_attend_in_place_together() -> None:
         n for n in seen for _ in range(HEADS)
     ]
     # The compiled kernel's piece: the same tokens, each with its block table and count.
-    meta = build_attention_metadata(
-        [1, 5, 40, 1],
-        [9, 3, 0, 17],
-        [[1, 2, 3], [4, 5], list(range(6, 16)), [20, 21, 22, 23, 24]],
-        cache=cache,
-        queries_per_kv=2,
-        device=torch.device("cpu"),
-        in_place="table",
-    )
-    tables = [p for p in meta.pieces if isinstance(p, TableRows)]
+    tables = [p for p in step_metadata("table").pieces if isinstance(p, TableRows)]
     assert len(tables) == 1 and tables[0].rows is not None
     assert tables[0].rows.tolist() == [0, 1, 2, 3, 4, 5, 46]
     assert tables[0].seen.tolist() == seen
