@@ -17,7 +17,7 @@ runs every load, and is stopped (SIGTERM, a wait, then SIGKILL for it and anythi
 its session) before the next one starts.
 
 Printed: one table, for each load and server: requests served, req/s, output tok/s, TTFT p50 /
-p99, TPOT p50 / p99 (per request: (end - first token) / (tokens - 1)), ITL p99, then a ratio
+p99, TPOT p50 / p99 (per request: (end - first token) / (tokens - 1)), ITL p50 / p99, then a ratio
 row: throughput engine / vLLM, latency vLLM / engine, so > 1 means the engine is better in
 every column. Figures of one run compare; absolute figures drift across runs on a shared
 machine. Exit status 1 when a server fails to start (one line names it) or a request fails.
@@ -80,6 +80,7 @@ class Figures:
     ttft_p99_ms: float | None
     tpot_p50_ms: float | None
     tpot_p99_ms: float | None
+    itl_p50_ms: float | None
     itl_p99_ms: float | None
     first_error: str | None
 
@@ -172,6 +173,7 @@ def summarize(server: str, load: str, results: list[ReplayResult]) -> Figures:
         ttft_p99_ms=_ms(run.ttft.p99),
         tpot_p50_ms=_ms(percentile(tpots, 50)),
         tpot_p99_ms=_ms(percentile(tpots, 99)),
+        itl_p50_ms=_ms(percentile(itls, 50)),
         itl_p99_ms=_ms(percentile(itls, 99)),
         first_error=failed.error if failed else None,
     )
@@ -191,6 +193,7 @@ COLUMNS = (
     ("TTFT p99", "ttft_p99_ms", "{:.1f}", False),
     ("TPOT p50", "tpot_p50_ms", "{:.1f}", False),
     ("TPOT p99", "tpot_p99_ms", "{:.1f}", False),
+    ("ITL p50", "itl_p50_ms", "{:.1f}", False),
     ("ITL p99", "itl_p99_ms", "{:.1f}", False),
 )
 

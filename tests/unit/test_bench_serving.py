@@ -42,6 +42,7 @@ def test_tpot_is_the_time_after_the_first_token_per_later_token() -> None:
     assert figures.tpot_p50_ms == pytest.approx((100.0 + 400.0 / 3) / 2)
     assert figures.ttft_p50_ms == pytest.approx(200.0)
     # 12 gaps, eleven of 100 ms and one of 200 ms: p99 sits 0.89 of the way from 100 to 200
+    assert figures.itl_p50_ms == pytest.approx(100.0)
     assert figures.itl_p99_ms == pytest.approx(189.0)
     assert figures.requests_per_s == pytest.approx(3 / 1.1)  # first sent at 0, last done at 1.1
     assert figures.output_tokens_per_s == pytest.approx(15 / 1.1)
@@ -58,7 +59,7 @@ def test_a_failed_request_is_counted_and_its_error_kept() -> None:
 def _figures(server: str, scale: float) -> Figures:
     """Throughput divided by `scale`, latencies multiplied by it."""
     return Figures(server, "inf", 8, 8, 4.0 / scale, 400.0 / scale, 50.0 * scale, 90.0 * scale,
-                   10.0 * scale, 20.0 * scale, 30.0 * scale, None)  # fmt: skip
+                   10.0 * scale, 20.0 * scale, 5.0 * scale, 30.0 * scale, None)  # fmt: skip
 
 
 def test_ratios_above_one_mean_the_engine_is_better_in_every_column() -> None:
