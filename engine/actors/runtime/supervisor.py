@@ -53,6 +53,10 @@ from engine.messages.control import LogLevel, Ready
 __all__ = ["ChildStartError", "Supervisor"]
 
 REAP_WAIT_S = 1.0  # how long a death waits for a sibling that died with it to be reaped
+# How long a death waits for the sentinels of siblings that died with it to be seen at all: the
+# event loop may report one sentinel an iteration after another (seen in the full suite: two
+# children SIGKILLed together were restarted one after the other).
+SIBLING_SENTINEL_WAIT_S = 0.02
 
 log = logging.getLogger(__name__)
 
@@ -212,6 +216,7 @@ class Supervisor:
         """The next death and every other one already queued, less the exits the supervisor
         caused itself (a stop, a process replaced meanwhile)."""
         exited = [await self._exits.get()]
+        await asyncio.sleep(SIBLING_SENTINEL_WAIT_S)
         # A sibling that died too may not be reapable yet (its sentinel fires a moment before
         # the kernel lets the parent reap it): it belongs to this failure, so wait for it.
         unreaped = [
