@@ -180,9 +180,12 @@ class LeastPendingRouter:
         """P/D: a prefill replica hands a request of one sample on after its first token (while a
         decode replica is left to take it); a KV source is only for a decode replica (on a
         prefill replica serving colocated, the held blocks are in its own prefix cache)."""
-        decoders = any(self.roles[r] == "decode" for r in self.live)
-        prefills = self.roles[replica] == "prefill"
-        handoff = "continue" if prefills and decoders and request.params.n == 1 else ""
+        hands_on = (
+            self.roles[replica] == "prefill"
+            and request.params.n == 1
+            and any(self.roles[r] == "decode" for r in self.live)
+        )
+        handoff = "continue" if hands_on else ""
         source = request.kv_source if self.roles[replica] == "decode" else None
         if handoff == request.kv_handoff and source is request.kv_source:
             return frame

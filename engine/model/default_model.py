@@ -17,6 +17,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from engine.home import default_engine_home
 from engine.model.checkpoint_maker import CheckpointSpec
 
 log = logging.getLogger(__name__)
@@ -36,10 +37,6 @@ DEFAULT_MODEL_SPEC = CheckpointSpec(
 )
 # Bump when the maker's output changes for the same spec, so caches rebuild.
 DEFAULT_MODEL_VERSION = 3  # 3: the chat template renders tools (issue 15)
-
-
-def default_engine_home() -> Path:
-    return Path(os.environ.get("ENGINE_HOME") or "~/.cache/engine").expanduser()
 
 
 def default_model_dir(engine_home: str | None = None) -> Path:

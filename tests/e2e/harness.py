@@ -93,20 +93,27 @@ def stop_process(proc: subprocess.Popen[str], timeout: float) -> int:
     return proc.returncode
 
 
-def start_server(
-    args: list[str], log_dir: Path, env: dict[str, str] | None = None, name: str = "server"
-) -> Server:
-    log_path = log_dir / f"{name}.log"
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+def spawn_engine(
+    command: list[str], log_path: Path, env: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
+    """`python -m engine <command>`, not waited for: stdout piped (for its ready line), stderr
+    to `log_path`."""
     with open(log_path, "w") as log_file:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "engine", "serve", *args],
+        return subprocess.Popen(
+            [sys.executable, "-m", "engine", *command],
             cwd=REPO,
-            env=full_env,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
             stdout=subprocess.PIPE,
             stderr=log_file,
             text=True,
         )
+
+
+def start_server(
+    args: list[str], log_dir: Path, env: dict[str, str] | None = None, name: str = "server"
+) -> Server:
+    log_path = log_dir / f"{name}.log"
+    proc = spawn_engine(["serve", *args], log_path, env)
     try:
         line = read_line_starting(proc, "engine ready:", START_TIMEOUT_S)
     except BaseException:

@@ -3,9 +3,7 @@ URLs, its ready line read, stopped (SIGTERM) and its exit status checked on leav
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -15,7 +13,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.harness import API_KEY, REPO, Server, read_line_starting, stop_process
+from tests.e2e.harness import API_KEY, Server, read_line_starting, spawn_engine, stop_process
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
@@ -43,15 +41,7 @@ def proxied(
 ) -> Iterator[Proxy]:
     log_path = log_dir / f"{name}.log"
     argv = ["--prefill", *prefill, "--decode", *decode, "--port", "0", *flags]
-    with open(log_path, "w") as log_file:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "engine", "proxy", *argv],
-            cwd=REPO,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            stdout=subprocess.PIPE,
-            stderr=log_file,
-            text=True,
-        )
+    proc = spawn_engine(["proxy", *argv], log_path)
     try:
         line = read_line_starting(proc, "engine ready:", 60.0)
         yield Proxy(proc, line.split()[2], log_path)

@@ -7,7 +7,6 @@ non-zero exit and one line that names the numbers at fault.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -25,6 +24,7 @@ from tests.e2e.harness import (
     free_port,
     leftover_ipc,
     read_line_starting,
+    spawn_engine,
     start_server,
     stop_process,
 )
@@ -63,16 +63,7 @@ def start_worker_node(args: list[str], log_dir: Path) -> WorkerNode:
     """`python -m engine serve ... --node-rank 1`, not waited for: it is ready only once node 0
     has started too (the group forms when both ranks are there)."""
     log_path = log_dir / "node1.log"
-    with open(log_path, "w") as log_file:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "engine", "serve", *args],
-            cwd=REPO,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            stdout=subprocess.PIPE,
-            stderr=log_file,
-            text=True,
-        )
-    return WorkerNode(proc, log_path)
+    return WorkerNode(spawn_engine(["serve", *args], log_path), log_path)
 
 
 @dataclass

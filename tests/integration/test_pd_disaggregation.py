@@ -27,6 +27,14 @@ from tests.integration.test_llm_matches_hf import ARCHS
 BLOCK = 16
 MAX_TOKENS = 10
 SETTLE_S = 10.0
+# One prefill and one decode replica, small steps and a small cache: every test's launch.
+PD_ENGINE = {
+    "kv_cache_memory": 4 * 2**20,
+    "kv_transfer__prefill_replicas": 1,
+    "kv_transfer__decode_replicas": 1,
+    "scheduler__max_num_batched_tokens": 64,
+    "scheduler__max_num_seqs": 8,
+}
 
 
 @pytest.fixture(scope="module", params=list(ARCHS))
@@ -36,14 +44,7 @@ def model_path(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture(scope="module")
 def llm(model_path: str) -> Iterator[LLM]:
-    with LLM(
-        model_path,
-        kv_cache_memory=4 * 2**20,
-        kv_transfer__prefill_replicas=1,
-        kv_transfer__decode_replicas=1,
-        scheduler__max_num_batched_tokens=64,
-        scheduler__max_num_seqs=8,
-    ) as engine:
+    with LLM(model_path, **PD_ENGINE) as engine:
         yield engine
 
 
@@ -117,15 +118,7 @@ def test_with_two_tensor_parallel_ranks_each_rank_moves_its_shard() -> None:
     rng = random.Random(11)
     prompts = [[rng.randrange(3, 200) for _ in range(n)] for n in (40, 70)]
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    with LLM(
-        path,
-        kv_cache_memory=4 * 2**20,
-        tensor_parallel_size=2,
-        kv_transfer__prefill_replicas=1,
-        kv_transfer__decode_replicas=1,
-        scheduler__max_num_seqs=8,
-        scheduler__max_num_batched_tokens=64,
-    ) as llm:
+    with LLM(path, tensor_parallel_size=2, **PD_ENGINE) as llm:
         outputs = llm.generate(prompts, params)
         for prompt, out in zip(prompts, outputs, strict=True):
             assert_greedy_matches_hf(path, prompt, out.outputs[0].token_ids)

@@ -107,18 +107,24 @@ def test_bad_arguments_are_named(argv: list[str], named: str) -> None:
         parse_proxy_args(argv)
 
 
-def test_the_command_exits_nonzero_with_one_line() -> None:
+def run_proxy(*argv: str) -> tuple[int, str]:
+    """`python -m engine proxy ARGV` run to its end: its exit status and its one stderr line."""
     done = subprocess.run(
-        [sys.executable, "-m", "engine", "proxy", "--prefill", "localhost:8000"],
+        [sys.executable, "-m", "engine", "proxy", *argv],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=60,
     )
-    assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, done.stderr
-    assert "localhost:8000" in lines[0]
+    return done.returncode, lines[0]
+
+
+def test_the_command_exits_nonzero_with_one_line() -> None:
+    status, line = run_proxy("--prefill", "localhost:8000")
+    assert status == 2
+    assert "localhost:8000" in line
 
 
 def test_the_proxy_imports_no_model_code() -> None:
@@ -131,15 +137,6 @@ def test_a_busy_port_is_one_line_and_status_1() -> None:
     nowhere = "http://127.0.0.1:9"
     with socket.create_server(("127.0.0.1", 0)) as busy:
         port = busy.getsockname()[1]
-        argv = ["proxy", "--prefill", nowhere, "--decode", nowhere, "--port", str(port)]
-        done = subprocess.run(
-            [sys.executable, "-m", "engine", *argv],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-    assert done.returncode == 1
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1, done.stderr
-    assert "cannot listen on" in lines[0] and f"127.0.0.1:{port}" in lines[0]
+        status, line = run_proxy("--prefill", nowhere, "--decode", nowhere, "--port", str(port))
+    assert status == 1
+    assert "cannot listen on" in line and f"127.0.0.1:{port}" in line

@@ -22,6 +22,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from engine.home import default_engine_home
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
@@ -48,7 +50,7 @@ def compiler() -> str | None:
 
 
 def library_path() -> Path:
-    home = Path(os.environ.get("ENGINE_HOME") or "~/.cache/engine").expanduser()
+    home = default_engine_home()
     digest = hashlib.sha256(SOURCE.read_bytes())
     digest.update(" ".join(FLAGS).encode())
     digest.update(_cpu_flags().encode())
