@@ -31,15 +31,19 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
 if __package__ in (None, ""):  # run as a script: make `engine` importable from the repo root
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.model.capacity import kv_block_bytes
-from engine.model.runner import ModelRunner, describe_threads
-from engine.model.step_inputs import SeqChunk
-from tools.step_limits import MachineRates, ModelCost
+from engine.model.placement import sleeping_openmp_threads
+
+sleeping_openmp_threads()  # as the engine's workers do; before torch loads OpenMP
+
+import torch  # noqa: E402
+
+from engine.model.capacity import kv_block_bytes  # noqa: E402
+from engine.model.runner import ModelRunner, describe_threads  # noqa: E402
+from engine.model.step_inputs import SeqChunk  # noqa: E402
+from tools.step_limits import MachineRates, ModelCost  # noqa: E402
 
 CORRECTNESS_PROMPTS = [
     "The harbour at first light",

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from engine.model.placement import sleeping_openmp_threads
 from tools.bench_one_batch import (
     CaseResult,
     bench_case,
@@ -75,8 +76,7 @@ def parallel_cases(
     out: Any = context.Queue()
     ports = [_free_port() for _ in range(dp)]
     processes = []
-    # As the engine's workers: on a small machine spinning OpenMP threads starve the others.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    sleeping_openmp_threads()  # as the engine's workers; the rank processes inherit it
     for replica in range(dp):
         replica_cases = [(shares(b, dp)[replica], i, o) for b, i, o in cases]
         for rank in range(tp):

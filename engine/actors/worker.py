@@ -21,6 +21,7 @@ from tqdm import tqdm
 from engine.actors.runtime.actor import Actor
 from engine.actors.worker_config import WorkerConfig
 from engine.messages.steps import STEP_PLANS, STEP_RESULTS, StepPlan, StepResult, WorkerFailed
+from engine.model.placement import sleeping_openmp_threads
 from engine.model.step_inputs import is_long
 from engine.testing.fault_injection import FaultInjection
 
@@ -29,9 +30,7 @@ class WorkerActor(Actor):
     channels = (STEP_PLANS,)
 
     async def on_start(self) -> dict[str, Any] | None:
-        # With two OpenMP threads on a small machine, a spinning barrier thread fights the
-        # scheduler and detokenizer for the other core; passive waiting is 5-10x faster here.
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        sleeping_openmp_threads()  # before torch is imported, below
         # tqdm's default lock is a multiprocessing semaphore, which a SIGKILLed worker would
         # leak (and the resource tracker warn about); a thread lock is all one process needs.
         tqdm.set_lock(threading.RLock())

@@ -17,7 +17,7 @@ class WorkerConfig(msgspec.Struct, frozen=True):
     kv_cache_memory: int  # bytes; the root sized it to exactly the scheduler's block count
     max_model_len: int
     num_threads: int | None = None  # torch threads for small steps (placement.ThreadPolicy)
-    busy_threads: int | None = None  # for steps of at least placement.BUSY_STEP_TOKENS tokens
+    busy_threads: int | None = None  # for large steps (placement.ThreadPolicy.threads_for)
     kernel_backend: str = "auto"
     engine_home: str = ""  # runtime.engine_home, where the CPU kernel is built; "": $ENGINE_HOME
     tensor_parallel: TensorParallelConfig | None = None  # None: a group of one

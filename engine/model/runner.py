@@ -43,6 +43,7 @@ class PreparedStep:
     # Rows of the step's tokens whose logits are computed, in order: each sampled chunk's last
     # token, and every token of the chunks asked for in full (prompt logprobs).
     logit_rows: list[int]
+    keys: int = 0  # at most this many keys read by its attention per layer (thread count)
 
 
 class ModelRunner:
@@ -175,7 +176,8 @@ class ModelRunner:
             queries_per_kv=self.shape.queries_per_kv,
             device=self.device,
         )
-        return PreparedStep(long_tensor(token_ids).to(self.device), attention, logit_rows)
+        keys = sum(len(c.token_ids) * (c.start_pos + len(c.token_ids)) for c in chunks)
+        return PreparedStep(long_tensor(token_ids).to(self.device), attention, logit_rows, keys)
 
     @torch.inference_mode()
     def execute(self, step: PreparedStep) -> torch.Tensor:
@@ -185,7 +187,7 @@ class ModelRunner:
         if step.token_ids is None or step.attention is None:
             return empty
         if self.threads is not None:
-            threads = self.threads.threads_for(len(step.token_ids))
+            threads = self.threads.threads_for(len(step.token_ids), step.keys)
             if threads != torch.get_num_threads():
                 torch.set_num_threads(threads)
         hidden = self.model(step.token_ids, step.attention, self.kv_cache)
@@ -220,7 +222,10 @@ def describe_threads(threads: placement.ThreadPolicy | None) -> str:
         return str(torch.get_num_threads())
     if threads.light == threads.busy:
         return str(threads.light)
-    return f"{threads.light}, {threads.busy} for steps of >= {threads.busy_from_tokens} tokens"
+    return (
+        f"{threads.light}, {threads.busy} for steps of >= {threads.busy_from_tokens} tokens or "
+        f">= {threads.busy_from_keys} keys"
+    )
 
 
 def _free_memory(device: torch.device) -> int:

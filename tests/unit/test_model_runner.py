@@ -8,6 +8,7 @@ import torch
 
 from engine.model.capacity import kv_cache_blocks
 from engine.model.config import load_model_config
+from engine.model.placement import ThreadPolicy
 from engine.model.runner import ModelRunner
 from engine.model.step_inputs import SeqChunk
 from tests.checkpoints import tiny_checkpoint
@@ -90,3 +91,23 @@ def test_bad_settings_are_rejected() -> None:
         ModelRunner(path, kv_cache_fraction=1.5)
     with pytest.raises(ValueError, match="unsupported device 'tpu'"):
         ModelRunner(path, device="tpu")
+
+
+def test_a_step_of_long_decodes_runs_on_the_busy_threads(runner: ModelRunner) -> None:
+    """ThreadPolicy counts the keys a step's attention reads, not only its tokens: a few decodes
+    over a long context run on every core given to the rank."""
+    before_policy, before_threads = runner.threads, torch.get_num_threads()
+    runner.threads = ThreadPolicy(light=1, busy=2, busy_from_tokens=128, busy_from_keys=1000)
+    table = list(range(14))  # 14 blocks of 16 slots: positions up to 223
+
+    def decodes(count: int) -> list[SeqChunk]:
+        return [SeqChunk(seq, [5], 200, table, True) for seq in range(count)]
+
+    try:
+        runner.forward(decodes(4))  # 4 x 201 keys
+        assert torch.get_num_threads() == 1
+        runner.forward(decodes(5))  # 5 x 201 keys
+        assert torch.get_num_threads() == 2
+    finally:
+        runner.threads = before_policy
+        torch.set_num_threads(before_threads)

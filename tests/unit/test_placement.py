@@ -6,6 +6,7 @@ import pytest
 
 from engine.model.config import load_model_config
 from engine.model.placement import (
+    BUSY_STEP_KEYS,
     BUSY_STEP_TOKENS,
     CPU_KV_CACHE_MAX_BYTES,
     kv_cache_bytes,
@@ -70,6 +71,9 @@ def test_thread_policy_per_step(
     policy = thread_policy(requested, cores, ranks)
     assert policy.threads_for(1) == policy.threads_for(BUSY_STEP_TOKENS - 1) == small_step
     assert policy.threads_for(BUSY_STEP_TOKENS) == policy.threads_for(4096) == large_step
+    # A few tokens that attend to a long context (a batch of long decodes) count as large.
+    assert policy.threads_for(32, BUSY_STEP_KEYS - 1) == small_step
+    assert policy.threads_for(32, BUSY_STEP_KEYS) == policy.threads_for(1, 10**6) == large_step
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
