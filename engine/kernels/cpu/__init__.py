@@ -1,5 +1,6 @@
 """The compiled CPU backend: the torch backend with decode and short-chunk attention in a C++
-kernel (paged_attention.cpp) that reads the context in place through the block tables.
+kernel (paged_attention.cpp) that reads the context in place through the block tables, and the
+decoder's pointwise steps of small (decode) tensors as one C++ call each (pointwise.cpp).
 
 The kernel is built with the system's C++ compiler (engine/kernels/cpu/build.py) at install
 time or on first use. Importing this package neither builds nor loads it; `unavailable_reason`
@@ -34,7 +35,7 @@ def unavailable_reason(device: torch.device) -> str | None:
 def backend() -> KernelBackend:
     from engine.kernels import attention_metadata, torch_ops
     from engine.kernels.backend import KernelBackend
-    from engine.kernels.cpu import attention
+    from engine.kernels.cpu import attention, pointwise
 
     return KernelBackend(
         name="cpu",
@@ -42,11 +43,11 @@ def backend() -> KernelBackend:
             attention_metadata.build_attention_metadata, in_place="table"
         ),
         paged_attention=attention.paged_attention,
-        rms_norm=torch_ops.rms_norm,
-        rms_norm_per_head=torch_ops.rms_norm_per_head,
+        rms_norm=pointwise.rms_norm,
+        rms_norm_per_head=pointwise.rms_norm_per_head,
         rotary_cos_sin=torch_ops.rotary_cos_sin,
-        apply_rotary=torch_ops.apply_rotary,
-        silu_and_mul=torch_ops.silu_and_mul,
+        apply_rotary=pointwise.apply_rotary,
+        silu_and_mul=pointwise.silu_and_mul,
         linear=torch.nn.functional.linear,
         output_projection=torch_ops.output_projection,
         set_max_threads=attention.set_max_threads,

@@ -2,7 +2,7 @@
 machine, and load it through ctypes.
 
 The library lands in $ENGINE_HOME/kernels (default ~/.cache/engine/kernels) under a name that
-hashes the source, the compiler flags and this CPU's instruction-set flags (-march=native:
+hashes the sources, the compiler flags and this CPU's instruction-set flags (-march=native:
 a home shared by machines of different CPUs gets one build per CPU kind). Processes that build
 at the same time each compile to a temporary file and rename it into place, so a reader never
 sees a half-written library. `make` builds it during installation
@@ -26,7 +26,9 @@ from engine.home import default_engine_home
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("paged_attention.cpp")
+HERE = Path(__file__).parent
+SOURCES = (HERE / "paged_attention.cpp", HERE / "pointwise.cpp")
+HEADERS = (HERE / "cpu_vector.h",)
 FLAGS = (
     "-O3",
     "-march=native",
@@ -51,10 +53,12 @@ def compiler() -> str | None:
 
 def library_path() -> Path:
     home = default_engine_home()
-    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest = hashlib.sha256()
+    for part in (*SOURCES, *HEADERS):
+        digest.update(part.read_bytes())
     digest.update(" ".join(FLAGS).encode())
     digest.update(_cpu_flags().encode())
-    return home / "kernels" / f"paged_attention-{digest.hexdigest()[:16]}.so"
+    return home / "kernels" / f"cpu_kernels-{digest.hexdigest()[:16]}.so"
 
 
 def _cpu_flags() -> str:
@@ -67,7 +71,7 @@ def _cpu_flags() -> str:
 
 
 def build(target: Path) -> None:
-    """Compile SOURCE into `target` (atomically replaced). Raises KernelBuildError."""
+    """Compile SOURCES into `target` (atomically replaced). Raises KernelBuildError."""
     cxx = compiler()
     if cxx is None:
         raise KernelBuildError("no C++ compiler found ($CXX, c++ or g++)")
@@ -78,7 +82,7 @@ def build(target: Path) -> None:
     os.close(handle)
     try:
         done = subprocess.run(
-            [cxx, *FLAGS, "-o", staging, str(SOURCE)],
+            [cxx, *FLAGS, "-o", staging, *map(str, SOURCES)],
             capture_output=True,
             text=True,
             timeout=BUILD_TIMEOUT_S,
@@ -87,12 +91,14 @@ def build(target: Path) -> None:
         if done.returncode != 0:
             last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
             raise KernelBuildError(
-                f"{cxx} failed to build {SOURCE.name} ({done.returncode}): {last}"
+                f"{cxx} failed to build the CPU kernels ({done.returncode}): {last}"
             )
         os.chmod(staging, 0o755)
         os.replace(staging, target)
     except subprocess.TimeoutExpired as exc:
-        raise KernelBuildError(f"{cxx} took over {BUILD_TIMEOUT_S:.0f} s on {SOURCE.name}") from exc
+        raise KernelBuildError(
+            f"{cxx} took over {BUILD_TIMEOUT_S:.0f} s on the CPU kernels"
+        ) from exc
     finally:
         if os.path.exists(staging):
             os.unlink(staging)
@@ -100,7 +106,7 @@ def build(target: Path) -> None:
 
 @functools.cache
 def load_library() -> ctypes.CDLL:
-    """The built library with its function's signature declared; built first if missing."""
+    """The built library with its functions' signatures declared; built first if missing."""
     target = library_path()
     if not target.is_file():
         log.info("building the CPU attention kernel (once) into %s", target)
@@ -132,6 +138,19 @@ def load_library() -> ctypes.CDLL:
         ctypes.c_int,  # threads
     ]
     function.restype = ctypes.c_int
+    # engine/kernels/cpu/pointwise.cpp; x and out point at activations, all of one dtype.
+    signatures = {
+        # dtype, x, token stride, tokens, heads, dim, weight, weight head stride, eps, out
+        "engine_rms_norm": [ctypes.c_int, ptr, i64, i64, i64, i64, ptr, i64, ctypes.c_float, ptr],
+        # dtype, x, token stride, tokens, heads, dim, cos, sin, out
+        "engine_rotary": [ctypes.c_int, ptr, i64, i64, i64, i64, ptr, ptr, ptr],
+        # dtype, gate_up, tokens, width, out
+        "engine_silu_and_mul": [ctypes.c_int, ptr, i64, i64, ptr],
+    }
+    for name, argtypes in signatures.items():
+        pointwise = getattr(library, name)
+        pointwise.argtypes = argtypes
+        pointwise.restype = ctypes.c_int
     return library
 
 

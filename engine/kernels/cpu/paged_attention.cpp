@@ -23,38 +23,9 @@
 
 #include <unistd.h>
 
+#include "cpu_vector.h"
+
 namespace {
-
-enum Dtype : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
-
-inline float to_float(float x) { return x; }
-
-struct BFloat16 {
-  uint16_t bits;
-};
-inline float to_float(BFloat16 x) {
-  uint32_t widened = static_cast<uint32_t>(x.bits) << 16;
-  float out;
-  std::memcpy(&out, &widened, sizeof out);
-  return out;
-}
-inline void store(BFloat16* p, float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) {  // NaN stays a (quiet) NaN
-    p->bits = static_cast<uint16_t>((bits >> 16) | 0x40u);
-    return;
-  }
-  bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest even, as torch does
-  p->bits = static_cast<uint16_t>(bits >> 16);
-}
-
-struct Float16 {
-  _Float16 value;
-};
-inline float to_float(Float16 x) { return static_cast<float>(x.value); }
-inline void store(Float16* p, float x) { p->value = static_cast<_Float16>(x); }
-inline void store(float* p, float x) { *p = x; }
 
 // Hardware prefetchers stop at page boundaries, and a sequence's blocks lie anywhere: the next
 // block (its rows are contiguous) is fetched ahead while this one is read (measured: 5.5-6.1 ->
@@ -95,20 +66,6 @@ struct Scratch {
   std::vector<float> inverse_sums;  // [heads] 1 / sum of each head's exp(score - max)
   std::vector<float> block;   // one block's rows in float32 (caches of other dtypes)
 };
-
-// 8 floats in one vector register (GCC's vector extension: AVX on x86, two NEON on Arm).
-typedef float Vec8 __attribute__((vector_size(32)));
-inline Vec8 load8(const float* p) {
-  Vec8 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline void store8(float* p, Vec8 v) { std::memcpy(p, &v, sizeof v); }
-inline float sum8(Vec8 v) {
-  const float low = (v[0] + v[4]) + (v[1] + v[5]);
-  const float high = (v[2] + v[6]) + (v[3] + v[7]);
-  return low + high;
-}
 
 // `elements` values from `rows` as float32: the cache itself when it is float32, else converted
 // into `buffer`.
@@ -186,32 +143,6 @@ void accumulate_rows(const Problem& p, const float* weights, int64_t head_stride
       }
     }
   }
-}
-
-typedef int32_t Int8 __attribute__((vector_size(32)));
-
-// exp(x) of 8 floats at once (a scalar std::exp per score was a fifth of the kernel's time at
-// 32 x 1,024 keys). x = n ln2 + r with |r| <= ln2 / 2; exp(r) by Cephes' expf polynomial
-// (relative error about 1 ulp); 2^n written into the exponent bits. Inputs below -87 (where
-// exp is below float's smallest normal) give 0, as do -inf; the callers pass max-subtracted
-// scores, which are <= 0.
-inline Vec8 exp8(Vec8 x) {
-  const Vec8 low = x < -87.0f ? Vec8{} - 87.0f : x;  // keeps 2^n a normal float
-  const Vec8 rounder = Vec8{} + 12582912.0f;         // 1.5 * 2^23: adding it rounds to integer
-  const Vec8 n = (low * 1.44269504088896341f + rounder) - rounder;
-  const Vec8 r = (low - n * 0.693359375f) + n * 2.12194440e-4f;  // ln 2 in two parts
-  Vec8 poly = Vec8{} + 1.9875691500e-4f;
-  poly = poly * r + 1.3981999507e-3f;
-  poly = poly * r + 8.3334519073e-3f;
-  poly = poly * r + 4.1665795894e-2f;
-  poly = poly * r + 1.6666665459e-1f;
-  poly = poly * r + 5.0000001201e-1f;
-  const Vec8 er = poly * r * r + r + 1.0f;
-  const Int8 bits = (__builtin_convertvector(n, Int8) + 127) << 23;
-  Vec8 scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  const Vec8 result = er * scale;
-  return x < -87.0f ? Vec8{} : result;
 }
 
 // Each head's scores -> exp(score - max); returns nothing but writes each head's 1 / sum of
