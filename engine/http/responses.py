@@ -83,6 +83,7 @@ class ResponseBuilder:
         self.prompt_logprobs: dict[int, list[Logprob | None]] = {}  # per prompt, when asked
         self.kv_transfer_params: dict[str, Any] | None = None  # a prefill instance's (P/D)
         self._echo_sent: set[int] = set()  # choices whose stream has had its echo
+        self._prompt_ids_sent: set[int] = set()  # choices whose stream has had the prompt's ids
 
     @property
     def choices(self) -> list[ChoiceState]:
@@ -212,8 +213,10 @@ class ResponseBuilder:
         events = []
         for choice, offset, delta in self.absorb(prompt_index, out):
             entries = delta.logprobs or []
-            # The prompt's ids go with each choice's first chunk (return_token_ids)
-            first = choice.num_tokens == len(delta.token_ids)
+            # The prompt's ids go with each choice's first chunk (return_token_ids). Not told by
+            # the token count: one engine yield may carry several deltas of a choice (outputs
+            # queued while the client was slow), absorbed together before their chunks are made.
+            first = choice.index not in self._prompt_ids_sent
             prompt_ids = self._prompt_ids(choice.index) if first else msgspec.UNSET
             if self.prepared.kind == "completion":
                 echo = choice.index not in self._echo_sent  # the prompt goes first, once
@@ -236,6 +239,7 @@ class ResponseBuilder:
                     else msgspec.UNSET,
                 )
                 events.append(self._completion_chunk([chunk_choice]))
+                self._prompt_ids_sent.add(choice.index)
             else:
                 finished = delta.finish_reason is not None
                 shaped, called = self._answer(choice.index).delta(choice.text, finished)
@@ -252,6 +256,7 @@ class ResponseBuilder:
                     token_ids=self._token_ids(delta.token_ids),
                 )
                 events.append(self._chat_chunk([chat_choice], prompt_token_ids=prompt_ids))
+                self._prompt_ids_sent.add(choice.index)
         return events
 
     def _answer(self, index: int) -> ChatAnswer:

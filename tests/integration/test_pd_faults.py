@@ -148,10 +148,14 @@ def first_tokens_out(progress: list[int]) -> bool:
 
 
 async def test_the_undisturbed_run_moved_kv_for_every_request(shared: Shared) -> None:
+    def counted() -> bool:  # the replicas' reports may arrive after the streams have ended
+        replicas = rows(shared.engine)
+        return replicas[PREFILL].kv_handoffs == STREAMS and replicas[DECODE].kv_pulls == STREAMS
+
+    await wait_for(counted, "every request handed off and pulled", timeout=30.0)
     replicas = rows(shared.engine)
     assert replicas[PREFILL].role == "prefill" and replicas[DECODE].role == "decode"
-    assert replicas[PREFILL].kv_handoffs == STREAMS
-    assert replicas[DECODE].kv_pulls == STREAMS and replicas[DECODE].kv_fallbacks == 0
+    assert replicas[DECODE].kv_fallbacks == 0
     assert all(o.finish_reason == "length" and len(o.token_ids) == MAX_TOKENS
                for o in shared.reference)  # fmt: skip
     await no_block_held_or_set_aside(shared.engine)

@@ -3,6 +3,7 @@ no processes): what arrives, what is acknowledged, and every refusal with the re
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import itertools
 import os
@@ -84,7 +85,10 @@ class Served:
         """Send raw bytes on a fresh connection (then close our writing side); the reply."""
         with socket.create_connection(self.listener.getsockname(), timeout=10) as sock:
             sock.sendall(payload)
-            sock.shutdown(socket.SHUT_WR)
+            # A frame refused at its header is answered and the connection closed at once: it
+            # may be gone (not connected) by the time our side closes its half.
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_WR)
             return TO_PULLER.receive(sock, time.monotonic() + 10)
 
 

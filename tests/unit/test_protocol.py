@@ -361,3 +361,30 @@ def test_batched_prompts_get_distinct_choice_indices() -> None:
     shape = json.loads(builder.final_body())
     assert [c["text"] for c in shape["choices"]] == ["y", "", "", "x"]
     assert shape["usage"]["prompt_tokens"] == 3
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_prompt_ids_go_with_each_choices_first_chunk_when_one_yield_carries_several(
+    kind: str,
+) -> None:
+    """return_token_ids: an engine yield may carry several deltas of one choice (outputs queued
+    while the client was slow); the prompt's ids still go with that choice's first chunk, once."""
+    stream = {"stream": True, "return_token_ids": True, "n": 2}
+    if kind == "completion":
+        prepared = parse_completion(body(prompt="p", **stream), MODEL)
+    else:
+        prepared = parse_chat(body(messages=[{"role": "user", "content": "x"}], **stream), MODEL)
+    builder = ResponseBuilder(prepared)
+    prompt_ids = [5, 6, 7]
+    yields = [
+        RequestOutput("r", "p", prompt_ids, [out(0, "He", [1]), out(0, "llo", [2, 3])]),
+        RequestOutput("r", "p", prompt_ids, [out(1, "Yo", [4]), out(0, "!", [9], "stop")]),
+        RequestOutput("r", "p", prompt_ids, [out(1, "", [], "length")], finished=True),
+    ]
+    chunks = sse_payloads([e for item in yields for e in builder.delta_events(0, item)])
+    carrying = [
+        (c["choices"][0]["index"], c["choices"][0]["token_ids"])
+        for c in chunks
+        if (c["choices"][0] if kind == "completion" else c).get("prompt_token_ids") == prompt_ids
+    ]
+    assert carrying == [(0, [1]), (1, [4])]
