@@ -44,10 +44,10 @@ from engine.model.placement import (
     ThreadPolicy,
     available_cores,
     device_type,
+    resident_weight_bytes,
     resolve_device,
     resolve_dtype,
     thread_policy,
-    weight_bytes,
 )
 from engine.model.placement import kv_cache_bytes as placement_kv_cache_bytes
 from engine.scheduler.config import SchedulerConfig
@@ -133,7 +133,7 @@ def kv_cache_bytes(
         kv_cache_memory=settings.cache.kv_cache_memory,
         memory_fraction=settings.cache.kv_cache_fraction,
         available_memory=available_cpu_memory() if device_type(device) == "cpu" else 0,
-        weights_per_rank=weight_bytes(config, dtype, tp),
+        weights_per_rank=resident_weight_bytes(config, dtype, tp, device),
         ranks_on_device=ranks,
         device=device,
     )

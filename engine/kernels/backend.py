@@ -9,6 +9,9 @@ import torch
 
 from engine.kernels.attention_metadata import AttentionMetadata
 
+# x, weight, bias -> x @ weight.T + bias
+Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
 
 @dataclasses.dataclass(frozen=True)
 class KernelBackend:
@@ -23,7 +26,12 @@ class KernelBackend:
     apply_rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
     # x @ weight.T + bias, for the decoder's linear layers
-    linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+    linear: Linear
     output_projection: Callable[[torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]
     # Told the cores given to this rank, for kernels with threads of their own (None: none do).
     set_max_threads: Callable[[int], None] | None = None
+    # The linear for one loaded weight, prepared once (packed for oneDNN); None: `linear`.
+    linear_for: Callable[[torch.Tensor], Linear] | None = None
+
+    def prepared_linear(self, weight: torch.Tensor) -> Linear:
+        return self.linear if self.linear_for is None else self.linear_for(weight)

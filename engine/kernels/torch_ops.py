@@ -11,6 +11,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from engine.packed_weights import PACKED_WEIGHT_LIMIT
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dimension, computed in float32 (as HF does for half types)."""
@@ -47,9 +49,10 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-# Packing a CPU weight for oneDNN costs a second copy of it; worth it for the vocabulary
-# projection (the widest matmul: ~1.5x faster at batch 1..256), up to this size.
-PACKED_WEIGHT_LIMIT = 256 << 20
+# Packing a CPU weight for oneDNN costs a second copy of it, up to PACKED_WEIGHT_LIMIT (counted in
+# the memory plan: placement.packed_weight_bytes). Worth it for the vocabulary projection (the
+# widest matmul: ~1.5x faster at batch 1..256); the compiled CPU backend packs the decoder's
+# matmuls too (engine/kernels/cpu/linear.py).
 
 
 def output_projection(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -58,9 +61,9 @@ def output_projection(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Te
     return packed_linear(weight) or (lambda x: F.linear(x, weight))
 
 
-def packed_linear(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """x -> x @ weight.T by oneDNN with the weight packed once, if this CPU and torch build have
-    it and it agrees with F.linear; else None."""
+def packed_linear(weight: torch.Tensor) -> Callable[..., torch.Tensor] | None:
+    """(x, bias=None) -> x @ weight.T + bias by oneDNN with the weight packed once, if this CPU
+    and torch build have it and it agrees with F.linear; else None."""
     nbytes = weight.numel() * weight.element_size()
     usable = (
         weight.device.type == "cpu"
@@ -73,8 +76,8 @@ def packed_linear(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
-        def linear(x: torch.Tensor) -> torch.Tensor:
-            return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        def linear(x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
         generator = torch.Generator().manual_seed(0)
         probe = torch.randn(3, weight.shape[1], generator=generator).to(weight.dtype)

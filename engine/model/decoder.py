@@ -82,9 +82,12 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, self.eps, ops) if config.qk_norm else None
         # q_norm and k_norm weights stacked per head, so both norms run as one call.
         self.qk_norm_weight: torch.Tensor | None = None
+        self.qkv_linear = ops.linear  # prepared for the loaded weight by fuse_weights
 
     def fuse_weights(self) -> None:
         """Build derived tensors once the checkpoint's weights are in place."""
+        self.qkv_linear = self.ops.prepared_linear(self.qkv_proj.weight)
+        self.o_proj.linear = self.ops.prepared_linear(self.o_proj.weight)
         if self.q_norm is not None and self.k_norm is not None:
             self.qk_norm_weight = torch.cat(
                 (
@@ -95,7 +98,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, step: StepContext) -> torch.Tensor:
         num_tokens = x.shape[0]
-        qkv = self.ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        qkv = self.qkv_linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
         qk = qkv[:, : self.qk_size].view(num_tokens, -1, self.head_dim)
         v = qkv[:, self.qk_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm_weight is not None:
@@ -119,9 +122,14 @@ class GatedMLP(nn.Module):
         size, hidden = shape.intermediate_size, config.hidden_size
         self.gate_up_proj = nn.Linear(hidden, 2 * size, bias=config.mlp_bias)
         self.down_proj = RowParallelLinear(size, hidden, config.mlp_bias, group, ops.linear)
+        self.gate_up_linear = ops.linear  # prepared for the loaded weight by fuse_weights
+
+    def fuse_weights(self) -> None:
+        self.gate_up_linear = self.ops.prepared_linear(self.gate_up_proj.weight)
+        self.down_proj.linear = self.ops.prepared_linear(self.down_proj.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.ops.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
+        gate_up = self.gate_up_linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
         return self.down_proj(self.ops.silu_and_mul(gate_up))
 
 
@@ -178,6 +186,7 @@ class DecoderForCausalLM(nn.Module):
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer)
             layer.self_attn.fuse_weights()
+            layer.mlp.fuse_weights()
         self.inv_freq = rope_inv_freq(self.config).to(self.embed_tokens.weight.device)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self.project_to_vocab = self.ops.output_projection(weight)

@@ -12,6 +12,7 @@ import re
 
 from engine.model.capacity import dtype_bytes
 from engine.model.config import ModelConfig
+from engine.packed_weights import packed_copy_bytes
 
 DEVICES = "'auto', 'cpu', 'cuda' or 'cuda:N'"
 SUPPORTED_DTYPES = {
@@ -156,6 +157,29 @@ def weight_bytes(config: ModelConfig, dtype: str, tensor_parallel_size: int = 1)
     embeddings = config.vocab_size * hidden * (1 if config.tie_word_embeddings else 2)
     params = config.num_layers * per_layer + embeddings + hidden
     return params * dtype_bytes(dtype) // tensor_parallel_size
+
+
+def packed_weight_bytes(config: ModelConfig, dtype: str, tensor_parallel_size: int = 1) -> int:
+    """Bytes of one rank's oneDNN copies on the CPU (engine/packed_weights.py): the vocabulary
+    projection's, and the decoder's matmul weights' (made by the compiled CPU backend; counted
+    whichever backend runs, as the plan is made before a worker chooses one)."""
+    hidden, intermediate = config.hidden_size, config.intermediate_size
+    q_out, kv_out = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    per_layer = [hidden * (q_out + 2 * kv_out), q_out * hidden, 2 * hidden * intermediate]
+    per_layer.append(intermediate * hidden)
+    matrices = per_layer * config.num_layers + [config.vocab_size * hidden]
+    size = dtype_bytes(dtype)
+    return packed_copy_bytes(params * size // tensor_parallel_size for params in matrices)
+
+
+def resident_weight_bytes(
+    config: ModelConfig, dtype: str, tensor_parallel_size: int, device: str
+) -> int:
+    """The memory one rank's weights take: the checkpoint's, and on the CPU their packed copies."""
+    weights = weight_bytes(config, dtype, tensor_parallel_size)
+    if device_type(device) != "cpu":
+        return weights
+    return weights + packed_weight_bytes(config, dtype, tensor_parallel_size)
 
 
 def kv_cache_bytes(

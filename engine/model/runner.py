@@ -101,8 +101,11 @@ class ModelRunner:
             kv_cache_memory=kv_cache_memory,
             memory_fraction=kv_cache_fraction,
             available_memory=_free_memory(self.device),
-            weights_per_rank=placement.weight_bytes(
-                self.config, str(self.dtype).removeprefix("torch."), self.group.size
+            weights_per_rank=placement.resident_weight_bytes(
+                self.config,
+                str(self.dtype).removeprefix("torch."),
+                self.group.size,
+                self.device.type,
             ),
             ranks_on_device=1,
             device=self.device.type,

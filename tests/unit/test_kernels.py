@@ -255,6 +255,27 @@ def test_output_projection_equals_a_plain_matmul() -> None:
         torch.testing.assert_close(project(x), x @ weight.T, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpu_backends_prepared_linear_equals_a_plain_matmul(
+    bias: bool, dtype: torch.dtype
+) -> None:
+    """One token through F.linear, more through the weight packed for oneDNN: both x @ W.T + b;
+    a weight it was not prepared for goes to F.linear."""
+    generator = torch.Generator().manual_seed(5)
+    weight = torch.randn(96, 64, generator=generator).to(dtype)
+    b = torch.randn(96, generator=generator).to(dtype) if bias else None
+    linear = select_backend("cpu", "cpu").prepared_linear(weight)
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    for rows in (1, 2, 7, 64):
+        x = torch.randn(rows, 64, generator=generator).to(dtype)
+        expected = (x.float() @ weight.float().T + (0 if b is None else b.float())).to(dtype)
+        got = linear(x, weight, b)
+        torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
+    other = torch.randn(96, 64, generator=generator).to(dtype)
+    assert torch.equal(linear(x, other, b), torch.nn.functional.linear(x, other, b))
+
+
 def test_backend_selection_names_what_it_accepts() -> None:
     # auto on the CPU: the compiled backend (this machine has a C++ compiler; see
     # test_cpu_kernel for a machine without one), torch by name

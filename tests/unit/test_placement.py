@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
+import torch
 
 from engine.model.config import load_model_config
 from engine.model.placement import (
@@ -10,13 +13,16 @@ from engine.model.placement import (
     BUSY_STEP_TOKENS,
     CPU_KV_CACHE_MAX_BYTES,
     kv_cache_bytes,
+    packed_weight_bytes,
     rank_device,
+    resident_weight_bytes,
     resolve_device,
     resolve_dtype,
     thread_policy,
     weight_bytes,
     worker_threads,
 )
+from engine.packed_weights import PACKED_WEIGHT_LIMIT
 from tests.checkpoints import hf_model, tiny_checkpoint
 
 MIB = 2**20
@@ -83,6 +89,25 @@ def test_weight_bytes_count_every_parameter_of_the_checkpoint(arch: str) -> None
     counted = sum(p.numel() for p in hf_model(path).parameters())
     assert weight_bytes(config, "float32") == counted * 4
     assert weight_bytes(config, "bfloat16", tensor_parallel_size=2) == counted * 2 // 2
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_packed_copies_are_the_checkpoints_matmul_weights_under_the_limit(arch: str) -> None:
+    """The plan counts a oneDNN copy of every decoder matmul weight and of the vocabulary
+    projection (the HF model's nn.Linear weights), and none of a weight over the limit."""
+    path = tiny_checkpoint(arch)
+    config = load_model_config(str(path))
+    linears = [m for m in hf_model(path).modules() if isinstance(m, torch.nn.Linear)]
+    matmul_bytes = sum(m.weight.numel() * 4 for m in linears)
+    assert packed_weight_bytes(config, "float32") == matmul_bytes
+    assert packed_weight_bytes(config, "bfloat16", tensor_parallel_size=2) == matmul_bytes // 4
+    # A vocabulary projection of 4 x PACKED_WEIGHT_LIMIT bytes in float32 gets no copy.
+    wide = dataclasses.replace(config, vocab_size=PACKED_WEIGHT_LIMIT // config.hidden_size)
+    head_bytes = config.vocab_size * config.hidden_size * 4
+    assert packed_weight_bytes(wide, "float32") == matmul_bytes - head_bytes
+    on_cpu = resident_weight_bytes(config, "float32", 1, "cpu")
+    assert on_cpu == weight_bytes(config, "float32") + matmul_bytes
+    assert resident_weight_bytes(config, "float32", 1, "cuda") == weight_bytes(config, "float32")
 
 
 def test_the_kv_budget_is_the_share_the_weights_leave() -> None:

@@ -1,6 +1,7 @@
 """The compiled CPU backend: the torch backend with decode and short-chunk attention in a C++
-kernel (paged_attention.cpp) that reads the context in place through the block tables, and the
-decoder's pointwise steps of small (decode) tensors as one C++ call each (pointwise.cpp).
+kernel (paged_attention.cpp) that reads the context in place through the block tables, the
+decoder's pointwise steps of small (decode) tensors as one C++ call each (pointwise.cpp), and its
+matmuls on weights packed for oneDNN (linear.py).
 
 The kernel is built with the system's C++ compiler (engine/kernels/cpu/build.py) at install
 time or on first use. Importing this package neither builds nor loads it; `unavailable_reason`
@@ -35,7 +36,7 @@ def unavailable_reason(device: torch.device) -> str | None:
 def backend() -> KernelBackend:
     from engine.kernels import attention_metadata, torch_ops
     from engine.kernels.backend import KernelBackend
-    from engine.kernels.cpu import attention, pointwise
+    from engine.kernels.cpu import attention, linear, pointwise
 
     return KernelBackend(
         name="cpu",
@@ -51,4 +52,5 @@ def backend() -> KernelBackend:
         linear=torch.nn.functional.linear,
         output_projection=torch_ops.output_projection,
         set_max_threads=attention.set_max_threads,
+        linear_for=linear.linear_for,
     )

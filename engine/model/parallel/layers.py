@@ -11,15 +11,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels.backend import Linear
 from engine.model.parallel.group import TensorParallelGroup
-
-Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
 class RowParallelLinear(nn.Linear):
