@@ -109,7 +109,7 @@ def load_library() -> ctypes.CDLL:
     """The built library with its functions' signatures declared; built first if missing."""
     target = library_path()
     if not target.is_file():
-        log.info("building the CPU attention kernel (once) into %s", target)
+        log.info("building the CPU kernels (once) into %s", target)
         build(target)
     try:
         library = ctypes.CDLL(str(target))
