@@ -12,8 +12,18 @@ from collections.abc import Iterable
 # Larger weights are not packed (a second copy of the widest matrices of a large model would
 # cost more memory than the matmul saves time).
 PACKED_WEIGHT_LIMIT = 256 << 20
+# The decoder's matmul weights (the compiled CPU backend) are packed only while all of a rank's
+# fit in this: a copy of up to 1 GiB is affordable on a serving host, a copy of a 7B model's
+# 13 GB of bfloat16 decoder weights is not (vLLM-CPU drops the originals instead; here a single
+# token's matmul keeps using them, which oneDNN's per-call cost would slow down).
+PACKED_DECODER_LIMIT = 1 << 30
 
 
 def packed_copy_bytes(weight_bytes: Iterable[int]) -> int:
     """Bytes of the copies made for weights of these sizes."""
     return sum(size for size in weight_bytes if size <= PACKED_WEIGHT_LIMIT)
+
+
+def packs_decoder(decoder_weight_bytes: int) -> bool:
+    """Whether a rank whose decoder matmul weights take this many bytes packs them."""
+    return decoder_weight_bytes <= PACKED_DECODER_LIMIT

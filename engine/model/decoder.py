@@ -31,6 +31,7 @@ from engine.model.parallel.group import TensorParallelGroup
 from engine.model.parallel.layers import RowParallelLinear, VocabParallelEmbedding
 from engine.model.parallel.layout import RankShape, rank_shape
 from engine.model.rope import rope_inv_freq
+from engine.packed_weights import packs_decoder
 
 
 @dataclasses.dataclass
@@ -84,10 +85,11 @@ class Attention(nn.Module):
         self.qk_norm_weight: torch.Tensor | None = None
         self.qkv_linear = ops.linear  # prepared for the loaded weight by fuse_weights
 
-    def fuse_weights(self) -> None:
+    def fuse_weights(self, prepare_linears: bool) -> None:
         """Build derived tensors once the checkpoint's weights are in place."""
-        self.qkv_linear = self.ops.prepared_linear(self.qkv_proj.weight)
-        self.o_proj.linear = self.ops.prepared_linear(self.o_proj.weight)
+        if prepare_linears:
+            self.qkv_linear = self.ops.prepared_linear(self.qkv_proj.weight)
+            self.o_proj.linear = self.ops.prepared_linear(self.o_proj.weight)
         if self.q_norm is not None and self.k_norm is not None:
             self.qk_norm_weight = torch.cat(
                 (
@@ -124,9 +126,10 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(size, hidden, config.mlp_bias, group, ops.linear)
         self.gate_up_linear = ops.linear  # prepared for the loaded weight by fuse_weights
 
-    def fuse_weights(self) -> None:
-        self.gate_up_linear = self.ops.prepared_linear(self.gate_up_proj.weight)
-        self.down_proj.linear = self.ops.prepared_linear(self.down_proj.weight)
+    def fuse_weights(self, prepare_linears: bool) -> None:
+        if prepare_linears:
+            self.gate_up_linear = self.ops.prepared_linear(self.gate_up_proj.weight)
+            self.down_proj.linear = self.ops.prepared_linear(self.down_proj.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
@@ -183,10 +186,14 @@ class DecoderForCausalLM(nn.Module):
         self.project_to_vocab: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def fuse_weights(self) -> None:
+        # The decoder's matmuls are prepared (packed, on the CPU) only while the copies stay
+        # small: the rule the memory plan counts them by (engine/packed_weights.py).
+        matmuls = (m.weight for m in self.layers.modules() if isinstance(m, nn.Linear))
+        prepare = packs_decoder(sum(w.numel() * w.element_size() for w in matmuls))
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer)
-            layer.self_attn.fuse_weights()
-            layer.mlp.fuse_weights()
+            layer.self_attn.fuse_weights(prepare)
+            layer.mlp.fuse_weights(prepare)
         self.inv_freq = rope_inv_freq(self.config).to(self.embed_tokens.weight.device)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self.project_to_vocab = self.ops.output_projection(weight)

@@ -12,7 +12,7 @@ import re
 
 from engine.model.capacity import dtype_bytes
 from engine.model.config import ModelConfig
-from engine.packed_weights import packed_copy_bytes
+from engine.packed_weights import packed_copy_bytes, packs_decoder
 
 DEVICES = "'auto', 'cpu', 'cuda' or 'cuda:N'"
 SUPPORTED_DTYPES = {
@@ -161,15 +161,18 @@ def weight_bytes(config: ModelConfig, dtype: str, tensor_parallel_size: int = 1)
 
 def packed_weight_bytes(config: ModelConfig, dtype: str, tensor_parallel_size: int = 1) -> int:
     """Bytes of one rank's oneDNN copies on the CPU (engine/packed_weights.py): the vocabulary
-    projection's, and the decoder's matmul weights' (made by the compiled CPU backend; counted
-    whichever backend runs, as the plan is made before a worker chooses one)."""
+    projection's, and the decoder's matmul weights' when they are small enough to be packed
+    (made by the compiled CPU backend; counted whichever backend runs, as the plan is made
+    before a worker chooses one)."""
     hidden, intermediate = config.hidden_size, config.intermediate_size
     q_out, kv_out = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     per_layer = [hidden * (q_out + 2 * kv_out), q_out * hidden, 2 * hidden * intermediate]
     per_layer.append(intermediate * hidden)
-    matrices = per_layer * config.num_layers + [config.vocab_size * hidden]
     size = dtype_bytes(dtype)
-    return packed_copy_bytes(params * size // tensor_parallel_size for params in matrices)
+    decoder = [params * size // tensor_parallel_size for params in per_layer * config.num_layers]
+    head = config.vocab_size * hidden * size // tensor_parallel_size
+    counted = [head, *decoder] if packs_decoder(sum(decoder)) else [head]
+    return packed_copy_bytes(counted)
 
 
 def resident_weight_bytes(

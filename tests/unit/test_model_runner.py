@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine import packed_weights
 from engine.model.capacity import kv_cache_blocks
 from engine.model.config import load_model_config
-from engine.model.placement import ThreadPolicy
+from engine.model.placement import ThreadPolicy, packed_weight_bytes
 from engine.model.runner import ModelRunner
 from engine.model.step_inputs import SeqChunk
 from tests.checkpoints import tiny_checkpoint
@@ -111,3 +112,22 @@ def test_a_step_of_long_decodes_runs_on_the_busy_threads(runner: ModelRunner) ->
     finally:
         runner.threads = before_policy
         torch.set_num_threads(before_threads)
+
+
+def test_a_decoder_too_large_to_pack_keeps_its_weights_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Past PACKED_DECODER_LIMIT the decoder's matmuls run on the checkpoint's weights: the
+    runner prepares none of them, and the plan counts only the vocabulary projection's copy."""
+    path = tiny_checkpoint("qwen3")
+    config = load_model_config(str(path))
+    head_bytes = config.vocab_size * config.hidden_size * 4
+    packed = ModelRunner(str(path), kv_cache_memory=1 << 20, kernel_backend="cpu")
+    assert packed_weight_bytes(config, "float32") > head_bytes
+    monkeypatch.setattr(packed_weights, "PACKED_DECODER_LIMIT", 1024)
+    assert packed_weight_bytes(config, "float32") == head_bytes
+    plain = ModelRunner(str(path), kv_cache_memory=1 << 20, kernel_backend="cpu")
+    for runner, prepared in ((packed, True), (plain, False)):
+        attention = runner.model.layers[0].self_attn
+        assert (attention.qkv_linear is not runner.backend.linear) == prepared
+        assert (attention.o_proj.linear is not runner.backend.linear) == prepared
