@@ -15,14 +15,14 @@ import logging
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
-from engine.kernels import attention_metadata, batch_invariant, torch_attention, torch_ops
+from engine.kernels import batch_invariant
 from engine.kernels import cpu as cpu_kernels  # does not build or load the library itself
 from engine.kernels import triton as triton_kernels  # does not import Triton itself
 from engine.kernels.attention_metadata import AttentionMetadata
 from engine.kernels.backend import KernelBackend
 from engine.kernels.kv_cache import PagedKVCache
+from engine.kernels.torch_backend import TORCH_BACKEND
 
 __all__ = [
     "BACKENDS",
@@ -34,19 +34,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-
-TORCH_BACKEND = KernelBackend(
-    name="torch",
-    build_attention_metadata=attention_metadata.build_attention_metadata,
-    paged_attention=torch_attention.paged_attention,
-    rms_norm=torch_ops.rms_norm,
-    rms_norm_per_head=torch_ops.rms_norm_per_head,
-    rotary_cos_sin=torch_ops.rotary_cos_sin,
-    apply_rotary=torch_ops.apply_rotary,
-    silu_and_mul=torch_ops.silu_and_mul,
-    linear=F.linear,
-    output_projection=torch_ops.output_projection,
-)
 
 # Deterministic mode (--deterministic): the torch backend with batch-invariant GEMMs and attention.
 BATCH_INVARIANT_BACKEND = dataclasses.replace(

@@ -10,6 +10,7 @@ does, and says in one line why the backend cannot run (no compiler, a failed bui
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import TYPE_CHECKING
 
@@ -34,11 +35,12 @@ def unavailable_reason(device: torch.device) -> str | None:
 
 @functools.cache
 def backend() -> KernelBackend:
-    from engine.kernels import attention_metadata, torch_ops
-    from engine.kernels.backend import KernelBackend
+    from engine.kernels import attention_metadata
     from engine.kernels.cpu import attention, linear, pointwise
+    from engine.kernels.torch_backend import TORCH_BACKEND
 
-    return KernelBackend(
+    return dataclasses.replace(
+        TORCH_BACKEND,
         name="cpu",
         build_attention_metadata=functools.partial(
             attention_metadata.build_attention_metadata, in_place="table"
@@ -46,11 +48,8 @@ def backend() -> KernelBackend:
         paged_attention=attention.paged_attention,
         rms_norm=pointwise.rms_norm,
         rms_norm_per_head=pointwise.rms_norm_per_head,
-        rotary_cos_sin=torch_ops.rotary_cos_sin,
         apply_rotary=pointwise.apply_rotary,
         silu_and_mul=pointwise.silu_and_mul,
-        linear=torch.nn.functional.linear,
-        output_projection=torch_ops.output_projection,
         set_max_threads=attention.set_max_threads,
         linear_for=linear.linear_for,
     )

@@ -34,30 +34,35 @@ def _check(status: int, name: str) -> None:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """As torch_ops.rms_norm, for x [tokens, hidden]."""
-    usable = _small(x) and x.dim() == 2 and x.stride(1) == 1 and weight.is_contiguous()
-    if not usable or weight.dtype != x.dtype:
-        return torch_ops.rms_norm(x, weight, eps)
-    tokens, hidden = x.shape
-    out = x.new_empty(tokens, hidden)
-    status = load_library().engine_rms_norm(
-        DTYPE_CODES[x.dtype], x.data_ptr(), x.stride(0), tokens, 1, hidden,
-        weight.data_ptr(), 0, ctypes.c_float(eps), out.data_ptr(),
-    )  # fmt: skip
-    _check(status, "RMSNorm")
-    return out
+    """As torch_ops.rms_norm, for x [tokens, hidden]: one "head" per token, one shared weight."""
+    if x.dim() == 2 and x.stride(1) == 1 and weight.dim() == 1:
+        out = _rms_norm_of_heads(x.unsqueeze(1), weight, 0, eps)
+        if out is not None:
+            return out.view(x.shape)
+    return torch_ops.rms_norm(x, weight, eps)
 
 
 def rms_norm_per_head(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """As torch_ops.rms_norm_per_head, for x [tokens, heads, head_dim]; weight [heads, head_dim]."""
+    out = None
+    if x.dim() == 3 and weight.shape == x.shape[1:]:
+        out = _rms_norm_of_heads(x, weight, x.shape[2], eps)
+    return torch_ops.rms_norm_per_head(x, weight, eps) if out is None else out
+
+
+def _rms_norm_of_heads(
+    x: torch.Tensor, weight: torch.Tensor, weight_head_stride: int, eps: float
+) -> torch.Tensor | None:
+    """The kernel's RMSNorm of each head vector of x [tokens, heads, dim] (weight row h at
+    h * weight_head_stride); None where it does not take x."""
     usable = _small(x) and _heads_contiguous(x) and weight.is_contiguous()
-    if not usable or weight.dtype != x.dtype or weight.shape != x.shape[1:]:
-        return torch_ops.rms_norm_per_head(x, weight, eps)
+    if not usable or weight.dtype != x.dtype:
+        return None
     tokens, heads, dim = x.shape
     out = x.new_empty(tokens, heads, dim)
     status = load_library().engine_rms_norm(
         DTYPE_CODES[x.dtype], x.data_ptr(), x.stride(0), tokens, heads, dim,
-        weight.data_ptr(), dim, ctypes.c_float(eps), out.data_ptr(),
+        weight.data_ptr(), weight_head_stride, ctypes.c_float(eps), out.data_ptr(),
     )  # fmt: skip
     _check(status, "RMSNorm")
     return out

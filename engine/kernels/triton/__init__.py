@@ -8,6 +8,7 @@ the torch backend on the CPU.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import os
@@ -37,20 +38,17 @@ def unavailable_reason(device: torch.device) -> str | None:
 
 @functools.cache
 def backend() -> KernelBackend:
-    from engine.kernels import torch_ops
-    from engine.kernels.backend import KernelBackend
+    from engine.kernels.torch_backend import TORCH_BACKEND
     from engine.kernels.triton import attention, metadata, pointwise
 
-    return KernelBackend(
+    # cos/sin are computed once per step, and logits and the linears by matmuls: torch's stay.
+    return dataclasses.replace(
+        TORCH_BACKEND,
         name="triton",
         build_attention_metadata=metadata.build_triton_attention_metadata,
         paged_attention=attention.paged_attention,
         rms_norm=pointwise.rms_norm,
         rms_norm_per_head=pointwise.rms_norm_per_head,
-        # cos/sin are computed once per step, and logits by one matmul: torch's are fine.
-        rotary_cos_sin=torch_ops.rotary_cos_sin,
         apply_rotary=pointwise.apply_rotary,
         silu_and_mul=pointwise.silu_and_mul,
-        linear=torch.nn.functional.linear,
-        output_projection=torch_ops.output_projection,
     )
