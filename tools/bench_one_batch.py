@@ -100,25 +100,27 @@ def random_prompts(runner: ModelRunner, batch_size: int, input_len: int) -> list
     return ids.tolist()
 
 
-def greedy_tokens(logits: torch.Tensor) -> list[int]:
-    return logits.argmax(-1).tolist()
-
-
 # How a step's logits become next tokens: greedy here; tensor-parallel ranks pass one that
 # shares rank 0's pick (tools/parallel_batch.py).
 Pick = Callable[[torch.Tensor], list[int]]
+
+
+def greedy_pick(runner: ModelRunner) -> Pick:
+    """Greedy tokens by the runner's kernel backend, as the engine's sampler picks them."""
+    return lambda logits: runner.backend.argmax_rows(logits).tolist()
 
 
 def prefill_batch(
     runner: ModelRunner,
     prompts: Sequence[list[int]],
     tables: Sequence[list[int]],
-    pick: Pick = greedy_tokens,
+    pick: Pick | None = None,
 ) -> tuple[list[int], float]:
     """Prefill every prompt in one step; (greedy next tokens, seconds)."""
     chunks = [
         SeqChunk(i, p, 0, t, True) for i, (p, t) in enumerate(zip(prompts, tables, strict=True))
     ]
+    pick = pick or greedy_pick(runner)
     start = time.perf_counter()
     logits = runner.forward(chunks)
     next_tokens = pick(logits)
@@ -131,9 +133,10 @@ def decode_steps(
     context_len: int,
     tables: Sequence[list[int]],
     steps: int,
-    pick: Pick = greedy_tokens,
+    pick: Pick | None = None,
 ) -> tuple[list[list[int]], list[float]]:
     """Greedy-decode `steps` steps from `tokens` at position context_len; (tokens, step seconds)."""
+    pick = pick or greedy_pick(runner)
     generated: list[list[int]] = [[t] for t in tokens]
     seconds = []
     for step in range(steps):
@@ -166,7 +169,7 @@ def bench_case(
     batch_size: int,
     input_len: int,
     output_len: int,
-    pick: Pick = greedy_tokens,
+    pick: Pick | None = None,
 ) -> CaseResult:
     tables = static_block_tables(runner, batch_size, input_len + output_len)
     tokens, prefill_seconds = prefill_batch(

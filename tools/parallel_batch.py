@@ -174,15 +174,16 @@ class _RankZeroPick:
 
     def __init__(self, runner: Any) -> None:
         self.group = runner.group
+        self.argmax_rows = runner.backend.argmax_rows
         self.rows = 0
 
     def __call__(self, logits: torch.Tensor) -> list[int]:
         if self.group.size == 1:
-            return logits.argmax(-1).tolist()
+            return self.argmax_rows(logits).tolist()
         import torch.distributed as dist
 
         if self.group.is_first:
-            tokens = logits.argmax(-1).to(torch.int64).contiguous()
+            tokens = self.argmax_rows(logits).to(self.group.device, torch.int64).contiguous()
         else:
             tokens = torch.empty(self.rows, dtype=torch.int64, device=self.group.device)
         dist.broadcast(tokens, src=0)

@@ -28,6 +28,8 @@ class KernelBackend:
     # x @ weight.T + bias, for the decoder's linear layers
     linear: Linear
     output_projection: Callable[[torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]
+    # logits [rows, vocab] -> int64 [rows]: each row's greedy token, as torch.argmax(dim=-1)
+    argmax_rows: Callable[[torch.Tensor], torch.Tensor]
     # Told the cores given to this rank, for kernels with threads of their own (None: none do).
     set_max_threads: Callable[[int], None] | None = None
     # The linear for one loaded weight, prepared once (packed for oneDNN); None: `linear`.

@@ -19,4 +19,5 @@ TORCH_BACKEND = KernelBackend(
     silu_and_mul=torch_ops.silu_and_mul,
     linear=F.linear,
     output_projection=torch_ops.output_projection,
+    argmax_rows=torch_ops.argmax_rows,
 )

@@ -55,6 +55,12 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 # matmuls too (engine/kernels/cpu/linear.py).
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """The index of each row's largest value (the first of equal ones; a NaN counts as largest):
+    greedy sampling's pick over logits [rows, vocab]."""
+    return x.argmax(dim=-1)
+
+
 def output_projection(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
     """x -> x @ weight.T for the logits: oneDNN with a pre-packed weight on the CPU where
     available (checked against F.linear once), plain F.linear elsewhere."""

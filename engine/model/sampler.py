@@ -18,10 +18,11 @@ even the device (CPU or GPU: same integer hash) cannot change which token a seed
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
+from engine.kernels import torch_ops
 from engine.messages.params import SamplingParams
 from engine.messages.steps import TokenLogprobs
 from engine.model.step_inputs import SequenceStart
@@ -89,11 +90,18 @@ class _SeqState:
 
 class Sampler:
     def __init__(
-        self, vocab_size: int, eos_token_ids: list[int], grammars: GrammarService | None = None
+        self,
+        vocab_size: int,
+        eos_token_ids: list[int],
+        grammars: GrammarService | None = None,
+        argmax_rows: Callable[[torch.Tensor], torch.Tensor] = torch_ops.argmax_rows,
     ) -> None:
+        """`argmax_rows`: the greedy pick over logits [rows, vocab], the kernel backend's (the
+        cpu backend's is compiled; torch's reduction is slow there)."""
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be an integer >= 1, got {vocab_size!r}")
         self.vocab_size = vocab_size
+        self.argmax_rows = argmax_rows
         self.eos_token_ids = list(eos_token_ids)
         self.grammars = grammars  # None: requests with bad_words or structured_outputs fail
         self._seqs: dict[int, _SeqState] = {}
@@ -131,7 +139,7 @@ class Sampler:
                 for state in states
             )
         ):
-            tokens = logits.argmax(dim=-1).tolist()
+            tokens = self.argmax_rows(logits).tolist()
             self._record(states, tokens)
             return tokens, None
 
@@ -151,7 +159,7 @@ class Sampler:
         if len(random_rows) == len(states):
             chosen = _sample_random(logits, states)
         else:
-            chosen = logits.argmax(dim=-1)
+            chosen = self.argmax_rows(logits)
             if random_rows:
                 rows = torch.tensor(random_rows, device=logits.device)
                 chosen[rows] = _sample_random(logits[rows], [states[row] for row in random_rows])

@@ -95,7 +95,12 @@ class StepExecutor:
     def reset_sequences(self) -> None:
         """Forget every sequence (a restarted scheduler announces them all again)."""
         config = self.runner.config
-        self.sampler = Sampler(config.vocab_size, list(config.eos_token_ids), self.grammars)
+        self.sampler = Sampler(
+            config.vocab_size,
+            list(config.eos_token_ids),
+            self.grammars,
+            self.runner.backend.argmax_rows,
+        )
         self.scoring = PromptScoring()
         self.known = KnownSequences()
         self.faults.reset()

@@ -1,7 +1,7 @@
 """The compiled CPU backend's pointwise kernels (engine/kernels/cpu/pointwise.cpp) against the torch
 versions they replace (engine/kernels/torch_ops.py, the Hugging Face arithmetic): RMSNorm of
 hidden rows and of each head, rotary embedding and SwiGLU, in float32, bfloat16 and float16, on
-the strided views the decoder passes them."""
+the strided views the decoder passes them; and greedy sampling's argmax against torch.argmax."""
 
 from __future__ import annotations
 
@@ -87,3 +87,39 @@ def test_large_tensors_and_other_layouts_take_the_torch_ops() -> None:
         pointwise.rms_norm_per_head(heads_apart, per_head, 1e-6),
         torch_ops.rms_norm_per_head(heads_apart, per_head, 1e-6),
     )
+
+
+@pytest.mark.parametrize(("rows", "cols"), [(1, 8192), (32, 8192), (5, 151_936), (3, 1), (4, 37)])
+def test_argmax_of_each_row(rows: int, cols: int) -> None:
+    generator = torch.Generator().manual_seed(rows * cols)
+    logits = torch.randn(rows, cols, generator=generator)
+    assert torch.equal(pointwise.argmax_rows(logits), logits.argmax(dim=-1))
+
+
+def test_argmax_takes_the_first_of_equal_maxima_and_the_first_nan_as_torch_does() -> None:
+    cols = 100  # lanes of 8 and 32, and a tail of 4
+    logits = torch.zeros(8, cols)
+    logits[0, [3, 40, 99]] = 5.0  # ties: the first
+    logits[1, [97, 98]] = 5.0  # in the tail only
+    logits[2, :] = float("-inf")  # all -inf: column 0
+    logits[3, [10, 60]] = float("nan")  # NaN beats every number
+    logits[3, 5] = float("inf")
+    logits[4, 99] = float("nan")  # a NaN in the tail
+    logits[5, 50] = float("inf")
+    logits[6, 0] = -0.0  # -0.0 == +0.0: the first
+    logits[7] = torch.arange(cols, 0, -1, dtype=torch.float32)  # the largest in column 0
+    assert pointwise.argmax_rows(logits).tolist() == logits.argmax(dim=-1).tolist()
+    assert pointwise.argmax_rows(logits).tolist() == [3, 97, 0, 10, 99, 50, 0, 0]
+
+
+def test_argmax_of_a_view_that_drops_columns_and_of_layouts_it_does_not_take() -> None:
+    """The sampler passes logits[:, :vocab] (rows a stride apart); other dtypes and layouts go
+    to torch.argmax."""
+    generator = torch.Generator().manual_seed(7)
+    padded = torch.randn(6, 72, generator=generator)
+    padded[:, 64:] = 100.0  # padding columns that must not be picked
+    view = padded[:, :64]
+    assert torch.equal(pointwise.argmax_rows(view), view.argmax(dim=-1))
+    for other in (view.to(torch.bfloat16), view.t(), view.to(torch.float64)):
+        got = pointwise.argmax_rows(other)
+        assert got.dtype == torch.int64 and torch.equal(got, other.argmax(dim=-1))

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from engine.kernels import select_backend
 from engine.messages.params import SamplingParams
 from engine.model.sampler import Sampler, _apply_penalties, _top_k_top_p, uniform_noise
 from engine.model.step_inputs import SequenceStart
@@ -80,8 +81,12 @@ def test_penalties_follow_the_formulas() -> None:
     assert penalized[0].tolist() == pytest.approx(expected)
 
 
-def test_greedy_takes_the_argmax_and_ignores_padded_vocabulary_columns() -> None:
-    sampler = sampler_with(new_seq(0, temperature=0.0), new_seq(1, temperature=0.0))
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_greedy_takes_the_argmax_and_ignores_padded_vocabulary_columns(backend: str) -> None:
+    argmax_rows = select_backend(torch.device("cpu"), backend).argmax_rows
+    sampler = Sampler(8, [EOS], argmax_rows=argmax_rows)
+    for seq in (new_seq(0, temperature=0.0), new_seq(1, temperature=0.0)):
+        sampler.add(seq)
     logits = torch.tensor([[0.0, 5.0, 1.0, 0.0, 0, 0, 0, 0, 99.0], [7.0, 5, 1, 0, 0, 0, 0, 0, 99]])
     tokens, logprobs = sampler.sample([0, 1], logits)
     assert (tokens, logprobs) == ([1, 0], None)

@@ -50,6 +50,7 @@ def backend() -> KernelBackend:
         rms_norm_per_head=pointwise.rms_norm_per_head,
         apply_rotary=pointwise.apply_rotary,
         silu_and_mul=pointwise.silu_and_mul,
+        argmax_rows=pointwise.argmax_rows,
         set_max_threads=attention.set_max_threads,
         linear_for=linear.linear_for,
     )

