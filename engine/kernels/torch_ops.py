@@ -51,8 +51,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 # Packing a CPU weight for oneDNN costs a second copy of it, up to PACKED_WEIGHT_LIMIT (counted in
 # the memory plan: placement.packed_weight_bytes). Worth it for the vocabulary projection (the
-# widest matmul: ~1.5x faster at batch 1..256); the compiled CPU backend packs the decoder's
-# matmuls too (engine/kernels/cpu/linear.py).
+# widest matmul: ~1.5x faster at batch 1..256); the compiled CPU backend packs every matmul, for
+# a kernel of its own in float32 (engine/kernels/cpu/linear.py).
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

@@ -53,4 +53,5 @@ def backend() -> KernelBackend:
         argmax_rows=pointwise.argmax_rows,
         set_max_threads=attention.set_max_threads,
         linear_for=linear.linear_for,
+        output_projection=linear.output_projection,
     )

@@ -27,8 +27,8 @@ from engine.home import default_engine_home
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "paged_attention.cpp", HERE / "pointwise.cpp")
-HEADERS = (HERE / "cpu_vector.h",)
+SOURCES = (HERE / "paged_attention.cpp", HERE / "pointwise.cpp", HERE / "linear.cpp")
+HEADERS = (HERE / "cpu_vector.h", HERE / "thread_pool.h")
 FLAGS = (
     "-O3",
     "-march=native",
@@ -149,10 +149,13 @@ def load_library() -> ctypes.CDLL:
         # float32 x, rows, columns, row stride, int64 out
         "engine_argmax_rows": [ptr, i64, i64, i64, ptr],
     }
+    # engine/kernels/cpu/linear.cpp; float32 throughout.
+    # x, m, k, x row stride, packed w, n, bias or null, out, threads
+    signatures["engine_linear"] = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
     for name, argtypes in signatures.items():
-        pointwise = getattr(library, name)
-        pointwise.argtypes = argtypes
-        pointwise.restype = ctypes.c_int
+        function = getattr(library, name)
+        function.argtypes = argtypes
+        function.restype = ctypes.c_int
     return library
 
 

@@ -1,31 +1,108 @@
-"""The compiled CPU backend's matmuls of the decoder: each weight packed once for oneDNN (a second
-copy of it, made while a rank's decoder weights take at most PACKED_DECODER_LIMIT and counted by
-the memory plan: engine/packed_weights.py), used by steps of two tokens or more. oneDNN's call
-costs ~35 us more than F.linear's, which a single token's matmul does not win back; from two
-tokens on MKL's small-batch path is slower (measured over the demo model's 16 decoder matmuls on
-2 threads: 1 token 1.38 ms F.linear, 1.56 ms packed; 4 tokens 2.63 against 2.06 ms; 32 tokens
-3.70 against 3.18 ms; a decode step of 32 x 1,024 keys 19.3 -> 17.3 ms, in-process A/B)."""
+"""The compiled CPU backend's matmuls: each float32 weight packed once into panels of 16 output
+columns for the C++ kernel (linear.cpp), which serves steps of every size; bfloat16 weights packed
+for oneDNN instead, used by steps of two tokens or more; float16 weights use F.linear.
+
+The packed copies are a second copy of each weight (counted by the memory plan, and made for the
+decoder only while a rank's decoder weights take at most PACKED_DECODER_LIMIT:
+engine/packed_weights.py; a weight's packed rows are rounded up to 16, at most 15 rows more).
+
+Measured on this project's 2-core test host, one step's matmuls of the demo model (4 layers of
+K = 256-768 and its 8,192-row vocabulary projection) on 2 threads, kernel against oneDNN (and
+F.linear at 1 row), same run: 1 row 0.97 against 1.26 ms; 8 rows 1.58 against 2.49; 32 rows 3.09
+against 4.17; 128 rows 9.84 against 11.98; 512 rows 35.9 against 46.5; 2,048 rows 281 against
+267, the one size where oneDNN stays ahead (by 1-5 % over four runs). At 32 rows of wider shapes
+(896 x 9,728, 4,096 x 4,096) 131-140 against 109-116 GFLOP/s. For half-precision weights oneDNN's
+call costs ~35 us more than F.linear's, which a single token's matmul does not win back, hence
+PACKED_FROM_TOKENS there.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from engine.kernels import torch_ops
 from engine.kernels.backend import Linear
+from engine.kernels.cpu.build import load_library
+from engine.packed_weights import PACKED_WEIGHT_LIMIT
 
-PACKED_FROM_TOKENS = 2
+PANEL = 16  # output columns per panel (linear.cpp's kPanel)
+PACKED_FROM_TOKENS = 2  # for oneDNN's packed weights
 
 
 def linear_for(weight: torch.Tensor) -> Linear:
     """x, weight, bias -> x @ weight.T + bias for this (loaded) weight."""
-    packed = torch_ops.packed_linear(weight)
-    if packed is None:  # not a CPU weight, an unsupported dtype, or no oneDNN in this torch
+    kernel = panel_linear(weight)
+    if kernel is not None:
+
+        def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            return kernel(x, bias) if w is weight else F.linear(x, w, bias)
+
+        return linear
+    onednn = torch_ops.packed_linear(weight)
+    if onednn is None:  # not a CPU weight, an unsupported dtype, or no oneDNN in this torch
         return F.linear
 
-    def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def onednn_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.shape[0] < PACKED_FROM_TOKENS or w is not weight:
             return F.linear(x, w, bias)
-        return packed(x, bias)
+        return onednn(x, bias)
+
+    return onednn_linear
+
+
+def output_projection(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x -> x @ weight.T for the logits: the kernel for a float32 weight, else torch_ops'."""
+    kernel = panel_linear(weight)
+    if kernel is None:
+        return torch_ops.output_projection(weight)
+    return lambda x: kernel(x, None)
+
+
+def panel_linear(weight: torch.Tensor) -> Callable[..., torch.Tensor] | None:
+    """(x, bias=None) -> x @ weight.T + bias by the C++ kernel, for a float32 CPU weight of at
+    most PACKED_WEIGHT_LIMIT bytes; else None. Inputs it does not take go to F.linear."""
+    usable = (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.float32
+        and weight.dim() == 2
+        and weight.numel() > 0
+        and weight.numel() * weight.element_size() <= PACKED_WEIGHT_LIMIT
+    )
+    if not usable:
+        return None
+    rows, width = weight.shape
+    panels = -(-rows // PANEL)
+    padded = weight.detach().new_zeros(panels * PANEL, width)
+    padded[:rows] = weight.detach()
+    packed = padded.view(panels, PANEL, width).transpose(1, 2).contiguous()  # [panels, k, 16]
+    library = load_library()
+
+    def linear(x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        usable = (
+            x.dtype == torch.float32
+            and x.device.type == "cpu"
+            and x.dim() == 2
+            and x.shape[1] == width
+            and x.stride(1) == 1
+            and (
+                bias is None
+                or (bias.dtype == torch.float32 and bias.shape == (rows,) and bias.is_contiguous())
+            )
+        )
+        if not usable:
+            return F.linear(x, weight, bias)
+        out = x.new_empty(x.shape[0], rows)
+        if x.shape[0] == 0:
+            return out
+        status = library.engine_linear(
+            x.data_ptr(), x.shape[0], width, x.stride(0), packed.data_ptr(), rows,
+            None if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(f"the CPU linear kernel failed (status {status})")
+        return out
 
     return linear

@@ -9,21 +9,15 @@
 //
 // Built by engine/kernels/cpu/build.py with the system's C++ compiler and loaded through
 // ctypes: the interface is plain C, no torch or Python headers, so the build takes seconds.
-// Threads: a small pool of its own whose idle threads sleep on a condition variable (the
-// engine's actors share few cores; nothing here may spin).
+// Threads: the library's pool (thread_pool.h), whose idle threads sleep.
 
-#include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
-#include <mutex>
-#include <thread>
 #include <vector>
 
-#include <unistd.h>
-
 #include "cpu_vector.h"
+#include "thread_pool.h"
 
 namespace {
 
@@ -212,98 +206,14 @@ void attend(const Problem& p, int64_t token, Scratch& s) {
   for (int64_t i = 0; i < heads * dim; ++i) store(out + i, s.acc[i] * s.inverse_sums[i / dim]);
 }
 
-// One call's work: items handed out one at a time to whichever thread is free.
-struct Job {
-  void (*run)(const Problem&, int64_t, Scratch&);
-  const Problem* problem;
-  int64_t items;
-  std::atomic<int64_t> next{0};
-
-  void work() {
-    thread_local Scratch scratch;
-    for (int64_t item; (item = next.fetch_add(1)) < items;) run(*problem, item, scratch);
-  }
-};
-
-// Helper threads that sleep between calls. The calling thread always works too, and waits at
-// the end only for helpers that joined the call: one that has not woken by then (its core busy
-// with another process) finds the job withdrawn and goes back to sleep, so a late helper costs
-// the call nothing (an OpenMP team would wait for every member at its barrier).
-class Pool {
- public:
-  void run(Job& job, int helpers) {
-    grow(helpers);
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      job_ = &job;
-      wanted_ = helpers;
-      ++generation_;
-    }
-    wake_.notify_all();
-    job.work();
-    std::unique_lock<std::mutex> lock(mutex_);
-    // A helper joins (active_++) and leaves (active_--) under the mutex, and reads job_ only in
-    // between: once none is active, withdrawing the job under the same mutex is safe.
-    done_.wait(lock, [this] { return active_ == 0; });
-    job_ = nullptr;
-  }
-
- private:
-  void grow(int helpers) {
-    while (started_ < helpers) {
-      const int index = started_++;
-      std::thread([this, index] { loop(index); }).detach();
-    }
-  }
-
-  void loop(int index) {
-    uint64_t seen = 0;
-    for (;;) {
-      Job* job;
-      {
-        std::unique_lock<std::mutex> lock(mutex_);
-        wake_.wait(lock, [&] { return generation_ != seen; });
-        seen = generation_;
-        if (index >= wanted_ || job_ == nullptr) continue;
-        job = job_;
-        ++active_;
-      }
-      job->work();
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (--active_ == 0) done_.notify_one();
-    }
-  }
-
-  std::mutex mutex_;
-  std::condition_variable wake_;
-  std::condition_variable done_;
-  Job* job_ = nullptr;
-  uint64_t generation_ = 0;
-  int wanted_ = 0;
-  int active_ = 0;
-  int started_ = 0;
-};
-
-// Threads do not survive fork(): a process forked from one that used the pool starts its own
-// (the parent's pool object is left behind in the child, never touched). Torch's own OpenMP
-// threads hang in such a child anyway; the engine forks its workers from the supervisor, which
-// never runs a model.
-Pool& pool() {
-  static pid_t owner = 0;
-  static Pool* instance = nullptr;
-  if (instance == nullptr || owner != getpid()) {
-    instance = new Pool();
-    owner = getpid();
-  }
-  return *instance;
-}
-
 template <typename T>
-void attend_item(const Problem& p, int64_t item, Scratch& s) {
+void attend_item(const void* context, int64_t item) {
+  const Problem& p = *static_cast<const Problem*>(context);
+  thread_local Scratch scratch;
   switch (p.head_dim) {  // the usual head sizes get register-blocked code
-    case 64: return attend<T, 64>(p, item, s);
-    case 128: return attend<T, 128>(p, item, s);
-    default: return attend<T, 0>(p, item, s);
+    case 64: return attend<T, 64>(p, item, scratch);
+    case 128: return attend<T, 128>(p, item, scratch);
+    default: return attend<T, 0>(p, item, scratch);
   }
 }
 
@@ -321,24 +231,16 @@ int engine_paged_attention(int dtype, const void* query, int64_t query_token_str
   const Problem problem{query,       query_token_stride, key_cache, value_cache, block_tables,
                         table_width, token_chunk,        seen,      rows,        heads,
                         kv_heads,    head_dim,           block_size, scale,      out};
-  Job job;
+  engine_cpu::Task task;
   switch (dtype) {
-    case kFloat32: job.run = attend_item<float>; break;
-    case kBFloat16: job.run = attend_item<BFloat16>; break;
-    case kFloat16: job.run = attend_item<Float16>; break;
+    case kFloat32: task.run = attend_item<float>; break;
+    case kBFloat16: task.run = attend_item<BFloat16>; break;
+    case kFloat16: task.run = attend_item<Float16>; break;
     default: return -1;
   }
-  job.problem = &problem;
-  job.items = num_tokens;
-  const int64_t most_helpers = job.items - 1;
-  const int helpers = static_cast<int>(std::min<int64_t>(num_threads - 1, most_helpers));
-  if (helpers <= 0) {
-    job.work();
-  } else {
-    static std::mutex one_caller;  // the pool serves one call at a time
-    std::lock_guard<std::mutex> lock(one_caller);
-    pool().run(job, helpers);
-  }
+  task.context = &problem;
+  task.items = num_tokens;
+  engine_cpu::run_parallel(task, num_threads);
   return 0;
 }
 
