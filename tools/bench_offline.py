@@ -9,7 +9,9 @@ EOS ignored), so both sides do the same work. Peers: `hf` (transformers' generat
 this process), `vllm` (vLLM's LLM in its own virtual environment, PEERS.md; a subprocess), or
 `none`. With --tp or --dp above 1 the engine also runs the workload at TP=1 / DP=1 first, and
 the parallel figures are reported against it. The figures of one run are comparable; across runs
-on a 2-core machine they drift.
+on a 2-core machine they drift. `--repeats N` times the workload N times on each side, each time
+with fresh prompts (a prefix-cache hit would skip the prefill), and reports the median: a short
+workload (one sequence of 64 tokens takes ~0.3 s) timed once is mostly noise.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -28,21 +31,33 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vllm_peer import DEFAULT_VLLM_PYTHON, vllm_python
 
+# The prompts (token ids) and each one's output length.
+Workload = tuple[list[list[int]], list[int]]
+
 
 @dataclass
 class Run:
     name: str
-    seconds: float
-    output_tokens: int
-    outputs: list[list[int]]
+    seconds: list[float]  # one per repeat
+    output_tokens: list[int]  # one per repeat
+    outputs: list[list[int]]  # every repeat's, in order
 
     @property
     def tokens_per_s(self) -> float:
-        return self.output_tokens / self.seconds
+        rates = zip(self.output_tokens, self.seconds, strict=True)
+        return statistics.median(tokens / seconds for tokens, seconds in rates)
+
+    @property
+    def median_seconds(self) -> float:
+        return statistics.median(self.seconds)
 
 
-def make_workload(args: argparse.Namespace, vocab_size: int) -> tuple[list[list[int]], list[int]]:
-    rng = random.Random(args.seed)
+def make_workloads(args: argparse.Namespace, vocab_size: int) -> list[Workload]:
+    return [make_workload(args, vocab_size, args.seed + r) for r in range(args.repeats)]
+
+
+def make_workload(args: argparse.Namespace, vocab_size: int, seed: int) -> Workload:
+    rng = random.Random(seed)
 
     def length(mean: int) -> int:
         spread = int(mean * args.range_ratio)
@@ -58,8 +73,7 @@ def make_workload(args: argparse.Namespace, vocab_size: int) -> tuple[list[list[
 def run_engine(
     args: argparse.Namespace,
     path: str,
-    prompts: list[list[int]],
-    outs: list[int],
+    workloads: list[Workload],
     tp: int = 1,
     dp: int = 1,
     name: str = "engine",
@@ -71,48 +85,57 @@ def run_engine(
         "tensor_parallel_size": tp,
         "data_parallel_size": dp,
         "kv_cache_memory": args.kv_cache_memory,
-        "scheduler__max_num_seqs": max(len(prompts), 1),
+        "scheduler__max_num_seqs": max(len(workloads[0][0]), 1),
         "model__deterministic": deterministic,
     }
+    run = Run(name, [], [], [])
     with LLM(path, **options) as llm:
-        llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
-        params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in outs]
-        start = time.perf_counter()
-        results = llm.generate(prompts, params)
-        seconds = time.perf_counter() - start
-    tokens = [r.outputs[0].token_ids for r in results]
-    return Run(name, seconds, sum(map(len, tokens)), tokens)
+        warm = workloads[0][0][:2]
+        llm.generate(warm, SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+        for prompts, outs in workloads:
+            params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in outs]
+            start = time.perf_counter()
+            results = llm.generate(prompts, params)
+            run.seconds.append(time.perf_counter() - start)
+            tokens = [r.outputs[0].token_ids for r in results]
+            run.output_tokens.append(sum(map(len, tokens)))
+            run.outputs += tokens
+    return run
 
 
-def run_hf(args: argparse.Namespace, path: str, prompts: list[list[int]], outs: list[int]) -> Run:
+def run_hf(args: argparse.Namespace, path: str, workloads: list[Workload]) -> Run:
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     pad = 0
-    tokens: list[list[int]] = []
-    warm = torch.tensor([prompts[0][:4]])
+    run = Run("hf", [], [], [])
+    warm = torch.tensor([workloads[0][0][0][:4]])
     with torch.inference_mode():
         model.generate(warm, max_new_tokens=2, do_sample=False, pad_token_id=pad)
-        start = time.perf_counter()
-        for first in range(0, len(prompts), args.hf_batch_size):
-            batch = prompts[first : first + args.hf_batch_size]
-            wanted = outs[first : first + args.hf_batch_size]
-            width = max(map(len, batch))
-            ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])  # left padding
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
-            new = max(wanted)
-            out = model.generate(
-                ids,
-                attention_mask=mask,
-                max_new_tokens=new,
-                min_new_tokens=new,
-                do_sample=False,
-                pad_token_id=pad,
-            )
-            tokens += [row[width : width + n].tolist() for row, n in zip(out, wanted, strict=True)]
-        seconds = time.perf_counter() - start
-    return Run("hf", seconds, sum(outs), tokens)
+        for prompts, outs in workloads:
+            start = time.perf_counter()
+            for first in range(0, len(prompts), args.hf_batch_size):
+                batch = prompts[first : first + args.hf_batch_size]
+                wanted = outs[first : first + args.hf_batch_size]
+                width = max(map(len, batch))
+                ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])  # left padding
+                mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+                new = max(wanted)
+                out = model.generate(
+                    ids,
+                    attention_mask=mask,
+                    max_new_tokens=new,
+                    min_new_tokens=new,
+                    do_sample=False,
+                    pad_token_id=pad,
+                )
+                run.outputs += [
+                    row[width : width + n].tolist() for row, n in zip(out, wanted, strict=True)
+                ]
+            run.seconds.append(time.perf_counter() - start)
+            run.output_tokens.append(sum(outs))
+    return run
 
 
 VLLM_SCRIPT = r"""
@@ -123,25 +146,32 @@ def main():
     spec = json.load(open(sys.argv[1]))
     llm = LLM(model=spec["path"], dtype="float32", enforce_eager=True,
               gpu_memory_utilization=0.3, seed=0)
-    prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
-    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in spec["outs"]]
-    llm.generate(prompts[:2], [SamplingParams(max_tokens=4, temperature=0.0)] * len(prompts[:2]),
-                 use_tqdm=False)
-    start = time.perf_counter()
-    results = llm.generate(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - start
-    tokens = [list(r.outputs[0].token_ids) for r in results]
-    print("RESULT " + json.dumps({"seconds": seconds, "tokens": tokens}), flush=True)
+    warm = [TokensPrompt(prompt_token_ids=p) for p in spec["workloads"][0]["prompts"][:2]]
+    llm.generate(warm, [SamplingParams(max_tokens=4, temperature=0.0)] * len(warm), use_tqdm=False)
+    seconds, counts, tokens = [], [], []
+    for workload in spec["workloads"]:
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in workload["prompts"]]
+        params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+                  for n in workload["outs"]]
+        start = time.perf_counter()
+        results = llm.generate(prompts, params, use_tqdm=False)
+        seconds.append(time.perf_counter() - start)
+        outputs = [list(r.outputs[0].token_ids) for r in results]
+        counts.append(sum(map(len, outputs)))
+        tokens += outputs
+    print("RESULT " + json.dumps({"seconds": seconds, "counts": counts, "tokens": tokens}),
+          flush=True)
 if __name__ == "__main__":
     main()
 """
 
 
-def run_vllm(args: argparse.Namespace, path: str, prompts: list[list[int]], outs: list[int]) -> Run:
+def run_vllm(args: argparse.Namespace, path: str, workloads: list[Workload]) -> Run:
     python = vllm_python(args.vllm_python)
     with tempfile.TemporaryDirectory() as tmp:
         spec = Path(tmp, "spec.json")
-        spec.write_text(json.dumps({"path": path, "prompts": prompts, "outs": outs}))
+        sets = [{"prompts": prompts, "outs": outs} for prompts, outs in workloads]
+        spec.write_text(json.dumps({"path": path, "workloads": sets}))
         script = Path(tmp, "run_vllm.py")
         script.write_text(VLLM_SCRIPT)
         done = subprocess.run(
@@ -150,8 +180,7 @@ def run_vllm(args: argparse.Namespace, path: str, prompts: list[list[int]], outs
     for line in done.stdout.splitlines():
         if line.startswith("RESULT "):
             result = json.loads(line.removeprefix("RESULT "))
-            tokens = result["tokens"]
-            return Run("vllm", result["seconds"], sum(map(len, tokens)), tokens)
+            return Run("vllm", result["seconds"], result["counts"], result["tokens"])
     raise SystemExit(f"vLLM run failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
 
 
@@ -166,6 +195,9 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--range-ratio", type=float, default=0.0, help="lengths vary ± this share")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="time the workload this many times (fresh prompts)"
+    )
     parser.add_argument("--peer", choices=["hf", "vllm", "none"], default="hf")
     parser.add_argument("--hf-batch-size", type=int, default=64)
     parser.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON)
@@ -184,18 +216,18 @@ def main() -> None:
     from engine.model.default_model import ensure_default_model
 
     path = args.model or ensure_default_model()
-    prompts, outs = make_workload(args, load_model_config(path).vocab_size)
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
+    workloads = make_workloads(args, load_model_config(path).vocab_size)
     baseline = None
     if args.tp > 1 or args.dp > 1 or args.deterministic:  # the reference first, same run
-        baseline = run_engine(args, path, prompts, outs, name=BASELINE)
+        baseline = run_engine(args, path, workloads, name=BASELINE)
     name = "engine_determ" if args.deterministic else "engine"
     runs = [
-        run_engine(
-            args, path, prompts, outs, args.tp, args.dp, name, deterministic=args.deterministic
-        )
+        run_engine(args, path, workloads, args.tp, args.dp, name, deterministic=args.deterministic)
     ]
     if args.peer != "none":
-        runs.append(PEERS[args.peer](args, path, prompts, outs))
+        runs.append(PEERS[args.peer](args, path, workloads))
     report(args, runs, baseline)
 
 
@@ -211,10 +243,11 @@ def report(args: argparse.Namespace, runs: list[Run], baseline: Run | None) -> N
         "tp": args.tp,
         "dp": args.dp,
         "deterministic": args.deterministic,
+        "repeats": args.repeats,
     }
     for run in ([baseline] if baseline else []) + runs:
         summary[f"{run.name}_tok_per_s"] = round(run.tokens_per_s, 1)
-        summary[f"{run.name}_seconds"] = round(run.seconds, 3)
+        summary[f"{run.name}_seconds"] = round(run.median_seconds, 3)
     if baseline is not None:
         summary["parallel_ratio"] = round(ours.tokens_per_s / baseline.tokens_per_s, 3)
         summary["same_greedy_as_tp1_dp1"] = _same(ours, baseline)
@@ -226,12 +259,20 @@ def report(args: argparse.Namespace, runs: list[Run], baseline: Run | None) -> N
         print(json.dumps(summary))
         return
     mode = ", deterministic mode" if args.deterministic else ""
+    repeats = f"; median of {args.repeats} runs" if args.repeats > 1 else ""
     print(
         f"{args.num_requests} requests, {args.input_len} in / {args.output_len} out, greedy; "
-        f"engine at TP={args.tp} x DP={args.dp}{mode}"
+        f"engine at TP={args.tp} x DP={args.dp}{mode}{repeats}"
     )
     for run in ([baseline] if baseline else []) + runs:
-        print(f"  {run.name:15s} {run.tokens_per_s:9.1f} output tok/s  ({run.seconds:.2f} s)")
+        rates = ""
+        if len(run.seconds) > 1:
+            each = [f"{t / s:.0f}" for t, s in zip(run.output_tokens, run.seconds, strict=True)]
+            rates = f"  runs: {', '.join(each)}"
+        print(
+            f"  {run.name:15s} {run.tokens_per_s:9.1f} output tok/s  "
+            f"({run.median_seconds:.2f} s){rates}"
+        )
     if baseline is not None:
         print(f"  ratio TP={args.tp} x DP={args.dp}{mode} / TP=1 x DP=1: "
               f"{summary['parallel_ratio']:.2f}x; identical greedy outputs: "
