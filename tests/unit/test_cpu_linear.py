@@ -42,9 +42,9 @@ def test_matches_a_float64_matmul(threads: int, rows: int, n: int, k: int, bias:
     torch.testing.assert_close(got, reference(x, weight, b), rtol=1e-5, atol=1e-4)
 
 
-def test_rows_of_a_wider_matrix_and_the_same_result_on_any_thread_count() -> None:
+def test_rows_of_a_wider_matrix_and_the_same_bits_for_any_batch_and_thread_count() -> None:
     """Input rows a stride apart (a view); each output is summed by one thread in one order, so
-    two threads give the bits one thread does."""
+    two threads give the bits one thread does, and a row alone the bits it has in a batch."""
     generator = torch.Generator().manual_seed(3)
     weight = torch.randn(200, 64, generator=generator)
     wide = torch.randn(50, 100, generator=generator)
@@ -61,6 +61,8 @@ def test_rows_of_a_wider_matrix_and_the_same_result_on_any_thread_count() -> Non
         torch.set_num_threads(before)
     torch.testing.assert_close(one, reference(x, weight, None), rtol=1e-5, atol=1e-4)
     assert torch.equal(one, two)
+    for row in (0, 7, 49):  # in a 6-row tile, in the last (2-row) tile
+        assert torch.equal(kernel(x[row : row + 1])[0], one[row])
 
 
 def test_inputs_it_does_not_take_go_to_f_linear() -> None:

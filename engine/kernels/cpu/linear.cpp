@@ -1,5 +1,5 @@
-// The decoder's matmuls on the CPU for steps of a few rows (decode batches): out = x @ w^T + bias
-// in float32, with w packed once into panels of 16 output columns.
+// The cpu backend's float32 matmuls (the decoder's and the vocabulary projection): out = x @ w^T +
+// bias, with w packed once into panels of 16 output columns.
 //
 // At a decode step's 8-64 rows and a small model's widths (K = 256-768), oneDNN and MKL reach
 // 45-65 GFLOP/s on one core of this project's 2-core test host, where the core's FMA peak is
@@ -9,8 +9,9 @@
 // registers (measured, one thread, 32 rows: 80-86 GFLOP/s against oneDNN's 46-64).
 //
 // The sum over k runs in order, one fused multiply-add per term, so results differ from MKL's
-// and oneDNN's by float rounding only. Threads: the library's pool (thread_pool.h), one panel at
-// a time.
+// and oneDNN's by float rounding only, and a row's result is the same bits whatever the other
+// rows and the thread count. Threads: the library's pool (thread_pool.h), one block of rows
+// against one panel at a time.
 
 #include <cstdint>
 #include <cstring>
