@@ -17,8 +17,8 @@ from collections.abc import Iterable
 PACKED_WEIGHT_LIMIT = 256 << 20
 # The decoder's matmul weights (the compiled CPU backend) are packed only while all of a rank's
 # fit in this: a copy of up to 1 GiB is affordable on a serving host, a copy of a 7B model's
-# 13 GB of bfloat16 decoder weights is not (vLLM-CPU drops the originals instead; here a single
-# token's matmul keeps using them, which oneDNN's per-call cost would slow down).
+# 13 GB of bfloat16 decoder weights is not (vLLM-CPU drops the originals instead; here they stay,
+# for the inputs the packed kernels leave to F.linear and, in bfloat16, for single tokens).
 PACKED_DECODER_LIMIT = 1 << 30
 
 

@@ -32,7 +32,7 @@ class KernelBackend:
     argmax_rows: Callable[[torch.Tensor], torch.Tensor]
     # Told the cores given to this rank, for kernels with threads of their own (None: none do).
     set_max_threads: Callable[[int], None] | None = None
-    # The linear for one loaded weight, prepared once (packed for oneDNN); None: `linear`.
+    # The linear for one loaded weight, prepared once (its weight packed); None: `linear`.
     linear_for: Callable[[torch.Tensor], Linear] | None = None
 
     def prepared_linear(self, weight: torch.Tensor) -> Linear:

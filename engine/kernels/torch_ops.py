@@ -49,18 +49,16 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-# Packing a CPU weight for oneDNN costs a second copy of it, up to PACKED_WEIGHT_LIMIT (counted in
-# the memory plan: placement.packed_weight_bytes). Worth it for the vocabulary projection (the
-# widest matmul: ~1.5x faster at batch 1..256); the compiled CPU backend packs every matmul, for
-# a kernel of its own in float32 (engine/kernels/cpu/linear.py).
-
-
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """The index of each row's largest value (the first of equal ones; a NaN counts as largest):
     greedy sampling's pick over logits [rows, vocab]."""
     return x.argmax(dim=-1)
 
 
+# Packing a CPU weight for oneDNN costs a second copy of it, up to PACKED_WEIGHT_LIMIT (counted in
+# the memory plan: placement.packed_weight_bytes). Worth it for the vocabulary projection (the
+# widest matmul: ~1.5x faster at batch 1..256); the compiled CPU backend packs every matmul, for
+# a kernel of its own in float32 (engine/kernels/cpu/linear.py).
 def output_projection(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
     """x -> x @ weight.T for the logits: oneDNN with a pre-packed weight on the CPU where
     available (checked against F.linear once), plain F.linear elsewhere."""

@@ -160,7 +160,7 @@ def weight_bytes(config: ModelConfig, dtype: str, tensor_parallel_size: int = 1)
 
 
 def packed_weight_bytes(config: ModelConfig, dtype: str, tensor_parallel_size: int = 1) -> int:
-    """Bytes of one rank's oneDNN copies on the CPU (engine/packed_weights.py): the vocabulary
+    """Bytes of one rank's packed copies on the CPU (engine/packed_weights.py): the vocabulary
     projection's, and the decoder's matmul weights' when they are small enough to be packed
     (made by the compiled CPU backend; counted whichever backend runs, as the plan is made
     before a worker chooses one)."""

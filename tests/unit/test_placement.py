@@ -93,7 +93,7 @@ def test_weight_bytes_count_every_parameter_of_the_checkpoint(arch: str) -> None
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_packed_copies_are_the_checkpoints_matmul_weights_under_the_limit(arch: str) -> None:
-    """The plan counts a oneDNN copy of every decoder matmul weight and of the vocabulary
+    """The plan counts a packed copy of every decoder matmul weight and of the vocabulary
     projection (the HF model's nn.Linear weights), and none of a weight over the limit."""
     path = tiny_checkpoint(arch)
     config = load_model_config(str(path))

@@ -1,7 +1,8 @@
 """The compiled CPU backend: the torch backend with decode and short-chunk attention in a C++
 kernel (paged_attention.cpp) that reads the context in place through the block tables, the
-decoder's pointwise steps of small (decode) tensors as one C++ call each (pointwise.cpp), and its
-matmuls on weights packed for oneDNN (linear.py).
+decoder's pointwise steps of small (decode) tensors as one C++ call each and greedy sampling's
+argmax (pointwise.cpp), and its matmuls on weights packed once: for a C++ kernel in float32
+(linear.cpp), for oneDNN in bfloat16 (linear.py).
 
 The kernel is built with the system's C++ compiler (engine/kernels/cpu/build.py) at install
 time or on first use. Importing this package neither builds nor loads it; `unavailable_reason`

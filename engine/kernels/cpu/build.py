@@ -115,31 +115,30 @@ def load_library() -> ctypes.CDLL:
         library = ctypes.CDLL(str(target))
     except OSError as exc:
         raise KernelBuildError(f"cannot load {target}: {exc}") from exc
-    function = library.engine_paged_attention
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    function.argtypes = [
-        ctypes.c_int,  # dtype
-        ptr,  # query
-        i64,  # query token stride
-        ptr,  # key cache
-        ptr,  # value cache
-        ptr,  # block tables
-        i64,  # table width
-        ptr,  # token -> block table row
-        ptr,  # keys seen per token
-        ptr,  # step row per token, or null
-        i64,  # tokens
-        i64,  # heads
-        i64,  # kv heads
-        i64,  # head dim
-        i64,  # block size
-        ctypes.c_float,  # scale
-        ptr,  # out
-        ctypes.c_int,  # threads
-    ]
-    function.restype = ctypes.c_int
-    # engine/kernels/cpu/pointwise.cpp; x and out point at activations, all of one dtype.
     signatures = {
+        # engine/kernels/cpu/paged_attention.cpp
+        "engine_paged_attention": [
+            ctypes.c_int,  # dtype
+            ptr,  # query
+            i64,  # query token stride
+            ptr,  # key cache
+            ptr,  # value cache
+            ptr,  # block tables
+            i64,  # table width
+            ptr,  # token -> block table row
+            ptr,  # keys seen per token
+            ptr,  # step row per token, or null
+            i64,  # tokens
+            i64,  # heads
+            i64,  # kv heads
+            i64,  # head dim
+            i64,  # block size
+            ctypes.c_float,  # scale
+            ptr,  # out
+            ctypes.c_int,  # threads
+        ],
+        # engine/kernels/cpu/pointwise.cpp; x and out point at activations, all of one dtype.
         # dtype, x, token stride, tokens, heads, dim, weight, weight head stride, eps, out
         "engine_rms_norm": [ctypes.c_int, ptr, i64, i64, i64, i64, ptr, i64, ctypes.c_float, ptr],
         # dtype, x, token stride, tokens, heads, dim, cos, sin, out
@@ -148,10 +147,10 @@ def load_library() -> ctypes.CDLL:
         "engine_silu_and_mul": [ctypes.c_int, ptr, i64, i64, ptr],
         # float32 x, rows, columns, row stride, int64 out
         "engine_argmax_rows": [ptr, i64, i64, i64, ptr],
+        # engine/kernels/cpu/linear.cpp, float32: x, m, k, x row stride, packed w, n, bias or
+        # null, out, threads
+        "engine_linear": [ptr, i64, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int],
     }
-    # engine/kernels/cpu/linear.cpp; float32 throughout.
-    # x, m, k, x row stride, packed w, n, bias or null, out, threads
-    signatures["engine_linear"] = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
     for name, argtypes in signatures.items():
         function = getattr(library, name)
         function.argtypes = argtypes
