@@ -179,7 +179,9 @@ async def _run(
             timeout_graceful_shutdown=int(_CONNECTION_GRACE_S),
             timeout_keep_alive=KEEP_ALIVE_S,
             http=guarded_http_protocol(
-                settings.server.header_timeout, settings.server.max_connections
+                settings.server.header_timeout,
+                settings.server.max_connections,
+                settings.server.send_buffer,
             ),
             ws="none",  # no websocket routes; an upgrade would also escape the head deadline
         )

@@ -46,6 +46,16 @@ class ServerSettings(Section, frozen=True):
             "request is aborted",
         ),
     ] = 60.0
+    send_buffer: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description="kernel send buffer of each HTTP connection (SO_SNDBUF): bounds what a "
+            "client that stops reading holds and lets its stall be seen on any host; 0 = the "
+            "kernel's autotuning (up to net.ipv4.tcp_wmem's maximum)",
+            extra=BYTES_UNIT,
+        ),
+    ] = 256 * 1024
     allow_special_tokens_in_chat: Annotated[
         bool,
         Meta(
