@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Mapping
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -42,6 +41,7 @@ from engine.messages.params import SamplingParams
 from engine.messages.reports import SCHEDULER_REPORTS, SchedulerReport
 from engine.messages.requests import GATEWAY_TO_TOKENIZER, ChatMessage, ChatOptions, GenerateRequest
 from engine.messages.rings import RECORD_OVERHEAD
+from engine.model_source import model_directory
 from engine.outputs import EngineError, RequestOutput, merge_outputs, snapshot
 from engine.plan import RING_BYTES, EnginePlan, plan_engine
 from engine.prompts import Prompt, chat_messages, split_prompt
@@ -77,13 +77,10 @@ class AsyncLLM:
     # ---- life cycle ----------------------------------------------------------------------------
 
     async def start(self) -> None:
-        model_path = self.settings.model.path
-        if model_path is None:
-            from engine.model.default_model import ensure_default_model
-
-            model_path = ensure_default_model(str(resolve_home(self.settings)))
-            log.info("serving the built-in demo model (random weights) from %s", model_path)
-        model_path = str(Path(model_path).expanduser().resolve())
+        model = self.settings.model
+        model_path, default_name = model_directory(
+            model.path, resolve_home(self.settings), model.tokenizer
+        )
         self.model_path = model_path
         self._plan = plan_engine(self.settings, model_path)
         # One-launch P/D: a prefill replica's handoff goes on to a decode replica here.
@@ -91,9 +88,7 @@ class AsyncLLM:
             "prefill" in self._plan.replica_roles
         )
         # As vLLM: the name clients use is the --model value as given, unless one is set.
-        self.model_name = (
-            self.settings.model.served_name or (self.settings.model.path or "demo",)
-        )[0]
+        self.model_name = (model.served_name or (default_name,))[0]
 
         self.max_model_len = self._plan.max_model_len
         self._supervisor, self._replicas = supervise(

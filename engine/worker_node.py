@@ -17,11 +17,11 @@ import asyncio
 import logging
 import signal
 import sys
-from pathlib import Path
 
 import uvloop
 
 from engine.actors.runtime.supervisor import Supervisor
+from engine.model_source import model_directory
 from engine.plan import plan_worker_node
 from engine.settings import Settings, resolve_home
 
@@ -38,13 +38,10 @@ def serve_worker_node(settings: Settings) -> int:
 
 
 async def _serve(settings: Settings) -> int:
-    model_path = settings.model.path
-    if model_path is None:
-        from engine.model.default_model import ensure_default_model
-
-        model_path = ensure_default_model(str(resolve_home(settings)))
-    model_path = str(Path(model_path).expanduser().resolve())
     try:
+        model_path, _ = model_directory(
+            settings.model.path, resolve_home(settings), settings.model.tokenizer
+        )
         specs = plan_worker_node(settings, model_path)
     except ValueError as exc:
         print(f"engine: {exc}", file=sys.stderr)

@@ -1,5 +1,6 @@
 """Build a decoder from a Hugging Face checkpoint: dtype choice, safetensors (single file or
-sharded), and the mapping from the checkpoint's tensor names onto our fused parameters.
+sharded) or a GGUF file (engine/gguf/weights.py, dequantized as it is read), and the mapping from
+the checkpoint's tensor names onto our fused parameters.
 
 A tensor-parallel rank reads only its part of each tensor (engine/model/parallel/sharding.py)
 and places it by its own sizes (`RankShape`): the fused q|k|v rows of its heads, the gate|up
@@ -7,10 +8,13 @@ rows of its MLP columns."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -65,7 +69,7 @@ def load_model(
     total = _count_tensors(files)
     with tqdm(total=total, desc="loading weights", unit="tensor", file=sys.stderr) as progress:
         for file in files:
-            with safe_open(str(file), framework="pt", device="cpu") as tensors:
+            with open_tensors(file) as tensors:
                 for name in tensors.keys():  # noqa: SIM118 (safe_open is not a dict)
                     target = map_weight_name(name, config, shape)
                     progress.update(1)
@@ -100,6 +104,20 @@ def _materialize(model: torch.nn.Module, dtype: torch.dtype, device: torch.devic
             setattr(module, name, torch.nn.Parameter(storage, requires_grad=False))
 
 
+@contextlib.contextmanager
+def open_tensors(file: Path) -> Iterator[Any]:
+    """A weights file's tensors by checkpoint name: `keys()`, `get_tensor`, `get_slice`."""
+    if file.suffix == ".gguf":
+        from engine.gguf.reader import read_gguf
+        from engine.gguf.weights import GGUFTensors
+
+        with read_gguf(file) as gguf:
+            yield GGUFTensors(gguf)
+        return
+    with safe_open(str(file), framework="pt", device="cpu") as tensors:
+        yield tensors
+
+
 def checkpoint_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
@@ -108,11 +126,11 @@ def checkpoint_files(path: Path) -> list[Path]:
     single = path / "model.safetensors"
     if single.is_file():
         return [single]
-    found = sorted(path.glob("*.safetensors"))
+    found = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.gguf"))[:1]
     if not found:
         raise FileNotFoundError(
-            f"no safetensors weights in {str(path)!r}: expected model.safetensors or "
-            "model.safetensors.index.json with its shards"
+            f"no weights in {str(path)!r}: expected model.safetensors, "
+            "model.safetensors.index.json with its shards, or a .gguf file"
         )
     return found
 
@@ -185,6 +203,6 @@ def _zero_vocab_padding(model: DecoderForCausalLM) -> None:
 def _count_tensors(files: list[Path]) -> int:
     total = 0
     for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as tensors:
+        with open_tensors(file) as tensors:
             total += len(list(tensors.keys()))
     return total

@@ -30,6 +30,7 @@ ENV_ALIASES: dict[str, str] = {
 FLAG_ALIASES: dict[str, str] = {
     "--model": "model.path",
     "--served-model-name": "model.served_name",
+    "--tokenizer": "model.tokenizer",
     "--dtype": "model.dtype",
     "--device": "model.device",
     "--kernel-backend": "model.kernel_backend",

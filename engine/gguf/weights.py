@@ -1,0 +1,136 @@
+"""A GGUF file's tensors under their Hugging Face names, read the way the loader reads a
+safetensors file (`keys`, `get_tensor`, `get_slice(...)[rows]`, `[:, columns]`), dequantized to
+float32 as they are read.
+
+llama.cpp's converter permutes the rows of q and k for the `llama` architecture only (its rotary
+code pairs dimension i with i+1 of each head, where Hugging Face's pairs i with i+head_dim/2);
+reading undoes that, head by head, so a tensor-parallel rank's head-aligned rows come out right.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from engine.gguf.hf_config import architecture_of
+from engine.gguf.metadata import GGUFError
+from engine.gguf.reader import GGUFFile
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_PARTS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The Hugging Face name of a GGUF tensor; None for one the decoder has no use for."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = _LAYER_RE.match(gguf_name)
+    if match is None or match.group(2) not in _LAYER_PARTS:
+        return None
+    layer, part, kind = match.groups()
+    return f"model.layers.{layer}.{_LAYER_PARTS[part]}.{kind}"
+
+
+class GGUFTensors:
+    """The tensors of an open GGUF file by Hugging Face name (what `safe_open` gives)."""
+
+    def __init__(self, gguf: GGUFFile) -> None:
+        self.gguf = gguf
+        self._names = {hf: name for name in gguf.tensors if (hf := hf_name(name)) is not None}
+        permuted = architecture_of(gguf) == "llama"
+        meta = gguf.metadata
+        heads = int(meta["llama.attention.head_count"]) if permuted else 0
+        self._heads_of = {  # tensors whose rows are permuted, and their head counts
+            "self_attn.q_proj": heads,
+            "self_attn.k_proj": int(meta.get("llama.attention.head_count_kv") or heads),
+        }
+        self._permuted = permuted
+
+    def keys(self) -> list[str]:
+        return list(self._names)
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        return self.get_slice(name)[:]
+
+    def get_slice(self, name: str) -> _LazyTensor:
+        if name not in self._names:
+            raise KeyError(f"{self.gguf.path}: no tensor for {name!r}")
+        return _LazyTensor(self, name)
+
+    def rows(self, name: str, start: int, stop: int) -> npt.NDArray[np.float32]:
+        """Rows [start, stop) as the Hugging Face checkpoint would hold them."""
+        gguf_name = self._names[name]
+        heads = self._row_permutation_heads(name)
+        if not heads:
+            return self.gguf.rows(gguf_name, start, stop)
+        # Whole heads are read and un-permuted, then cut to the rows asked for.
+        rows = self.gguf.info(gguf_name).shape[0]
+        head_dim = rows // heads
+        first, last = start // head_dim * head_dim, -(-stop // head_dim) * head_dim
+        block = _unpermute(self.gguf.rows(gguf_name, first, last), (last - first) // head_dim)
+        return block[start - first : stop - first]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.gguf.info(self._names[name]).shape
+
+    def _row_permutation_heads(self, name: str) -> int:
+        if not self._permuted:
+            return 0
+        for part, heads in self._heads_of.items():
+            if f".{part}." in name:
+                return heads
+        return 0
+
+
+class _LazyTensor:
+    """`get_slice`'s answer: the shape, and the rows or columns asked for."""
+
+    def __init__(self, tensors: GGUFTensors, name: str) -> None:
+        self._tensors = tensors
+        self._name = name
+
+    def get_shape(self) -> list[int]:
+        return list(self._tensors.shape(self._name))
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        shape = self._tensors.shape(self._name)
+        rows, columns = (index, slice(None)) if not isinstance(index, tuple) else index
+        if not isinstance(rows, slice) or not isinstance(columns, slice):
+            raise TypeError(f"{self._name}: only slices are supported, got {index!r}")
+        start, stop, step = rows.indices(shape[0])
+        if step != 1:
+            raise TypeError(f"{self._name}: a row step is not supported")
+        array = self._tensors.rows(self._name, start, stop)
+        if columns != slice(None):
+            array = array[:, columns]
+        return torch.from_numpy(np.ascontiguousarray(array))
+
+
+def _unpermute(rows: npt.NDArray[np.float32], heads: int) -> npt.NDArray[np.float32]:
+    """Undo llama.cpp's `permute`: in each head, rows (2i, 2i+1) go back to (i, i+half)."""
+    if heads == 0 or rows.shape[0] % (2 * heads):
+        raise GGUFError(f"cannot un-permute {rows.shape[0]} rows into {heads} heads")
+    shape = rows.shape
+    half = shape[0] // heads // 2
+    return rows.reshape(heads, half, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
