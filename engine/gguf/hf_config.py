@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from engine.gguf.metadata import GGUFError
 from engine.gguf.reader import GGUFFile
 
@@ -53,8 +55,8 @@ def hf_config(gguf: GGUFFile) -> dict[str, Any]:
         "num_attention_heads": heads,
         "num_key_value_heads": int(meta.get(f"{arch}.attention.head_count_kv") or heads),
         "head_dim": int(meta.get(f"{arch}.attention.key_length") or hidden // heads),
-        "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        "rms_norm_eps": _decimal(need("attention.layer_norm_rms_epsilon")),
+        "rope_theta": _decimal(meta.get(f"{arch}.rope.freq_base", 10000.0)),
         "max_position_embeddings": int(need("context_length")),
         "tie_word_embeddings": "output.weight" not in gguf.tensors,
         "attention_bias": "blk.0.attn_q.bias" in gguf.tensors,
@@ -82,6 +84,12 @@ def generation_config(gguf: GGUFFile) -> dict[str, Any]:
     if meta.get("tokenizer.ggml.bos_token_id") is not None:
         out["bos_token_id"] = int(meta["tokenizer.ggml.bos_token_id"])
     return out
+
+
+def _decimal(value: float) -> float:
+    """A float32 from the file as the decimal it was written from (1e-06, not 9.99999997e-07):
+    the shortest decimal that is the same float32 (numpy prints exactly that)."""
+    return float(str(np.float32(value)))
 
 
 def _vocab_size(gguf: GGUFFile, arch: str, hidden: int) -> int:

@@ -39,7 +39,7 @@ class ModelSettings(_Section, frozen=True):
     ] = None
     tokenizer: Annotated[
         str | None,
-        Meta(description="directory whose tokenizer replaces a GGUF file's own; unset = the file's"),
+        Meta(description="directory whose tokenizer replaces a GGUF file's own (unset: its own)"),
     ] = None
     served_name: Annotated[
         tuple[str, ...],

