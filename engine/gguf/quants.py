@@ -234,11 +234,12 @@ def dequantize(
             f"{type_name} tensor of shape {shape} needs {expected} bytes, got {data.size}"
         )
     blocks = data.reshape(-1, blocks_of.type_size)
-    values = _output(out, shape).reshape(blocks.shape[0], blocks_of.block_size)
+    result = _output(out, shape)
+    values = result.reshape(blocks.shape[0], blocks_of.block_size)  # a view: result is contiguous
     step = max(1, CHUNK_VALUES // blocks_of.block_size)
     for start in range(0, blocks.shape[0], step):
         blocks_of.decode(blocks[start : start + step], values[start : start + step])
-    return values.reshape(shape)
+    return result
 
 
 def _output(out: Floats | None, shape: tuple[int, ...]) -> Floats:
