@@ -1,10 +1,10 @@
 """Vectorized dequantization of ggml's tensor types to float32.
 
 Each decoder turns a (blocks, type_size) uint8 array into (blocks, block_size) float32 values,
-over every block at once. The arithmetic follows `gguf.quants` operation for operation (float32
-throughout, the same products in the same order), so the results are bit-equal to that
-reference. Tensors are decoded a chunk of blocks at a time, so that the temporaries stay in the
-cache and the peak memory stays near the size of the output.
+over every block at once. The integer codes are exact in float32 however they are formed; the
+scales, products and sums are float32 operations in the same order as `gguf.quants`, so the
+results are bit-equal to that reference. Tensors are decoded a chunk of blocks at a time, so
+that the temporaries stay a few MiB whatever the tensor's size.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ Floats = npt.NDArray[np.float32]
 Decoder = Callable[[Bytes, Floats], None]
 
 QK_K = 256  # values per super-block of the K-quants
-CHUNK_VALUES = 1 << 19  # values decoded per chunk: bounds the temporaries (~2 MiB of output)
+CHUNK_VALUES = 1 << 19  # values decoded per chunk (2 MiB of output)
 
 
 @dataclasses.dataclass(frozen=True)
