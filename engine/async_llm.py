@@ -31,7 +31,7 @@ from engine.actors.runtime.ring import RingClosed
 from engine.actors.runtime.supervision import Supervision
 from engine.admission import check_params, check_prompt_size, check_queue
 from engine.gateway.crashes import drain_restarts, is_crash
-from engine.gateway.kv_params import kv_directives
+from engine.gateway.kv_params import KvParams, instance_kv_params
 from engine.gateway.registry import Gateway, ToTokenizer
 from engine.gateway.replicas import Replicas, supervise
 from engine.messages.admin import ActorRow, EngineStats, Health, RequestRow
@@ -65,6 +65,7 @@ class AsyncLLM:
         self.model_path = ""  # the checkpoint directory, once started
         self.max_model_len = 0
         self._plan: EnginePlan | None = None
+        self._kv_params = KvParams("both")  # start() reads this instance's
         self._supervisor: Supervision | None = None
         self._replicas: Replicas | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -82,6 +83,7 @@ class AsyncLLM:
             model.path, resolve_home(self.settings), model.tokenizer
         )
         self.model_path = model_path
+        self._kv_params = instance_kv_params(self.settings)  # reads the KV secret, if it needs one
         self._plan = plan_engine(self.settings, model_path)
         # One-launch P/D: a prefill replica's handoff goes on to a decode replica here.
         self.gateway.hands_on_locally = "decode" in self._plan.replica_roles and (
@@ -176,7 +178,7 @@ class AsyncLLM:
         `chat_template_kwargs`). `kv_transfer_params`: P/D across instances
         (engine/gateway/kv_params.py)."""
         params = params or SamplingParams()
-        kv_handoff, kv_source = kv_directives(kv_transfer_params, self.settings.kv_transfer.role)
+        kv_handoff, kv_source = self._kv_params.directives(kv_transfer_params)
         if kv_handoff == "hold":  # a prefill instance computes the prompt and one token
             params = msgspec.structs.replace(params, max_tokens=1)
         text, token_ids = split_prompt(prompt)
@@ -207,6 +209,8 @@ class AsyncLLM:
                     finished = True
                     raise item
                 finished = item.finished
+                if item.kv_transfer_params is not None:  # a prefill instance's word: signed
+                    item.kv_transfer_params = self._kv_params.signed(item.kv_transfer_params)
                 yield item
                 if finished:
                     return

@@ -5,7 +5,9 @@ A replica with a role other than `both` in a one-launch P/D engine, and the one 
 instance started with `--kv-role prefill|decode`, get one kv_transfer actor per worker rank.
 Each rank's KV cache then lives in a segment of the run (`SegmentDecl`), mapped by the worker and
 by its kv_transfer actor: the kv_transfer actor copies blocks in and out while the worker runs.
-This module never imports torch.
+Every kv_transfer actor of an instance gets its deployment secret (engine/kv_transfer/secret.py:
+one-launch P/D makes one for the run, so its replicas share it with no setup). This module never
+imports torch.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import msgspec
 from engine.actors.kv_transfer_config import KvTransferConfig
 from engine.actors.roles import Role
 from engine.actors.runtime.child_spec import ChildSpec, RingDecl, SegmentDecl
+from engine.kv_transfer.secret import instance_secret
+from engine.kv_transfer.tls import TlsFiles
 from engine.messages.kv_transfer import KvLayout
 from engine.model.capacity import dtype_bytes
 from engine.model.config import ModelConfig
@@ -70,6 +74,8 @@ def kv_transfer_parts(
     listens on port + i * tp + r."""
     kv, runtime = settings.kv_transfer, settings.runtime
     tp = len(workers)
+    secret = instance_secret(settings)  # one-launch P/D: the run's own, shared by its replicas
+    tls = TlsFiles(kv.tls_cert or "", kv.tls_key or "", kv.tls_ca or "")
     children, rings, segments = [], [], []
     for rank, worker in enumerate(workers):
         name = f"kv_transfer{rank}{suffix}"
@@ -82,6 +88,10 @@ def kv_transfer_parts(
             port_base=kv.port + replica * tp if kv.port else 0,  # rank r: + r
             advertised_host=kv.advertise_host or "",
             force_tcp=kv.transport == "tcp",
+            secret=secret,
+            tls_cert=tls.cert,
+            tls_key=tls.key,
+            tls_ca=tls.ca,
         )
         children.append(
             ChildSpec(

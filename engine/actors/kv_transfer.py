@@ -2,7 +2,8 @@
 on other instances, and pulls blocks from them into its own rank's cache (DESIGN §9).
 
 Orders come on "kv-orders" (HoldBlocks, DropHolds, PullBlocks); events go out on
-"kv-events<rank>" (TransferEndpoint at every start, BlocksReleased, BlocksPulled). The cache is
+"kv-events<rank>" (TransferEndpoint at every start, BlocksReleased, BlocksPulled,
+ConnectionsRefused). Every connection, either way, first proves the deployment secret. The cache is
 the worker's shared-memory segment, mapped here too. The domain work is engine.kv_transfer;
 sockets are served and pulls run on threads, so the loop (and its heartbeats) stays free while
 gigabytes move.
@@ -24,16 +25,22 @@ import msgspec
 from engine.actors.kv_transfer_config import KvTransferConfig
 from engine.actors.runtime.actor import Actor
 from engine.actors.runtime.segments import map_segment
-from engine.actors.runtime.shm import SHM_DIR, segment_path
+from engine.actors.runtime.shm import SEGMENT_PREFIX, SHM_DIR
+from engine.home import default_engine_home
 from engine.kv_transfer.cache_view import CacheView
 from engine.kv_transfer.holds import HoldTable
 from engine.kv_transfer.host import host_id
 from engine.kv_transfer.puller import Puller
+from engine.kv_transfer.refusals import RefusalLog
+from engine.kv_transfer.secret import deployment_secret
+from engine.kv_transfer.segment import Segments
 from engine.kv_transfer.server import BlockServer
+from engine.kv_transfer.tls import TlsFiles
 from engine.messages.kv_transfer import (
     KV_EVENTS,
     KV_ORDERS,
     BlocksReleased,
+    ConnectionsRefused,
     DropHolds,
     HoldBlocks,
     KvEndpoint,
@@ -65,22 +72,39 @@ class KvTransferActor(Actor):
             self.log.warning("%s is set: each pull waits %g s first", KV_PULL_DELAY_ENV,
                              self._pull_delay)  # fmt: skip
         here = host_id(SHM_DIR)
+        secret = config.secret or deployment_secret(
+            one_launch=False, secret_file=None, home=default_engine_home(), environ=os.environ
+        )
+        tls = TlsFiles(config.tls_cert, config.tls_key, config.tls_ca)
         loop = asyncio.get_running_loop()
         self._released: asyncio.Queue[str] = asyncio.Queue()
+        self._refused: asyncio.Queue[str] = asyncio.Queue()
 
-        def on_released(transfer_id: str) -> None:  # on a connection's thread
-            with contextlib.suppress(RuntimeError):  # the loop closed: the actor is ending
-                loop.call_soon_threadsafe(self._released.put_nowait, transfer_id)
+        def on_thread(queue: asyncio.Queue[str]) -> Callable[[str], None]:
+            def put(item: str) -> None:  # on a connection's thread
+                with contextlib.suppress(RuntimeError):  # the loop closed: the actor is ending
+                    loop.call_soon_threadsafe(queue.put_nowait, item)
+
+            return put
 
         self.server = BlockServer(
-            self.view, segment, self.holds, here, on_released, config.idle_timeout
+            self.view,
+            segment,
+            self.holds,
+            here,
+            on_thread(self._released),
+            secret=secret,
+            on_refused=on_thread(self._refused),
+            tls=tls.server_context() if tls.enabled else None,
+            idle_timeout=config.idle_timeout,
         )
         self.puller = Puller(
             self.view,
             here,
-            lambda name: map_segment(name, writable=False),
-            lambda name: os.path.exists(segment_path(name)),
-            config.force_tcp,
+            secret=secret,
+            segments=Segments(SHM_DIR, SEGMENT_PREFIX),
+            tls=tls.client_context() if tls.enabled else None,
+            force_tcp=config.force_tcp,
         )
         self._listener = socket.create_server((config.listen_host, config.port), backlog=64)
         self._listener.setblocking(False)
@@ -92,6 +116,7 @@ class KvTransferActor(Actor):
         self._tasks = [
             loop.create_task(self._accept(), name="accept"),
             loop.create_task(self._report_releases(), name="releases"),
+            loop.create_task(self._report_refusals(), name="refusals"),
             loop.create_task(self._expire_holds(), name="expiry"),
         ]
         for task in self._tasks:
@@ -168,6 +193,26 @@ class KvTransferActor(Actor):
             transfer_id = await self._released.get()
             released = BlocksReleased(transfer_id, self.settings.rank)
             await self.send(self.events, KV_EVENTS.encode(released))
+
+    async def _report_refusals(self) -> None:
+        """Each refused connection counted (one event for those that came together) and logged
+        once per peer per minute."""
+        refusals = RefusalLog()
+        while True:
+            peers = [await self._refused.get()]
+            while not self._refused.empty():
+                peers.append(self._refused.get_nowait())
+            for peer in peers:
+                count = refusals.note(peer, time.monotonic())
+                if count is not None:
+                    self.log.warning(
+                        "refused %d kv_transfer connection(s) from %s: the peer did not prove "
+                        "the deployment secret (logged once a minute per peer)",
+                        count,
+                        peer,
+                    )
+            refused = ConnectionsRefused(self.settings.rank, len(peers))
+            await self.send(self.events, KV_EVENTS.encode(refused))
 
     async def _expire_holds(self) -> None:
         """Drop each hold at its deadline (a pull of it is refused from then on anyway)."""

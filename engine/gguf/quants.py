@@ -1,10 +1,10 @@
 """Vectorized dequantization of ggml's tensor types to float32.
 
 Each decoder turns a (blocks, type_size) uint8 array into (blocks, block_size) float32 values,
-over every block at once. The arithmetic follows `gguf.quants` operation for operation (float32
-throughout, the same products in the same order), so the results are bit-equal to that
-reference. Tensors are decoded a chunk of blocks at a time, so that the temporaries stay in the
-cache and the peak memory stays near the size of the output.
+over every block at once. The integer codes are exact in float32 however they are formed; the
+scales, products and sums are float32 operations in the same order as `gguf.quants`, so the
+results are bit-equal to that reference. Tensors are decoded a chunk of blocks at a time, so
+that the temporaries stay a few MiB whatever the tensor's size.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ Floats = npt.NDArray[np.float32]
 Decoder = Callable[[Bytes, Floats], None]
 
 QK_K = 256  # values per super-block of the K-quants
-CHUNK_VALUES = 1 << 19  # values decoded per chunk: bounds the temporaries (~2 MiB of output)
+CHUNK_VALUES = 1 << 19  # values decoded per chunk (2 MiB of output)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,11 +234,12 @@ def dequantize(
             f"{type_name} tensor of shape {shape} needs {expected} bytes, got {data.size}"
         )
     blocks = data.reshape(-1, blocks_of.type_size)
-    values = _output(out, shape).reshape(blocks.shape[0], blocks_of.block_size)
+    result = _output(out, shape)
+    values = result.reshape(blocks.shape[0], blocks_of.block_size)  # a view: result is contiguous
     step = max(1, CHUNK_VALUES // blocks_of.block_size)
     for start in range(0, blocks.shape[0], step):
         blocks_of.decode(blocks[start : start + step], values[start : start + step])
-    return values.reshape(shape)
+    return result
 
 
 def _output(out: Floats | None, shape: tuple[int, ...]) -> Floats:

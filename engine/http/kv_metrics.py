@@ -28,6 +28,11 @@ COUNTERS = (
     ("pull_seconds", "Seconds spent in pulls that arrived (divide by pulls)", "kv_pull_seconds"),
     ("fallbacks", "Requests that computed their prompt: its KV did not arrive", "kv_fallbacks"),
     ("blocks_from_cache", "Source blocks the prefix cache had, not pulled", "kv_blocks_from_cache"),
+    (
+        "refused_connections",
+        "KV transfer connections refused: the peer did not prove the deployment secret",
+        "kv_refused_connections",
+    ),
 )
 
 

@@ -1,15 +1,20 @@
 """The pulling side of a transfer: copy a source's held blocks into this rank's cache, then
-acknowledge; the outcome is a BlocksPulled, whatever happened (errors never escape)."""
+acknowledge; the outcome is a BlocksPulled, whatever happened (errors never escape).
+
+The source must prove the deployment secret (handshake.py) before the puller names a transfer
+or reads a byte of it, and a same-host source's segment is mapped only if segment.py finds it
+one of ours, of the size its layout says."""
 
 from __future__ import annotations
 
-import mmap
 import socket
+import ssl
 import threading
 import time
-from collections.abc import Callable
 
 from engine.kv_transfer.cache_view import CacheView, copy_blocks
+from engine.kv_transfer.handshake import HandshakeFailed, prove_to_server
+from engine.kv_transfer.segment import Segments
 from engine.kv_transfer.wire import (
     TO_PULLER,
     TO_SERVER,
@@ -37,15 +42,18 @@ class Puller:
         self,
         view: CacheView,
         host_id: str,
-        open_segment: Callable[[str], mmap.mmap],  # maps a same-host server's cache read-only
-        segment_exists: Callable[[str], bool],
+        *,
+        secret: bytes,
+        segments: Segments,
+        tls: ssl.SSLContext | None = None,
         force_tcp: bool = False,
     ) -> None:
         self.view = view
+        self.segments = segments
         self.host_id = host_id
         self.force_tcp = force_tcp
-        self._open_segment = open_segment
-        self._segment_exists = segment_exists
+        self.secret = secret
+        self.tls = tls
         self._sources: dict[str, CacheView] = {}  # segment name -> its view, mapped once
         self._lock = threading.Lock()  # pulls run on several threads
 
@@ -73,8 +81,8 @@ class Puller:
             raise ValueError(f"{len(src_ids)} source block ids but {len(dst_ids)} destination ids")
         self.view.check_block_ids(dst_ids, "destination")
         address = (endpoint.host, endpoint.port)
-        with socket.create_connection(address, timeout=remaining(deadline)) as sock:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with self._connect(address, deadline) as sock:
+            prove_to_server(sock, self.secret, deadline)
             request = PullRequest(order.transfer_id, src_ids, self.view.layout, self.host_id, via)
             TO_SERVER.send(sock, request, deadline)
             reply = TO_PULLER.receive(sock, deadline)
@@ -98,15 +106,28 @@ class Puller:
             raise PullFailed(f"the source did not confirm its hold: {result.error}")
         return num_bytes
 
+    def _connect(self, address: tuple[str, int], deadline: float) -> socket.socket:
+        sock = socket.create_connection(address, timeout=remaining(deadline))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self.tls is None:
+            return sock
+        try:
+            return self.tls.wrap_socket(sock)
+        except BaseException:
+            sock.close()
+            raise
+
     def _source(self, grant: ShmGrant) -> CacheView:
         with self._lock:
             view = self._sources.get(grant.segment)
             if view is None or view.layout != grant.layout:
                 # A source run that ended unlinked its segment, but our mapping would keep its
                 # memory (a whole cache) alive: let go of those before mapping another.
-                for name in [n for n in self._sources if not self._segment_exists(n)]:
+                for name in [n for n in self._sources if not self.segments.exists(n)]:
                     del self._sources[name]
-                view = CacheView(grant.layout, self._open_segment(grant.segment))
+                view = CacheView(
+                    grant.layout, self.segments.map_source(grant.segment, grant.layout)
+                )
                 self._sources[grant.segment] = view
             return view
 
@@ -121,6 +142,8 @@ def _endpoint(order: PullBlocks, rank: int) -> KvEndpoint:
 def _describe(exc: Exception) -> str:
     if isinstance(exc, TimeoutError):
         return f"timed out ({exc or 'no answer before the deadline'})"
-    if isinstance(exc, ConnectionError | ProtocolError | PullFailed | ValueError):
+    if isinstance(exc, ssl.SSLError):
+        return f"TLS: {exc}"
+    if isinstance(exc, ConnectionError | ProtocolError | PullFailed | ValueError | HandshakeFailed):
         return str(exc) or type(exc).__name__
     return f"{type(exc).__name__}: {exc}"

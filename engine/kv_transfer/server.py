@@ -1,18 +1,24 @@
 """The serving side of a transfer: answers pulls of held blocks of this rank's cache.
 
 Each connection is served by blocking calls on its own thread (the caller's choice), so bulk
-sends never hold the actor's event loop; every wait is bounded (an idle connection by
-`idle_timeout`, a send of blocks by the hold's deadline).
+sends never hold the actor's event loop; every wait is bounded (the handshake by its timeout, an
+idle connection by `idle_timeout`, a send of blocks by the hold's deadline).
+
+Nothing is read from a peer before it proves the deployment secret (handshake.py); one that
+does not is refused, reported to `on_refused` with its address, and closed. An acknowledgement
+counts only for a transfer pulled on the same connection.
 """
 
 from __future__ import annotations
 
 import contextlib
 import socket
+import ssl
 import time
 from collections.abc import Callable
 
 from engine.kv_transfer.cache_view import CacheView
+from engine.kv_transfer.handshake import HANDSHAKE_TIMEOUT, admit_puller
 from engine.kv_transfer.holds import HoldTable
 from engine.kv_transfer.wire import (
     TO_PULLER,
@@ -45,6 +51,10 @@ class BlockServer:
         holds: HoldTable,
         host_id: str,
         on_released: Callable[[str], None],
+        *,
+        secret: bytes,
+        on_refused: Callable[[str], None] = lambda peer: None,
+        tls: ssl.SSLContext | None = None,
         idle_timeout: float = 30.0,
     ) -> None:
         self.view = view
@@ -52,28 +62,48 @@ class BlockServer:
         self.holds = holds
         self.host_id = host_id
         self.on_released = on_released  # called (on the connection's thread) per acknowledgement
+        self.on_refused = on_refused  # called (on the connection's thread) with the peer address
+        self.secret = secret
+        self.tls = tls
         self.idle_timeout = idle_timeout
 
     def serve(self, sock: socket.socket) -> None:
         """Answer requests on `sock` until the peer closes it, errs, or idles; closes it."""
         with sock:
-            while True:
+            peer = _address(sock)
+            if self.tls is not None:
                 try:
-                    request = TO_SERVER.receive(sock, time.monotonic() + self.idle_timeout)
-                except ProtocolError as exc:  # the stream is out of step: say why and close
-                    self._reply(sock, WireError(str(exc)))
+                    sock.settimeout(HANDSHAKE_TIMEOUT)
+                    sock = self.tls.wrap_socket(sock, server_side=True)
+                except (ssl.SSLError, OSError):
+                    self.on_refused(peer)
                     return
-                except (ConnectionEnded, OSError):
+            with sock:
+                if not admit_puller(sock, self.secret):
+                    self.on_refused(peer)
                     return
-                try:
-                    if isinstance(request, PullRequest):
-                        self._serve_pull(sock, request)
-                    else:
-                        self._acknowledge(sock, request)
-                except Refused as exc:
-                    self._reply(sock, WireError(str(exc)))
-                except (ProtocolError, OSError):
-                    return
+                self._serve_requests(sock)
+
+    def _serve_requests(self, sock: socket.socket) -> None:
+        pulled: set[str] = set()  # transfers this connection was given: the ones it may ack
+        while True:
+            try:
+                request = TO_SERVER.receive(sock, time.monotonic() + self.idle_timeout)
+            except ProtocolError as exc:  # the stream is out of step: say why and close
+                self._reply(sock, WireError(str(exc)))
+                return
+            except (ConnectionEnded, OSError):
+                return
+            try:
+                if isinstance(request, PullRequest):
+                    self._serve_pull(sock, request)
+                    pulled.add(request.transfer_id)
+                else:
+                    self._acknowledge(sock, request, pulled)
+            except Refused as exc:
+                self._reply(sock, WireError(str(exc)))
+            except (ProtocolError, OSError):
+                return
 
     def _serve_pull(self, sock: socket.socket, request: PullRequest) -> None:
         mismatch = self.view.layout.mismatch(request.layout)
@@ -99,8 +129,10 @@ class BlockServer:
         else:
             raise Refused(f"via must be {VIA_SHM!r} or {VIA_TCP!r}, got {request.via!r}")
 
-    def _acknowledge(self, sock: socket.socket, ack: Acknowledge) -> None:
+    def _acknowledge(self, sock: socket.socket, ack: Acknowledge, pulled: set[str]) -> None:
         try:
+            if ack.transfer_id not in pulled:
+                raise ValueError(f"transfer {ack.transfer_id!r} was not pulled on this connection")
             self.holds.acknowledge(ack.transfer_id)
         except ValueError as exc:
             self._reply(sock, AckResult(ack.transfer_id, str(exc)))
@@ -111,3 +143,10 @@ class BlockServer:
     def _reply(self, sock: socket.socket, message: WireError | ShmGrant | AckResult) -> None:
         with contextlib.suppress(OSError):  # the puller is gone: it learns nothing more
             TO_PULLER.send(sock, message, time.monotonic() + REPLY_TIMEOUT)
+
+
+def _address(sock: socket.socket) -> str:
+    try:
+        return str(sock.getpeername()[0])
+    except OSError:  # reset before we asked
+        return "?"

@@ -19,6 +19,9 @@ MAX_FRAME_BYTES, cut short, malformed, or of a type the receiving side does not 
 ProtocolError naming what was wrong; the server answers it with a WireError and closes that
 connection (the stream is out of step), and goes on serving the others.
 
+Every connection starts with the handshake of handshake.py (inside TLS, where tls.py is set up):
+the server reads no request from a peer that has not proved the deployment secret.
+
 The messages are in engine/messages/kv_wire.py, with every other message type (DESIGN §1).
 """
 
@@ -27,6 +30,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import socket
+import ssl
 import struct
 import time
 from collections.abc import Callable, Sequence
@@ -145,6 +149,8 @@ def recv_into_buffers(
     total = sum(len(buf) for buf in buffers)
 
     def receive(batch: list[memoryview]) -> int:
+        if isinstance(sock, ssl.SSLSocket):  # TLS has no scatter read: one buffer a call
+            return sock.recv_into(batch[0])
         return sock.recvmsg_into(batch)[0]
 
     got = _move(sock, buffers, deadline, receive)
@@ -157,7 +163,13 @@ def send_buffers(
     sock: socket.socket, buffers: Sequence[memoryview | bytes], deadline: float
 ) -> int:
     """Send every buffer in order (gathered writes straight from their memory)."""
-    return _move(sock, [memoryview(buf).cast("B") for buf in buffers], deadline, sock.sendmsg)
+
+    def send(batch: list[memoryview]) -> int:
+        if isinstance(sock, ssl.SSLSocket):  # TLS has no gathered write: one buffer a call
+            return sock.send(batch[0])
+        return sock.sendmsg(batch)
+
+    return _move(sock, [memoryview(buf).cast("B") for buf in buffers], deadline, send)
 
 
 def _move(

@@ -8,13 +8,14 @@ its prefix cache lacks into blocks it set aside; once every rank reports them ar
 them in its prefix cache and admits the request, which then computes only the tail (the prompt's
 last, partial block and the delivered tokens).
 
-Transfer ids are strings, `<request id>@<epoch>`: one per attempt, the same type on every side.
+Transfer ids are random strings of 128 bits (32 hex digits), one per attempt, never derived from
+the request's id (a client chooses that one): only the two ends of a transfer know it.
 
 Rings, per instance (one kv_transfer actor per worker rank):
 - "kv-orders": scheduler -> every rank's kv_transfer (broadcast): `HoldBlocks`, `DropHolds`,
   `PullBlocks`.
 - "kv-events<rank>": that rank's kv_transfer -> scheduler: `TransferEndpoint` (at every start),
-  `BlocksReleased`, `BlocksPulled`.
+  `BlocksReleased`, `BlocksPulled`, `ConnectionsRefused`.
 
 A request's KV has arrived only when every rank has reported it (`BlocksPulled` without error
 from each); a hold ends when every rank has reported the receiver's acknowledgement
@@ -86,17 +87,25 @@ class KvEndpoint(msgspec.Struct, frozen=True):
     host_id: str
 
 
-class KvSource(msgspec.Struct, frozen=True):
+class KvSource(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Where a handed-off request's prompt KV lies: `block_ids[i]` holds tokens
     [i * block_size, (i + 1) * block_size) of the prompt, on every rank. Across instances it is
     the kv_transfer_params object a client carries from the prefill instance to the decode one
-    (so these three structs are maps, not arrays: a JSON object with named fields)."""
+    (so these three structs are maps, not arrays: a JSON object with named fields), signed by
+    the prefill instance (engine/kv_transfer/signing.py): a client can carry it, not change it.
+
+    `prompt_key` binds the blocks to the tokens they were computed for: the prefix-cache key
+    (engine/kv/prefix_cache.py, a hash chain) of the last held block. The decode side files the
+    pulled blocks under its own request's keys only when its last one is this one."""
 
     transfer_id: str
     endpoints: list[KvEndpoint]  # one per rank, by rank
     block_ids: list[int]
     num_tokens: int  # the tokens the blocks hold (a multiple of block_size)
     layout: KvLayout  # rank 0's (another rank's differs only in tp_rank and num_blocks)
+    prompt_key: str = ""  # hex; "" when no block is held
+    expires_at: float = 0.0  # time.time() after which a decode instance refuses it (signed)
+    signature: str = ""  # hex HMAC-SHA256 of everything above, with the deployment secret
 
 
 # ---- scheduler -> kv_transfer ("kv-orders") ----------------------------------------------------
@@ -157,13 +166,16 @@ class BlocksPulled(msgspec.Struct, tag=True, array_like=True):
     via: str = ""  # "shm" or "tcp"
 
 
+class ConnectionsRefused(msgspec.Struct, tag=True, array_like=True):
+    """Connections this rank closed since its last report because the peer did not prove the
+    deployment secret (counted in /metrics)."""
+
+    rank: int
+    count: int
+
+
 KvOrder = HoldBlocks | DropHolds | PullBlocks
-KvEvent = TransferEndpoint | BlocksReleased | BlocksPulled
+KvEvent = TransferEndpoint | BlocksReleased | BlocksPulled | ConnectionsRefused
 
 KV_ORDERS: Channel[KvOrder] = Channel("kv-orders", KvOrder)
 KV_EVENTS: Channel[KvEvent] = Channel("kv-events", KvEvent)
-
-
-def transfer_id(request_id: str, epoch: int) -> str:
-    """The id of one attempt to move a request's KV."""
-    return f"{request_id}@{epoch}"

@@ -1,5 +1,6 @@
 """Messages between two kv_transfer actors over TCP (engine/kv_transfer/wire.py frames them and
-says how a pull goes). They never travel over a ring."""
+says how a pull goes; engine/kv_transfer/handshake.py how a connection is authenticated first).
+They never travel over a ring."""
 
 from __future__ import annotations
 
@@ -9,6 +10,31 @@ from engine.messages.kv_transfer import KvLayout
 
 VIA_SHM = "shm"
 VIA_TCP = "tcp"
+
+
+# ---- the handshake, before any request (engine/kv_transfer/handshake.py) ----------------------
+
+
+class Challenge(msgspec.Struct, tag=True, array_like=True):
+    """The server's first frame on every connection."""
+
+    nonce: bytes
+
+
+class Proof(msgspec.Struct, tag=True, array_like=True):
+    """The puller's answer: its own nonce and its MAC over both."""
+
+    nonce: bytes
+    mac: bytes
+
+
+class Accepted(msgspec.Struct, tag=True, array_like=True):
+    """The server's MAC over both nonces (the puller checks it before sending a request)."""
+
+    mac: bytes
+
+
+# ---- requests and replies ------------------------------------------------------------------
 
 
 class PullRequest(msgspec.Struct, tag=True, array_like=True):
@@ -43,3 +69,4 @@ class WireError(msgspec.Struct, tag=True, array_like=True):
 
 ToServer = PullRequest | Acknowledge
 ToPuller = ShmGrant | BlocksFollow | AckResult | WireError
+HandshakeToPuller = Challenge | Accepted | WireError

@@ -137,6 +137,7 @@ class SchedulerFigures(msgspec.Struct, kw_only=True):
     kv_pull_seconds: float = 0.0  # summed over kv_pulls (divide for the mean latency)
     kv_fallbacks: int = 0  # requests that computed their prompt: their KV did not arrive
     kv_blocks_from_cache: int = 0  # source blocks the prefix cache had (not pulled)
+    kv_refused_connections: int = 0  # KV connections refused: no proof of the deployment secret
 
 
 class SchedulerStats(SchedulerFigures, tag=True, kw_only=True):

@@ -3,9 +3,11 @@ decode instance. Plain Python, no I/O: orders for the kv_transfer actors queue i
 
 Prefill side (`KvHolds`). When a request asked to hand off has its first token, the scheduler
 takes a reference on the request's full prompt blocks (so neither the request's end nor an
-eviction frees them), tells every rank's kv_transfer actor to serve them (`HoldBlocks`), and
-returns a `KvSource` for the handoff. The references go when every rank reports the puller's
-acknowledgement, or at the hold's deadline, whichever comes first.
+eviction frees them), tells every rank's kv_transfer actor to serve them (`HoldBlocks`) under a
+fresh random transfer id, and returns a `KvSource` for the handoff, bound to the prompt's tokens
+by its `prompt_key` (the root signs it before a client sees it: engine/gateway/kv_params.py).
+The references go when every rank reports the puller's acknowledgement, or at the hold's
+deadline, whichever comes first.
 
 Decode side (`KvPulls`). A request that comes with a `KvSource` is not admitted at once: for
 each of the source's blocks that this instance's prefix cache lacks, a free block is set aside
@@ -22,23 +24,30 @@ decode side is kv_pulls.py.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import secrets
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from engine.kv.block_manager import BlockManager
+from engine.kv.prefix_cache import BlockHashChain
 from engine.messages.kv_transfer import (
     BlocksPulled,
     BlocksReleased,
+    ConnectionsRefused,
     DropHolds,
     HoldBlocks,
     KvEvent,
     KvOrder,
     KvSource,
-    transfer_id,
 )
 from engine.messages.scheduling import SubmitRequest
 from engine.scheduler.kv_pulls import KvPulls
 from engine.scheduler.kv_tally import KvEndpoints, KvTransferFigures, Outcome, RankTally
+
+
+def new_transfer_id() -> str:
+    """128 random bits: a transfer id nobody can guess, whatever the request's id is."""
+    return secrets.token_hex(16)
 
 
 @dataclass
@@ -46,6 +55,7 @@ class _Hold:
     block_ids: list[int]
     deadline: float
     tally: RankTally
+    attempt: tuple[str, int]  # (request id, epoch)
 
 
 class KvHolds:
@@ -65,28 +75,40 @@ class KvHolds:
         self._orders = orders
         self._figures = figures
         self._holds: dict[str, _Hold] = {}
+        self._by_attempt: dict[tuple[str, int], str] = {}  # (request id, epoch) -> transfer id
+        self.new_transfer_id = new_transfer_id  # tests may make ids predictable
 
     def hand_off(
-        self, request_id: str, epoch: int, block_ids: list[int], num_prompt_tokens: int
+        self, request_id: str, epoch: int, block_ids: list[int], prompt_token_ids: Sequence[int]
     ) -> KvSource | None:
         """Hold the full prompt blocks among `block_ids` for a puller; None when this instance
         cannot serve them (a rank's kv_transfer actor has not announced itself yet)."""
         if not self._endpoints.complete:
             return None
         block_size = self._kv.block_size
-        held = block_ids[: num_prompt_tokens // block_size]
-        tid = transfer_id(request_id, epoch)
-        self._release(tid)  # a replaced epoch's hold of the same attempt id, if any
+        held = block_ids[: len(prompt_token_ids) // block_size]
+        attempt = (request_id, epoch)
+        self._release(self._by_attempt.get(attempt, ""))  # the same attempt handed off before
+        tid = self.new_transfer_id()
+        prompt_key = ""
         if held:  # a prompt shorter than a block has nothing worth moving: no hold
             for block_id in held:
                 self._kv.pool.acquire(block_id)
             deadline = self._clock() + self._hold_timeout
-            self._holds[tid] = _Hold(held, deadline, RankTally(self._endpoints.num_ranks))
+            tally = RankTally(self._endpoints.num_ranks)
+            self._holds[tid] = _Hold(held, deadline, tally, attempt)
+            self._by_attempt[attempt] = tid
             self._orders.append(HoldBlocks(tid, held, deadline))
+            prompt_key = BlockHashChain(block_size).key(prompt_token_ids, len(held) - 1).hex()
         self._figures.handoffs += 1
         ranks = [self._endpoints.by_rank[rank] for rank in range(self._endpoints.num_ranks)]
         return KvSource(
-            tid, [r.endpoint for r in ranks], held, len(held) * block_size, ranks[0].layout
+            tid,
+            [r.endpoint for r in ranks],
+            held,
+            len(held) * block_size,
+            ranks[0].layout,
+            prompt_key=prompt_key,
         )
 
     def released(self, event: BlocksReleased) -> None:
@@ -122,6 +144,7 @@ class KvHolds:
     def _release(self, tid: str) -> None:
         hold = self._holds.pop(tid, None)
         if hold is not None:
+            del self._by_attempt[hold.attempt]
             self._kv.pool.release(hold.block_ids[::-1])
 
 
@@ -144,6 +167,9 @@ class KvTransfer:
             return []
         if isinstance(event, BlocksPulled):
             return self.pulls.pulled(event)
+        if isinstance(event, ConnectionsRefused):
+            self.figures.refused_connections += event.count
+            return []
         restarted = event.rank in self.endpoints.by_rank  # announced before: it restarted
         self.endpoints.update(event)
         if not restarted:
@@ -174,6 +200,7 @@ class KvTransfer:
             "kv_pull_seconds": figures.pull_seconds,
             "kv_fallbacks": figures.fallbacks,
             "kv_blocks_from_cache": figures.blocks_from_cache,
+            "kv_refused_connections": figures.refused_connections,
         }
 
     def take_orders(self) -> list[KvOrder]:

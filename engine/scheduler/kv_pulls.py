@@ -1,6 +1,17 @@
 """The decode side of P/D in the scheduler (see engine/scheduler/kv_handoff.py): a request that
 comes with a KvSource waits while the ranks pull the blocks its prefix cache lacks, then enters
-the prefix cache's view and is admitted; any failure makes it compute its prompt instead."""
+the prefix cache's view and is admitted; any failure makes it compute its prompt instead.
+
+Pulled blocks are filed in the shared prefix cache, where every later request with the same
+prefix reuses them, so they must be what they claim, and the source's word is not enough:
+- the source is a verified one: across instances, a KvSource reaches a scheduler only once the
+  root checked its signature (the prefill instance's, with the deployment secret), its expiry
+  and its endpoints against kv_transfer.peers (engine/gateway/kv_params.py); in one launch it
+  comes from a replica of the same root. The bytes come over a connection on which the source
+  proved the same secret (engine/kv_transfer/handshake.py);
+- the blocks are bound to this request's tokens: the signed `prompt_key` must be this prompt's
+  own prefix-cache key of the last block, or nothing is pulled (a client cannot pair one
+  prompt's KV with another prompt)."""
 
 from __future__ import annotations
 
@@ -67,16 +78,20 @@ class KvPulls:
             # The same transfer submitted again while its first pull is under way: the ranks'
             # reports could not be told apart, and its blocks are still being written.
             problem = f"transfer {source.transfer_id} is already being pulled"
+        keys = BlockHashChain(self._kv.block_size).first(
+            submit.prompt_token_ids, len(source.block_ids) if problem is None else 0
+        )
+        if problem is None and keys[-1].hex() != source.prompt_key:
+            # Filed under this prompt's keys, another prompt's blocks would serve a wrong
+            # prefix to every request that shares it.
+            problem = "the source's blocks hold the KV of another prompt"
         if problem is not None:
             log.warning("request %s computes its prompt: %s", submit.request_id, problem)
             self._figures.fallbacks += 1
             return False
-        block_size = self._kv.block_size
-        chain = BlockHashChain(block_size)
         pool = self._kv.pool
         wanted: list[tuple[int, bytes]] = []  # (source block, its key) the cache lacks
-        for index, block_id in enumerate(source.block_ids):
-            key = chain.key(submit.prompt_token_ids, index)
+        for block_id, key in zip(source.block_ids, keys, strict=True):
             if pool.lookup(key) is None:
                 wanted.append((block_id, key))
         self._figures.blocks_from_cache += len(source.block_ids) - len(wanted)
@@ -106,7 +121,11 @@ class KvPulls:
         ours = self._endpoints.by_rank.get(0)
         if ours is None:
             return "this instance's kv_transfer actors have not announced themselves yet"
-        return ours.layout.mismatch(source.layout)
+        mismatch = ours.layout.mismatch(source.layout)
+        if mismatch is None and source.num_tokens != len(source.block_ids) * self._kv.block_size:
+            return (f"the source names {len(source.block_ids)} blocks for "
+                    f"{source.num_tokens} tokens")  # fmt: skip
+        return mismatch
 
     def pulled(self, event: BlocksPulled) -> list[SubmitRequest]:
         """A rank's report; the requests that may now be admitted."""

@@ -63,6 +63,7 @@ class KvTransferFigures:
     pull_seconds: float = 0.0  # summed over arrived pulls (slowest rank of each)
     fallbacks: int = 0  # requests that computed their prompt because KV did not arrive
     blocks_from_cache: int = 0  # source blocks the prefix cache already had (not pulled)
+    refused_connections: int = 0  # peers that did not prove the deployment secret
 
 
 class KvEndpoints:

@@ -343,7 +343,7 @@ class Scheduler:
         request = seq.request
         return self.kv_transfer.holds.hand_off(
             request.request_id, request.epoch, seq.block_table.block_ids,
-            len(request.prompt_token_ids),
+            request.prompt_token_ids,
         )  # fmt: skip
 
     def _first_report(self, request: Request) -> FirstScheduled | None:

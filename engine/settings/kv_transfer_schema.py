@@ -5,6 +5,10 @@ Two ways to disaggregate:
   this host; the root routes each request to a prefill replica, then on to a decode replica;
 - several launches: `role` prefill or decode makes this instance one side, and `engine proxy`
   routes between instances over HTTP.
+
+Security (engine/kv_transfer/secret.py, handshake.py, signing.py, tls.py): every kv_transfer
+connection proves the deployment secret, a prefill instance signs the kv_transfer_params it
+hands out, a decode instance pulls only from `peers`; the secret itself is never a setting.
 """
 
 from __future__ import annotations
@@ -50,6 +54,38 @@ class KvTransferSettings(Section, frozen=True):
         Literal["auto", "tcp"],
         Meta(description="auto: shared memory between processes of one host, else TCP; tcp: TCP"),
     ] = "auto"
+    secret_file: Annotated[
+        str | None,
+        Meta(
+            description="file holding the deployment secret every kv_transfer connection "
+            "proves and that signs kv_transfer_params (or set ENGINE_KV_SECRET; default: "
+            "<engine home>/kv_transfer.secret, created if missing; one-launch P/D makes its own)"
+        ),
+    ] = None
+    peers: Annotated[
+        tuple[str, ...],
+        Meta(
+            description="the hosts (or host:port) a decode instance pulls KV from; "
+            "kv_transfer_params naming any other are refused"
+        ),
+    ] = ("127.0.0.1", "localhost", "::1")
+    params_ttl: Annotated[
+        float,
+        Meta(
+            gt=0.0,
+            description="seconds the kv_transfer_params a prefill instance signs stay valid "
+            "(a decode instance refuses them afterwards)",
+        ),
+    ] = 300.0
+    tls_cert: Annotated[
+        str | None,
+        Meta(description="certificate (PEM) for TLS between kv_transfer actors; see tls_ca"),
+    ] = None
+    tls_key: Annotated[str | None, Meta(description="private key (PEM) of tls_cert")] = None
+    tls_ca: Annotated[
+        str | None,
+        Meta(description="CA (PEM) that signed every kv_transfer actor's certificate"),
+    ] = None
 
 
 def kv_transfer_problems(settings: object) -> list[tuple[str, str]]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -103,6 +104,30 @@ def test_a_streamed_chat_through_the_pair_equals_a_colocated_one(
     with pair.proxy.http() as http, http.stream("POST", "/v1/chat/completions", json=body) as resp:
         assert resp.headers["content-type"].startswith("text/event-stream")
         assert resp.read().endswith(b"data: [DONE]\n\n")
+
+
+def test_forged_params_are_a_400_and_a_peer_without_the_secret_is_counted(
+    pair: Pair, server: Server
+) -> None:
+    """A client that reaches the decode instance directly cannot point it anywhere, and one
+    that reaches a kv_transfer port gets nothing but a count in /metrics."""
+    body = {"model": server.model, "prompt": PROMPTS[0], "max_tokens": 1}
+    prefilled = direct(pair.prefill, "/v1/completions", {**body, **REMOTE_DECODE})
+    genuine = prefilled.json()["kv_transfer_params"]
+    forged = {**genuine, "block_ids": genuine["block_ids"][:1], "num_tokens": 16}
+    answer = direct(pair.decode, "/v1/completions", {**body, "kv_transfer_params": forged})
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["param"] == "kv_transfer_params" and "signature does not match" in error["message"]
+
+    with socket.create_connection(("127.0.0.1", genuine["endpoints"][0]["port"]), 10) as sock:
+        sock.sendall(b"\x00\x00\x00\x04junk")
+        while sock.recv(4096):  # a challenge, a refusal, then the server closes
+            pass
+    wait_until(lambda: kv_figure(pair.prefill, "refused_connections") >= 1, timeout=10)
+
+
+REMOTE_DECODE = {"kv_transfer_params": {"do_remote_decode": True}}
 
 
 def test_with_its_prefill_instance_dead_the_decode_instance_prefills_itself(

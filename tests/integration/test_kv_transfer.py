@@ -13,7 +13,7 @@ import stat
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 import numpy as np
@@ -79,9 +79,12 @@ class Instance:
 
 @contextlib.asynccontextmanager
 async def instance(
-    force_tcp: bool = False, heartbeat_timeout: float = 5.0
+    force_tcp: bool = False, heartbeat_timeout: float = 5.0, **config_fields: Any
 ) -> AsyncIterator[Instance]:
-    config = KvTransferConfig(rank=0, layout=LAYOUT, cache_segment="cache", force_tcp=force_tcp)
+    """`config_fields`: more of KvTransferConfig (without a secret: this user's secret file)."""
+    config = KvTransferConfig(
+        rank=0, layout=LAYOUT, cache_segment="cache", force_tcp=force_tcp, **config_fields
+    )
     child = ChildSpec(
         name=KV,
         entry="engine.actors.kv_transfer:KvTransferActor",

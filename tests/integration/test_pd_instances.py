@@ -4,23 +4,35 @@ does over HTTP, minus HTTP: tests/e2e/test_pd_proxy.py covers that).
 
 The prefill engine computes a prompt and one token and answers with the kv_transfer_params;
 the decode engine, given them, pulls the prompt's KV and continues: greedy output equals
-transformers'. Bad transfers (an unknown or expired transfer id, a layout that does not match)
-make the decode engine compute the prompt itself, with the same output, and it keeps serving;
-malformed kv_transfer_params are a 400 naming them.
+transformers'. Bad transfers the deployment itself signed (an unknown or expired transfer id, a
+layout that does not match) make the decode engine compute the prompt itself, with the same
+output, and it keeps serving; malformed kv_transfer_params are a 400 naming them, and so are
+forged, altered and expired ones, before any connection is made.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import contextlib
+import secrets
+import socket
+import struct
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import pytest
 import pytest_asyncio
 
 from engine import AsyncLLM, SamplingParams
+from engine.kv_transfer.host import host_id
+from engine.kv_transfer.secret import instance_secret
+from engine.kv_transfer.signing import sign
 from engine.llm import build_settings
+from engine.messages.kv_transfer import KvSource
+from engine.messages.kv_wire import Challenge, HandshakeToPuller, PullRequest, WireError
 from engine.outputs import EngineError
 from tests.checkpoints import tiny_checkpoint
 from tests.hf_reference import assert_greedy_matches_hf
@@ -68,11 +80,14 @@ async def pair() -> AsyncIterator[Pair]:
 
 
 async def complete(
-    engine: AsyncLLM, params: SamplingParams = GREEDY, kv: dict[str, Any] | None = None
+    engine: AsyncLLM,
+    params: SamplingParams = GREEDY,
+    kv: dict[str, Any] | None = None,
+    prompt: list[int] = PROMPT,
 ) -> tuple[list[int], dict[str, Any] | None]:
     tokens: list[int] = []
     answered = None
-    async for out in engine.stream(PROMPT, params, kv_transfer_params=kv):
+    async for out in engine.stream(prompt, params, kv_transfer_params=kv):
         for sample in out.outputs:
             tokens += sample.token_ids
         answered = out.kv_transfer_params or answered
@@ -123,11 +138,18 @@ TAMPERED = {
 }
 
 
+def signed(pair: Pair, params: dict[str, Any], expires_in: float = 60.0) -> dict[str, Any]:
+    """`params` signed with the deployment's secret, as a prefill instance of it could."""
+    source = msgspec.convert({**params, "signature": ""}, KvSource)
+    secret = instance_secret(pair.decode.settings)
+    return msgspec.to_builtins(sign(source, secret, time.time() + expires_in))  # type: ignore[no-any-return]
+
+
 @pytest.mark.parametrize("tamper", list(TAMPERED))
 async def test_a_transfer_that_cannot_be_pulled_falls_back_to_local_prefill(
     pair: Pair, tamper: str
 ) -> None:
-    params = TAMPERED[tamper](await prefilled(pair))
+    params = signed(pair, TAMPERED[tamper](await prefilled(pair)))
     pulls, fallbacks = decode_figures(pair)
     tokens, _ = await complete(pair.decode, kv=params)
     assert_greedy_matches_hf(pair.path, PROMPT, tokens)
@@ -162,3 +184,97 @@ async def test_malformed_kv_transfer_params_are_a_400_naming_them(
     # ... and it serves on.
     tokens, _ = await complete(engine)
     assert len(tokens) == GREEDY.max_tokens
+
+
+@contextlib.contextmanager
+def fake_source() -> Iterator[socket.socket]:
+    """A listener on loopback (a peer's address) that a decode instance must never reach."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.setblocking(False)
+    with listener:
+        yield listener
+
+
+def connections(listener: socket.socket) -> int:
+    count = 0
+    with contextlib.suppress(BlockingIOError):
+        while True:
+            listener.accept()[0].close()
+            count += 1
+    return count
+
+
+UNTRUSTED: dict[str, Callable[[Pair, dict[str, Any]], dict[str, Any]]] = {
+    "forged": lambda pair, p: {**p, "signature": ""},
+    "altered": lambda pair, p: p,  # the genuine signature over other endpoints
+    "expired": lambda pair, p: signed(pair, p, expires_in=-1.0),
+    "another-secret": lambda pair, p: msgspec.to_builtins(
+        sign(msgspec.convert(p, KvSource), secrets.token_bytes(32), time.time() + 60)
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", list(UNTRUSTED))
+async def test_untrusted_kv_transfer_params_are_a_400_before_any_connection(
+    pair: Pair, kind: str
+) -> None:
+    genuine = await prefilled(pair)
+    with fake_source() as listener:
+        port = listener.getsockname()[1]
+        redirected = {**genuine, "endpoints": [{**genuine["endpoints"][0], "port": port}]}
+        with pytest.raises(EngineError) as refused:
+            await complete(pair.decode, kv=UNTRUSTED[kind](pair, redirected))
+        await asyncio.sleep(0.2)  # time enough for a connection, had one been started
+        assert connections(listener) == 0
+    assert refused.value.status == 400 and refused.value.param == "kv_transfer_params"
+    assert "kv_transfer_params cannot be used" in refused.value.message
+
+
+async def test_a_prompt_sent_with_another_prompts_kv_params_computes_its_own(pair: Pair) -> None:
+    """Filed under this prompt's prefix, the other prompt's KV would serve every later request
+    that shares it: the decode instance pulls nothing and prefills."""
+    params = await prefilled(pair)
+    other = [t + 1 for t in PROMPT]
+    pulls, fallbacks = decode_figures(pair)
+    tokens, _ = await complete(pair.decode, kv=params, prompt=other)
+    assert_greedy_matches_hf(pair.path, other, tokens)
+    await settled(pair, pulls, fallbacks + 1)
+    tokens, _ = await complete(pair.decode, prompt=other)  # and no later request sees PROMPT's
+    assert_greedy_matches_hf(pair.path, other, tokens)
+
+
+async def test_a_peer_without_the_secret_is_refused_and_counted_and_the_pull_goes_on(
+    pair: Pair,
+) -> None:
+    params = await prefilled(pair)
+    endpoint = params["endpoints"][0]
+    request = PullRequest(params["transfer_id"], params["block_ids"], params["layout"], host_id(),
+                          "tcp")  # fmt: skip
+    said = await asyncio.to_thread(attack, endpoint["port"], msgspec.msgpack.encode(request))
+    assert len(said) == 2 and isinstance(said[0], Challenge) and said[1] == WireError("refused")
+
+    pulls, fallbacks = decode_figures(pair)
+    tokens, _ = await complete(pair.decode, kv=params)
+    assert_greedy_matches_hf(pair.path, PROMPT, tokens)
+    await settled(pair, pulls + 1, fallbacks)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 10.0
+    while pair.prefill.stats().replicas[0].kv_refused_connections < 1 and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    assert pair.prefill.stats().replicas[0].kv_refused_connections >= 1
+
+
+def attack(port: int, payload: bytes) -> list[object]:
+    """Send one frame to a kv_transfer port as a peer without the secret; all it answers."""
+    received = bytearray()
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(struct.pack(">I", len(payload)) + payload)
+        while chunk := sock.recv(65536):
+            received += chunk
+    decoder = msgspec.msgpack.Decoder(HandshakeToPuller)
+    said, offset = [], 0
+    while offset < len(received):
+        (length,) = struct.unpack_from(">I", received, offset)
+        said.append(decoder.decode(received[offset + 4 : offset + 4 + length]))
+        offset += 4 + length
+    return said

@@ -375,3 +375,31 @@ def test_the_same_transfer_submitted_again_while_pulled_computes_instead() -> No
     for rank in range(RANKS):
         decode.kv_transfer.on_event(BlocksPulled(pull.transfer_id, rank, None))
     assert decode.kv.num_free_blocks == decode.config.num_blocks
+
+
+# ---- what a client cannot choose -------------------------------------------------------------
+
+
+def test_transfer_ids_are_random_128_bits_whatever_the_request_id() -> None:
+    clock = Clock()
+    ids = {handed_off(clock)[3].transfer_id for _ in range(3)}  # request "a", epoch 0 each time
+    assert len(ids) == 3
+    assert all(len(tid) == 32 and int(tid, 16) >= 0 for tid in ids)  # 128 bits, hex
+
+
+def test_another_prompts_kv_is_never_pulled_into_this_prompts_prefix() -> None:
+    clock = Clock()
+    _, _, first, source = handed_off(clock)
+    decode, d_worker = instance(clock)
+    other = [t + 100 for t in PROMPT]  # same length, other tokens: the source's blocks are not its
+    request = msgspec.structs.replace(
+        submit("a", other, epoch=1, seed=5, max_tokens=6),
+        resume=[SampleResume(0, first)],
+        kv_source=source,
+    )
+    decode.add(request)
+
+    assert orders(decode) == []  # nothing pulled
+    _, starts = decode_to_end(decode, d_worker)
+    assert starts == [0]  # it computed its own prompt
+    assert decode.stats().kv_fallbacks == 1 and decode.stats().kv_pulls == 0

@@ -17,11 +17,12 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from engine.actors.runtime.segments import map_segment
-from engine.actors.runtime.shm import create_segment, segment_path, unlink_segment
+from engine.actors.runtime.shm import SEGMENT_PREFIX, SHM_DIR, create_segment, unlink_segment
 from engine.kv_transfer.cache_view import CacheView
+from engine.kv_transfer.handshake import prove_to_server
 from engine.kv_transfer.holds import HoldTable
 from engine.kv_transfer.puller import Puller
+from engine.kv_transfer.segment import Segments
 from engine.kv_transfer.server import BlockServer
 from engine.kv_transfer.wire import (
     MAX_FRAME_BYTES,
@@ -40,6 +41,7 @@ from tests.unit.test_kv_cache_view import layout
 
 HOST = "this-host"
 SRC_BLOCKS, DST_BLOCKS = 8, 6
+SECRET = secrets.token_bytes(32)
 
 
 class Served:
@@ -53,8 +55,16 @@ class Served:
         self.view.slots[...] = rng.integers(0, 256, self.view.slots.shape, dtype=np.uint8)
         self.holds = HoldTable()
         self.released: list[str] = []
+        self.refused: list[str] = []
         self.server = BlockServer(
-            self.view, self.segment, self.holds, HOST, self.released.append, idle_timeout=5
+            self.view,
+            self.segment,
+            self.holds,
+            HOST,
+            self.released.append,
+            secret=SECRET,
+            on_refused=self.refused.append,
+            idle_timeout=5,
         )
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.listener.settimeout(0.05)
@@ -81,9 +91,16 @@ class Served:
         source = KvSource(transfer_id, [self.endpoint], src, len(src) * 4, self.layout)
         return PullBlocks(transfer_id, source, src, dst, time.monotonic() + 20)
 
+    def connect(self) -> socket.socket:
+        """A connection on which this test proved the deployment secret."""
+        sock = socket.create_connection(self.listener.getsockname(), timeout=10)
+        prove_to_server(sock, SECRET, time.monotonic() + 10)
+        return sock
+
     def raw_exchange(self, payload: bytes) -> object:
-        """Send raw bytes on a fresh connection (then close our writing side); the reply."""
-        with socket.create_connection(self.listener.getsockname(), timeout=10) as sock:
+        """Send raw bytes on a fresh authenticated connection (then close our writing side);
+        the reply."""
+        with self.connect() as sock:
             sock.sendall(payload)
             # A frame refused at its header is answered and the connection closed at once: it
             # may be gone (not connected) by the time our side closes its half.
@@ -102,13 +119,8 @@ def served() -> Iterator[Served]:
 def puller(force_tcp: bool = False, dst_layout: KvLayout | None = None) -> Puller:
     dst_layout = dst_layout or layout(DST_BLOCKS)
     view = CacheView(dst_layout, bytearray(dst_layout.segment_bytes))
-    return Puller(
-        view,
-        HOST,
-        lambda name: map_segment(name, writable=False),
-        lambda name: os.path.exists(segment_path(name)),
-        force_tcp,
-    )
+    segments = Segments(SHM_DIR, SEGMENT_PREFIX)
+    return Puller(view, HOST, secret=SECRET, segments=segments, force_tcp=force_tcp)
 
 
 def block_bytes(buffer: object, lay: KvLayout, layer: int, kv: int, block_id: int) -> bytes:
@@ -202,7 +214,7 @@ def test_bad_frames_get_an_error_reply_and_the_server_serves_on(served: Served) 
 
 def test_an_acknowledgement_after_the_hold_ended_is_not_an_arrival(served: Served) -> None:
     served.holds.hold("t@1", [1], time.monotonic() + 30)
-    with socket.create_connection(served.listener.getsockname(), timeout=10) as sock:
+    with served.connect() as sock:
         deadline = time.monotonic() + 10
         TO_SERVER.send(sock, PullRequest("t@1", [1], layout(DST_BLOCKS), HOST, "shm"), deadline)
         assert isinstance(TO_PULLER.receive(sock, deadline), ShmGrant)
