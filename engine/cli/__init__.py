@@ -1,4 +1,5 @@
-"""Command line: `serve` (the default), `proxy`, `config show`, `admin`, `replay`, `trace import`.
+"""Command line: `serve` (the default), `proxy`, `config show`, `admin`, `replay`, `trace import`,
+`export`.
 
 Usage errors print one line to stderr and exit 2; invalid settings exit 2 the same way.
 """
@@ -12,7 +13,8 @@ from engine.settings import SettingsError
 
 USAGE = """\
 usage: engine serve [MODEL] [flags]   (or python -m engine [serve] ...)  start the server
-       (MODEL: a checkpoint directory, or a Hugging Face repo id found in the local HF cache)
+       (MODEL: a checkpoint directory, a .gguf file, 'demo' for the random-weight demo model, or a
+        Hugging Face repo id found in the local HF cache; none: SmolLM2-135M-Instruct)
        python -m engine proxy --prefill URL [URL ...] --decode URL [URL ...] [--port N]
            [--host H]   the P/D front over prefill and decode instances (proxy --help)
        python -m engine config show [flags] [--json]  effective settings and their sources
@@ -22,6 +24,7 @@ usage: engine serve [MODEL] [flags]   (or python -m engine [serve] ...)  start t
        python -m engine replay TRACE --url URL [--speed X] [--max-concurrency N] [--limit N]
            [--model NAME] [--compare] [--json] [--plot OUT.png]   re-send a trace, report
        python -m engine trace import mooncake|azure|poisson ... -o OUT   make a trace
+       python -m engine export FILE.gguf|default DIR   a GGUF model as a float32 HF checkpoint
 """
 
 
@@ -56,6 +59,10 @@ def main(argv: list[str]) -> int:
             from engine.cli.trace_cmd import run_trace
 
             return run_trace(rest, os.environ)
+        if command == "export":
+            from engine.cli.export_cmd import run_export
+
+            return run_export(rest, os.environ)
         if any(a in ("-h", "--help") for a in rest):
             _print_help()
             return 0
@@ -70,7 +77,16 @@ def main(argv: list[str]) -> int:
 
 
 def _split_command(argv: list[str]) -> tuple[str, list[str]]:
-    if argv and argv[0] in ("serve", "proxy", "config", "admin", "replay", "trace", "help"):
+    if argv and argv[0] in (
+        "serve",
+        "proxy",
+        "config",
+        "admin",
+        "replay",
+        "trace",
+        "export",
+        "help",
+    ):
         return argv[0], argv[1:]
     return "serve", argv
 

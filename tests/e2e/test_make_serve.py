@@ -1,4 +1,5 @@
-"""`make serve`, the README's serve command, comes up on the built-in demo model and answers."""
+"""`make serve`, the README's serve command, comes up on the default model (SmolLM2-135M-Instruct,
+a real one) and answers a chat question."""
 
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ import httpx
 
 from tests.e2e.harness import READY_RE, REPO, read_line_starting
 
-START_TIMEOUT_S = 300.0  # the first start on a machine builds the demo model
+START_TIMEOUT_S = 300.0  # the first start on a machine derives the model's files
 
 
-def test_make_serve_answers_a_completion_on_the_demo_model(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_make_serve_answers_a_chat_question_on_the_default_model(tmp_path) -> None:  # type: ignore[no-untyped-def]
     log_path = tmp_path / "make-serve.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with open(log_path, "w") as log:
@@ -32,15 +33,19 @@ def test_make_serve_answers_a_completion_on_the_demo_model(tmp_path) -> None:  #
         line = read_line_starting(make, "engine ready:", START_TIMEOUT_S)
         match = READY_RE.match(line)
         assert match, line
+        assert match["model"] == "SmolLM2-135M-Instruct"
+        models = httpx.get(f"{match['url']}/v1/models", timeout=60).json()
+        assert [model["id"] for model in models["data"]] == ["SmolLM2-135M-Instruct"]
+        question = {"role": "user", "content": "What is the capital of France?"}
         reply = httpx.post(
-            f"{match['url']}/v1/completions",
-            json={"model": match["model"], "prompt": "Hello", "max_tokens": 5, "temperature": 0},
+            f"{match['url']}/v1/chat/completions",
+            json={"messages": [question], "max_tokens": 16, "temperature": 0},
             timeout=60,
         )
         assert reply.status_code == 200, reply.text
-        body = reply.json()
-        assert body["usage"]["completion_tokens"] == 5
-        assert "demo model" in log_path.read_text()
+        # transformers' load of the same file answers "The capital of France is Paris."
+        # (tests/integration/test_default_model.py holds the token-level comparison).
+        assert "Paris" in reply.json()["choices"][0]["message"]["content"]
     finally:
         if make.poll() is None:
             os.killpg(make.pid, signal.SIGTERM)

@@ -11,9 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from engine.gguf import GGUFError
 from engine.gguf.checkpoint import prepare_checkpoint
+from engine.gguf.export import export_checkpoint
 from engine.model.config import ModelConfig, load_model_config
 from engine.model.runner import ModelRunner
 from engine.model.step_inputs import SeqChunk
@@ -124,6 +126,19 @@ def test_a_directory_holding_one_file_serves_it(tmp_path: Path) -> None:
     path, name = model_directory(str(folder), tmp_path / "home")
     assert name == str(folder)
     assert Path(path, "model.gguf").resolve() == (folder / "tiny.gguf").resolve()
+
+
+def test_export_writes_the_files_weights_as_a_transformers_checkpoint(tmp_path: Path) -> None:
+    gguf_file, reference = gguf_of(tiny_checkpoint("llama"), "Q4_1")
+    export_checkpoint(gguf_file, tmp_path / "export")
+    ours = load_file(str(tmp_path / "export" / "model.safetensors"))
+    theirs = load_file(str(reference / "model.safetensors"))
+    assert sorted(ours) == sorted(theirs)
+    for name, tensor in theirs.items():
+        assert torch.equal(ours[name], tensor), name
+    prompt = PROMPTS[0]
+    tokens = greedy_generate(runner(tmp_path / "export"), [prompt], 6)[0]
+    assert_greedy_matches_hf(tmp_path / "export", prompt, tokens)  # transformers reads it
 
 
 def _bad_copy(tmp_path: Path, edit: str) -> Path:
