@@ -49,8 +49,8 @@ def model_directory(
 
     tokenizer_dir = Path(tokenizer).expanduser().resolve() if tokenizer else None
     if model is None:
-        gguf = default_model_file()
-        return str(prepare_checkpoint(gguf, engine_home, tokenizer_dir)), DEFAULT_MODEL_NAME
+        default = default_model_file()
+        return str(prepare_checkpoint(default, engine_home, tokenizer_dir)), DEFAULT_MODEL_NAME
     if model == DEMO_MODEL:
         from engine.model.default_model import ensure_default_model
 
@@ -67,3 +67,21 @@ def model_directory(
             "checkpoint directory, whose tokenizer files can be replaced in place"
         )
     return str(path.resolve()), model
+
+
+def hf_checkpoint(model: str | None, engine_home: Path) -> str:
+    """A Hugging Face checkpoint directory of `model` (as the `model.path` setting names it), for
+    peers that cannot read GGUF (vLLM on the CPU) and the benchmarks that run them: a GGUF model's
+    float32 export, written once under $ENGINE_HOME/exports/; any other model's own directory.
+    The engine serving the export computes exactly what it computes serving the file."""
+    from engine.gguf.checkpoint import WEIGHTS_LINK
+    from engine.gguf.export import export_checkpoint
+
+    path, _ = model_directory(model, engine_home)
+    weights = Path(path) / WEIGHTS_LINK
+    if not weights.exists():
+        return path
+    target = engine_home / "exports" / Path(path).name
+    if not (target / "model.safetensors").is_file():
+        export_checkpoint(weights.resolve(), target)
+    return str(target)

@@ -189,7 +189,10 @@ PEERS = {"hf": run_hf, "vllm": run_vllm}
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", help="checkpoint directory (default: the built-in demo model)")
+    parser.add_argument(
+        "--model",
+        help="checkpoint directory, .gguf file or 'demo' (default: SmolLM2-135M-Instruct)",
+    )
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--input-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=64)
@@ -212,10 +215,11 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
 
+    from engine.home import default_engine_home
     from engine.model.config import load_model_config
-    from engine.model.default_model import ensure_default_model
+    from engine.model_source import hf_checkpoint
 
-    path = args.model or ensure_default_model()
+    path = hf_checkpoint(args.model, default_engine_home())
     if args.repeats < 1:
         parser.error(f"--repeats must be at least 1, got {args.repeats}")
     workloads = make_workloads(args, load_model_config(path).vocab_size)

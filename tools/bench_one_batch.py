@@ -266,7 +266,10 @@ def print_table(results: list[CaseResult], runner: ModelRunner, rates: MachineRa
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", help="checkpoint directory (default: the built-in demo model)")
+    parser.add_argument(
+        "--model",
+        help="checkpoint directory, .gguf file or 'demo' (default: SmolLM2-135M-Instruct)",
+    )
     parser.add_argument("--batch-size", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--input-len", type=int, nargs="+", default=[128])
     parser.add_argument("--output-len", type=int, nargs="+", default=[64])
@@ -301,10 +304,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
     model = args.model
-    if model is None:
-        from engine.model.default_model import ensure_default_model
+    from engine.home import default_engine_home
+    from engine.model_source import model_directory
 
-        model = ensure_default_model()
+    model, _ = model_directory(model, default_engine_home())
     runner = ModelRunner(
         model,
         dtype=args.dtype,

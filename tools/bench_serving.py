@@ -6,8 +6,9 @@
     python tools/bench_serving.py --trace /work/shared/traces/mooncake_fast25_conversation.jsonl \\
         --window 40 --input-scale 32
 
-Both servers load the same checkpoint (the built-in demo model unless --model), listen on
-127.0.0.1 at a free port, and get the same requests through the replay client
+Both servers load the same checkpoint (SmolLM2-135M-Instruct exported from its GGUF file unless
+--model; `--model demo`: the random demo model), listen on 127.0.0.1 at a free port, and get
+the same requests through the replay client
 (engine/trace/client.py): streamed completions of token-id prompts, greedy, EOS ignored, so every
 output is exactly as long as asked. Poisson arrivals at each rate of --rates (`inf`: all at
 once, i.e. saturation; each rate gets prompts of its own, so no rate hits the prefix cache
@@ -249,9 +250,10 @@ def _line(cells: list[str], widths: list[int]) -> str:
 
 def main() -> int:
     args = parse_args()
-    from engine.model.default_model import ensure_default_model
+    from engine.home import default_engine_home
+    from engine.model_source import hf_checkpoint
 
-    model = args.model or ensure_default_model()
+    model = hf_checkpoint(args.model, default_engine_home())
     logs = Path(tempfile.mkdtemp(prefix="bench-serving-"))
     servers: dict[str, Callable[[], contextlib.AbstractContextManager[str]]] = {
         "engine": lambda: engine_server(
@@ -293,7 +295,10 @@ def main() -> int:
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", help="checkpoint directory (default: the built-in demo model)")
+    p.add_argument(
+        "--model",
+        help="checkpoint directory, .gguf file or 'demo' (default: SmolLM2-135M-Instruct)",
+    )
     p.add_argument("--peer", choices=["vllm", "none"], default="vllm")
     p.add_argument(
         "--rates",

@@ -1,7 +1,7 @@
 """Structured outputs' cost: throughput of N sequences where half carry a JSON schema against
 the same N unconstrained, in one run; and the grammar compile time per schema.
 
-    python tools/bench_structured.py                       # the demo model, 32 sequences
+    python tools/bench_structured.py                       # the default model, 32 sequences
     python tools/bench_structured.py --model DIR --num-requests 32 --output-len 64
 
 Every request decodes exactly --output-len tokens (greedy): the schema (an array that needs
@@ -39,7 +39,11 @@ def schema(variant: int) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="checkpoint (default: the demo model)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="checkpoint, .gguf file or 'demo' (default: SmolLM2-135M-Instruct)",
+    )
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--input-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=64)
@@ -50,11 +54,12 @@ def main() -> None:
     args = parser.parse_args()
 
     from engine import LLM, SamplingParams
+    from engine.home import default_engine_home
     from engine.messages.params import StructuredOutputsParams
     from engine.model.config import load_model_config
-    from engine.model.default_model import ensure_default_model
+    from engine.model_source import model_directory
 
-    path = args.model or ensure_default_model()
+    path, _ = model_directory(args.model, default_engine_home())
     vocab = load_model_config(path, None).vocab_size
     rng = random.Random(args.seed)
     prompts = [

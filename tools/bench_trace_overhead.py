@@ -75,17 +75,20 @@ def cpu_seconds(pid: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", help="checkpoint directory (default: the built-in demo model)")
+    parser.add_argument(
+        "--model",
+        help="checkpoint directory, .gguf file or 'demo' (default: SmolLM2-135M-Instruct)",
+    )
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--input-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=16)
     args = parser.parse_args()
-    if args.model is None:
-        from engine.model.default_model import ensure_default_model
+    from engine.home import default_engine_home
+    from engine.model_source import model_directory
 
-        args.model = ensure_default_model()
+    args.model, _ = model_directory(args.model, default_engine_home())
 
     work = Path(tempfile.mkdtemp(prefix="trace-overhead-"))
     workload = poisson_workload(

@@ -1,7 +1,7 @@
 """Chaos: a streaming workload against a running server while random actors are SIGKILLed, then
 the same workload undisturbed; every stream of the first run must equal its twin in the second.
 
-    python -m engine --runtime.restart_intensity 100 --runtime.restart_period 10 &  # demo model
+    python -m engine --runtime.restart_intensity 100 --runtime.restart_period 10 &
     python tools/chaos.py --requests 200 --concurrency 16 --kills 24
 
 The workload: N streaming completions, half greedy and half seeded sampling, EOS ignored (every

@@ -1,6 +1,6 @@
 """What a started server costs when nobody sends it anything: CPU of its whole process tree.
 
-    python tools/idle_cpu.py                                   # the demo model, colocated
+    python tools/idle_cpu.py                                   # the default model, colocated
     python tools/idle_cpu.py --engine-args='--prefill-replicas 1 --decode-replicas 1'
 
 Starts `python -m engine` on a free port, waits --settle seconds after its ready line, then
@@ -75,14 +75,18 @@ def server_pid(url: str) -> int:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", help="checkpoint directory (default: the built-in demo model)")
+    p.add_argument(
+        "--model",
+        help="checkpoint directory, .gguf file or 'demo' (default: SmolLM2-135M-Instruct)",
+    )
     p.add_argument("--engine-args", default="", help="more flags for `python -m engine`")
     p.add_argument("--settle", type=float, default=10.0, help="seconds after ready, first")
     p.add_argument("--seconds", type=float, default=30.0, help="seconds sampled")
     args = p.parse_args()
-    from engine.model.default_model import ensure_default_model
+    from engine.home import default_engine_home
+    from engine.model_source import model_directory
 
-    model = args.model or ensure_default_model()
+    model, _ = model_directory(args.model, default_engine_home())
     logs = Path(tempfile.mkdtemp(prefix="idle-cpu-"))
     with engine_server(model, logs, shlex.split(args.engine_args), 600.0) as url:
         time.sleep(args.settle)

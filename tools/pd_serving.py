@@ -67,9 +67,10 @@ def identical_outputs(a: list[ReplayResult], b: list[ReplayResult]) -> tuple[int
 
 
 def serving(args: argparse.Namespace) -> int:
-    from engine.model.default_model import ensure_default_model
+    from engine.home import default_engine_home
+    from engine.model_source import model_directory
 
-    model = args.model or ensure_default_model()
+    model, _ = model_directory(args.model, default_engine_home())
     figures: list[Figures] = []
     results: list[list[ReplayResult]] = []
     for name in SETUPS:
@@ -93,7 +94,10 @@ def serving(args: argparse.Namespace) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="checkpoint directory (default: the built-in demo model)")
+    p.add_argument(
+        "--model",
+        help="checkpoint directory, .gguf file or 'demo' (default: SmolLM2-135M-Instruct)",
+    )
     p.add_argument("--trace", default=str(Path(__file__).parents[2] / "shared/traces/"
                                           "mooncake_fast25_conversation.jsonl"))  # fmt: skip
     p.add_argument("--window", type=_window, default=(0.0, 30.0), help="SECONDS or START:END")

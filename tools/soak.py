@@ -1,6 +1,6 @@
 """Soak: a bounded run of mixed, partly hostile traffic against one server, and what it left.
 
-    python tools/soak.py --requests 10000 --time-limit 1800      # starts the demo model itself
+    python tools/soak.py --requests 10000 --time-limit 1800      # starts a demo-model server itself
     python tools/soak.py --url http://127.0.0.1:8000 --socket /run/.../admin.sock
 
 The mix (fractions are flags): streaming and plain completions, chat (streamed or not), clients
@@ -337,7 +337,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for kind, share in [("stream", 0.3), ("plain", 0.2), ("chat", 0.2), ("disconnect", 0.1),
                         ("slow", 0.1), ("bad", 0.1)]:  # fmt: skip
         p.add_argument(f"--{kind}", type=float, default=share, help=f"share of {kind} requests")
-    p.add_argument("--model", help="checkpoint for the server it starts (default: demo model)")
+    p.add_argument(
+        "--model", default="demo", help="model of the server it starts (default: the demo model)"
+    )
     p.add_argument("--server-args", nargs="*", default=[], help="more flags for that server")
     p.add_argument("--url", help="use a running server instead (needs --socket, --server-pid)")
     p.add_argument("--socket", help="the running server's admin socket")
