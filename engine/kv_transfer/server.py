@@ -133,6 +133,7 @@ class BlockServer:
         try:
             if ack.transfer_id not in pulled:
                 raise ValueError(f"transfer {ack.transfer_id!r} was not pulled on this connection")
+            pulled.discard(ack.transfer_id)  # a kept connection's set stays small
             self.holds.acknowledge(ack.transfer_id)
         except ValueError as exc:
             self._reply(sock, AckResult(ack.transfer_id, str(exc)))
