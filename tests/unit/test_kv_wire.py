@@ -65,6 +65,7 @@ class Served:
             secret=SECRET,
             on_refused=self.refused.append,
             idle_timeout=5,
+            hold_arrival=0.1,
         )
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.listener.settimeout(0.05)
@@ -264,6 +265,14 @@ def test_pulls_from_one_source_reuse_its_connection_until_the_server_ends_it(
         assert pulling.pull(served.order(transfer_id, [1], [0]), 0).error is None
     assert len(served._connections) == 2  # one handshake for r1 and r2, one more for r3
     assert served.released == ["r1", "r2", "r3"]
+
+
+def test_a_pull_quicker_than_its_hold_order_waits_for_it(served: Served) -> None:
+    hold = threading.Timer(0.03, served.holds.hold, ("late", [1], time.monotonic() + 30))
+    hold.start()
+    outcome = puller(force_tcp=True).pull(served.order("late", [1], [0]), 0)
+    hold.join(10)
+    assert outcome.error is None and served.released == ["late"]
 
 
 def test_holds_end_at_their_deadline() -> None:
