@@ -14,10 +14,15 @@ defaults to one rank of Llama-3-8B at TP=2 (32 layers, 4 of its 8 KV heads, head
 bfloat16, block 16: 64 KiB per token, so a 64k-token prompt is 4 GiB per cache and the run
 needs about 8 GiB of /dev/shm); --kv-heads 8 is the whole model's 128 KiB per token.
 
-A pull's time is the puller's (connect to acknowledgement confirmed), from BlocksPulled; each
-figure is the median of --repeats after one warm-up round. Blocks are consecutive (a fresh
-pool) unless --scatter shuffles both sides' ids (no run longer than chance allows). Figures of
-one run compare; on a shared 2-core machine they drift between runs.
+A pull's time is the puller's (connect, the handshake on the deployment secret, then the
+request to the acknowledgement confirmed), from BlocksPulled; each figure is the median of
+--repeats after one warm-up round, and `shm ms` / `tcp ms` are that median pull's milliseconds
+(for a small prompt, mostly the connection and handshake). Before the table: the handshake's
+cost alone (a connection to another process over loopback, with and without it) and the cost of
+signing and checking a prompt's kv_transfer_params (engine/kv_transfer/signing.py).
+Blocks are consecutive (a fresh pool) unless --scatter shuffles both sides' ids (no run longer
+than chance allows). Figures of one run compare; on a shared 2-core machine they drift between
+runs.
 
 glibc copies with ordinary stores below its non-temporal threshold (192 MiB here), and a pull
 copies one run per layer's K and V (at most a few tens of MiB), while one memcpy of the whole
@@ -30,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing
+import secrets
 import socket
 import statistics
 import sys
@@ -58,11 +64,14 @@ from engine.actors.runtime.child_spec import (
 from engine.actors.runtime.events import ChildReady
 from engine.actors.runtime.segments import map_segment
 from engine.actors.runtime.supervisor import Supervisor
+from engine.kv_transfer.handshake import admit_puller, prove_to_server
+from engine.kv_transfer.signing import sign, signature_problem
 from engine.messages.kv_transfer import (
     KV_EVENTS,
     KV_ORDERS,
     BlocksPulled,
     HoldBlocks,
+    KvEndpoint,
     KvEvent,
     KvLayout,
     KvSource,
@@ -71,6 +80,7 @@ from engine.messages.kv_transfer import (
 )
 
 TIMEOUT = 600.0  # a pull's deadline, and the longest wait for any event
+SECRET = secrets.token_bytes(32)  # this run's deployment secret, shared by both instances
 
 
 # ---- transfer ----------------------------------------------------------------------------------
@@ -80,7 +90,9 @@ class KvInstance:
     """One kv_transfer actor (rank 0) under its own supervisor; this process is its scheduler."""
 
     def __init__(self, name: str, layout: KvLayout, force_tcp: bool) -> None:
-        config = KvTransferConfig(rank=0, layout=layout, cache_segment="cache", force_tcp=force_tcp)
+        config = KvTransferConfig(
+            rank=0, layout=layout, cache_segment="cache", force_tcp=force_tcp, secret=SECRET
+        )
         child = ChildSpec(
             name="kv0",
             entry="engine.actors.kv_transfer:KvTransferActor",
@@ -137,14 +149,69 @@ class TransferFigures:
         shm, tcp, memcpy, raw = map(rate, (self.shm_s, self.tcp_s, self.memcpy_s, self.socket_s))
         return (
             f"{self.tokens:>7} {self.num_bytes / 2**20:>9.0f} {shm:>8.2f} {memcpy:>8.2f} "
-            f"{shm / memcpy:>8.0%} {tcp:>8.2f} {raw:>8.2f} {tcp / raw:>8.0%}"
+            f"{shm / memcpy:>8.0%} {tcp:>8.2f} {raw:>8.2f} {tcp / raw:>8.0%} "
+            f"{self.shm_s * 1e3:>8.2f} {self.tcp_s * 1e3:>8.2f}"
         )
 
 
 HEADER = (
     f"{'tokens':>7} {'MiB':>9} {'shm':>8} {'memcpy':>8} {'shm/mc':>8} {'tcp':>8} {'socket':>8} "
-    f"{'tcp/sock':>8}   (GB/s)"
+    f"{'tcp/sock':>8} {'shm ms':>8} {'tcp ms':>8}   (GB/s but ms)"
 )
+
+
+def _handshake_server(listener: socket.socket, secret: bytes, repeats: int) -> None:
+    """The handshake's serving process: `repeats` plain connections, then as many handshakes."""
+    for attempt in range(2 * repeats):
+        with listener.accept()[0] as connection:
+            if attempt >= repeats:
+                admit_puller(connection, secret)
+            connection.recv(1)  # until the client closes
+
+
+def security_costs(layout: KvLayout, blocks: int, repeats: int = 200) -> str:
+    """Median microseconds: a loopback connection to another process, with and without the
+    handshake, and signing / checking kv_transfer_params naming `blocks` blocks."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    address = listener.getsockname()
+    server = multiprocessing.get_context("fork").Process(
+        target=_handshake_server, args=(listener, SECRET, repeats), daemon=True
+    )
+    server.start()
+
+    def connection_us(handshake: bool) -> float:
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            with socket.create_connection(address, timeout=TIMEOUT) as sock:
+                if handshake:
+                    prove_to_server(sock, SECRET, time.monotonic() + TIMEOUT)
+                else:
+                    sock.getpeername()
+                times.append(time.perf_counter() - started)
+        return statistics.median(times) * 1e6
+
+    try:
+        plain, authenticated = connection_us(False), connection_us(True)
+    finally:
+        server.join(TIMEOUT)
+        listener.close()
+    endpoint = KvEndpoint("127.0.0.1", 7100, "host")
+    source = KvSource(secrets.token_hex(16), [endpoint], list(range(blocks)), 0, layout, "ab" * 16)
+    signing, checking = [], []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        signed = sign(source, SECRET, time.time() + 60)
+        signing.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        assert signature_problem(signed, SECRET, time.time()) is None
+        checking.append(time.perf_counter() - started)
+    median = statistics.median
+    return (
+        f"connect {plain:.0f} us, connect + handshake {authenticated:.0f} us (loopback, another "
+        f"process serving); kv_transfer_params of {blocks} blocks: sign "
+        f"{median(signing) * 1e6:.0f} us, check {median(checking) * 1e6:.0f} us"
+    )
 
 
 async def pull_seconds(
@@ -233,6 +300,7 @@ async def bench_transfer(args: argparse.Namespace) -> list[TransferFigures]:
         f"{'scattered' if args.scatter else 'consecutive'} blocks; median of {args.repeats}",
         flush=True,
     )
+    print(security_costs(layout, max_blocks), flush=True)
     # `near` pulls through shared memory, `far` over TCP; each serves the other.
     near, far = KvInstance("near", layout, False), KvInstance("far", layout, True)
     await near.start()

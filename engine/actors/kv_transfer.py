@@ -143,6 +143,7 @@ class KvTransferActor(Actor):
 
     async def on_stop(self) -> None:
         self._listener.close()
+        self.puller.connections.close()
         for task in [*self._tasks, *self._pulls]:
             task.cancel()
         await asyncio.gather(*self._tasks, *self._pulls, return_exceptions=True)

@@ -26,6 +26,7 @@ class HoldTable:
         self._holds: dict[str, Hold] = {}
         self._ended: OrderedDict[str, str] = OrderedDict()  # transfer id -> why it ended
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # a hold was added
 
     def __len__(self) -> int:
         return len(self._holds)
@@ -34,6 +35,7 @@ class HoldTable:
         with self._lock:
             self._ended.pop(transfer_id, None)
             self._holds[transfer_id] = Hold(block_ids, deadline)
+            self._changed.notify_all()
 
     def drop(self, transfer_ids: Iterable[str], why: str) -> None:
         with self._lock:
@@ -58,9 +60,19 @@ class HoldTable:
         with self._lock:
             return min((hold.deadline for hold in self._holds.values()), default=None)
 
-    def check(self, transfer_id: str, block_ids: Iterable[int], now: float | None = None) -> Hold:
-        """The live hold of `transfer_id` covering `block_ids`; ValueError saying what is not."""
+    def check(
+        self,
+        transfer_id: str,
+        block_ids: Iterable[int],
+        now: float | None = None,
+        arrival: float = 0.0,
+    ) -> Hold:
+        """The live hold of `transfer_id` covering `block_ids`; ValueError saying what is not.
+        A transfer never heard of is waited for up to `arrival` seconds: its puller may have
+        been quicker than the order that holds it (they travel different paths)."""
         with self._lock:
+            if transfer_id not in self._holds and transfer_id not in self._ended:
+                self._changed.wait_for(lambda: transfer_id in self._holds, arrival)
             hold = self._live(transfer_id, time.monotonic() if now is None else now)
         missing = [block for block in block_ids if block not in hold.blocks]
         if missing:

@@ -2,8 +2,9 @@
 acknowledge; the outcome is a BlocksPulled, whatever happened (errors never escape).
 
 The source must prove the deployment secret (handshake.py) before the puller names a transfer
-or reads a byte of it, and a same-host source's segment is mapped only if segment.py finds it
-one of ours, of the size its layout says."""
+or reads a byte of it (connections.py keeps such a connection for the next pull), and a
+same-host source's segment is mapped only if segment.py finds it one of ours, of the size its
+layout says."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import threading
 import time
 
 from engine.kv_transfer.cache_view import CacheView, copy_blocks
-from engine.kv_transfer.handshake import HandshakeFailed, prove_to_server
+from engine.kv_transfer.connections import Connections
+from engine.kv_transfer.handshake import HandshakeFailed
 from engine.kv_transfer.segment import Segments
 from engine.kv_transfer.wire import (
     TO_PULLER,
@@ -28,7 +30,6 @@ from engine.kv_transfer.wire import (
     ShmGrant,
     WireError,
     recv_into_buffers,
-    remaining,
 )
 from engine.messages.kv_transfer import BlocksPulled, KvEndpoint, PullBlocks
 
@@ -52,8 +53,7 @@ class Puller:
         self.segments = segments
         self.host_id = host_id
         self.force_tcp = force_tcp
-        self.secret = secret
-        self.tls = tls
+        self.connections = Connections(secret, tls)
         self._sources: dict[str, CacheView] = {}  # segment name -> its view, mapped once
         self._lock = threading.Lock()  # pulls run on several threads
 
@@ -81,41 +81,39 @@ class Puller:
             raise ValueError(f"{len(src_ids)} source block ids but {len(dst_ids)} destination ids")
         self.view.check_block_ids(dst_ids, "destination")
         address = (endpoint.host, endpoint.port)
-        with self._connect(address, deadline) as sock:
-            prove_to_server(sock, self.secret, deadline)
-            request = PullRequest(order.transfer_id, src_ids, self.view.layout, self.host_id, via)
-            TO_SERVER.send(sock, request, deadline)
-            reply = TO_PULLER.receive(sock, deadline)
-            if isinstance(reply, WireError):
-                raise PullFailed(f"the source refused it: {reply.error}")
-            if isinstance(reply, ShmGrant) and via == VIA_SHM:
-                num_bytes = copy_blocks(self._source(reply), self.view, src_ids, dst_ids)
-            elif isinstance(reply, BlocksFollow) and via == VIA_TCP:
-                num_bytes = self.view.stream_bytes(len(dst_ids))
-                if reply.num_bytes != num_bytes:
-                    raise ProtocolError(f"{reply.num_bytes} bytes announced, {num_bytes} expected")
-                chunks = self.view.chunks(dst_ids)
-                recv_into_buffers(sock, chunks, deadline, f"transfer {order.transfer_id!r}")
-            else:
-                raise ProtocolError(f"a {type(reply).__name__} in answer to a {via} pull")
-            TO_SERVER.send(sock, Acknowledge(order.transfer_id), deadline)
-            result = TO_PULLER.receive(sock, deadline)
+        sock = self.connections.open(address, deadline)
+        try:
+            num_bytes, result = self._exchange(sock, order, via)
+        except BaseException:
+            sock.close()  # out of step, or gone: never reused
+            raise
+        self.connections.keep(address, sock)
         if not isinstance(result, AckResult):
             raise ProtocolError(f"a {type(result).__name__} in answer to an acknowledgement")
         if result.error is not None:
             raise PullFailed(f"the source did not confirm its hold: {result.error}")
         return num_bytes
 
-    def _connect(self, address: tuple[str, int], deadline: float) -> socket.socket:
-        sock = socket.create_connection(address, timeout=remaining(deadline))
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if self.tls is None:
-            return sock
-        try:
-            return self.tls.wrap_socket(sock)
-        except BaseException:
-            sock.close()
-            raise
+    def _exchange(self, sock: socket.socket, order: PullBlocks, via: str) -> tuple[int, object]:
+        """The pull on an authenticated connection: (bytes copied, the AckResult frame)."""
+        src_ids, dst_ids, deadline = order.src_block_ids, order.dst_block_ids, order.deadline
+        request = PullRequest(order.transfer_id, src_ids, self.view.layout, self.host_id, via)
+        TO_SERVER.send(sock, request, deadline)
+        reply = TO_PULLER.receive(sock, deadline)
+        if isinstance(reply, WireError):
+            raise PullFailed(f"the source refused it: {reply.error}")
+        if isinstance(reply, ShmGrant) and via == VIA_SHM:
+            num_bytes = copy_blocks(self._source(reply), self.view, src_ids, dst_ids)
+        elif isinstance(reply, BlocksFollow) and via == VIA_TCP:
+            num_bytes = self.view.stream_bytes(len(dst_ids))
+            if reply.num_bytes != num_bytes:
+                raise ProtocolError(f"{reply.num_bytes} bytes announced, {num_bytes} expected")
+            chunks = self.view.chunks(dst_ids)
+            recv_into_buffers(sock, chunks, deadline, f"transfer {order.transfer_id!r}")
+        else:
+            raise ProtocolError(f"a {type(reply).__name__} in answer to a {via} pull")
+        TO_SERVER.send(sock, Acknowledge(order.transfer_id), deadline)
+        return num_bytes, TO_PULLER.receive(sock, deadline)
 
     def _source(self, grant: ShmGrant) -> CacheView:
         with self._lock:

@@ -37,6 +37,7 @@ from engine.kv_transfer.wire import (
 )
 
 REPLY_TIMEOUT = 10.0  # for a small reply to a puller that stopped reading
+HOLD_ARRIVAL_S = 1.0  # how long a pull of an unknown transfer waits for its hold order
 
 
 class Refused(Exception):
@@ -56,6 +57,7 @@ class BlockServer:
         on_refused: Callable[[str], None] = lambda peer: None,
         tls: ssl.SSLContext | None = None,
         idle_timeout: float = 30.0,
+        hold_arrival: float = HOLD_ARRIVAL_S,
     ) -> None:
         self.view = view
         self.segment = segment  # the shared-memory name of the cache `view` shows
@@ -66,6 +68,7 @@ class BlockServer:
         self.secret = secret
         self.tls = tls
         self.idle_timeout = idle_timeout
+        self.hold_arrival = hold_arrival
 
     def serve(self, sock: socket.socket) -> None:
         """Answer requests on `sock` until the peer closes it, errs, or idles; closes it."""
@@ -111,7 +114,9 @@ class BlockServer:
             raise Refused(mismatch)
         try:
             self.view.check_block_ids(request.block_ids, "requested")
-            hold = self.holds.check(request.transfer_id, request.block_ids)
+            hold = self.holds.check(
+                request.transfer_id, request.block_ids, arrival=self.hold_arrival
+            )
         except ValueError as exc:
             raise Refused(str(exc)) from None
         if request.via == VIA_SHM:
@@ -133,6 +138,7 @@ class BlockServer:
         try:
             if ack.transfer_id not in pulled:
                 raise ValueError(f"transfer {ack.transfer_id!r} was not pulled on this connection")
+            pulled.discard(ack.transfer_id)  # a kept connection's set stays small
             self.holds.acknowledge(ack.transfer_id)
         except ValueError as exc:
             self._reply(sock, AckResult(ack.transfer_id, str(exc)))

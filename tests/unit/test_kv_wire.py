@@ -65,10 +65,12 @@ class Served:
             secret=SECRET,
             on_refused=self.refused.append,
             idle_timeout=5,
+            hold_arrival=0.1,
         )
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.listener.settimeout(0.05)
         self.endpoint = KvEndpoint("127.0.0.1", self.listener.getsockname()[1], HOST)
+        self._connections: list[socket.socket] = []
         self._stopped = threading.Event()
         self._accepting = threading.Thread(target=self._accept)
         self._accepting.start()
@@ -79,12 +81,16 @@ class Served:
                 connection, _ = self.listener.accept()
             except TimeoutError:
                 continue
+            self._connections.append(connection)
             threading.Thread(target=self.server.serve, args=(connection,), daemon=True).start()
 
     def close(self) -> None:
         self._stopped.set()
         self._accepting.join(10)
         self.listener.close()
+        for connection in self._connections:  # as when the source's process ends
+            with contextlib.suppress(OSError):
+                connection.shutdown(socket.SHUT_RDWR)
         unlink_segment(self.segment)
 
     def order(self, transfer_id: str, src: list[int], dst: list[int]) -> PullBlocks:
@@ -246,6 +252,27 @@ def test_a_source_that_is_gone_or_silent_ends_the_pull_with_an_error(served: Ser
         assert "none for rank 1" in (pulling.pull(order, rank=1).error or "")
     finally:
         silent.close()
+
+
+def test_pulls_from_one_source_reuse_its_connection_until_the_server_ends_it(
+    served: Served,
+) -> None:
+    pulling = puller(force_tcp=True)
+    for transfer_id in ("r1", "r2", "r3"):
+        served.holds.hold(transfer_id, [1], time.monotonic() + 30)
+        if transfer_id == "r3":  # the server side ends the kept connection meanwhile
+            served._connections[0].shutdown(socket.SHUT_RDWR)
+        assert pulling.pull(served.order(transfer_id, [1], [0]), 0).error is None
+    assert len(served._connections) == 2  # one handshake for r1 and r2, one more for r3
+    assert served.released == ["r1", "r2", "r3"]
+
+
+def test_a_pull_quicker_than_its_hold_order_waits_for_it(served: Served) -> None:
+    hold = threading.Timer(0.03, served.holds.hold, ("late", [1], time.monotonic() + 30))
+    hold.start()
+    outcome = puller(force_tcp=True).pull(served.order("late", [1], [0]), 0)
+    hold.join(10)
+    assert outcome.error is None and served.released == ["late"]
 
 
 def test_holds_end_at_their_deadline() -> None:
