@@ -63,11 +63,13 @@ def gguf_of(checkpoint: Path, quant: str, **metadata_overrides: Any) -> tuple[Pa
 def _write(checkpoint: Path, quant: str, out: Path, overrides: dict[str, Any]) -> None:
     import gguf
 
+    overrides = dict(overrides)
+
     config = json.loads((checkpoint / "config.json").read_text())
-    arch = ARCH_NAMES[config["architectures"][0]]
+    # A file may claim another architecture (`general.architecture`) to test its refusal.
+    arch = overrides.pop("general.architecture", None) or ARCH_NAMES[config["architectures"][0]]
     weights = load_file(str(checkpoint / "model.safetensors"))
     writer = gguf.GGUFWriter(str(out / "model.gguf"), arch)
-    overrides = dict(overrides)
     _write_config(writer, arch, config, overrides.pop(f"{arch}.vocab_size", config["vocab_size"]))
     _write_tokenizer(writer, checkpoint)
     for key, value in overrides.items():

