@@ -148,7 +148,7 @@ class FakeSource:
 
 @pytest.fixture
 def victim(tmp_path: Path) -> Iterator[Path]:
-    """A file of exactly the cache's size outside /dev/shm, and a link to it in /dev/shm."""
+    """A file of exactly the cache's size, outside /dev/shm."""
     path = tmp_path / "victim"
     path.write_bytes(b"\x07" * LAYOUT.segment_bytes)
     yield path
