@@ -8,6 +8,7 @@ and the loader reads and dequantizes its tensors at each start (engine/gguf/weig
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -53,7 +54,7 @@ def prepare_checkpoint(gguf_path: Path, home: Path, tokenizer_dir: Path | None =
     """The checkpoint directory for `gguf_path` (its tokenizer from `tokenizer_dir` when given),
     derived now unless this engine home has it already."""
     gguf_path = gguf_path.resolve()
-    key = _content_hash(gguf_path)
+    key = _content_hash(gguf_path, home / "gguf" / "hashes")
     if tokenizer_dir is not None:
         key += "-tok" + _tokenizer_hash(tokenizer_dir)
     target = home / "gguf" / f"{key}-v{FORMAT_VERSION}"
@@ -108,12 +109,25 @@ def _copy_tokenizer(source: Path, staging: Path) -> None:
         shutil.copyfile(source / name, staging / name)
 
 
-def _content_hash(path: Path) -> str:
+def _content_hash(path: Path, memo_dir: Path) -> str:
+    """The file's content hash, read from a memo while the file's size, modification time and
+    inode are those it was computed for (as git's index does): hashing a 98 MB file costs
+    ~0.3 s of every start, a 4 GB one ~10 s."""
+    stat = path.stat()
+    identity = f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\0{stat.st_ino}"
+    memo = memo_dir / hashlib.sha256(identity.encode()).hexdigest()[:24]
+    with contextlib.suppress(OSError):
+        return memo.read_text().strip()
     digest = hashlib.sha256()
     with path.open("rb") as file:
         while chunk := file.read(1 << 22):
             digest.update(chunk)
-    return digest.hexdigest()[:20]
+    content = digest.hexdigest()[:20]
+    memo_dir.mkdir(parents=True, exist_ok=True)
+    temporary = memo.with_name(f".{memo.name}.{os.getpid()}")
+    temporary.write_text(content)
+    os.replace(temporary, memo)
+    return content
 
 
 def _tokenizer_hash(directory: Path) -> str:

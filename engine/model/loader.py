@@ -65,21 +65,25 @@ def load_model(
     params = dict(model.named_parameters())
     filled: set[str] = set()
     ignored: list[str] = []
-    files = checkpoint_files(Path(model_path))
-    total = _count_tensors(files)
-    with tqdm(total=total, desc="loading weights", unit="tensor", file=sys.stderr) as progress:
-        for file in files:
-            with open_tensors(file) as tensors:
-                for name in tensors.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    target = map_weight_name(name, config, shape)
-                    progress.update(1)
-                    if target is None or target[0] not in params:
-                        ignored.append(name)
-                        continue
-                    param_name, row_start = target
-                    tensor = read_shard(tensors, name, config, shape)
-                    _copy_into(params[param_name], row_start, tensor, name)
-                    filled.add(f"{param_name}@{row_start}")
+    with contextlib.ExitStack() as stack:
+        # Every file open at once (memory-mapped, nothing read yet): one pass counts the tensors
+        # for the progress bar and a second reads them, without parsing any header twice.
+        opened = [stack.enter_context(open_tensors(f)) for f in checkpoint_files(Path(model_path))]
+        total = sum(len(list(tensors.keys())) for tensors in opened)
+        progress = stack.enter_context(
+            tqdm(total=total, desc="loading weights", unit="tensor", file=sys.stderr)
+        )
+        for tensors in opened:
+            for name in tensors.keys():  # noqa: SIM118 (safe_open is not a dict)
+                target = map_weight_name(name, config, shape)
+                progress.update(1)
+                if target is None or target[0] not in params:
+                    ignored.append(name)
+                    continue
+                param_name, row_start = target
+                tensor = read_shard(tensors, name, config, shape)
+                _copy_into(params[param_name], row_start, tensor, name)
+                filled.add(f"{param_name}@{row_start}")
     missing = sorted(set(expected_weight_keys(params, config, shape)) - filled)
     if missing:
         raise ValueError(f"checkpoint {str(model_path)!r} lacks weights: {', '.join(missing)}")
@@ -198,11 +202,3 @@ def _zero_vocab_padding(model: DecoderForCausalLM) -> None:
     for weight in (model.embed_tokens.weight, getattr(model.lm_head, "weight", None)):
         if weight is not None and real < weight.shape[0]:
             weight.data[real:].zero_()
-
-
-def _count_tensors(files: list[Path]) -> int:
-    total = 0
-    for file in files:
-        with open_tensors(file) as tensors:
-            total += len(list(tensors.keys()))
-    return total

@@ -1,7 +1,10 @@
 """The supervisor (DESIGN §4): Erlang/OTP's supervisor, run on the root process's event loop.
 
-- start: sweep segments left by dead runs, create this run's rings, start the children unit by
-  unit (a group is one unit: all spawned, then all awaited), each Ready within its ready_timeout.
+- start: sweep segments left by dead runs, create this run's rings, spawn every child at once,
+  then await the Ready of each unit in start order (a group is one unit), each within its
+  ready_timeout. Children never wait for a sibling to start (their rings and segments exist
+  before any is spawned), so their start-ups overlap: the tokenizer imports its library while a
+  worker loads its weights. Events, restarts and the shutdown still follow the start order.
 - supervise: a death is seen through the process sentinel, a hang through missed heartbeats
   (the hung child is SIGKILLed, which makes it a death). One task handles deaths in turn, like
   the EXIT messages of an OTP supervisor: the restart type says whether to restart, the
@@ -106,8 +109,9 @@ class Supervisor:
         self._segments = create_segments(self.spec.segments, self._prefix)
         self._root = RingEnds(*self._rings.ends_of(ROOT))
         try:
-            for unit in self._units:
-                await self._start_unit(unit)
+            spawned = [[self._spawn(name) for name in unit] for unit in self._units]
+            for processes in spawned:
+                await self._await_ready(processes)
         except BaseException as exc:
             await self.shutdown(f"start-up failed: {exc}")
             raise
@@ -183,7 +187,9 @@ class Supervisor:
 
     async def _start_unit(self, names: list[str], restart_reason: str = "") -> None:
         """Spawn every member, then await every Ready: members may need each other to start."""
-        processes = [self._spawn(name) for name in names]
+        await self._await_ready([self._spawn(name) for name in names], restart_reason)
+
+    async def _await_ready(self, processes: list[ChildProcess], restart_reason: str = "") -> None:
         results = await asyncio.gather(*(p.wait_ready() for p in processes), return_exceptions=True)
         errors: list[BaseException] = []
         for process, result in zip(processes, results, strict=True):
