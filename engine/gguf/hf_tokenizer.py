@@ -44,7 +44,6 @@ PRE_TOKENIZERS: dict[str, tuple[tuple[str, ...], bool]] = {
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "stablelm2"), ((_QWEN2,), False)),
     "default": (_DEFAULT, False),
 }
-_CONTROL = 3  # tokenizer.ggml.token_type of a control token
 
 
 def write_tokenizer(gguf: GGUFFile, out: Path) -> None:

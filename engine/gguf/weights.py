@@ -58,14 +58,11 @@ class GGUFTensors:
     def __init__(self, gguf: GGUFFile) -> None:
         self.gguf = gguf
         self._names = {hf: name for name in gguf.tensors if (hf := hf_name(name)) is not None}
-        permuted = architecture_of(gguf) == "llama"
-        meta = gguf.metadata
-        heads = int(meta["llama.attention.head_count"]) if permuted else 0
-        self._heads_of = {  # tensors whose rows are permuted, and their head counts
-            "self_attn.q_proj": heads,
-            "self_attn.k_proj": int(meta.get("llama.attention.head_count_kv") or heads),
-        }
-        self._permuted = permuted
+        self._permuted_heads: dict[str, int] = {}  # tensors whose rows are permuted: head counts
+        if architecture_of(gguf) == "llama":
+            heads = int(gguf.metadata["llama.attention.head_count"])
+            kv_heads = int(gguf.metadata.get("llama.attention.head_count_kv") or heads)
+            self._permuted_heads = {"self_attn.q_proj": heads, "self_attn.k_proj": kv_heads}
 
     def keys(self) -> list[str]:
         return list(self._names)
@@ -95,12 +92,7 @@ class GGUFTensors:
         return self.gguf.info(self._names[name]).shape
 
     def _row_permutation_heads(self, name: str) -> int:
-        if not self._permuted:
-            return 0
-        for part, heads in self._heads_of.items():
-            if f".{part}." in name:
-                return heads
-        return 0
+        return next((n for part, n in self._permuted_heads.items() if f".{part}." in name), 0)
 
 
 class _LazyTensor:
