@@ -17,14 +17,13 @@ import functools
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from engine.home import build_directory
 from engine.model.checkpoint_maker import CheckpointSpec, make_checkpoint
 from engine.model.step_inputs import SeqChunk
 
@@ -49,17 +48,7 @@ def tiny_checkpoint(arch: str = "qwen3", **overrides: Any) -> Path:
     target = CACHE_ROOT / f"{arch}-{key}"
     if (target / "config.json").is_file():
         return target
-    CACHE_ROOT.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".build-", dir=CACHE_ROOT))
-    try:
-        make_checkpoint(staging, spec)
-        try:
-            os.rename(staging, target)
-        except OSError:
-            if not (target / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    build_directory(target, lambda staging: make_checkpoint(staging, spec), "config.json")
     return target
 
 

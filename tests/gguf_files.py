@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +18,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from engine.home import build_directory
 from tests.checkpoints import CACHE_ROOT
 
 ARCH_NAMES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
@@ -47,16 +46,11 @@ def gguf_of(checkpoint: Path, quant: str, **metadata_overrides: Any) -> tuple[Pa
     ).hexdigest()[:16]
     target = CACHE_ROOT / f"gguf-{checkpoint.name}-{quant}-{key}"
     if not (target / "model.gguf").is_file():
-        staging = Path(tempfile.mkdtemp(prefix=".build-", dir=CACHE_ROOT))
-        try:
-            _write(checkpoint, quant, staging, metadata_overrides)
-            try:
-                os.rename(staging, target)
-            except OSError:
-                if not (target / "model.gguf").is_file():
-                    raise
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+        build_directory(
+            target,
+            lambda staging: _write(checkpoint, quant, staging, metadata_overrides),
+            "model.gguf",
+        )
     return target / "model.gguf", target / "reference"
 
 

@@ -33,21 +33,23 @@ def hf_logits(path: str | Path, token_ids: list[int]) -> torch.Tensor:
 
 
 def assert_greedy_matches_hf(path: str | Path, prompt_ids: list[int], ours: list[int]) -> None:
-    """Our greedy continuation equals HF's, where a divergence at a near-tie counts as a tie.
-
-    Judged position by position on HF's logits for prompt + our tokens: each of our tokens must
-    be HF's argmax, or within TIE_TOLERANCE of it (then the rest may legitimately differ).
-    """
+    """Our greedy continuation equals HF's, where a divergence at a near-tie counts as a tie."""
     assert ours, "no tokens generated"
-    logits = hf_logits(path, prompt_ids + ours)
+    assert_greedy_matches_logits(hf_logits(path, prompt_ids + ours), len(prompt_ids), ours)
+
+
+def assert_greedy_matches_logits(logits: torch.Tensor, prompt_len: int, ours: list[int]) -> None:
+    """Judged position by position on the reference's logits for prompt + our tokens: each of our
+    tokens must be its argmax, or within TIE_TOLERANCE of it (then the rest may legitimately
+    differ)."""
     for step, token in enumerate(ours):
-        row = logits[len(prompt_ids) - 1 + step]
+        row = logits[prompt_len - 1 + step]
         best = int(row.argmax())
         if token == best:
             continue
         gap = float(row[best] - row[token])
         assert gap <= TIE_TOLERANCE, (
-            f"token {step} of the continuation is {token} but transformers' argmax is {best} "
+            f"token {step} of the continuation is {token} but the reference's argmax is {best} "
             f"(logit gap {gap:.3g} > tie tolerance {TIE_TOLERANCE}); ours={ours}"
         )
         return  # a tie: what follows is a different but equally valid greedy path

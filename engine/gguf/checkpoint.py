@@ -14,13 +14,13 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 from engine.gguf.hf_config import generation_config, hf_config
 from engine.gguf.hf_tokenizer import write_tokenizer
 from engine.gguf.metadata import GGUFError
 from engine.gguf.reader import read_gguf
+from engine.home import build_directory
 
 log = logging.getLogger(__name__)
 
@@ -65,10 +65,9 @@ def prepare_checkpoint(gguf_path: Path, home: Path, tokenizer_dir: Path | None =
 
 
 def _derive(gguf_path: Path, target: Path, tokenizer_dir: Path | None) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
     log.info("reading %s's config and tokenizer (once) into %s", gguf_path.name, target)
-    staging = Path(tempfile.mkdtemp(prefix=".derive-", dir=target.parent))
-    try:
+
+    def derive(staging: Path) -> None:
         with read_gguf(gguf_path) as gguf:
             config = hf_config(gguf)
             (staging / "config.json").write_text(json.dumps(config, indent=2))
@@ -79,15 +78,8 @@ def _derive(gguf_path: Path, target: Path, tokenizer_dir: Path | None) -> None:
                 write_tokenizer(gguf, staging)
             else:
                 _copy_tokenizer(tokenizer_dir, staging)
-        os.chmod(staging, 0o755)
-        try:
-            os.rename(staging, target)
-        except OSError:
-            if not (target / "config.json").is_file():
-                raise
-            # Another starter finished first; what it derived is the same.
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+
+    build_directory(target, derive, "config.json")
 
 
 def _link_weights(target: Path, gguf_path: Path) -> None:

@@ -12,12 +12,9 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
-from engine.home import default_engine_home
+from engine.home import build_directory, default_engine_home
 from engine.model.checkpoint_maker import CheckpointSpec
 
 log = logging.getLogger(__name__)
@@ -63,20 +60,10 @@ def ensure_default_model(engine_home: str | None = None) -> str:
 def _build(target: Path) -> None:
     from engine.model.checkpoint_maker import make_checkpoint
 
-    target.parent.mkdir(parents=True, exist_ok=True)
     log.info("building the built-in demo model (once) in %s", target)
-    staging = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
-    try:
-        make_checkpoint(staging, DEFAULT_MODEL_SPEC)
-        os.chmod(staging, 0o755)
-        try:
-            os.rename(staging, target)
-        except OSError:
-            if not (target / "config.json").is_file():
-                raise
-            # Another process finished first; its copy is identical.
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    build_directory(
+        target, lambda staging: make_checkpoint(staging, DEFAULT_MODEL_SPEC), "config.json"
+    )
 
 
 def _fingerprint() -> str:

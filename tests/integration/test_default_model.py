@@ -20,7 +20,7 @@ from engine.model.step_inputs import SeqChunk
 from engine.model_source import DEFAULT_MODEL_NAME, default_model_file, model_directory
 from engine.text.hf_tokenizer import load_tokenizer_without_torch
 from tests.checkpoints import BlockAllocator
-from tests.hf_reference import TIE_TOLERANCE
+from tests.hf_reference import assert_greedy_matches_logits
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -82,22 +82,10 @@ def test_greedy_chat_answers_equal_transformers(
             [{"role": "user", "content": question}], add_generation_prompt=True, return_dict=False
         )
         assert out.prompt_token_ids == list(theirs), question
-        _assert_greedy(model, out.prompt_token_ids, list(out.outputs[0].token_ids), question)
-
-
-@torch.inference_mode()
-def _assert_greedy(model: Any, prompt: list[int], ours: list[int], question: str) -> None:
-    """Each of our tokens is transformers' argmax, or within the tie tolerance of it (after
-    which the two greedy paths may rightly part)."""
-    logits = model(torch.tensor([prompt + ours])).logits[0].float()
-    for step, token in enumerate(ours):
-        row = logits[len(prompt) - 1 + step]
-        best = int(row.argmax())
-        if token == best:
-            continue
-        gap = float(row[best] - row[token])
-        assert gap <= TIE_TOLERANCE, f"{question!r}: token {step} is {token}, argmax {best}"
-        return
+        prompt, ours = out.prompt_token_ids, list(out.outputs[0].token_ids)
+        with torch.inference_mode():
+            logits = model(torch.tensor([prompt + ours])).logits[0].float()
+        assert_greedy_matches_logits(logits, len(prompt), ours)
 
 
 def test_bfloat16_stays_close_to_float32(derived: Path) -> None:
