@@ -3,20 +3,25 @@
     python tools/bench_offline.py --num-requests 32 --input-len 32 --output-len 64 --peer hf
     python tools/bench_offline.py --num-requests 1 --peer vllm --vllm-python ~/vllm-peer/bin/python
     python tools/bench_offline.py --tp 2 --dp 2 --peer none    # against TP=1 / DP=1, same run
+    python tools/bench_offline.py --num-requests 16 --input-len 256 --output-len 128 --peer llamacpp
 
 Prompts are random token ids (seeded); every request decodes exactly its output length (greedy,
 EOS ignored), so both sides do the same work. Peers: `hf` (transformers' generate, batched, in
 this process), `vllm` (vLLM's LLM in its own virtual environment, PEERS.md; a subprocess), or
-`none`. With --tp or --dp above 1 the engine also runs the workload at TP=1 / DP=1 first, and
-the parallel figures are reported against it. The figures of one run are comparable; across runs
-on a 2-core machine they drift. `--repeats N` times the workload N times on each side, each time
-with fresh prompts (a prefix-cache hit would skip the prefill), and reports the median: a short
-workload (one sequence of 64 tokens takes ~0.3 s) timed once is mostly noise.
+`llamacpp` (llama.cpp's llama-server with 2 threads and one slot per request, every request
+sent at once; tools/llamacpp_peer.py builds it once; both sides then read the GGUF file itself,
+not its float32 export), or `none`. With --tp or --dp above 1 the engine also runs the workload
+at TP=1 / DP=1 first, and the parallel figures are reported against it. The figures of one run
+are comparable; across runs on a 2-core machine they drift. `--repeats N` times the workload N
+times on each side, each time with fresh prompts (a prefix-cache hit would skip the prefill), and
+reports the median: a short workload (one sequence of 64 tokens takes ~0.3 s) timed once is
+mostly noise.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import random
 import statistics
@@ -27,8 +32,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import llamacpp_peer
 from vllm_peer import DEFAULT_VLLM_PYTHON, vllm_python
 
 # The prompts (token ids) and each one's output length.
@@ -184,7 +192,47 @@ def run_vllm(args: argparse.Namespace, path: str, workloads: list[Workload]) -> 
     raise SystemExit(f"vLLM run failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
 
 
-PEERS = {"hf": run_hf, "vllm": run_vllm}
+def run_llamacpp(args: argparse.Namespace, path: str, workloads: list[Workload]) -> Run:
+    """Each workload sent to llama-server at once, one slot per request (its offline mode)."""
+    gguf = llamacpp_peer.model_file(args.model)
+    slots = len(workloads[0][0])
+    longest = max(
+        len(p) + n for prompts, outs in workloads for p, n in zip(prompts, outs, strict=True)
+    )
+    context = slots * (-(-max(longest, 32) // 256) * 256)
+    run = Run("llamacpp", [], [], [])
+    with (
+        tempfile.TemporaryDirectory() as logs,
+        llamacpp_peer.llama_server(gguf, slots, context, Path(logs)) as url,
+    ):
+        asyncio.run(_llamacpp_generate(url, workloads[0][0][:2], [4, 4]))  # warm-up
+        for prompts, outs in workloads:
+            start = time.perf_counter()
+            tokens = asyncio.run(_llamacpp_generate(url, prompts, outs))
+            run.seconds.append(time.perf_counter() - start)
+            run.output_tokens.append(sum(map(len, tokens)))
+            run.outputs += tokens
+    return run
+
+
+async def _llamacpp_generate(
+    url: str, prompts: list[list[int]], outs: list[int]
+) -> list[list[int]]:
+    """Greedy, EOS ignored, through llama-server's native /completion (it returns token ids)."""
+    limits = httpx.Limits(max_connections=len(prompts) + 1)
+    async with httpx.AsyncClient(base_url=url, timeout=1800.0, limits=limits) as client:
+
+        async def one(prompt: list[int], n: int) -> list[int]:
+            body = {"prompt": prompt, "n_predict": n, "temperature": 0.0, "ignore_eos": True,
+                    "cache_prompt": False, "return_tokens": True}  # fmt: skip
+            reply = await client.post("/completion", json=body)
+            reply.raise_for_status()
+            return [int(t) for t in reply.json()["tokens"]]
+
+        return list(await asyncio.gather(*map(one, prompts, outs)))
+
+
+PEERS = {"hf": run_hf, "vllm": run_vllm, "llamacpp": run_llamacpp}
 
 
 def main() -> None:
@@ -201,7 +249,7 @@ def main() -> None:
     parser.add_argument(
         "--repeats", type=int, default=1, help="time the workload this many times (fresh prompts)"
     )
-    parser.add_argument("--peer", choices=["hf", "vllm", "none"], default="hf")
+    parser.add_argument("--peer", choices=["hf", "vllm", "llamacpp", "none"], default="hf")
     parser.add_argument("--hf-batch-size", type=int, default=64)
     parser.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON)
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per replica")
@@ -217,9 +265,13 @@ def main() -> None:
 
     from engine.home import default_engine_home
     from engine.model.config import load_model_config
-    from engine.model_source import hf_checkpoint
+    from engine.model_source import hf_checkpoint, model_directory
 
-    path = hf_checkpoint(args.model, default_engine_home())
+    if args.peer == "llamacpp":  # the GGUF file itself: the float32 export is for the others
+        path, _ = model_directory(args.model, default_engine_home())
+        llamacpp_peer.binaries()  # built before the engine's run, not after
+    else:
+        path = hf_checkpoint(args.model, default_engine_home())
     if args.repeats < 1:
         parser.error(f"--repeats must be at least 1, got {args.repeats}")
     workloads = make_workloads(args, load_model_config(path).vocab_size)

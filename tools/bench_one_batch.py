@@ -11,9 +11,13 @@ case runs first and is not reported; cases whose KV cache would not fit are skip
     python tools/bench_one_batch.py --profile            # torch profiler trace of decode steps
     python tools/bench_one_batch.py --compare-hf         # HF generate on the same batches
     python tools/bench_one_batch.py --tp 2 --dp 2        # also on 2 x 2 rank processes
+    python tools/bench_one_batch.py --batch-size 1 --llama-bench   # beside llama.cpp's pp / tg
 
 With --tp or --dp above 1 the same cases also run on tp x dp rank processes (each replica a share
 of the batch; tools/parallel_batch.py), printed against the TP=1 / DP=1 figures of the same run.
+With --llama-bench, llama.cpp's `llama-bench -t 2 -p 256 -n 128` on the same GGUF file
+(tools/llamacpp_peer.py builds it once) runs after ours, beside our batch-1 case of 256 in /
+128 out: prompt processing and decode tokens/s and the ratios.
 
 The timing functions (`prefill_batch`, `raw_decode_step_seconds`, `bench_case`) take a
 ModelRunner and are meant to be imported by other benchmarks.
@@ -292,6 +296,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--compare-hf", action="store_true", help="also time HF generate on the same batches"
     )
     parser.add_argument(
+        "--llama-bench",
+        action="store_true",
+        help="also run llama.cpp's llama-bench (pp256, tg128, 2 threads) on the same GGUF file",
+    )
+    parser.add_argument(
         "--no-engine-overhead",
         dest="engine_overhead",
         action="store_false",
@@ -307,6 +316,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     from engine.home import default_engine_home
     from engine.model_source import model_directory
 
+    llama_gguf = None
+    if args.llama_bench:  # its file and binaries found (or built) before our run, not after
+        from tools import llamacpp_peer
+
+        llama_gguf = llamacpp_peer.model_file(model)
+        llamacpp_peer.binaries()
     model, _ = model_directory(model, default_engine_home())
     runner = ModelRunner(
         model,
@@ -359,6 +374,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         print_engine_overhead(runner, model, results, args)
     if args.compare_hf:
         compare_with_hf(runner, results)
+    if llama_gguf is not None:
+        compare_with_llama_bench(runner, llama_gguf)
 
 
 def print_parallel(
@@ -419,6 +436,21 @@ def print_engine_overhead(
         print(
             f"{batch:>5} {input_len:>5} | {step * 1e3:>14.3f} {raw * 1e3:>11.3f} {step / raw:>8.2f}"
         )
+
+
+def compare_with_llama_bench(runner: ModelRunner, gguf: Path) -> None:
+    """Our batch-1 prefill of 256 tokens and decode of 128 beside llama-bench's pp256 / tg128
+    (ours decodes after the 256-token prompt, llama-bench's tg after none)."""
+    from tools import llamacpp_peer
+
+    ours = bench_case(runner, 1, 256, 128)
+    theirs = llamacpp_peer.llama_bench(gguf, prompt=256, generate=128)
+    print(f"\nllama-bench -t {llamacpp_peer.THREADS} on {gguf.name}; ratio: ours / llama.cpp")
+    print(f"{'test':>6} | {'ours tok/s':>10} {'llama.cpp tok/s':>15} {'ratio':>6}")
+    for test, rate in (("pp256", ours.prefill_tokens_per_second),
+                       ("tg128", ours.decode_tokens_per_second)):  # fmt: skip
+        peer = theirs[test[:2]]
+        print(f"{test:>6} | {rate:>10.1f} {peer:>15.1f} {rate / peer:>6.2f}")
 
 
 def compare_with_hf(runner: ModelRunner, results: list[CaseResult]) -> None:

@@ -1,25 +1,29 @@
-"""Online serving: our server and vLLM's OpenAI server, one after the other, under one workload.
+"""Online serving: our server and a peer's (vLLM or llama.cpp), one after the other, one workload.
 
     python tools/bench_serving.py --rates 2,4,6,inf --input-len 128 --output-len 64
     python tools/bench_serving.py --num-requests 16 --rates 4,inf --input-len 64 --output-len 16 \\
         --peer none
+    python tools/bench_serving.py --peer llamacpp --num-requests 16 --rates inf \\
+        --input-len 256 --output-len 128
     python tools/bench_serving.py --trace /work/shared/traces/mooncake_fast25_conversation.jsonl \\
         --window 40 --input-scale 32
 
 Both servers load the same checkpoint (SmolLM2-135M-Instruct exported from its GGUF file unless
 --model; `--model demo`: the random demo model), listen on 127.0.0.1 at a free port, and get
-the same requests through the replay client
-(engine/trace/client.py): streamed completions of token-id prompts, greedy, EOS ignored, so every
-output is exactly as long as asked. Poisson arrivals at each rate of --rates (`inf`: all at
-once, i.e. saturation; each rate gets prompts of its own, so no rate hits the prefix cache
-another one filled), or a time window of a trace (Mooncake JSONL or Azure CSV, input lengths
-divided by --input-scale, arrival times kept). Each server is warmed up with two short requests,
-runs every load, and is stopped (SIGTERM, a wait, then SIGKILL for it and anything it left in
-its session) before the next one starts.
+the same requests. With `--peer llamacpp` both serve the GGUF file itself (--model: a .gguf
+file) and llama-server runs with 2 threads and --llamacpp-parallel slots (tools/llamacpp_peer.py
+builds it once), its context that many slots of the longest request. The requests go through
+the replay client (engine/trace/client.py): streamed completions of token-id prompts, greedy,
+EOS ignored, so every output is exactly as long as asked. Poisson arrivals at each rate of
+--rates (`inf`: all at once, i.e. saturation; each rate gets prompts of its own, so no rate hits
+the prefix cache another one filled), or a time window of a trace (Mooncake JSONL or Azure CSV,
+input lengths divided by --input-scale, arrival times kept). Each server is warmed up with two
+short requests, runs every load, and is stopped (SIGTERM, a wait, then SIGKILL for it and
+anything it left in its session) before the next one starts.
 
 Printed: one table, for each load and server: requests served, req/s, output tok/s, TTFT p50 /
 p99, TPOT p50 / p99 (per request: (end - first token) / (tokens - 1)), ITL p50 / p99, then a ratio
-row: throughput engine / vLLM, latency vLLM / engine, so > 1 means the engine is better in
+row: throughput engine / peer, latency peer / engine, so > 1 means the engine is better in
 every column. Figures of one run compare; absolute figures drift across runs on a shared
 machine. Exit status 1 when a server fails to start (one line names it) or a request fails.
 """
@@ -41,6 +45,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import llamacpp_peer
 from serving_servers import ServerFailed, engine_server, served_model, vllm_server
 from vllm_peer import DEFAULT_VLLM_PYTHON, vllm_python
 
@@ -59,7 +64,7 @@ from engine.trace.report import percentile, replay_figures
 from engine.trace.schedule import build_schedule
 from engine.trace.synth import PromptSynth
 
-SERVER_NAMES = {"engine": "engine", "vllm": "vLLM"}
+SERVER_NAMES = {"engine": "engine", "vllm": "vLLM", "llamacpp": "llama.cpp"}
 
 
 @dataclass(frozen=True)
@@ -125,6 +130,14 @@ def trace_load(args: argparse.Namespace) -> Load:
 
 def _entries(result: ImportResult) -> list[TraceEntry]:
     return [TraceEntry(i + 1, r, r.request_body()) for i, r in enumerate(result.records)]
+
+
+def slot_context(loads: list[Load]) -> int:
+    """Tokens of KV cache a llama-server slot needs for the longest request, in 256s."""
+    longest = max(
+        len(e.body["prompt"]) + e.body["max_tokens"] for load in loads for e in load.entries
+    )
+    return -(-longest // 256) * 256
 
 
 def warmup_load() -> Load:
@@ -200,7 +213,7 @@ COLUMNS = (
 
 
 def ratios(ours: Figures, peer: Figures) -> dict[str, float | None]:
-    """Engine / vLLM for throughput, vLLM / engine for latency: > 1 = the engine is better."""
+    """Engine / peer for throughput, peer / engine for latency: > 1 = the engine is better."""
     out: dict[str, float | None] = {}
     for _, name, _, higher_better in COLUMNS:
         a, b = getattr(ours, name), getattr(peer, name)
@@ -253,7 +266,13 @@ def main() -> int:
     from engine.home import default_engine_home
     from engine.model_source import hf_checkpoint
 
-    model = hf_checkpoint(args.model, default_engine_home())
+    loads = [trace_load(args)] if args.trace else poisson_loads(args)
+    if args.peer == "llamacpp":  # both read the GGUF file; the float32 export is vLLM's
+        gguf = llamacpp_peer.model_file(args.model)
+        llamacpp_peer.binaries()  # built before the engine's run, not after
+        model = str(gguf)
+    else:
+        model = hf_checkpoint(args.model, default_engine_home())
     logs = Path(tempfile.mkdtemp(prefix="bench-serving-"))
     servers: dict[str, Callable[[], contextlib.AbstractContextManager[str]]] = {
         "engine": lambda: engine_server(
@@ -265,7 +284,12 @@ def main() -> int:
         servers["vllm"] = lambda: vllm_server(
             python, model, logs, shlex.split(args.vllm_args), args.start_timeout
         )
-    loads = [trace_load(args)] if args.trace else poisson_loads(args)
+    elif args.peer == "llamacpp":
+        slots = args.llamacpp_parallel
+        context = slots * slot_context([warmup_load(), *loads])
+        servers["llamacpp"] = lambda: llamacpp_peer.llama_server(
+            gguf, slots, context, logs, args.start_timeout
+        )
     if args.trace:
         describe = (f"{args.trace}, window {args.window[0]:g}-{args.window[1]:g} s, inputs ÷ "
                     f"{args.input_scale:g}, speed {args.speed:g}x; {model}")  # fmt: skip
@@ -282,7 +306,7 @@ def main() -> int:
             return 1
     shutil.rmtree(logs)
     if args.json:
-        pairs = zip(figures[: len(loads)], figures[len(loads) :], strict=False)  # engine, vLLM
+        pairs = zip(figures[: len(loads)], figures[len(loads) :], strict=False)  # engine, peer
         print(json.dumps({
             "workload": describe,
             "figures": [asdict(f) for f in figures],
@@ -299,7 +323,7 @@ def parse_args() -> argparse.Namespace:
         "--model",
         help="checkpoint directory, .gguf file or 'demo' (default: SmolLM2-135M-Instruct)",
     )
-    p.add_argument("--peer", choices=["vllm", "none"], default="vllm")
+    p.add_argument("--peer", choices=["vllm", "llamacpp", "none"], default="vllm")
     p.add_argument(
         "--rates",
         type=_rates,
@@ -328,6 +352,7 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--seed", type=int, default=0, help="seed of prompts and arrivals")
     p.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON)
+    p.add_argument("--llamacpp-parallel", type=int, default=16, help="llama-server's slots (-np)")
     p.add_argument(
         "--engine-args",
         default="",
