@@ -18,7 +18,7 @@ import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 from starlette.routing import Route
 
 from engine.http.decoding import decode_request
@@ -36,6 +36,7 @@ from engine.http.parsing import PreparedRequest, parse_chat, parse_completion
 from engine.http.protocol import ModelCard, ModelList, encode
 from engine.http.runs import RequestRun
 from engine.http.state import ServerState
+from engine.http.streams import ReleasingStream
 
 log = logging.getLogger("engine.http")
 
@@ -153,8 +154,11 @@ async def _generate(request: Request, state: ServerState, parse: Parser, endpoin
             run.abort_unfinished()
             run.finish()
             return Response(status_code=499)
-        return StreamingResponse(
+        # The run is released by the response, not (only) by its event generator: a client
+        # that leaves before the first body step leaves that generator never started.
+        return ReleasingStream(
             run.sse(firsts),
+            run.release,
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Request-Id": run.key},
         )

@@ -26,9 +26,8 @@ import httpx
 import msgspec
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
 
 from engine.http.proxy_config import ProxyConfig
 from engine.http.proxy_metrics import ProxyMetrics
@@ -48,6 +47,7 @@ from engine.http.proxy_upstream import (
     open_answer,
     relay_rest,
 )
+from engine.http.streams import ReleasingStream
 
 log = logging.getLogger("engine.proxy")
 
@@ -60,34 +60,6 @@ ALL_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 
 class _BodyTooLarge(Exception):
     pass
-
-
-class _RelayedStream(StreamingResponse):
-    """A stream whose `release` (close the upstream, count the instance's request done) runs
-    exactly once however the response ends: relayed to the end, broken, or the client gone
-    mid-way (the instance then sees its connection close and aborts the request) or before the
-    first byte (when the body iterator never started, so its own `finally` would not run)."""
-
-    body_iterator: AsyncGenerator[bytes, None]
-
-    def __init__(
-        self,
-        body: AsyncGenerator[bytes, None],
-        status: int,
-        headers: dict[str, str],
-        release: Callable[[], Awaitable[None]],
-    ) -> None:
-        super().__init__(body, status, headers=headers)
-        self.release = release
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            try:
-                await self.body_iterator.aclose()
-            finally:
-                await self.release()
 
 
 class ProxyRoutes:
@@ -223,7 +195,9 @@ class ProxyRoutes:
                 return _relay(answer)
             chunks = self._relay_stream(instance, answer)
             release = functools.partial(_release, instance, answer)
-            return _RelayedStream(chunks, answer.status, answer.headers, release)
+            return ReleasingStream(
+                chunks, release, status_code=answer.status, headers=answer.headers
+            )
 
     async def _relay_stream(
         self, instance: Instance, stream: OpenStream

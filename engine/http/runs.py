@@ -204,6 +204,12 @@ class RequestRun:
             self.finish()
         return self.builder.final_body()
 
+    async def release(self) -> None:
+        """However the response ended (to its end, broken, or the client gone before its first
+        byte): abort what still runs, count the request, free its id. Idempotent."""
+        self.abort_unfinished()
+        self.finish()
+
     async def sse(self, firsts: list[tuple[int, RequestOutput]]) -> AsyncIterator[bytes]:
         """The event stream; a client that goes away cancels it here and its requests abort."""
         try:

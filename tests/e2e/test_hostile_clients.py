@@ -6,11 +6,13 @@ request is served and no actor has restarted."""
 from __future__ import annotations
 
 import json
+import random
 import re
 import selectors
 import socket
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -19,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.e2e.conftest import server_args
-from tests.e2e.harness import API_KEY, Server, served
+from tests.e2e.harness import API_KEY, Server, served, wait_until
 from tests.e2e.test_bad_input import assert_still_serves, error_of
 
 HUGE = 2**70
@@ -360,3 +362,36 @@ def test_connection_over_max_connections_is_refused_and_open_ones_keep_working(
     assert refusal.startswith(b"HTTP/1.1 503 "), refusal
     body = json.loads(refusal.partition(b"\r\n\r\n")[2])
     assert "server.max_connections" in body["error"]["message"]
+
+
+VANISHING_CLIENTS = 1000
+
+
+def test_a_thousand_vanishing_clients_leave_nothing_behind(unharmed: Server) -> None:
+    """Clients that send a streamed request and close 0-20 ms later (before, during or just
+    after its first byte): within 1 s of the last one no request is left in the gateway, every
+    KV block is free, and their X-Request-Ids are accepted again (issue 31, item 1)."""
+    host, port = httpx.URL(unharmed.url).host, httpx.URL(unharmed.url).port
+    body = json.dumps({"prompt": "hi", "max_tokens": 200, "ignore_eos": True, "stream": True})
+
+    def vanish(i: int) -> None:
+        head = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Authorization: Bearer {API_KEY}\r\nX-Request-Id: vanish-{i}\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        )
+        with socket.create_connection((host, port), timeout=10) as sock:
+            sock.sendall(head.encode() + body.encode())
+            time.sleep(random.Random(i).uniform(0, 0.02))
+
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(vanish, range(VANISHING_CLIENTS)))
+    wait_until(lambda: not unharmed.admin("requests"), timeout=1.0, interval=0.02)
+    wait_until(lambda: unharmed.admin("stats")["kv_usage"] == 0, timeout=5.0)
+    with unharmed.http() as http:
+        for i in random.Random(0).sample(range(VANISHING_CLIENTS), 20):
+            body_again = {"prompt": "hi", "max_tokens": 1}
+            resp = http.post(
+                "/v1/completions", json=body_again, headers={"X-Request-Id": f"vanish-{i}"}
+            )
+            assert resp.status_code == 200, resp.text
