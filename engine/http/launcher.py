@@ -84,15 +84,34 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def _bind_uds(path: str) -> socket.socket:
-    """A Unix socket for HTTP (--uds); a stale socket file of an earlier run is replaced."""
+    """A Unix socket for HTTP (--uds), owner-only. A socket file left by a dead run is replaced;
+    one a live server still answers on, or a file that is no socket, is not touched."""
     target = Path(path).expanduser()
     if target.is_socket():
+        if _answers(target):
+            raise OSError(f"a server is listening on {target}")
         target.unlink()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.bind(str(target))
+    # Bound under a umask that leaves the socket owner-only from its first moment, not after a
+    # chmod (connecting needs write permission on a Unix socket).
+    previous = os.umask(0o177)
+    try:
+        sock.bind(str(target))
+    finally:
+        os.umask(previous)
     sock.listen(2048)
     sock.setblocking(False)
     return sock
+
+
+def _answers(path: Path) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(str(path))
+        except OSError:
+            return False
+        return True
 
 
 def _url(host: str, port: int) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import queue
 import threading
 from typing import IO
@@ -37,7 +38,9 @@ class TraceRecorder:
         self._failed = False
         self._warned_full = False
         try:
-            self._file = open(path, "ab")  # noqa: SIM115 - owned by the writer thread
+            # Owner-only: a trace holds every prompt and output (a file that exists keeps its mode).
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            self._file = os.fdopen(fd, "ab")  # owned by the writer thread
         except OSError as e:
             self._stop_recording(f"cannot open {path}: {e}")
         self._thread = threading.Thread(target=self._write_loop, name="trace-writer", daemon=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import stat
 
 import openai
 import pytest
@@ -197,6 +198,7 @@ def test_record_trace_appends_one_line_per_request(client: openai.OpenAI, server
     # A writer thread appends the line after the response has gone out: wait for it.
     (mine,) = wait_until(my_records, timeout=10)
     assert mine["endpoint"] == "completions" and mine["outcome"] == "success"
+    assert stat.S_IMODE(server.extra["trace"].stat().st_mode) == 0o600  # prompts: owner-only
     assert mine["completion_tokens"] == resp.usage.completion_tokens
     assert mine["prompt_tokens"] == resp.usage.prompt_tokens
     assert 0 <= mine["ttft"] <= mine["e2e"]

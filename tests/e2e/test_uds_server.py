@@ -1,14 +1,17 @@
 """`--uds`: the API on a Unix socket instead of host:port (with --root-path, as behind a
-path-based proxy), the socket removed at exit."""
+path-based proxy), owner-only, never taken from a live server, and removed at exit."""
 
 from __future__ import annotations
 
+import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
 
 from tests.e2e.conftest import server_args
-from tests.e2e.harness import API_KEY, start_server
+from tests.e2e.harness import API_KEY, REPO, start_server
 
 
 def test_the_api_serves_on_a_unix_socket(model_args: list[str], tmp_path: Path) -> None:
@@ -19,6 +22,16 @@ def test_the_api_serves_on_a_unix_socket(model_args: list[str], tmp_path: Path) 
     srv = start_server(args, tmp_path, name="uds")
     try:
         assert srv.url == f"unix:{uds}"
+        assert stat.S_IMODE(uds.stat().st_mode) == 0o600  # owner-only, like the admin socket
+        # A second server on the same path does not take the live socket away.
+        second = subprocess.run(
+            [sys.executable, "-m", "engine", *args],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert second.returncode == 1 and "a server is listening on" in second.stderr
         transport = httpx.HTTPTransport(uds=str(uds))
         headers = {"Authorization": f"Bearer {API_KEY}"}
         with httpx.Client(transport=transport, base_url="http://engine", headers=headers) as http:
