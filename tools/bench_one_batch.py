@@ -16,8 +16,8 @@ case runs first and is not reported; cases whose KV cache would not fit are skip
 With --tp or --dp above 1 the same cases also run on tp x dp rank processes (each replica a share
 of the batch; tools/parallel_batch.py), printed against the TP=1 / DP=1 figures of the same run.
 With --llama-bench, llama.cpp's `llama-bench -t 2 -p 256 -n 128` on the same GGUF file
-(tools/llamacpp_peer.py builds it once) runs after ours, beside our batch-1 case of 256 in /
-128 out: prompt processing and decode tokens/s and the ratios.
+(tools/llamacpp_peer.py builds it once) runs before ours, and is printed beside our batch-1
+case of 256 in / 128 out: prompt processing and decode tokens/s and the ratios.
 
 The timing functions (`prefill_batch`, `raw_decode_step_seconds`, `bench_case`) take a
 ModelRunner and are meant to be imported by other benchmarks.
@@ -316,12 +316,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     from engine.home import default_engine_home
     from engine.model_source import model_directory
 
-    llama_gguf = None
-    if args.llama_bench:  # its file and binaries found (or built) before our run, not after
-        from tools import llamacpp_peer
-
-        llama_gguf = llamacpp_peer.model_file(model)
-        llamacpp_peer.binaries()
+    # llama-bench runs first, while this process has no threads of its own: torch's and the
+    # kernels' idle workers would take cores from it.
+    llama_rates = run_llama_bench(model) if args.llama_bench else None
     model, _ = model_directory(model, default_engine_home())
     runner = ModelRunner(
         model,
@@ -374,8 +371,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         print_engine_overhead(runner, model, results, args)
     if args.compare_hf:
         compare_with_hf(runner, results)
-    if llama_gguf is not None:
-        compare_with_llama_bench(runner, llama_gguf)
+    if llama_rates is not None:
+        compare_with_llama_bench(runner, llama_rates)
 
 
 def print_parallel(
@@ -438,14 +435,18 @@ def print_engine_overhead(
         )
 
 
-def compare_with_llama_bench(runner: ModelRunner, gguf: Path) -> None:
-    """Our batch-1 prefill of 256 tokens and decode of 128 beside llama-bench's pp256 / tg128
-    (ours decodes after the 256-token prompt, llama-bench's tg after none)."""
+def run_llama_bench(model: str | None) -> dict[str, float]:
+    """llama-bench's pp256 / tg128 tokens/s on the GGUF file --model names (or the default's)."""
     from tools import llamacpp_peer
 
+    return llamacpp_peer.llama_bench(llamacpp_peer.model_file(model), prompt=256, generate=128)
+
+
+def compare_with_llama_bench(runner: ModelRunner, theirs: dict[str, float]) -> None:
+    """Our batch-1 prefill of 256 tokens and decode of 128 beside llama-bench's pp256 / tg128
+    (ours decodes after the 256-token prompt, llama-bench's tg after none)."""
     ours = bench_case(runner, 1, 256, 128)
-    theirs = llamacpp_peer.llama_bench(gguf, prompt=256, generate=128)
-    print(f"\nllama-bench -t {llamacpp_peer.THREADS} on {gguf.name}; ratio: ours / llama.cpp")
+    print("\nllama-bench -t 2, run before ours, same file; ratio: ours / llama.cpp")
     print(f"{'test':>6} | {'ours tok/s':>10} {'llama.cpp tok/s':>15} {'ratio':>6}")
     for test, rate in (("pp256", ours.prefill_tokens_per_second),
                        ("tg128", ours.decode_tokens_per_second)):  # fmt: skip
