@@ -140,7 +140,7 @@ def llama_server(
 def peer_environment() -> dict[str, str]:
     """This environment without OpenMP settings: the engine's processes (and the benchmarks that
     run the model in-process) set OMP_WAIT_POLICY=PASSIVE for themselves, and llama.cpp's OpenMP
-    threads, sleeping between ops, would decode 3x slower (tg128: 34 against 108 tok/s here)."""
+    threads, sleeping between its many small ops, would decode several times slower."""
     return {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_", "KMP_"))}
 
 
