@@ -27,11 +27,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serving_servers import ServerFailed, stop_server
+from serving_servers import http_server
 
 from tests.e2e.harness import free_port
 
@@ -118,23 +116,11 @@ def llama_server(
            "-np", str(parallel), "-c", str(context),
            "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
     log_path = logs / "llama-server.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=peer_environment(),
-                                start_new_session=True)  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + start_timeout
-        while not _healthy(url):
-            if proc.poll() is not None:
-                raise ServerFailed(f"llama-server exited with {proc.returncode} before it was "
-                                   f"ready; log: {log_path}")  # fmt: skip
-            if time.monotonic() > deadline:
-                raise ServerFailed(f"llama-server not ready within {start_timeout:g} s; "
-                                   f"log: {log_path}")  # fmt: skip
-            time.sleep(0.2)
+    # /health answers 503 while the model loads, 200 once it can serve.
+    with http_server(
+        cmd, "llama-server", log_path, "/health", start_timeout, peer_environment(), 30.0
+    ) as url:
         yield url
-    finally:
-        stop_server(proc, timeout=30.0)
 
 
 def peer_environment() -> dict[str, str]:
@@ -142,12 +128,6 @@ def peer_environment() -> dict[str, str]:
     run the model in-process) set OMP_WAIT_POLICY=PASSIVE for themselves, and llama.cpp's OpenMP
     threads, sleeping between its many small ops, would decode several times slower."""
     return {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_", "KMP_"))}
-
-
-def _healthy(url: str) -> bool:
-    with contextlib.suppress(httpx.HTTPError):
-        return httpx.get(url + "/health", timeout=5.0).status_code == 200
-    return False
 
 
 def llama_bench(model: Path, prompt: int = 256, generate: int = 128) -> dict[str, float]:

@@ -61,35 +61,45 @@ def vllm_server(
            "--model", model, "--dtype", "float32", "--enforce-eager",
            "--gpu-memory-utilization", "0.3", "--host", "127.0.0.1", "--port", str(port),
            *extra_args]  # fmt: skip
-    log_path = logs / "vllm.log"
+    with http_server(cmd, "vLLM server", logs / "vllm.log", "/v1/models", start_timeout) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def http_server(
+    cmd: list[str],
+    name: str,
+    log_path: Path,
+    ready_route: str,
+    start_timeout: float,
+    env: dict[str, str] | None = None,
+    stop_timeout: float = STOP_TIMEOUT_S,
+) -> Iterator[str]:
+    """A peer's server started on the port `cmd` names (`--port N`), in a session of its own;
+    yields its URL once `ready_route` answers 200 (peers print no ready line we can rely on)."""
+    port = cmd[cmd.index("--port") + 1]
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + start_timeout
-        while not _answers(url):
+        while not _answers(url + ready_route):
             if proc.poll() is not None:
-                raise ServerFailed(f"vLLM server exited with {proc.returncode} before it was "
-                                   f"ready; log: {log_path}")  # fmt: skip
-            if time.monotonic() > deadline:
-                raise ServerFailed(f"vLLM server not ready within {start_timeout:g} s; "
+                raise ServerFailed(f"{name} exited with {proc.returncode} before it was ready; "
                                    f"log: {log_path}")  # fmt: skip
-            time.sleep(1.0)
+            if time.monotonic() > deadline:
+                raise ServerFailed(f"{name} not ready within {start_timeout:g} s; "
+                                   f"log: {log_path}")  # fmt: skip
+            time.sleep(0.5)
         yield url
     finally:
-        stop_server(proc)
-
-
-def served_model(url: str) -> str:
-    """The name the server answers to (ours: from the checkpoint; vLLM's: the path)."""
-    reply = httpx.get(url + "/v1/models", timeout=30.0)
-    reply.raise_for_status()
-    return str(reply.json()["data"][0]["id"])
+        stop_server(proc, stop_timeout)
 
 
 def _answers(url: str) -> bool:
     with contextlib.suppress(httpx.HTTPError):
-        return httpx.get(url + "/v1/models", timeout=5.0).status_code == 200
+        return httpx.get(url, timeout=5.0).status_code == 200
     return False
 
 

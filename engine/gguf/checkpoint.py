@@ -19,7 +19,7 @@ from pathlib import Path
 from engine.gguf.hf_config import generation_config, hf_config
 from engine.gguf.hf_tokenizer import write_tokenizer
 from engine.gguf.metadata import GGUFError
-from engine.gguf.reader import read_gguf
+from engine.gguf.reader import GGUFFile, read_gguf
 from engine.home import build_directory
 
 log = logging.getLogger(__name__)
@@ -69,17 +69,20 @@ def _derive(gguf_path: Path, target: Path, tokenizer_dir: Path | None) -> None:
 
     def derive(staging: Path) -> None:
         with read_gguf(gguf_path) as gguf:
-            config = hf_config(gguf)
-            (staging / "config.json").write_text(json.dumps(config, indent=2))
-            (staging / "generation_config.json").write_text(
-                json.dumps(generation_config(gguf), indent=2)
-            )
-            if tokenizer_dir is None:
-                write_tokenizer(gguf, staging)
-            else:
-                _copy_tokenizer(tokenizer_dir, staging)
+            write_hf_files(gguf, staging, tokenizer_dir)
 
     build_directory(target, derive, "config.json")
+
+
+def write_hf_files(gguf: GGUFFile, out: Path, tokenizer_dir: Path | None = None) -> None:
+    """config.json, generation_config.json and the tokenizer files (with the chat template) of
+    the file's model into `out`; the tokenizer's from `tokenizer_dir` when one is given."""
+    (out / "config.json").write_text(json.dumps(hf_config(gguf), indent=2))
+    (out / "generation_config.json").write_text(json.dumps(generation_config(gguf), indent=2))
+    if tokenizer_dir is None:
+        write_tokenizer(gguf, out)
+    else:
+        _copy_tokenizer(tokenizer_dir, out)
 
 
 def _link_weights(target: Path, gguf_path: Path) -> None:

@@ -32,10 +32,11 @@ from engine.kv_transfer.secret import instance_secret
 from engine.kv_transfer.signing import sign
 from engine.llm import build_settings
 from engine.messages.kv_transfer import KvSource
-from engine.messages.kv_wire import Challenge, HandshakeToPuller, PullRequest, WireError
+from engine.messages.kv_wire import Challenge, PullRequest, WireError
 from engine.outputs import EngineError
 from tests.checkpoints import tiny_checkpoint
 from tests.hf_reference import assert_greedy_matches_hf
+from tests.integration.test_kv_transfer_security import everything_said
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -266,15 +267,4 @@ async def test_a_peer_without_the_secret_is_refused_and_counted_and_the_pull_goe
 
 def attack(port: int, payload: bytes) -> list[object]:
     """Send one frame to a kv_transfer port as a peer without the secret; all it answers."""
-    received = bytearray()
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-        sock.sendall(struct.pack(">I", len(payload)) + payload)
-        while chunk := sock.recv(65536):
-            received += chunk
-    decoder = msgspec.msgpack.Decoder(HandshakeToPuller)
-    said, offset = [], 0
-    while offset < len(received):
-        (length,) = struct.unpack_from(">I", received, offset)
-        said.append(decoder.decode(received[offset + 4 : offset + 4 + length]))
-        offset += 4 + length
-    return said
+    return everything_said(port, struct.pack(">I", len(payload)) + payload)
