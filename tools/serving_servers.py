@@ -97,6 +97,13 @@ def http_server(
         stop_server(proc, stop_timeout)
 
 
+def served_model(url: str) -> str:
+    """The name the server answers to (ours: from the checkpoint; vLLM's: the path)."""
+    reply = httpx.get(url + "/v1/models", timeout=30.0)
+    reply.raise_for_status()
+    return str(reply.json()["data"][0]["id"])
+
+
 def _answers(url: str) -> bool:
     with contextlib.suppress(httpx.HTTPError):
         return httpx.get(url, timeout=5.0).status_code == 200
