@@ -369,10 +369,12 @@ VANISHING_CLIENTS = 1000
 
 def test_a_thousand_vanishing_clients_leave_nothing_behind(unharmed: Server) -> None:
     """Clients that send a streamed request and close 0-20 ms later (before, during or just
-    after its first byte): within 1 s of the last one no request is left in the gateway, every
-    KV block is free, and their X-Request-Ids are accepted again (issue 31, item 1)."""
+    after its first byte): soon after the last one no request is left in the gateway, every KV
+    block is free, and their X-Request-Ids are accepted again (issue 31, item 1). A leaked
+    request would run its 1,000 tokens, holding one of the server's 4 slots for seconds, and the
+    leaks would queue up far past the wait (which allows for a loaded machine: alone, 1 s)."""
     host, port = httpx.URL(unharmed.url).host, httpx.URL(unharmed.url).port
-    body = json.dumps({"prompt": "hi", "max_tokens": 200, "ignore_eos": True, "stream": True})
+    body = json.dumps({"prompt": "hi", "max_tokens": 1000, "ignore_eos": True, "stream": True})
 
     def vanish(i: int) -> None:
         head = (
@@ -386,7 +388,7 @@ def test_a_thousand_vanishing_clients_leave_nothing_behind(unharmed: Server) -> 
 
     with ThreadPoolExecutor(16) as pool:
         list(pool.map(vanish, range(VANISHING_CLIENTS)))
-    wait_until(lambda: not unharmed.admin("requests"), timeout=1.0, interval=0.02)
+    wait_until(lambda: not unharmed.admin("requests"), timeout=10.0, interval=0.02)
     wait_until(lambda: unharmed.admin("stats")["kv_usage"] == 0, timeout=5.0)
     with unharmed.http() as http:
         for i in random.Random(0).sample(range(VANISHING_CLIENTS), 20):
