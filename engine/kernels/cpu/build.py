@@ -27,7 +27,12 @@ from engine.home import default_engine_home
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "paged_attention.cpp", HERE / "pointwise.cpp", HERE / "linear.cpp")
+SOURCES = (
+    HERE / "paged_attention.cpp",
+    HERE / "pointwise.cpp",
+    HERE / "linear.cpp",
+    HERE / "quantized_linear.cpp",
+)
 HEADERS = (HERE / "cpu_vector.h", HERE / "thread_pool.h")
 FLAGS = (
     "-O3",
@@ -116,6 +121,7 @@ def load_library() -> ctypes.CDLL:
     except OSError as exc:
         raise KernelBuildError(f"cannot load {target}: {exc}") from exc
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    i32 = ctypes.c_int
     signatures = {
         # engine/kernels/cpu/paged_attention.cpp
         "engine_paged_attention": [
@@ -150,6 +156,13 @@ def load_library() -> ctypes.CDLL:
         # engine/kernels/cpu/linear.cpp, float32: x, m, k, x row stride, packed w, n, bias or
         # null, out, threads
         "engine_linear": [ptr, i64, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int],
+        # engine/kernels/cpu/quantized_linear.cpp: float32 x, m, k, x row stride, packed w
+        # (engine/quantization/layout.py), n, bits, bias or null, out, threads, path
+        "engine_quantized_linear": [ptr, i64, i64, i64, ptr, i64, i32, ptr, ptr, i32, i32],
+        # packed w, n, k, bits, int64 ids, count, float32 out [count, k]
+        "engine_quantized_rows": [ptr, i64, i64, i32, ptr, i64, ptr],
+        # (no arguments) -> bit p set where path p runs
+        "engine_quantized_paths": [],
     }
     for name, argtypes in signatures.items():
         function = getattr(library, name)
