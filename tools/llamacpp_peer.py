@@ -4,11 +4,15 @@
     python tools/llamacpp_peer.py build                    # prints the binaries' directory
     python tools/llamacpp_peer.py serve --parallel 16      # until Ctrl-C
     python tools/llamacpp_peer.py bench                    # llama-bench pp256 / tg128, JSON
+    python tools/llamacpp_peer.py build --extra            # also llama-perplexity
 
 `llama_cpp.server` (the Python package's own server) serves one request at a time and is not a
 fair peer; `llama-server` with `-np N` batches N streams. The build (CMake, `GGML_NATIVE=ON`,
-static, Release; `llama-server`, `llama-bench`, `llama-tokenize`, `llama-quantize`) takes minutes
-on two cores and lands in $ENGINE_HOME/peers/llama.cpp-VERSION/bin, renamed into place whole.
+static, Release; `llama-server`, `llama-bench`, `llama-tokenize`, `llama-quantize`, and the
+EXTRA_TARGETS, `llama-perplexity`) takes minutes on two cores and lands in
+$ENGINE_HOME/peers/llama.cpp-VERSION/bin, renamed into place whole. A directory built before an
+extra target was added gets just that binary built (a fresh configure, as the build directory is
+not kept) and renamed in beside the others, which are left alone; `binary(name)` asks for one.
 The model is the default model's GGUF file unless --model names another.
 """
 
@@ -24,7 +28,7 @@ import sys
 import tarfile
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -35,6 +39,8 @@ from tests.e2e.harness import free_port
 
 LLAMA_CPP_PYTHON = "0.3.36"
 TARGETS = ("llama-server", "llama-bench", "llama-tokenize", "llama-quantize")
+# Built with TARGETS into a fresh directory, and on their own into one that lacks them.
+EXTRA_TARGETS = ("llama-perplexity",)
 # Static binaries: the build directory is thrown away, so nothing may point back into it.
 CMAKE_FLAGS = ("-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DCMAKE_BUILD_TYPE=Release",
                "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF")  # fmt: skip
@@ -48,19 +54,45 @@ def peer_directory(engine_home: Path | None = None) -> Path:
     return home / "peers" / f"llama.cpp-{LLAMA_CPP_PYTHON}"
 
 
-def binaries(engine_home: Path | None = None, sdist: Path | None = None) -> Path:
-    """The directory of the built binaries, building them first when they are not there."""
+def binaries(
+    engine_home: Path | None = None, sdist: Path | None = None, targets: Sequence[str] = TARGETS
+) -> Path:
+    """The directory of the built binaries, building them first when they are not there; any of
+    `targets` missing from an existing directory is built alone and added to it."""
     from engine.home import build_directory
 
     target = peer_directory(engine_home)
     marker = Path("bin") / TARGETS[0]
     if not (target / marker).is_file():
         print(f"llamacpp_peer: building llama.cpp into {target} (minutes)", file=sys.stderr)
-        build_directory(target, lambda staging: _build(staging, sdist), str(marker))
+        everything = tuple(dict.fromkeys((*TARGETS, *EXTRA_TARGETS, *targets)))
+        build_directory(target, lambda staging: _build(staging, sdist, everything), str(marker))
+    missing = [name for name in targets if not (target / "bin" / name).is_file()]
+    if missing:
+        _add_binaries(target, missing, sdist)
     return target / "bin"
 
 
-def _build(staging: Path, sdist: Path | None) -> None:
+def binary(name: str, engine_home: Path | None = None, sdist: Path | None = None) -> Path:
+    """One binary's path (e.g. "llama-perplexity"), built first when it is not there."""
+    return binaries(engine_home, sdist, targets=(name,)) / name
+
+
+def _add_binaries(target: Path, names: Sequence[str], sdist: Path | None) -> None:
+    """Build `names` alone in a staging directory beside `target` and rename each into
+    target/bin (the same file system, so a concurrent reader sees the whole file or none)."""
+    print(f"llamacpp_peer: building {', '.join(names)} into {target} (minutes)", file=sys.stderr)
+    staging = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
+    try:
+        _build(staging, sdist, tuple(names))
+        for name in names:
+            os.rename(staging / "bin" / name, target / "bin" / name)
+        os.replace(staging / "build.log", target / f"build-{'-'.join(names)}.log")
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _build(staging: Path, sdist: Path | None, targets: Sequence[str] = TARGETS) -> None:
     work = staging / "work"
     work.mkdir()
     archive = sdist or download_sdist(work)
@@ -72,14 +104,14 @@ def _build(staging: Path, sdist: Path | None) -> None:
     with open(log, "w") as out:
         for cmd in (
             ["cmake", "-S", str(source), "-B", str(build), *CMAKE_FLAGS],
-            ["cmake", "--build", str(build), "-j2", "--target", *TARGETS],
+            ["cmake", "--build", str(build), "-j2", "--target", *targets],
         ):
             if subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT).returncode != 0:
                 kept = Path(tempfile.mkdtemp(prefix="llamacpp-build-")) / "build.log"
                 shutil.copy(log, kept)
                 raise SystemExit(f"llamacpp_peer: `{' '.join(cmd[:3])} ...` failed; log: {kept}")
     (staging / "bin").mkdir()
-    for name in TARGETS:
+    for name in targets:
         shutil.copy2(build / "bin" / name, staging / "bin" / name)
     shutil.rmtree(work)
 
@@ -152,8 +184,12 @@ def main() -> None:
     parser.add_argument("--sdist", type=Path, help="build from this llama_cpp_python-*.tar.gz")
     parser.add_argument("--parallel", type=int, default=16, help="serve: llama-server -np")
     parser.add_argument("--context", type=int, default=8192, help="serve: llama-server -c")
+    parser.add_argument(
+        "--extra", action="store_true", help=f"build: also {', '.join(EXTRA_TARGETS)}"
+    )
     args = parser.parse_args()
-    print(binaries(sdist=args.sdist))
+    targets = (*TARGETS, *EXTRA_TARGETS) if args.extra else TARGETS
+    print(binaries(sdist=args.sdist, targets=targets))
     if args.command == "bench":
         print(json.dumps(llama_bench(model_file(args.model))))
     elif args.command == "serve":
