@@ -230,6 +230,19 @@ def test_every_short_tile_of_each_path(qtype: Q, path: str) -> None:
         assert torch.equal(got, reference[:m]), m
 
 
+def test_a_batch_of_several_work_items_of_rows(restore_threads: None) -> None:
+    """200 rows: past the 192 rows of one work item, on two threads, every path."""
+    weight = packed(Q.Q4_1, 576)
+    x = activations(576, rows=200, seed=4)
+    torch.set_num_threads(2)
+    reference = quantized.quantized_linear(x, weight, path=quantized.PATHS["scalar"])
+    for path in quantized.available_paths():
+        assert torch.equal(
+            quantized.quantized_linear(x, weight, path=quantized.PATHS[path]), reference
+        )
+    assert torch.equal(quantized.quantized_linear(x[199:], weight)[0], reference[199])
+
+
 def test_a_row_with_a_nan_gives_nans_and_leaves_the_others_alone() -> None:
     weight = packed(Q.Q4_1, 576)
     x = activations(576).clone()
