@@ -64,6 +64,7 @@ class AsyncLLM:
         self.model_name = ""
         self.model_path = ""  # the checkpoint directory, once started
         self.max_model_len = 0
+        self.weight_bytes: dict[str, int] = {}  # per rank, by format (EnginePlan.weight_bytes)
         self._plan: EnginePlan | None = None
         self._kv_params = KvParams("both")  # start() reads this instance's
         self._supervisor: Supervision | None = None
@@ -93,6 +94,7 @@ class AsyncLLM:
         self.model_name = (model.served_name or (default_name,))[0]
 
         self.max_model_len = self._plan.max_model_len
+        self.weight_bytes = self._plan.weight_bytes
         self._supervisor, self._replicas = supervise(
             self._plan.replica_specs,
             self.gateway,

@@ -57,6 +57,7 @@ ENGINE_ARGS = {
     "generation_config": "model.generation_config",
     "max_logprobs": "model.max_logprobs",
     "kv_cache_dtype": "cache.kv_cache_dtype",
+    "quantization": "model.quantization",
 }
 # vLLM's engine arguments that change nothing here, accepted so that vLLM code runs unchanged.
 NO_OP_ENGINE_ARGS = {

@@ -18,6 +18,7 @@ This module never imports torch: the root process only reads config.json.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -48,8 +49,10 @@ from engine.model.placement import (
     resolve_device,
     resolve_dtype,
     thread_policy,
+    weight_bytes_by_format,
 )
 from engine.model.placement import kv_cache_bytes as placement_kv_cache_bytes
+from engine.model.quantized_formats import WeightFormat, quantized_formats
 from engine.scheduler.config import SchedulerConfig
 from engine.settings import Settings, resolve_home
 
@@ -72,6 +75,8 @@ class EnginePlan:
     spec: SupervisorSpec  # replica 0's (the whole engine's when data_parallel_size is 1)
     replica_specs: tuple[SupervisorSpec, ...] = ()
     replica_roles: tuple[str, ...] = ()  # "both" | "prefill" | "decode" per replica (P/D)
+    # Resident bytes of one rank's weights by what they are ("Q4_1", "float32"): /metrics
+    weight_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.replica_specs:
@@ -122,9 +127,15 @@ def thread_fields(policy: ThreadPolicy | None) -> dict[str, int | None]:
 
 
 def kv_cache_bytes(
-    settings: Settings, config: ModelConfig, device: str, dtype: str, ranks: int
+    settings: Settings,
+    config: ModelConfig,
+    device: str,
+    dtype: str,
+    ranks: int,
+    quantized: dict[str, WeightFormat] | None = None,
 ) -> int:
-    """One rank's KV cache budget (see placement.kv_cache_bytes)."""
+    """One rank's KV cache budget (see placement.kv_cache_bytes); `quantized`: the weights
+    served quantized (engine/model/quantized_formats.py), counted by their packed bytes."""
     tp = settings.parallel.tensor_parallel_size
     if settings.cache.kv_cache_memory is None and device_type(device) != "cpu":
         # The root cannot see a GPU's free memory; the workers will (issue: GPU sizing).
@@ -133,7 +144,9 @@ def kv_cache_bytes(
         kv_cache_memory=settings.cache.kv_cache_memory,
         memory_fraction=settings.cache.kv_cache_fraction,
         available_memory=available_cpu_memory() if device_type(device) == "cpu" else 0,
-        weights_per_rank=resident_weight_bytes(config, dtype, tp, device),
+        weights_per_rank=resident_weight_bytes(
+            config, dtype, tp, device, {name: f.bits for name, f in (quantized or {}).items()}
+        ),
         ranks_on_device=ranks,
         device=device,
     )
@@ -159,8 +172,16 @@ def plan_engine(settings: Settings, model_path: str) -> EnginePlan:
     block_size = settings.cache.block_size
     tp = settings.parallel.tensor_parallel_size
     block_bytes = kv_block_bytes(config, block_size, dtype, tp)
+    quantized = quantized_formats(
+        model_path,
+        config,
+        settings.model.quantization,
+        tensor_parallel_size=tp,
+        on_cpu=device_type(device) == "cpu",
+    )
     num_blocks = (
-        kv_cache_bytes(settings, config, device, dtype, placement.local_ranks) // block_bytes
+        kv_cache_bytes(settings, config, device, dtype, placement.local_ranks, quantized)
+        // block_bytes
     )
     scheduler = SchedulerConfig(
         num_blocks=num_blocks,
@@ -173,6 +194,14 @@ def plan_engine(settings: Settings, model_path: str) -> EnginePlan:
         max_plan_bytes=RING_BYTES // 2,  # a plan frame leaves half the plan ring free
     )
     scheduler.validate()  # a KV cache too small for max_model_len fails here, naming both
+    weights = weight_bytes_by_format(
+        config, dtype, tp, device, {n: (f.source, f.bits) for n, f in quantized.items()}
+    )
+    log.info(
+        "weights: %.1f MiB per rank (%s)",
+        sum(weights.values()) / 2**20,
+        ", ".join(f"{kind} {size / 2**20:.1f} MiB" for kind, size in sorted(weights.items())),
+    )
     log.info(
         "KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB per rank, %s)%s",
         num_blocks,
@@ -195,6 +224,7 @@ def plan_engine(settings: Settings, model_path: str) -> EnginePlan:
         max_model_len=max_model_len,
         **thread_fields(threads_per_rank(settings, device, placement)),
         kernel_backend=kernel_backend_of(settings),
+        quantization=settings.model.quantization,
         engine_home=str(resolve_home(settings)),
     )
     roles = replica_roles(settings)
@@ -208,7 +238,16 @@ def plan_engine(settings: Settings, model_path: str) -> EnginePlan:
         for replica, role in enumerate(roles)
     )
     return EnginePlan(
-        model_path, config, device, dtype, num_blocks, max_model_len, specs[0], specs, roles
+        model_path,
+        config,
+        device,
+        dtype,
+        num_blocks,
+        max_model_len,
+        specs[0],
+        specs,
+        roles,
+        weights,
     )
 
 
@@ -236,6 +275,7 @@ def plan_worker_node(settings: Settings, model_path: str) -> tuple[SupervisorSpe
         max_model_len=settings.model.max_model_len or config.max_position_embeddings,
         **thread_fields(threads_per_rank(settings, device, placement)),
         kernel_backend=kernel_backend_of(settings),
+        quantization=settings.model.quantization,
         engine_home=str(resolve_home(settings)),
     )
     specs = []

@@ -39,7 +39,10 @@ _LAYER_PARTS = {
 
 def gguf_of(checkpoint: Path, quant: str, **metadata_overrides: Any) -> tuple[Path, Path]:
     """(a GGUF file of `checkpoint` with its 2-D weights in type `quant`, the directory holding
-    the same weights dequantized in the Hugging Face layout). Cached like the checkpoints."""
+    the same weights dequantized in the Hugging Face layout). Cached like the checkpoints.
+
+    `quant` may mix types the way llama.cpp's Q4_K_M files do: "Q4_0,attn_v=Q8_0" writes every
+    2-D weight in Q4_0 but the tensors whose GGUF name has the part `attn_v`, in Q8_0."""
     key = hashlib.sha256(
         f"{checkpoint}\0{quant}\0{json.dumps(metadata_overrides, sort_keys=True)}\0".encode()
         + Path(__file__).read_bytes()
@@ -69,9 +72,12 @@ def _write(checkpoint: Path, quant: str, out: Path, overrides: dict[str, Any]) -
     for key, value in overrides.items():
         writer.add_key_value(key, value, _value_type(value))
     reference: dict[str, torch.Tensor] = {}
-    qtype = gguf.GGMLQuantizationType[quant]
+    default, *special = quant.split(",")
+    by_part = dict(item.split("=") for item in special)
     for name, tensor in weights.items():
         array = tensor.float().numpy()
+        part = _gguf_name(name).split(".")[-2]
+        qtype = gguf.GGMLQuantizationType[by_part.get(part, default)]
         kind = qtype if array.ndim == 2 else gguf.GGMLQuantizationType.F32
         # What the file will hold, back as float: the reference both other loads read.
         stored = _quantize(array, kind)

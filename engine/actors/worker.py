@@ -66,6 +66,7 @@ class WorkerActor(Actor):
             num_threads=config.num_threads,
             busy_threads=config.busy_threads,
             kernel_backend=config.kernel_backend,
+            quantization=config.quantization,
             tensor_parallel=group,
             kv_cache_buffer=cache_buffer,
         )

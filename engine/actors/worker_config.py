@@ -19,6 +19,7 @@ class WorkerConfig(msgspec.Struct, frozen=True):
     num_threads: int | None = None  # torch threads for small steps (placement.ThreadPolicy)
     busy_threads: int | None = None  # for large steps (placement.ThreadPolicy.threads_for)
     kernel_backend: str = "auto"
+    quantization: str = "auto"  # model.quantization (engine/model/quantized_formats.py)
     engine_home: str = ""  # runtime.engine_home, where the CPU kernel is built; "": $ENGINE_HOME
     tensor_parallel: TensorParallelConfig | None = None  # None: a group of one
     # P/D: the SegmentDecl its KV cache lives in (its kv_transfer actor maps it too); "": none.

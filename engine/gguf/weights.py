@@ -9,47 +9,19 @@ reading undoes that, head by head, so a tensor-parallel rank's head-aligned rows
 
 from __future__ import annotations
 
-import re
+import dataclasses
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
+from engine.gguf.block_codes import block_codes
 from engine.gguf.hf_config import architecture_of
 from engine.gguf.metadata import GGUFError
+from engine.gguf.names import hf_name
 from engine.gguf.reader import GGUFFile
-
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER_PARTS = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
-
-
-def hf_name(gguf_name: str) -> str | None:
-    """The Hugging Face name of a GGUF tensor; None for one the decoder has no use for."""
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    match = _LAYER_RE.match(gguf_name)
-    if match is None or match.group(2) not in _LAYER_PARTS:
-        return None
-    layer, part, kind = match.groups()
-    return f"model.layers.{layer}.{_LAYER_PARTS[part]}.{kind}"
+from engine.quantization.codes import BlockCodes
 
 
 class GGUFTensors:
@@ -88,6 +60,22 @@ class GGUFTensors:
         block = _unpermute(self.gguf.rows(gguf_name, first, last), (last - first) // head_dim)
         return block[start - first : stop - first]
 
+    def block_codes(self, name: str) -> BlockCodes:
+        """The whole tensor as quantized codes, in the Hugging Face row order (its type must be
+        one of engine/model/quantized_formats.TYPE_BITS)."""
+        info = self.gguf.info(self._names[name])
+        rows, columns = info.shape
+        codes = block_codes(self.gguf.raw(info.name), info.type_name, (rows, columns))
+        heads = self._row_permutation_heads(name)
+        if not heads:
+            return codes
+        return dataclasses.replace(
+            codes,
+            codes=_unpermute(codes.codes, heads),
+            scales=_unpermute(codes.scales, heads),
+            mins=_unpermute(codes.mins, heads),
+        )
+
     def shape(self, name: str) -> tuple[int, ...]:
         return self.gguf.info(self._names[name]).shape
 
@@ -119,7 +107,7 @@ class _LazyTensor:
         return torch.from_numpy(np.ascontiguousarray(array))
 
 
-def _unpermute(rows: npt.NDArray[np.float32], heads: int) -> npt.NDArray[np.float32]:
+def _unpermute(rows: npt.NDArray[Any], heads: int) -> npt.NDArray[Any]:
     """Undo llama.cpp's `permute`: in each head, rows (2i, 2i+1) go back to (i, i+half)."""
     if heads == 0 or rows.shape[0] % (2 * heads):
         raise GGUFError(f"cannot un-permute {rows.shape[0]} rows into {heads} heads")

@@ -7,7 +7,8 @@ HTTP layer as requests run; engine-level figures (running / waiting requests, KV
 prefix-cache queries and hits, preemptions, actor restarts, resubmissions) are read from
 `llm.stats()` at scrape time. Ours beside vLLM's: `engine:http_requests_total` (by endpoint and
 outcome), `engine:actor_restarts_total`, `engine:request_resubmissions_total`,
-`engine:stalled_stream_aborts_total`.
+`engine:stalled_stream_aborts_total`, `engine:model_weight_bytes` (by format: what the weights
+are served as).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client import (
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     disable_created_metrics,
     generate_latest,
@@ -41,7 +43,12 @@ _REQUEST_BUCKETS = (
 
 
 class ServerMetrics:
-    def __init__(self, engine_stats: Callable[[], EngineStats], model_name: str) -> None:
+    def __init__(
+        self,
+        engine_stats: Callable[[], EngineStats],
+        model_name: str,
+        weight_bytes: dict[str, int] | None = None,
+    ) -> None:
         disable_created_metrics()  # *_created series only add noise to every scrape
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
@@ -112,6 +119,15 @@ class ServerMetrics:
         self.generation_tokens = Counter(
             PREFIX + "generation_tokens", "Tokens generated", label, registry=registry
         )
+        weights = Gauge(
+            PREFIX + "model_weight_bytes",
+            "Resident bytes of one rank's weights, by format (a GGUF type or quantization "
+            "scheme kept quantized, else the dtype)",
+            ["model_name", "format"],
+            registry=registry,
+        )
+        for weight_format, size in (weight_bytes or {}).items():
+            weights.labels(model_name, weight_format).set(size)
         self.registry.register(_EngineStatsCollector(engine_stats, model_name))
 
     def count_request(self, endpoint: str, outcome: str) -> None:
@@ -132,7 +148,12 @@ class ServerMetrics:
 class _EngineStatsCollector(Collector):
     """Reads the engine's live figures when Prometheus scrapes, so they are never stale."""
 
-    def __init__(self, engine_stats: Callable[[], EngineStats], model_name: str) -> None:
+    def __init__(
+        self,
+        engine_stats: Callable[[], EngineStats],
+        model_name: str,
+        weight_bytes: dict[str, int] | None = None,
+    ) -> None:
         self._engine_stats = engine_stats
         self._model_name = model_name
 

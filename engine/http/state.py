@@ -48,7 +48,7 @@ class ServerState:
         return cls(
             llm=llm,
             settings=settings,
-            metrics=ServerMetrics(llm.stats, names[0]),
+            metrics=ServerMetrics(llm.stats, names[0], llm.weight_bytes),
             model_name=names[0],
             max_model_len=llm.max_model_len,
             served_names=tuple(names),

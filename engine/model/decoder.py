@@ -20,18 +20,29 @@ ranks, the embedding sums its row lookups, and the logits are gathered on rank 0
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from engine.kernels import AttentionMetadata, KernelBackend, PagedKVCache
+from engine.kernels.backend import Linear
+from engine.model import quantized_weights
 from engine.model.config import ModelConfig
 from engine.model.parallel.group import TensorParallelGroup
 from engine.model.parallel.layers import RowParallelLinear, VocabParallelEmbedding
 from engine.model.parallel.layout import RankShape, rank_shape
+from engine.model.quantized_formats import WeightFormat
 from engine.model.rope import rope_inv_freq
 from engine.packed_weights import packs_decoder
+
+if TYPE_CHECKING:
+    from engine.kernels.cpu.quantized import PackedWeight
+
+
+# (a linear module, its current linear function) -> the function to run it with
+PreparedLinears = Callable[[nn.Linear, Linear], Linear]
 
 
 @dataclasses.dataclass
@@ -85,11 +96,10 @@ class Attention(nn.Module):
         self.qk_norm_weight: torch.Tensor | None = None
         self.qkv_linear = ops.linear  # prepared for the loaded weight by fuse_weights
 
-    def fuse_weights(self, prepare_linears: bool) -> None:
+    def fuse_weights(self, prepared: PreparedLinears) -> None:
         """Build derived tensors once the checkpoint's weights are in place."""
-        if prepare_linears:
-            self.qkv_linear = self.ops.prepared_linear(self.qkv_proj.weight)
-            self.o_proj.linear = self.ops.prepared_linear(self.o_proj.weight)
+        self.qkv_linear = prepared(self.qkv_proj, self.qkv_linear)
+        self.o_proj.linear = prepared(self.o_proj, self.o_proj.linear)
         if self.q_norm is not None and self.k_norm is not None:
             self.qk_norm_weight = torch.cat(
                 (
@@ -126,10 +136,9 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(size, hidden, config.mlp_bias, group, ops.linear)
         self.gate_up_linear = ops.linear  # prepared for the loaded weight by fuse_weights
 
-    def fuse_weights(self, prepare_linears: bool) -> None:
-        if prepare_linears:
-            self.gate_up_linear = self.ops.prepared_linear(self.gate_up_proj.weight)
-            self.down_proj.linear = self.ops.prepared_linear(self.down_proj.weight)
+    def fuse_weights(self, prepared: PreparedLinears) -> None:
+        self.gate_up_linear = prepared(self.gate_up_proj, self.gate_up_linear)
+        self.down_proj.linear = prepared(self.down_proj, self.down_proj.linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
@@ -184,17 +193,36 @@ class DecoderForCausalLM(nn.Module):
         with torch.device("cpu"):
             self.inv_freq: torch.Tensor = rope_inv_freq(config)
         self.project_to_vocab: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # Parameters served quantized (set by the loader: engine/model/quantized_formats.py).
+        self.weight_formats: dict[str, WeightFormat] = {}
 
-    def fuse_weights(self) -> None:
-        # The decoder's matmuls are prepared (packed, on the CPU) only while the copies stay
-        # small: the rule the memory plan counts them by (engine/packed_weights.py).
+    def fuse_weights(self, quantized: Mapping[str, PackedWeight] | None = None) -> None:
+        """Prepare every matmul once the checkpoint's weights are in place. `quantized`: the
+        weights the loader packed quantized, by parameter name (their float parameters are
+        empty placeholders)."""
+        quantized = quantized or {}
+        names = {module: name for name, module in self.named_modules()}
+        # The decoder's float matmuls are prepared (packed, on the CPU) only while the copies
+        # stay small: the rule the memory plan counts them by (engine/packed_weights.py).
         matmuls = (m.weight for m in self.layers.modules() if isinstance(m, nn.Linear))
         prepare = packs_decoder(sum(w.numel() * w.element_size() for w in matmuls))
+
+        def prepared(module: nn.Linear, current: Linear) -> Linear:
+            packed = quantized.get(f"{names[module]}.weight")
+            if packed is not None:
+                return quantized_weights.linear(packed)
+            return self.ops.prepared_linear(module.weight) if prepare else current
+
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer)
-            layer.self_attn.fuse_weights(prepare)
-            layer.mlp.fuse_weights(prepare)
+            layer.self_attn.fuse_weights(prepared)
+            layer.mlp.fuse_weights(prepared)
         self.inv_freq = rope_inv_freq(self.config).to(self.embed_tokens.weight.device)
+        self.embed_tokens.quantized = quantized.get("embed_tokens.weight")
+        head = "embed_tokens.weight" if self.lm_head is None else "lm_head.weight"
+        if head in quantized:
+            self.project_to_vocab = quantized_weights.output_projection(quantized[head])
+            return
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self.project_to_vocab = self.ops.output_projection(weight)
 

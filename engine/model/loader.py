@@ -14,7 +14,7 @@ import logging
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
@@ -25,8 +25,13 @@ from engine.model import placement
 from engine.model.config import ModelConfig
 from engine.model.decoder import DecoderForCausalLM
 from engine.model.parallel.group import TensorParallelGroup
-from engine.model.parallel.layout import RankShape, rank_shape
 from engine.model.parallel.sharding import read_shard
+from engine.model.quantized_formats import WeightFormat, quantized_formats, scheme_of
+from engine.model.weight_names import expected_weight_keys, map_weight_name
+from engine.quantization.codes import BlockCodes, concatenate
+
+if TYPE_CHECKING:
+    from engine.kernels.cpu.quantized import PackedWeight
 
 log = logging.getLogger(__name__)
 
@@ -55,16 +60,20 @@ def load_model(
     device: torch.device,
     ops: KernelBackend,
     group: TensorParallelGroup | None = None,
+    quantization: str = "auto",
 ) -> DecoderForCausalLM:
     """The model (this rank's shard of it) with every parameter filled from the checkpoint (no
-    random init is spent)."""
+    random init is spent). Weights served quantized (`quantization`, the model.quantization
+    setting) are packed for the CPU kernel and never held as floats."""
     with torch.device("meta"):
         model = DecoderForCausalLM(config, ops, group)
-    _materialize(model, dtype, device)
+    formats = _quantized_formats(model_path, config, quantization, device, model.shape.size)
+    _materialize(model, dtype, device, empty=set(formats))
     shape = model.shape
     params = dict(model.named_parameters())
     filled: set[str] = set()
     ignored: list[str] = []
+    codes: dict[str, dict[int, BlockCodes]] = {}  # quantized parameter -> its parts by row
     with contextlib.ExitStack() as stack:
         # Every file open at once (memory-mapped, nothing read yet): one pass counts the tensors
         # for the progress bar and a second reads them, without parsing any header twice.
@@ -81,8 +90,12 @@ def load_model(
                     ignored.append(name)
                     continue
                 param_name, row_start = target
-                tensor = read_shard(tensors, name, config, shape)
-                _copy_into(params[param_name], row_start, tensor, name)
+                if param_name in formats:
+                    part = _read_codes(tensors, name, formats[param_name])
+                    codes.setdefault(param_name, {})[row_start] = part
+                else:
+                    tensor = read_shard(tensors, name, config, shape)
+                    _copy_into(params[param_name], row_start, tensor, name)
                 filled.add(f"{param_name}@{row_start}")
     missing = sorted(set(expected_weight_keys(params, config, shape)) - filled)
     if missing:
@@ -90,21 +103,78 @@ def load_model(
     if ignored:
         log.warning("ignored %d checkpoint tensors: %s", len(ignored), ", ".join(ignored[:8]))
     _zero_vocab_padding(model)
-    model.fuse_weights()
+    model.fuse_weights(_pack(codes, params))
+    model.weight_formats = formats
     model.eval()
     return model
 
 
-def _materialize(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
-    """Give every meta parameter uninitialised storage of `dtype` on `device`.
+def _quantized_formats(
+    model_path: str | Path, config: ModelConfig, quantization: str, device: torch.device, tp: int
+) -> dict[str, WeightFormat]:
+    """The parameters to serve quantized; none where the CPU kernels cannot run (`auto`)."""
+    formats = quantized_formats(
+        model_path, config, quantization, tensor_parallel_size=tp, on_cpu=device.type == "cpu"
+    )
+    if not formats:
+        return formats
+    from engine.kernels.cpu import unavailable_reason
+
+    reason = unavailable_reason(device)
+    if reason is None:
+        return formats
+    if scheme_of(quantization) != "auto":
+        raise ValueError(f"quantization {quantization!r} needs the CPU kernels: {reason}")
+    log.warning("serving the quantized weights dequantized: %s", reason)
+    return {}
+
+
+def _read_codes(tensors: Any, name: str, weight_format: WeightFormat) -> BlockCodes:
+    """A checkpoint tensor as quantized codes: a GGUF block type as it is, or a float tensor
+    quantized by the format's scheme."""
+    from engine.gguf.weights import GGUFTensors
+    from engine.quantization.quantize import quantize
+
+    if weight_format.scheme is None:
+        assert isinstance(tensors, GGUFTensors), f"{name}: codes come from GGUF files only"
+        return tensors.block_codes(name)
+    weight = tensors.get_tensor(name).to(torch.float32).numpy()
+    return quantize(weight, weight_format.scheme)
+
+
+def _pack(
+    codes: dict[str, dict[int, BlockCodes]], params: dict[str, torch.nn.Parameter]
+) -> dict[str, PackedWeight]:
+    """Each quantized parameter's parts (q|k|v, gate|up) joined in row order and packed."""
+    if not codes:
+        return {}
+    from engine.kernels.cpu.quantized import pack
+
+    packed = {}
+    for param_name, parts in codes.items():
+        joined = concatenate([parts[row] for row in sorted(parts)])
+        if joined.shape[0] != params[param_name].shape[0]:
+            raise ValueError(f"{param_name}: {joined.shape[0]} quantized rows, expected "
+                             f"{params[param_name].shape[0]} from config.json")  # fmt: skip
+        packed[param_name] = pack(joined)
+    return packed
+
+
+def _materialize(
+    model: torch.nn.Module, dtype: torch.dtype, device: torch.device, empty: set[str]
+) -> None:
+    """Give every meta parameter uninitialised storage of `dtype` on `device`; the ones named in
+    `empty` (served quantized) an empty [rows, 0] placeholder instead.
 
     What `model.to(dtype).to_empty(device)` does, without running an op on a meta tensor: those
     run through torch._refs, whose first use imports torch._dynamo and sympy (seconds of every
     worker start and restart).
     """
-    for module in model.modules():
+    for module_name, module in model.named_modules():
         for name, param in module.named_parameters(recurse=False):
-            storage = torch.empty(param.shape, dtype=dtype, device=device)
+            full_name = f"{module_name}.{name}" if module_name else name
+            shape = (param.shape[0], 0) if full_name in empty else param.shape
+            storage = torch.empty(shape, dtype=dtype, device=device)
             setattr(module, name, torch.nn.Parameter(storage, requires_grad=False))
 
 
@@ -137,51 +207,6 @@ def checkpoint_files(path: Path) -> list[Path]:
             "model.safetensors.index.json with its shards, or a .gguf file"
         )
     return found
-
-
-def map_weight_name(
-    name: str, config: ModelConfig, shape: RankShape | None = None
-) -> tuple[str, int] | None:
-    """(our parameter name, first row within it) for a checkpoint tensor; None to skip it.
-    q/k/v land in row ranges of the fused qkv_proj, gate/up in gate_up_proj (this rank's sizes
-    under tensor parallelism)."""
-    name = name.removeprefix("model.")
-    if "rotary_emb." in name:
-        return None
-    if name == "lm_head.weight" and config.tie_word_embeddings:
-        return None
-    shape = shape or rank_shape(config, 0, 1)
-    q_rows = shape.num_heads * config.head_dim
-    kv_rows = shape.num_kv_heads * config.head_dim
-    fused = {
-        "self_attn.q_proj.": ("self_attn.qkv_proj.", 0),
-        "self_attn.k_proj.": ("self_attn.qkv_proj.", q_rows),
-        "self_attn.v_proj.": ("self_attn.qkv_proj.", q_rows + kv_rows),
-        "mlp.gate_proj.": ("mlp.gate_up_proj.", 0),
-        "mlp.up_proj.": ("mlp.gate_up_proj.", shape.intermediate_size),
-    }
-    for part, (fused_part, row_start) in fused.items():
-        if part in name:
-            return name.replace(part, fused_part), row_start
-    return name, 0
-
-
-def expected_weight_keys(
-    params: dict[str, torch.nn.Parameter], config: ModelConfig, shape: RankShape | None = None
-) -> list[str]:
-    """Every `param@row_start` piece the checkpoint has to provide."""
-    shape = shape or rank_shape(config, 0, 1)
-    q_rows = shape.num_heads * config.head_dim
-    kv_rows = shape.num_kv_heads * config.head_dim
-    keys = []
-    for name in params:
-        if ".qkv_proj." in name:
-            keys += [f"{name}@0", f"{name}@{q_rows}", f"{name}@{q_rows + kv_rows}"]
-        elif ".gate_up_proj." in name:
-            keys += [f"{name}@0", f"{name}@{shape.intermediate_size}"]
-        else:
-            keys.append(f"{name}@0")
-    return keys
 
 
 def _copy_into(param: torch.nn.Parameter, row_start: int, tensor: torch.Tensor, name: str) -> None:

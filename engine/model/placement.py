@@ -9,10 +9,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+from collections.abc import Iterable, Mapping
 
 from engine.model.capacity import dtype_bytes
 from engine.model.config import ModelConfig
+from engine.model.weight_names import matrix_shapes
 from engine.packed_weights import packed_copy_bytes, packs_decoder
+from engine.quantization.layout import packed_bytes
 
 DEVICES = "'auto', 'cpu', 'cuda' or 'cuda:N'"
 SUPPORTED_DTYPES = {
@@ -159,30 +162,67 @@ def weight_bytes(config: ModelConfig, dtype: str, tensor_parallel_size: int = 1)
     return params * dtype_bytes(dtype) // tensor_parallel_size
 
 
-def packed_weight_bytes(config: ModelConfig, dtype: str, tensor_parallel_size: int = 1) -> int:
+def packed_weight_bytes(
+    config: ModelConfig, dtype: str, tensor_parallel_size: int = 1, quantized: Iterable[str] = ()
+) -> int:
     """Bytes of one rank's packed copies on the CPU (engine/packed_weights.py): the vocabulary
     projection's, and the decoder's matmul weights' when they are small enough to be packed
     (made by the compiled CPU backend; counted whichever backend runs, as the plan is made
-    before a worker chooses one)."""
-    hidden, intermediate = config.hidden_size, config.intermediate_size
-    q_out, kv_out = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    per_layer = [hidden * (q_out + 2 * kv_out), q_out * hidden, 2 * hidden * intermediate]
-    per_layer.append(intermediate * hidden)
+    before a worker chooses one). Weights served `quantized` (parameter names) have none."""
+    skip = set(quantized)
     size = dtype_bytes(dtype)
-    decoder = [params * size // tensor_parallel_size for params in per_layer * config.num_layers]
-    head = config.vocab_size * hidden * size // tensor_parallel_size
-    counted = [head, *decoder] if packs_decoder(sum(decoder)) else [head]
+    decoder: list[int] = []
+    head: list[int] = []
+    for name, (rows, columns) in matrix_shapes(config).items():
+        if name in skip or (name == "embed_tokens.weight" and not config.tie_word_embeddings):
+            continue
+        nbytes = rows * columns * size // tensor_parallel_size
+        (decoder if name.startswith("layers.") else head).append(nbytes)
+    counted = [*head, *decoder] if packs_decoder(sum(decoder)) else head
     return packed_copy_bytes(counted)
 
 
 def resident_weight_bytes(
-    config: ModelConfig, dtype: str, tensor_parallel_size: int, device: str
+    config: ModelConfig,
+    dtype: str,
+    tensor_parallel_size: int,
+    device: str,
+    quantized: Mapping[str, int] | None = None,
 ) -> int:
-    """The memory one rank's weights take: the checkpoint's, and on the CPU their packed copies."""
+    """The memory one rank's weights take: the checkpoint's, on the CPU their packed copies, and
+    for the weights served quantized (parameter name -> bits of its codes) their packed codes in
+    place of both."""
     weights = weight_bytes(config, dtype, tensor_parallel_size)
+    quantized = quantized or {}
+    shapes = matrix_shapes(config)
+    for name, bits in quantized.items():
+        rows, columns = shapes[name]
+        weights += packed_bytes(rows, columns, bits) - rows * columns * dtype_bytes(dtype)
     if device_type(device) != "cpu":
         return weights
-    return weights + packed_weight_bytes(config, dtype, tensor_parallel_size)
+    return weights + packed_weight_bytes(config, dtype, tensor_parallel_size, quantized)
+
+
+def weight_bytes_by_format(
+    config: ModelConfig,
+    dtype: str,
+    tensor_parallel_size: int,
+    device: str,
+    quantized: Mapping[str, tuple[str, int]] | None = None,
+) -> dict[str, int]:
+    """resident_weight_bytes split by what the bytes are: each quantized source ("Q4_1",
+    "q8_0"; `quantized` maps parameter name -> (source, bits)) and `dtype` for the rest (with
+    the float weights' packed copies)."""
+    quantized = quantized or {}
+    shapes = matrix_shapes(config)
+    split: dict[str, int] = {}
+    for name, (source, bits) in quantized.items():
+        split[source] = split.get(source, 0) + packed_bytes(*shapes[name], bits)
+    total = resident_weight_bytes(
+        config, dtype, tensor_parallel_size, device, {n: b for n, (_, b) in quantized.items()}
+    )
+    split[dtype] = split.get(dtype, 0) + total - sum(split.values())
+    return split
 
 
 def kv_cache_bytes(

@@ -26,6 +26,7 @@ from engine.model.config import ModelConfig, load_model_config
 from engine.model.host_memory import keep_freed_memory
 from engine.model.loader import load_model, resolve_dtype
 from engine.model.parallel.group import TensorParallelGroup
+from engine.model.quantized_formats import describe_formats
 from engine.model.step_inputs import SeqChunk
 from engine.settings.schema import CacheSettings
 
@@ -60,6 +61,7 @@ class ModelRunner:
         num_threads: int | None = None,
         busy_threads: int | None = None,
         kernel_backend: str = "auto",
+        quantization: str = "auto",
         tensor_parallel: TensorParallelGroup | None = None,
         kv_cache_buffer: Any = None,
     ) -> None:
@@ -94,19 +96,27 @@ class ModelRunner:
             device=self.device,
             ops=self.backend,
             group=self.group,
+            quantization=quantization,
         )
         self.shape = self.model.shape  # this rank's heads, KV heads, columns, vocabulary rows
+        self.weight_bytes = placement.resident_weight_bytes(
+            self.config,
+            str(self.dtype).removeprefix("torch."),
+            self.group.size,
+            self.device.type,
+            {name: f.bits for name, f in self.model.weight_formats.items()},
+        )
+        log.info(
+            "weights: %.1f MiB resident (%s)",
+            self.weight_bytes / 2**20,
+            describe_formats(self.model.weight_formats, str(self.dtype).removeprefix("torch.")),
+        )
         self.block_size = block_size
         kv_cache_memory = placement.kv_cache_bytes(
             kv_cache_memory=kv_cache_memory,
             memory_fraction=kv_cache_fraction,
             available_memory=_free_memory(self.device),
-            weights_per_rank=placement.resident_weight_bytes(
-                self.config,
-                str(self.dtype).removeprefix("torch."),
-                self.group.size,
-                self.device.type,
-            ),
+            weights_per_rank=self.weight_bytes,
             ranks_on_device=1,
             device=self.device.type,
         )

@@ -1,6 +1,6 @@
 """A quantized weight before packing: integer codes with a scale and a minimum per block of 32
 values of a row, w = scale * code + minimum, the one form every source maps onto (a GGUF block
-type: engine/quantization/gguf_codes.py; a float weight quantized at load:
+type: engine/gguf/block_codes.py; a float weight quantized at load:
 engine/quantization/quantize.py). The CPU kernel's layout packs it
 (engine/kernels/cpu/quantized.py).
 """

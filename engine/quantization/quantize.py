@@ -23,7 +23,6 @@ from collections.abc import Callable
 import numpy as np
 import numpy.typing as npt
 
-from engine.gguf.quants import CHUNK_VALUES
 from engine.quantization.codes import BlockCodes
 from engine.quantization.layout import BLOCK
 
@@ -32,6 +31,7 @@ Codes = npt.NDArray[np.uint8]
 # (blocks, 32) float32 -> writes codes (blocks, 32), scales (blocks, 1), minimums (blocks, 1)
 Quantizer = Callable[[Floats, Codes, Floats, Floats], None]
 
+CHUNK_VALUES = 1 << 19  # values quantized per chunk: temporaries of a few MiB
 SCHEMES: tuple[str, ...] = ("q8_0", "q4_0", "q4_1")
 # Names other tools use for the same thing: vLLM-style int8 / int4 are the symmetric schemes.
 ALIASES: dict[str, str] = {"int8": "q8_0", "int4": "q4_0"}
@@ -89,7 +89,7 @@ def quantize_asymmetric(
     """Codes 0..levels spanning each block's [min, max]: scale = (max - min) / levels.
 
     Every value is within scale / 2 of scale * code + min, up to float32 rounding (a few ulps
-    of the block's magnitude). Also re-quantizes Q6_K (engine/quantization/gguf_codes.py).
+    of the block's magnitude). Also re-quantizes Q6_K (engine/gguf/block_codes.py).
     """
     low = values.min(axis=1, keepdims=True)
     scale = (values.max(axis=1, keepdims=True) - low) / np.float32(levels)

@@ -34,6 +34,8 @@ FLAG_ALIASES: dict[str, str] = {
     "--dtype": "model.dtype",
     "--device": "model.device",
     "--kernel-backend": "model.kernel_backend",
+    "--quantization": "model.quantization",
+    "-q": "model.quantization",
     "--max-model-len": "model.max_model_len",
     "--seed": "model.seed",
     "--block-size": "cache.block_size",

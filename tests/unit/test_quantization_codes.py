@@ -11,14 +11,14 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as reference_dequantize
 from gguf.quants import quantize as reference_quantize
 
-from engine.gguf.quants import LAYOUTS, row_nbytes
-from engine.quantization import gguf_codes
-from engine.quantization.gguf_codes import (
+from engine.gguf import block_codes as gguf_codes
+from engine.gguf.block_codes import (
     EXACT_TYPES,
     QUANTIZED_TYPES,
     block_codes,
     stays_float,
 )
+from engine.gguf.quants import LAYOUTS, row_nbytes
 from engine.quantization.quantize import ALIASES, SCHEMES, quantize, scheme_name
 
 Floats = npt.NDArray[np.float32]

@@ -11,11 +11,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.kernels.backend import Linear
+from engine.model import quantized_weights
 from engine.model.parallel.group import TensorParallelGroup
 
 
@@ -54,8 +57,13 @@ class VocabParallelEmbedding(nn.Embedding):
         )
         self.vocab_start = vocab_start
         self.group = group
+        # The table kept quantized (engine/model/quantized_weights.py; one rank only): the
+        # lookup decodes just the rows asked for, and `weight` is an empty placeholder.
+        self.quantized: Any = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            return quantized_weights.embedding(self.quantized, ids, self.weight.dtype)
         if self.group.size == 1:
             return super().forward(ids)
         local = ids - self.vocab_start
