@@ -45,6 +45,7 @@ sleeping_openmp_threads()  # as the engine's workers do; before torch loads Open
 import torch  # noqa: E402
 
 from engine.model.capacity import kv_block_bytes  # noqa: E402
+from engine.model.quantized_formats import describe_formats  # noqa: E402
 from engine.model.runner import ModelRunner, describe_threads  # noqa: E402
 from engine.model.step_inputs import SeqChunk  # noqa: E402
 from tools.step_limits import MachineRates, ModelCost  # noqa: E402
@@ -278,6 +279,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--input-len", type=int, nargs="+", default=[128])
     parser.add_argument("--output-len", type=int, nargs="+", default=[64])
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument(
+        "--quantization",
+        default="auto",
+        help="model.quantization: auto (a GGUF file's block types), none (dequantized), q8_0, "
+        "q4_0, q4_1",
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-cache-memory", type=int, help="bytes (default: a fraction of free)")
@@ -327,9 +334,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory,
         num_threads=args.num_threads,
+        quantization=args.quantization,
     )
     print(
         f"model {model}: {runner.config.architecture}, {runner.dtype}, "
+        f"weights {describe_formats(runner.model.weight_formats, str(runner.dtype))}, "
         f"{describe_threads(runner.threads)} threads, {runner.backend.name} kernels"
     )
     if args.correct:

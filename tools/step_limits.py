@@ -16,6 +16,8 @@ import torch
 
 from engine.model.capacity import kv_block_bytes
 from engine.model.runner import ModelRunner
+from engine.model.weight_names import matrix_shapes
+from engine.quantization.layout import packed_bytes
 
 COPY_BYTES = 256 << 20  # large enough to stream through every cache level
 MATMUL_SIZE = 1024
@@ -64,16 +66,28 @@ class ModelCost:
 
     @classmethod
     def of(cls, runner: ModelRunner) -> ModelCost:
-        model = runner.model
-        head = (model.embed_tokens if model.lm_head is None else model.lm_head).weight
-        layers = [p for p in model.layers.parameters() if p.dim() >= 2]
-        config = runner.config
+        """A weight served quantized counts its packed codes (engine/quantization/layout.py)."""
+        model, config = runner.model, runner.config
+        head_name = "embed_tokens.weight" if model.lm_head is None else "lm_head.weight"
+        params = dict(model.named_parameters())
+        read = {}
+        numel = {}
+        for name, (rows, columns) in matrix_shapes(config).items():
+            if name == "embed_tokens.weight" and name != head_name:
+                continue  # a lookup, not a matmul
+            quantized = model.weight_formats.get(name)
+            numel[name] = rows * columns // runner.group.size
+            read[name] = (
+                packed_bytes(rows, columns, quantized.bits)
+                if quantized is not None
+                else numel[name] * params[name].element_size()
+            )
         per_token = kv_block_bytes(config, runner.block_size, runner.dtype) // runner.block_size
         heads = runner.shape.num_heads
         return cls(
-            sum(p.numel() * p.element_size() for p in [*layers, head]),
-            sum(p.numel() for p in layers),
-            head.numel(),
+            sum(read.values()),
+            sum(n for name, n in numel.items() if name != head_name),
+            numel[head_name],
             per_token,
             4 * heads * config.head_dim * config.num_layers,  # q.k and p.v: 2 FLOPs each
         )
