@@ -27,7 +27,7 @@ from engine.model.decoder import DecoderForCausalLM
 from engine.model.parallel.group import TensorParallelGroup
 from engine.model.parallel.sharding import read_shard
 from engine.model.quantized_formats import WeightFormat, quantized_formats, scheme_of
-from engine.model.weight_names import expected_weight_keys, map_weight_name
+from engine.model.weight_names import expected_weight_keys, map_weight_name, matrix_shapes
 from engine.quantization.codes import BlockCodes, concatenate
 
 if TYPE_CHECKING:
@@ -74,6 +74,7 @@ def load_model(
     filled: set[str] = set()
     ignored: list[str] = []
     codes: dict[str, dict[int, BlockCodes]] = {}  # quantized parameter -> its parts by row
+    packed: dict[str, PackedWeight] = {}
     with contextlib.ExitStack() as stack:
         # Every file open at once (memory-mapped, nothing read yet): one pass counts the tensors
         # for the progress bar and a second reads them, without parsing any header twice.
@@ -91,8 +92,10 @@ def load_model(
                     continue
                 param_name, row_start = target
                 if param_name in formats:
-                    part = _read_codes(tensors, name, formats[param_name])
-                    codes.setdefault(param_name, {})[row_start] = part
+                    parts = codes.setdefault(param_name, {})
+                    parts[row_start] = _read_codes(tensors, name, formats[param_name])
+                    if len(parts) == _parts_of(param_name):  # packed now: codes live briefly
+                        packed[param_name] = _pack(param_name, parts, config)
                 else:
                     tensor = read_shard(tensors, name, config, shape)
                     _copy_into(params[param_name], row_start, tensor, name)
@@ -103,7 +106,7 @@ def load_model(
     if ignored:
         log.warning("ignored %d checkpoint tensors: %s", len(ignored), ", ".join(ignored[:8]))
     _zero_vocab_padding(model)
-    model.fuse_weights(_pack(codes, params))
+    model.fuse_weights(packed)
     model.weight_formats = formats
     model.eval()
     return model
@@ -142,22 +145,23 @@ def _read_codes(tensors: Any, name: str, weight_format: WeightFormat) -> BlockCo
     return quantize(weight, weight_format.scheme)
 
 
-def _pack(
-    codes: dict[str, dict[int, BlockCodes]], params: dict[str, torch.nn.Parameter]
-) -> dict[str, PackedWeight]:
-    """Each quantized parameter's parts (q|k|v, gate|up) joined in row order and packed."""
-    if not codes:
-        return {}
+def _parts_of(param_name: str) -> int:
+    """How many checkpoint tensors fill a parameter (q|k|v, gate|up: engine/model/weight_names)."""
+    return 3 if ".qkv_proj." in param_name else 2 if ".gate_up_proj." in param_name else 1
+
+
+def _pack(param_name: str, parts: dict[int, BlockCodes], config: ModelConfig) -> PackedWeight:
+    """A quantized parameter's parts joined in row order, checked against config.json, packed."""
     from engine.kernels.cpu.quantized import pack
 
-    packed = {}
-    for param_name, parts in codes.items():
-        joined = concatenate([parts[row] for row in sorted(parts)])
-        if joined.shape[0] != params[param_name].shape[0]:
-            raise ValueError(f"{param_name}: {joined.shape[0]} quantized rows, expected "
-                             f"{params[param_name].shape[0]} from config.json")  # fmt: skip
-        packed[param_name] = pack(joined)
-    return packed
+    joined = concatenate([parts[row] for row in sorted(parts)])
+    expected = matrix_shapes(config)[param_name]
+    if joined.shape != expected:
+        raise ValueError(
+            f"{param_name}: the checkpoint's quantized tensors make {joined.shape}, "
+            f"config.json says {expected}"
+        )
+    return pack(joined)
 
 
 def _materialize(
