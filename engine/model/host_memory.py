@@ -38,3 +38,16 @@ def keep_freed_memory() -> bool:
     if not tuned:
         log.warning("mallopt refused the settings; large CPU steps may pay page faults")
     return tuned
+
+
+def release_freed_memory() -> bool:
+    """Give the memory freed so far back to the kernel (glibc's malloc_trim), once, after the
+    weights are loaded: what the load freed (a quantized weight's one-byte-per-value codes, a
+    GGUF tensor's dequantized rows) would otherwise stay resident under keep_freed_memory's
+    settings for the life of the worker. False where there is no malloc_trim."""
+    try:
+        malloc_trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    malloc_trim.argtypes = [ctypes.c_size_t]
+    return bool(malloc_trim(0))

@@ -23,7 +23,7 @@ from engine.kernels.attention_metadata import AttentionMetadata, long_tensor
 from engine.model import placement
 from engine.model.capacity import available_cpu_memory, kv_block_bytes, kv_cache_blocks
 from engine.model.config import ModelConfig, load_model_config
-from engine.model.host_memory import keep_freed_memory
+from engine.model.host_memory import keep_freed_memory, release_freed_memory
 from engine.model.loader import load_model, resolve_dtype
 from engine.model.parallel.group import TensorParallelGroup
 from engine.model.quantized_formats import describe_formats
@@ -99,6 +99,8 @@ class ModelRunner:
             quantization=quantization,
         )
         self.shape = self.model.shape  # this rank's heads, KV heads, columns, vocabulary rows
+        if self.device.type == "cpu":
+            release_freed_memory()
         self.weight_bytes = placement.resident_weight_bytes(
             self.config,
             str(self.dtype).removeprefix("torch."),
