@@ -30,6 +30,7 @@ from engine.kernels import AttentionMetadata, KernelBackend, PagedKVCache
 from engine.kernels.backend import Linear
 from engine.model import quantized_weights
 from engine.model.config import ModelConfig
+from engine.model.fused_decode import FusedDecode
 from engine.model.parallel.group import TensorParallelGroup
 from engine.model.parallel.layers import RowParallelLinear, VocabParallelEmbedding
 from engine.model.parallel.layout import RankShape, rank_shape
@@ -195,6 +196,7 @@ class DecoderForCausalLM(nn.Module):
         self.project_to_vocab: Callable[[torch.Tensor], torch.Tensor] | None = None
         # Parameters served quantized (set by the loader: engine/model/quantized_formats.py).
         self.weight_formats: dict[str, WeightFormat] = {}
+        self.fused_decode: FusedDecode | None = None  # all layers of a decode step in C++
 
     def fuse_weights(self, quantized: Mapping[str, PackedWeight] | None = None) -> None:
         """Prepare every matmul once the checkpoint's weights are in place. `quantized`: the
@@ -219,6 +221,7 @@ class DecoderForCausalLM(nn.Module):
             layer.mlp.fuse_weights(prepared)
         self.inv_freq = rope_inv_freq(self.config).to(self.embed_tokens.weight.device)
         self.embed_tokens.quantized = quantized.get("embed_tokens.weight")
+        self.fused_decode = FusedDecode.for_model(self, dict(quantized)) if quantized else None
         head = "embed_tokens.weight" if self.lm_head is None else "lm_head.weight"
         if head in quantized:
             self.project_to_vocab = quantized_weights.output_projection(quantized[head])
@@ -232,6 +235,8 @@ class DecoderForCausalLM(nn.Module):
         """Hidden states [tokens, hidden] after the last layer (before the final norm)."""
         h = self.embed_tokens(token_ids)
         cos, sin = self.ops.rotary_cos_sin(attention.positions, self.inv_freq, h.dtype)
+        if self.fused_decode is not None and self.fused_decode.takes(h, attention):
+            return self.fused_decode.run(h, attention, kv_cache, cos, sin)
         step = StepContext(attention, kv_cache, cos, sin)
         for layer in self.layers:
             h = layer(h, step)

@@ -131,3 +131,30 @@ def test_the_setting_offers_every_choice_the_loader_takes() -> None:
     from engine.settings.schema import Quantization
 
     assert set(get_args(Quantization)) == set(CHOICES)
+
+
+@pytest.mark.parametrize("case", GGUF_CASES[1:], ids=lambda c: f"{c[0]}-{c[2]}")
+def test_the_fused_decode_step_equals_the_layers_bit_for_bit(case: tuple, tmp_path: Path) -> None:
+    """engine/model/fused_decode.py runs a decode step's layers in one C++ call: biases (qwen2),
+    q/k norms (qwen3) and mixed code widths give the same logits as the layers one by one."""
+    arch, overrides, quant = case
+    gguf_file, _ = gguf_of(tiny_checkpoint(arch, **overrides), quant)
+    model = runner(prepare_checkpoint(gguf_file, tmp_path), "auto")
+    fused = model.model.fused_decode
+    assert fused is not None
+    allocator = BlockAllocator(model.num_blocks)
+    prompts = [PROMPT, OTHER, PROMPT[::-1]]
+    tables = [allocator.allocate(2) for _ in prompts]
+    model.forward([SeqChunk(i, p, 0, tables[i], True) for i, p in enumerate(prompts)])
+    for position in range(3):  # three decode steps, each run both ways over the same cache
+        chunks = [
+            SeqChunk(i, [7 + i + position], len(p) + position, tables[i], True)
+            for i, p in enumerate(prompts)
+        ]
+        step = model.prepare(chunks)
+        assert step.attention is not None
+        assert fused.takes(model.model.embed_tokens(step.token_ids), step.attention)
+        model.model.fused_decode = None
+        layers = model.forward(chunks)
+        model.model.fused_decode = fused
+        assert torch.equal(model.forward(chunks), layers)

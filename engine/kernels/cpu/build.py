@@ -32,6 +32,7 @@ SOURCES = (
     HERE / "pointwise.cpp",
     HERE / "linear.cpp",
     HERE / "quantized_linear.cpp",
+    HERE / "decode_step.cpp",
 )
 HEADERS = (HERE / "cpu_vector.h", HERE / "thread_pool.h")
 FLAGS = (
@@ -163,6 +164,9 @@ def load_library() -> ctypes.CDLL:
         "engine_quantized_rows": [ptr, i64, i64, i32, ptr, i64, ptr],
         # (no arguments) -> bit p set where path p runs
         "engine_quantized_paths": [],
+        # engine/kernels/cpu/decode_step.cpp: layers (engine/model/fused_decode.py's structs),
+        # count, shape, step, h [m, hidden] in place, m
+        "engine_decode_layers": [ptr, i64, ptr, ptr, ptr, i64],
     }
     for name, argtypes in signatures.items():
         function = getattr(library, name)

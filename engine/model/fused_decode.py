@@ -1,0 +1,205 @@
+"""A decode step's decoder layers in one C++ call (engine/kernels/cpu/decode_step.cpp), for a
+model served quantized on the compiled CPU backend: the kernels the layers call one at a time,
+called in the same order on the same values, so the hidden states are bit-identical to the
+Python path's; what goes is the ~15 Python-level operations per layer around them (dispatch,
+checks, a new tensor each), ~12 of a 22 ms step of the 30-layer default model at one sequence.
+
+It takes steps of decode tokens only (one TableRows piece: every token attends in place through
+its block table), of float32 activations, up to MAX_TOKENS of them, where every step kernel the
+Python path calls is the C++ one (pointwise.SMALL_ELEMENTS). Anything else runs the layers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from engine.kernels.attention_metadata import AttentionMetadata, TableRows
+from engine.kernels.cpu import pointwise
+from engine.kernels.cpu.attention import kernel_threads
+from engine.kernels.cpu.build import load_library
+from engine.kernels.kv_cache import PagedKVCache
+
+if TYPE_CHECKING:
+    from engine.kernels.cpu.quantized import PackedWeight
+
+# engine/model/decoder.DecoderForCausalLM (which imports this module)
+Decoder = Any
+
+MATRICES = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+_ptr, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+class _Matrix(ctypes.Structure):
+    _fields_ = [("packed", _ptr), ("bits", _i64), ("bias", _ptr)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        ("input_norm", _ptr),
+        ("post_norm", _ptr),
+        ("qk_norm", _ptr),
+        ("qkv", _Matrix),
+        ("o", _Matrix),
+        ("gate_up", _Matrix),
+        ("down", _Matrix),
+        ("keys", _ptr),
+        ("values", _ptr),
+    ]
+
+
+class _Shape(ctypes.Structure):
+    _fields_ = [
+        ("hidden", _i64),
+        ("heads", _i64),
+        ("kv_heads", _i64),
+        ("head_dim", _i64),
+        ("intermediate", _i64),
+        ("block_size", _i64),
+        ("eps", _f32),
+        ("scale", _f32),
+    ]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [
+        ("cos", _ptr),
+        ("sin", _ptr),
+        ("slots", _ptr),
+        ("tables", _ptr),
+        ("table_width", _i64),
+        ("token_chunk", _ptr),
+        ("seen", _ptr),
+        ("matmul_threads", ctypes.c_int),
+        ("attention_threads", ctypes.c_int),
+    ]
+
+
+class FusedDecode:
+    """The fused layers of one model (built once its weights are loaded and packed)."""
+
+    def __init__(self, model: Decoder, quantized: dict[str, PackedWeight]) -> None:
+        config, shape = model.config, model.shape
+        self.model = model
+        self.quantized = quantized  # keeps the packed codes the structs point into alive
+        self.hidden = config.hidden_size
+        qk_heads = shape.num_heads + shape.num_kv_heads
+        # Fewest tokens whose tensors some step kernel would hand to torch instead of C++.
+        widest = max(config.hidden_size, qk_heads * config.head_dim, 2 * shape.intermediate_size)
+        self.max_tokens = pointwise.SMALL_ELEMENTS // widest
+        self._shape = _Shape(
+            config.hidden_size,
+            shape.num_heads,
+            shape.num_kv_heads,
+            config.head_dim,
+            shape.intermediate_size,
+            0,  # the cache's, set with the layers
+            config.rms_norm_eps,
+            config.head_dim**-0.5,
+        )
+        self._layers: Any = None
+        self._cache: PagedKVCache | None = None
+
+    @staticmethod
+    def for_model(
+        model: Decoder, quantized: dict[str, PackedWeight]
+    ) -> FusedDecode | None:
+        """The fused path where it applies to the whole model; else None."""
+        every_matrix = all(
+            f"layers.{i}.{name}.weight" in quantized
+            for i in range(model.config.num_layers)
+            for name in MATRICES
+        )
+        usable = (
+            every_matrix
+            and model.ops.name == "cpu"
+            and model.group.size == 1
+            and model.embed_tokens.weight.dtype == torch.float32
+        )
+        return FusedDecode(model, quantized) if usable else None
+
+    def takes(self, h: torch.Tensor, attention: AttentionMetadata) -> bool:
+        pieces = attention.pieces
+        return (
+            0 < h.shape[0] <= self.max_tokens
+            and h.dtype == torch.float32
+            and h.is_contiguous()
+            and len(pieces) == 1
+            and isinstance(pieces[0], TableRows)
+            and pieces[0].rows is None
+        )
+
+    def run(
+        self,
+        h: torch.Tensor,
+        attention: AttentionMetadata,
+        cache: PagedKVCache,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
+        """The hidden states after the last layer; `h` (this step's embeddings) is overwritten."""
+        piece = attention.pieces[0]
+        assert isinstance(piece, TableRows)
+        layers = self._layers_for(cache)
+        tables = piece.tables.contiguous()
+        cos, sin = cos.contiguous(), sin.contiguous()
+        step = _Step(
+            cos.data_ptr(),
+            sin.data_ptr(),
+            attention.slot_mapping.data_ptr(),
+            tables.data_ptr(),
+            tables.shape[1],
+            piece.token_chunk.data_ptr(),
+            piece.seen.data_ptr(),
+            torch.get_num_threads(),
+            kernel_threads(piece),
+        )
+        status = load_library().engine_decode_layers(
+            ctypes.cast(layers, _ptr),
+            len(layers),
+            ctypes.byref(self._shape),
+            ctypes.byref(step),
+            h.data_ptr(),
+            h.shape[0],
+        )
+        if status != 0:
+            raise RuntimeError(f"the fused decode step failed (status {status})")
+        return h
+
+    def _layers_for(self, cache: PagedKVCache) -> Any:
+        """The layers' structs, pointing into `cache` (rebuilt if the model gets another)."""
+        if self._cache is cache:
+            return self._layers
+        for tensor in (*cache.keys, *cache.values):
+            if tensor.dtype != torch.float32 or not tensor.is_contiguous():
+                raise ValueError("the fused decode step needs a contiguous float32 KV cache")
+        for layer in self.model.layers:
+            norm = layer.self_attn.qk_norm_weight
+            if norm is not None and not norm.is_contiguous():
+                raise ValueError("the fused decode step needs contiguous q/k norm weights")
+        self._shape.block_size = cache.block_size
+        layers = (_Layer * len(self.model.layers))()
+        for i, layer in enumerate(self.model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            qk_norm = attn.qk_norm_weight
+            layers[i] = _Layer(
+                layer.input_layernorm.weight.data_ptr(),
+                layer.post_attention_layernorm.weight.data_ptr(),
+                None if qk_norm is None else qk_norm.data_ptr(),
+                self._matrix(i, "self_attn.qkv_proj", attn.qkv_proj.bias),
+                self._matrix(i, "self_attn.o_proj", attn.o_proj.bias),
+                self._matrix(i, "mlp.gate_up_proj", mlp.gate_up_proj.bias),
+                self._matrix(i, "mlp.down_proj", mlp.down_proj.bias),
+                cache.keys[i].data_ptr(),
+                cache.values[i].data_ptr(),
+            )
+        self._layers, self._cache = layers, cache
+        return layers
+
+    def _matrix(self, layer: int, name: str, bias: torch.Tensor | None) -> _Matrix:
+        packed = self.quantized[f"layers.{layer}.{name}.weight"]
+        return _Matrix(
+            packed.data.data_ptr(), packed.bits, None if bias is None else bias.data_ptr()
+        )
