@@ -221,7 +221,7 @@ class DecoderForCausalLM(nn.Module):
             layer.mlp.fuse_weights(prepared)
         self.inv_freq = rope_inv_freq(self.config).to(self.embed_tokens.weight.device)
         self.embed_tokens.quantized = quantized.get("embed_tokens.weight")
-        self.fused_decode = FusedDecode.for_model(self, dict(quantized)) if quantized else None
+        self.fused_decode = FusedDecode.for_model(self, dict(quantized))
         head = "embed_tokens.weight" if self.lm_head is None else "lm_head.weight"
         if head in quantized:
             self.project_to_vocab = quantized_weights.output_projection(quantized[head])

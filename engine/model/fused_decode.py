@@ -1,5 +1,6 @@
 """A decode step's decoder layers in one C++ call (engine/kernels/cpu/decode_step.cpp), for a
-model served quantized on the compiled CPU backend: the kernels the layers call one at a time,
+model whose matmul weights the compiled CPU backend holds (quantized codes, or float32 packed in
+panels): the kernels the layers call one at a time,
 called in the same order on the same values, so the hidden states are bit-identical to the
 Python path's; what goes is the ~15 Python-level operations per layer around them (dispatch,
 checks, a new tensor each), ~12 of a 22 ms step of the 30-layer default model at one sequence.
@@ -20,6 +21,7 @@ from engine.kernels.attention_metadata import AttentionMetadata, TableRows
 from engine.kernels.cpu import pointwise
 from engine.kernels.cpu.attention import kernel_threads
 from engine.kernels.cpu.build import load_library
+from engine.kernels.cpu.linear import PanelLinear
 from engine.kernels.kv_cache import PagedKVCache
 
 if TYPE_CHECKING:
@@ -28,7 +30,7 @@ if TYPE_CHECKING:
 # engine/model/decoder.DecoderForCausalLM (which imports this module)
 Decoder = Any
 
-MATRICES = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+FLOAT_PANELS = 32  # _Matrix.bits of a float32 weight in linear.cpp's panels
 _ptr, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
@@ -101,24 +103,19 @@ class FusedDecode:
         )
         self._layers: Any = None
         self._cache: PagedKVCache | None = None
+        self._matrices = [self._layer_matrices(i, layer) for i, layer in enumerate(model.layers)]
 
     @staticmethod
-    def for_model(
-        model: Decoder, quantized: dict[str, PackedWeight]
-    ) -> FusedDecode | None:
+    def for_model(model: Decoder, quantized: dict[str, PackedWeight]) -> FusedDecode | None:
         """The fused path where it applies to the whole model; else None."""
-        every_matrix = all(
-            f"layers.{i}.{name}.weight" in quantized
-            for i in range(model.config.num_layers)
-            for name in MATRICES
-        )
+        fused = FusedDecode(model, quantized)
         usable = (
-            every_matrix
-            and model.ops.name == "cpu"
+            model.ops.name == "cpu"
             and model.group.size == 1
             and model.embed_tokens.weight.dtype == torch.float32
+            and all(matrix is not None for layer in fused._matrices for matrix in layer)
         )
-        return FusedDecode(model, quantized) if usable else None
+        return fused if usable else None
 
     def takes(self, h: torch.Tensor, attention: AttentionMetadata) -> bool:
         pieces = attention.pieces
@@ -182,24 +179,37 @@ class FusedDecode:
         self._shape.block_size = cache.block_size
         layers = (_Layer * len(self.model.layers))()
         for i, layer in enumerate(self.model.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            qk_norm = attn.qk_norm_weight
+            qk_norm = layer.self_attn.qk_norm_weight
             layers[i] = _Layer(
                 layer.input_layernorm.weight.data_ptr(),
                 layer.post_attention_layernorm.weight.data_ptr(),
                 None if qk_norm is None else qk_norm.data_ptr(),
-                self._matrix(i, "self_attn.qkv_proj", attn.qkv_proj.bias),
-                self._matrix(i, "self_attn.o_proj", attn.o_proj.bias),
-                self._matrix(i, "mlp.gate_up_proj", mlp.gate_up_proj.bias),
-                self._matrix(i, "mlp.down_proj", mlp.down_proj.bias),
+                *self._matrices[i],
                 cache.keys[i].data_ptr(),
                 cache.values[i].data_ptr(),
             )
         self._layers, self._cache = layers, cache
         return layers
 
-    def _matrix(self, layer: int, name: str, bias: torch.Tensor | None) -> _Matrix:
-        packed = self.quantized[f"layers.{layer}.{name}.weight"]
-        return _Matrix(
-            packed.data.data_ptr(), packed.bits, None if bias is None else bias.data_ptr()
-        )
+    def _layer_matrices(self, index: int, layer: Any) -> list[_Matrix | None]:
+        """qkv, o, gate|up, down of one layer; None for one the kernels do not hold."""
+        attn, mlp = layer.self_attn, layer.mlp
+        prepared = {
+            "self_attn.qkv_proj": (attn.qkv_linear, attn.qkv_proj.bias),
+            "self_attn.o_proj": (attn.o_proj.linear, attn.o_proj.bias),
+            "mlp.gate_up_proj": (mlp.gate_up_linear, mlp.gate_up_proj.bias),
+            "mlp.down_proj": (mlp.down_proj.linear, mlp.down_proj.bias),
+        }
+        return [
+            self._matrix(f"layers.{index}.{name}.weight", linear, bias)
+            for name, (linear, bias) in prepared.items()
+        ]
+
+    def _matrix(self, name: str, linear: Any, bias: torch.Tensor | None) -> _Matrix | None:
+        bias_pointer = None if bias is None else bias.data_ptr()
+        packed = self.quantized.get(name)
+        if packed is not None:
+            return _Matrix(packed.data.data_ptr(), packed.bits, bias_pointer)
+        if isinstance(linear, PanelLinear):  # float32, packed once for linear.cpp
+            return _Matrix(linear.panels.packed.data_ptr(), FLOAT_PANELS, bias_pointer)
+        return None

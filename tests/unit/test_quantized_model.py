@@ -133,13 +133,24 @@ def test_the_setting_offers_every_choice_the_loader_takes() -> None:
     assert set(get_args(Quantization)) == set(CHOICES)
 
 
-@pytest.mark.parametrize("case", GGUF_CASES[1:], ids=lambda c: f"{c[0]}-{c[2]}")
+FUSED_CASES = [  # (architecture, overrides, GGUF types or None for the float checkpoint)
+    *GGUF_CASES[1:],
+    ("qwen2", {}, None),
+    ("qwen3", {"num_kv_heads": 1}, None),
+]
+
+
+@pytest.mark.parametrize("case", FUSED_CASES, ids=lambda c: f"{c[0]}-{c[2] or 'float32'}")
 def test_the_fused_decode_step_equals_the_layers_bit_for_bit(case: tuple, tmp_path: Path) -> None:
     """engine/model/fused_decode.py runs a decode step's layers in one C++ call: biases (qwen2),
-    q/k norms (qwen3) and mixed code widths give the same logits as the layers one by one."""
+    q/k norms (qwen3), mixed code widths and float32 panels give the same logits as the layers
+    one by one."""
     arch, overrides, quant = case
-    gguf_file, _ = gguf_of(tiny_checkpoint(arch, **overrides), quant)
-    model = runner(prepare_checkpoint(gguf_file, tmp_path), "auto")
+    if quant is None:
+        model = runner(tiny_checkpoint(arch, **overrides), "none")
+    else:
+        gguf_file, _ = gguf_of(tiny_checkpoint(arch, **overrides), quant)
+        model = runner(prepare_checkpoint(gguf_file, tmp_path), "auto")
     fused = model.model.fused_decode
     assert fused is not None
     allocator = BlockAllocator(model.num_blocks)

@@ -1,8 +1,9 @@
-// Every decoder layer of a decode step in one call, for a model whose matmul weights are all
-// served quantized (engine/model/fused_decode.py decides when): the same kernels the Python
-// path calls one at a time (RMSNorm, rotary and SwiGLU from pointwise.cpp, the quantized
-// matmuls, the paged attention), in the same order on the same values, so the hidden states
-// come out bit-identical; only the Python between them is gone.
+// Every decoder layer of a decode step in one call, for a model whose matmul weights the CPU
+// kernels hold (quantized codes, or float32 panels; engine/model/fused_decode.py decides when):
+// the same kernels the Python path calls one at a time (RMSNorm, rotary and SwiGLU from
+// pointwise.cpp, the quantized or float32 matmuls, the paged attention), in the same order on
+// the same values, so the hidden states come out bit-identical; only the Python between them
+// is gone.
 //
 // Why: a 30-layer model's decode step issues ~15 Python-level operations per layer, each with
 // its dispatch, checks and a fresh output tensor: measured on SmolLM2-135M at one sequence,
@@ -15,6 +16,8 @@
 #include <vector>
 
 extern "C" {
+int engine_linear(const float* x, int64_t m, int64_t k, int64_t x_stride, const float* packed,
+                  int64_t n, const float* bias, float* out, int num_threads);
 int engine_quantized_linear(const float* x, int64_t m, int64_t k, int64_t x_stride,
                             const uint8_t* packed, int64_t n, int bits, const float* bias,
                             float* out, int threads, int path);
@@ -37,9 +40,12 @@ namespace {
 
 constexpr int kFloat32 = 0;  // cpu_vector.h's Dtype
 
-// One quantized matmul weight: packed codes (layout.py), their width, an optional bias.
+constexpr int64_t kFloatPanels = 32;  // Matrix::bits of a float32 weight in linear.cpp's panels
+
+// One matmul weight: quantized codes (layout.py) of 4 or 8 bits, or float32 panels
+// (linear.cpp), and an optional bias.
 struct Matrix {
-  const uint8_t* packed;
+  const void* packed;
   int64_t bits;
   const float* bias;  // or null
 };
@@ -78,8 +84,12 @@ float* grow(std::vector<float>& buffer, int64_t size) {
 
 int linear(const float* x, int64_t m, int64_t k, const Matrix& w, int64_t n, float* out,
            int threads) {
-  return engine_quantized_linear(x, m, k, k, w.packed, n, static_cast<int>(w.bits), w.bias, out,
-                                 threads, 0);
+  if (w.bits == kFloatPanels) {
+    return engine_linear(x, m, k, k, static_cast<const float*>(w.packed), n, w.bias, out,
+                         threads);
+  }
+  return engine_quantized_linear(x, m, k, k, static_cast<const uint8_t*>(w.packed), n,
+                                 static_cast<int>(w.bits), w.bias, out, threads, 0);
 }
 
 int layer_step(const Layer& layer, const Shape& s, const Step& step, float* h, int64_t m) {

@@ -36,11 +36,7 @@ def linear_for(weight: torch.Tensor) -> Linear:
     """x, weight, bias -> x @ weight.T + bias for this (loaded) weight."""
     kernel = panel_linear(weight)
     if kernel is not None:
-
-        def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-            return kernel(x, bias) if w is weight else F.linear(x, w, bias)
-
-        return linear
+        return PanelLinear(weight, kernel)
     onednn = torch_ops.packed_linear(weight)
     if onednn is None:  # not a CPU weight, an unsupported dtype, or no oneDNN in this torch
         return F.linear
@@ -61,26 +57,22 @@ def output_projection(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Te
     return lambda x: kernel(x, None)
 
 
-def panel_linear(weight: torch.Tensor) -> Callable[..., torch.Tensor] | None:
-    """(x, bias=None) -> x @ weight.T + bias by the C++ kernel, for a float32 CPU weight of at
-    most PACKED_WEIGHT_LIMIT bytes; else None. Inputs it does not take go to F.linear."""
-    usable = (
-        weight.device.type == "cpu"
-        and weight.dtype == torch.float32
-        and weight.dim() == 2
-        and weight.numel() > 0
-        and weight.numel() * weight.element_size() <= PACKED_WEIGHT_LIMIT
-    )
-    if not usable:
-        return None
-    rows, width = weight.shape
-    panels = -(-rows // PANEL)
-    padded = weight.detach().new_zeros(panels * PANEL, width)
-    padded[:rows] = weight.detach()
-    packed = padded.view(panels, PANEL, width).transpose(1, 2).contiguous()  # [panels, k, 16]
-    library = load_library()
+class Panels:
+    """A float32 weight packed for linear.cpp: (x, bias=None) -> x @ weight.T + bias by the
+    kernel; inputs it does not take go to F.linear."""
 
-    def linear(x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
+        self.rows, self.width = weight.shape
+        panels = -(-self.rows // PANEL)
+        padded = weight.detach().new_zeros(panels * PANEL, self.width)
+        padded[: self.rows] = weight.detach()
+        # [panels, k, 16]: what engine_linear (and the fused decode step) read
+        self.packed = padded.view(panels, PANEL, self.width).transpose(1, 2).contiguous()
+        self.library = load_library()
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        rows, width = self.rows, self.width
         usable = (
             x.dtype == torch.float32
             and x.device.type == "cpu"
@@ -93,16 +85,39 @@ def panel_linear(weight: torch.Tensor) -> Callable[..., torch.Tensor] | None:
             )
         )
         if not usable:
-            return F.linear(x, weight, bias)
+            return F.linear(x, self.weight, bias)
         out = x.new_empty(x.shape[0], rows)
         if x.shape[0] == 0:
             return out
-        status = library.engine_linear(
-            x.data_ptr(), x.shape[0], width, x.stride(0), packed.data_ptr(), rows,
+        status = self.library.engine_linear(
+            x.data_ptr(), x.shape[0], width, x.stride(0), self.packed.data_ptr(), rows,
             None if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         if status != 0:
             raise RuntimeError(f"the CPU linear kernel failed (status {status})")
         return out
 
-    return linear
+
+class PanelLinear:
+    """linear_for's answer for a weight the kernel takes: x, w, bias -> the kernel's x @ w.T +
+    bias when w is that weight (F.linear for any other)."""
+
+    def __init__(self, weight: torch.Tensor, panels: Panels) -> None:
+        self.weight = weight
+        self.panels = panels
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.panels(x, bias) if w is self.weight else F.linear(x, w, bias)
+
+
+def panel_linear(weight: torch.Tensor) -> Panels | None:
+    """The weight packed for the C++ kernel, for a float32 CPU weight of at most
+    PACKED_WEIGHT_LIMIT bytes; else None."""
+    usable = (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.float32
+        and weight.dim() == 2
+        and weight.numel() > 0
+        and weight.numel() * weight.element_size() <= PACKED_WEIGHT_LIMIT
+    )
+    return Panels(weight) if usable else None
