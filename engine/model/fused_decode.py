@@ -1,13 +1,13 @@
 """A decode step's decoder layers in one C++ call (engine/kernels/cpu/decode_step.cpp), for a
 model whose matmul weights the compiled CPU backend holds (quantized codes, or float32 packed in
-panels): the kernels the layers call one at a time,
-called in the same order on the same values, so the hidden states are bit-identical to the
-Python path's; what goes is the ~15 Python-level operations per layer around them (dispatch,
-checks, a new tensor each), ~12 of a 22 ms step of the 30-layer default model at one sequence.
+panels): the kernels the layers call one at a time, called in the same order on the same values,
+so the hidden states are bit-identical to the Python path's. What goes is the ~15 Python-level
+operations per layer around them (dispatch, checks, a new tensor each): ~10 of a 21 ms step of
+the 30-layer default model at one sequence.
 
 It takes steps of decode tokens only (one TableRows piece: every token attends in place through
-its block table), of float32 activations, up to MAX_TOKENS of them, where every step kernel the
-Python path calls is the C++ one (pointwise.SMALL_ELEMENTS). Anything else runs the layers.
+its block table), of float32 activations, up to `max_tokens` of them: as many as keep every step
+kernel the Python path calls in C++ (pointwise.SMALL_ELEMENTS). Anything else runs the layers.
 """
 
 from __future__ import annotations
@@ -86,7 +86,6 @@ class FusedDecode:
         config, shape = model.config, model.shape
         self.model = model
         self.quantized = quantized  # keeps the packed codes the structs point into alive
-        self.hidden = config.hidden_size
         qk_heads = shape.num_heads + shape.num_kv_heads
         # Fewest tokens whose tensors some step kernel would hand to torch instead of C++.
         widest = max(config.hidden_size, qk_heads * config.head_dim, 2 * shape.intermediate_size)
