@@ -32,10 +32,15 @@ def set_max_threads(threads: int) -> None:
     _Threads.most = threads
 
 
+def most_threads() -> int:
+    """Every core given to this rank (at least torch's thread count)."""
+    return max(_Threads.most, torch.get_num_threads())
+
+
 def kernel_threads(piece: TableRows) -> int:
     if piece.keys < PARALLEL_KEYS:
         return 1
-    return max(_Threads.most, torch.get_num_threads())
+    return most_threads()
 
 
 def paged_attention(

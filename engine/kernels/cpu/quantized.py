@@ -97,10 +97,15 @@ def unpack(packed: PackedWeight) -> BlockCodes:
 
 
 def quantized_linear(
-    x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None, path: int = 0
+    x: torch.Tensor,
+    weight: PackedWeight,
+    bias: torch.Tensor | None = None,
+    path: int = 0,
+    threads: int | None = None,
 ) -> torch.Tensor:
-    """x [m, k] @ w^T + bias -> float32 [m, rows], on torch.get_num_threads() threads. `path`:
-    0 the fastest this CPU runs, else PATHS' (RuntimeError where this CPU cannot run it)."""
+    """x [m, k] @ w^T + bias -> float32 [m, rows], on `threads` threads (None: torch's count).
+    `path`: 0 the fastest this CPU runs, else PATHS' (RuntimeError where this CPU cannot run
+    it)."""
     usable = (
         x.dtype == torch.float32
         and x.device.type == "cpu"
@@ -127,7 +132,7 @@ def quantized_linear(
     status = load_library().engine_quantized_linear(
         x.data_ptr(), x.shape[0], weight.k, x.stride(0), weight.data.data_ptr(), weight.rows,
         weight.bits, None if bias is None else bias.data_ptr(), out.data_ptr(),
-        torch.get_num_threads(), path,
+        torch.get_num_threads() if threads is None else threads, path,
     )  # fmt: skip
     if status == 2:
         raise RuntimeError(f"the quantized linear kernel's path {path} does not run on this CPU")
