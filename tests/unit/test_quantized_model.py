@@ -169,3 +169,16 @@ def test_the_fused_decode_step_equals_the_layers_bit_for_bit(case: tuple, tmp_pa
         layers = model.forward(chunks)
         model.model.fused_decode = fused
         assert torch.equal(model.forward(chunks), layers)
+
+
+def test_bfloat16_activations_run_on_quantized_weights() -> None:
+    """The kernel takes float32 activations: a bfloat16 model converts around each matmul."""
+    checkpoint = tiny_checkpoint("qwen3")
+    logits = {}
+    for dtype in ("float32", "bfloat16"):
+        model = ModelRunner(
+            str(checkpoint), dtype=dtype, kv_cache_memory=1 << 20, quantization="q8_0"
+        )
+        assert model.model.fused_decode is None or dtype == "float32"
+        logits[dtype] = logits_of(model, [PROMPT])
+    assert float(torch.cosine_similarity(logits["float32"], logits["bfloat16"], dim=-1)) > 0.99
