@@ -20,14 +20,13 @@ from pathlib import Path
 
 from engine.gguf.block_codes import CONVERSIONS
 from engine.model.config import ModelConfig
-from engine.model.weight_names import map_weight_name
+from engine.model.weight_names import map_weight_name, matrix_shapes
 from engine.quantization.quantize import ALIASES, SCHEMES
 
 # GGUF block types the kernels serve, by the width of the codes they map onto (Q6_K's 16-value
 # scales are re-quantized to 8 bits per 32 values).
 TYPE_BITS = {name: conversion.bits for name, conversion in CONVERSIONS.items()}
-SCHEME_BITS = {"q8_0": 8, "q4_0": 4, "q4_1": 4}
-assert set(SCHEME_BITS) == set(SCHEMES), "every scheme of engine/quantization/quantize.py"
+SCHEME_BITS = {"q8_0": 8, "q4_0": 4, "q4_1": 4}  # every scheme of quantize.SCHEMES
 CHOICES = ("auto", "none", *SCHEMES, *ALIASES)
 QUANTIZABLE_SUFFIXES = (
     "self_attn.qkv_proj.weight",
@@ -84,18 +83,9 @@ def quantized_formats(
         return {}
     if scheme != "auto":
         bits = SCHEME_BITS[scheme]
-        return {name: WeightFormat(bits, scheme, scheme) for name in quantizable_params(config)}
+        return {name: WeightFormat(bits, scheme, scheme) for name in matrix_shapes(config)}
     gguf = gguf_file(model_path)
     return {} if gguf is None else _file_formats(gguf, config)
-
-
-def quantizable_params(config: ModelConfig) -> list[str]:
-    names = [f"layers.{layer}.{part}" for layer in range(config.num_layers)
-             for part in QUANTIZABLE_SUFFIXES[:4]]  # fmt: skip
-    names.append("embed_tokens.weight")
-    if not config.tie_word_embeddings:
-        names.append("lm_head.weight")
-    return names
 
 
 def _file_formats(gguf: Path, config: ModelConfig) -> dict[str, WeightFormat]:

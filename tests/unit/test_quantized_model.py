@@ -182,3 +182,10 @@ def test_bfloat16_activations_run_on_quantized_weights() -> None:
         assert model.model.fused_decode is None or dtype == "float32"
         logits[dtype] = logits_of(model, [PROMPT])
     assert float(torch.cosine_similarity(logits["float32"], logits["bfloat16"], dim=-1)) > 0.99
+
+
+def test_every_scheme_has_a_code_width() -> None:
+    from engine.model.quantized_formats import SCHEME_BITS
+    from engine.quantization.quantize import SCHEMES
+
+    assert set(SCHEME_BITS) == set(SCHEMES)
