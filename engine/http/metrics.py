@@ -148,12 +148,7 @@ class ServerMetrics:
 class _EngineStatsCollector(Collector):
     """Reads the engine's live figures when Prometheus scrapes, so they are never stale."""
 
-    def __init__(
-        self,
-        engine_stats: Callable[[], EngineStats],
-        model_name: str,
-        weight_bytes: dict[str, int] | None = None,
-    ) -> None:
+    def __init__(self, engine_stats: Callable[[], EngineStats], model_name: str) -> None:
         self._engine_stats = engine_stats
         self._model_name = model_name
 

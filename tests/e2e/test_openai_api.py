@@ -179,6 +179,10 @@ def test_health_version_metrics(server: Server) -> None:
     ):
         assert name in text, name
     assert 'outcome="success"' in text
+    # The weights' resident bytes by format: this float checkpoint's are all its dtype's.
+    weights = [line for line in text.splitlines() if line.startswith("engine:model_weight_bytes{")]
+    assert len(weights) == 1 and 'format="float32"' in weights[0], weights
+    assert float(weights[0].rsplit(" ", 1)[1]) > 0
 
 
 def test_unknown_route_gets_an_openai_error_body(server: Server) -> None:

@@ -18,41 +18,19 @@ from engine.gguf.block_codes import (
     block_codes,
     stays_float,
 )
-from engine.gguf.quants import LAYOUTS, row_nbytes
+from engine.gguf.quants import LAYOUTS
 from engine.quantization.quantize import ALIASES, SCHEMES, quantize, scheme_name
+from tests.unit.test_gguf_quants import random_rows  # valid random blocks, finite scales
 
 Floats = npt.NDArray[np.float32]
 EPS = float(np.finfo(np.float32).eps)
 
-# Byte offsets of each type's float16 fields: random bytes there could be inf or NaN.
-FP16_FIELDS = {
-    "Q4_0": (0,),
-    "Q4_1": (0, 2),
-    "Q5_0": (0,),
-    "Q5_1": (0, 2),
-    "Q8_0": (0,),
-    "Q4_K": (0, 2),
-    "Q5_K": (0, 2),
-    "Q6_K": (208,),
-}
 # gguf-py quantizes only these; the K-quants are built from random bytes alone.
 GGUF_QUANTIZES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")
 # d * 0 is -0.0 for a negative d in the reference, scale * code + min a +0.0: elsewhere the bits
 # match, signed zeros included.
 SIGNED_ZERO_DIFFERS = ("Q4_0", "Q5_0", "Q8_0")
-
-
-def random_rows(
-    type_name: str, rows: int, row_len: int, rng: np.random.Generator
-) -> npt.NDArray[np.uint8]:
-    """Valid random blocks: random codes and packed scales, finite float16 d (and dmin / m)."""
-    raw = rng.integers(0, 256, size=(rows, row_nbytes(type_name, row_len)), dtype=np.uint8)
-    blocks = raw.reshape(-1, LAYOUTS[type_name].type_size)
-    for at in FP16_FIELDS[type_name]:
-        field = rng.uniform(-4, 4, size=(blocks.shape[0], 1)).astype(np.float16)
-        blocks[:, at : at + 2] = field.view(np.uint8)
-    return raw
 
 
 def gguf_quantized_rows(
