@@ -13,7 +13,8 @@ EXTRA_TARGETS, `llama-perplexity`) takes minutes on two cores and lands in
 $ENGINE_HOME/peers/llama.cpp-VERSION/bin, renamed into place whole. A directory built before an
 extra target was added gets just that binary built (a fresh configure, as the build directory is
 not kept) and renamed in beside the others, which are left alone; `binary(name)` asks for one.
-The model is the default model's GGUF file unless --model names another.
+The model is the default model's GGUF file unless --model names another; `f32_file` makes a
+file's F32 copy once (for comparisons at float32, beside the engine's float32 export of it).
 """
 
 from __future__ import annotations
@@ -135,6 +136,26 @@ def model_file(model: str | None) -> Path:
     if path.suffix != ".gguf" or not path.is_file():
         raise SystemExit(f"llama.cpp needs a .gguf file, got {model!r}")
     return path
+
+
+def f32_file(source: Path) -> Path:
+    """<stem>.F32.gguf: `source` dequantized to float32 (the weights the engine's float32 export
+    of it holds), made once by `llama-quantize --allow-requantize ... F32` under
+    peer_directory()/f32, beside quantized/."""
+    out_dir = peer_directory() / "f32"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = source.name.removesuffix(".gguf").rsplit(".", 1)[0]
+    target = out_dir / f"{stem}.F32.gguf"
+    if not target.is_file():
+        partial = target.with_suffix(".partial")
+        cmd = [str(binary("llama-quantize")), "--allow-requantize", str(source), str(partial),
+               "F32", str(THREADS)]  # fmt: skip
+        print(f"llamacpp_peer: making {target}", file=sys.stderr)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+        if done.returncode != 0:
+            raise SystemExit(f"llama-quantize failed:\n{(done.stdout + done.stderr)[-3000:]}")
+        partial.rename(target)
+    return target
 
 
 @contextlib.contextmanager
