@@ -24,6 +24,7 @@ from engine.actors.runtime.events import (
     ChildRestarted,
     Escalated,
     ReplicaFailed,
+    actor_cpu,
     actor_rows,
     ring_traffic,
 )
@@ -277,6 +278,7 @@ class AsyncLLM:
             kv_cache_blocks=self._plan.num_blocks if self._plan else 0,
             replicas=self._replicas.replica_stats(report) if self._replicas else [],
             ring_traffic=ring_traffic(rows),
+            actor_cpu=actor_cpu(rows),
         )
 
     def actors(self) -> list[ActorRow]:

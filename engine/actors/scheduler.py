@@ -39,9 +39,10 @@ from engine.messages.scheduling import (
     TokenBatch,
     ToScheduler,
 )
-from engine.messages.steps import STEP_PLANS, STEP_RESULTS, StepResult
+from engine.messages.steps import STEP_PLANS, STEP_RESULTS, StepPlan, StepResult
 from engine.scheduler.config import SchedulerConfig
 from engine.scheduler.scheduler import Scheduler, failed
+from engine.scheduler.step_times import StepTimes
 
 REPORT_INTERVAL_S = 0.2  # the admin socket's and /metrics' view may lag this much
 KV_TICK_S = 1.0  # how often KV holds and pulls are checked against their deadlines
@@ -57,6 +58,7 @@ class SchedulerActor(Actor):
         self._max_frame_bytes = self.rings.writer("tokens").spec.max_frame_bytes
         self._last_report = 0.0
         self._reported_stats: SchedulerStats | None = None
+        self._step_times = StepTimes()
         self._publish_report()  # so the root's stats are complete from the start
         self._kv_ticker: asyncio.Task[None] | None = None
         if self.scheduler.kv_transfer is not None:
@@ -73,9 +75,11 @@ class SchedulerActor(Actor):
             to_detokenizer += self._admit_pulled(admitted)
             await self._plan_next()
         elif ring == "results":
+            read_at = time.monotonic()
             for result in STEP_RESULTS.decode_many(frames):
                 if isinstance(result, StepResult):
                     batch = self.scheduler.update(result)
+                    self._step_times.on_result(result)
                 else:  # WorkerFailed: its StepResult follows with the sequences that ran
                     self.log.error(
                         "step %d: the workers could not compute sequences %s: %s",
@@ -88,7 +92,9 @@ class SchedulerActor(Actor):
                     to_detokenizer.extend(SCHEDULER_OUTPUTS.encode(f) for f in failures)
                     continue
                 # Start the next step before telling the detokenizer: the workers are idle now.
-                await self._plan_next()
+                plan = await self._plan_next()
+                if plan is not None:
+                    self._step_times.planned_after_result(plan.step_id, read_at, time.monotonic())
                 to_detokenizer += self._frames(batch)
         else:  # "submit" (from the tokenizer) or "stops" (from the detokenizer)
             for message in SCHEDULER_REQUESTS.decode_many(frames):
@@ -173,10 +179,11 @@ class SchedulerActor(Actor):
             return []
         return encode_in_frames(SCHEDULER_OUTPUTS, TokenBatch, [batch.items], self._max_frame_bytes)
 
-    async def _plan_next(self) -> None:
+    async def _plan_next(self) -> StepPlan | None:
         plan = self.scheduler.schedule()
         if plan is not None:
             await self.send("plan", STEP_PLANS.encode(plan))
+        return plan
 
     def _publish_report(self) -> None:
         """At most one report per interval while busy; once idle, one as soon as anything
@@ -184,7 +191,7 @@ class SchedulerActor(Actor):
         now = time.monotonic()
         if now - self._last_report < REPORT_INTERVAL_S and self.scheduler.has_unfinished_requests:
             return  # busy: the next report is due at the interval (no figures built per step)
-        stats = self.scheduler.stats()
+        stats = msgspec.structs.replace(self.scheduler.stats(), **self._step_times.figures())
         if now - self._last_report < REPORT_INTERVAL_S and stats == self._reported_stats:
             return
         self._last_report = now

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 from typing import Any
 
 import msgspec
@@ -80,6 +81,7 @@ class WorkerActor(Actor):
         for plan in STEP_PLANS.decode_many(frames):
             if generation != self._scheduler_generation:
                 return  # the scheduler restarted meanwhile: the rest is a dead one's plans
+            started_at = time.monotonic()
             if self.sequences_generation != generation:
                 self.executor.reset_sequences()  # the new scheduler announces them again
                 self.sequences_generation = generation
@@ -88,6 +90,10 @@ class WorkerActor(Actor):
             else:
                 messages = self.run_step(plan)
             if messages and self.rank == 0 and generation == self._scheduler_generation:
+                finished_at = time.monotonic()
+                for message in messages:
+                    if isinstance(message, StepResult):  # the scheduler's StepTimes read these
+                        message.started_at, message.finished_at = started_at, finished_at
                 await self.send_many("results", [STEP_RESULTS.encode(m) for m in messages])
 
     def run_step(self, plan: StepPlan) -> list[StepResult | WorkerFailed]:

@@ -8,7 +8,10 @@ prefix-cache queries and hits, preemptions, actor restarts, resubmissions) are r
 `llm.stats()` at scrape time. Ours beside vLLM's: `engine:http_requests_total` (by endpoint and
 outcome), `engine:actor_restarts_total`, `engine:request_resubmissions_total`,
 `engine:stalled_stream_aborts_total`, `engine:model_weight_bytes` (by format: what the weights
-are served as).
+are served as), where a running batch's time goes (`engine:steps_total`,
+`engine:step_compute_seconds_total`, `engine:step_gaps_total`, `engine:step_gap_seconds_total`,
+`engine:step_gap_scheduler_seconds_total`: engine/scheduler/step_times.py) and each actor's CPU
+seconds (`engine:actor_cpu_seconds_total`, by actor).
 """
 
 from __future__ import annotations
@@ -192,6 +195,23 @@ class _EngineStatsCollector(Collector):
                 "Requests aborted because their client stopped reading",
                 stats.stalled_stream_aborts,
             ),
+            ("steps", "Model steps run", stats.num_steps),
+            (
+                "step_compute_seconds",
+                "Seconds rank 0 spent computing steps (plan taken in to result ready)",
+                stats.step_compute_seconds,
+            ),
+            ("step_gaps", "Gaps between two steps of a running batch", stats.step_gaps),
+            (
+                "step_gap_seconds",
+                "Seconds the workers waited in those gaps (result ready to next plan taken in)",
+                stats.step_gap_seconds,
+            ),
+            (
+                "step_gap_scheduler_seconds",
+                "The scheduler's part of the gaps (result read to next plan sent)",
+                stats.step_gap_scheduler_seconds,
+            ),
         )
         for name, doc, value in counters:
             counter = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
@@ -203,6 +223,14 @@ class _EngineStatsCollector(Collector):
         for actor, count in sorted(stats.restarts.items()):
             family.add_metric([self._model_name, actor], float(count))
         yield family
+        cpu = CounterMetricFamily(
+            PREFIX + "actor_cpu_seconds",
+            "CPU seconds of each actor's current process (root: the server's own)",
+            labels=["model_name", "actor"],
+        )
+        for actor, seconds in sorted(stats.actor_cpu.items()):
+            cpu.add_metric([self._model_name, actor], seconds)
+        yield cpu
         labels = ["model_name", "actor", "ring"]
         frames = CounterMetricFamily(
             PREFIX + "ring_frames_sent", "Frames each actor wrote to each ring", labels=labels

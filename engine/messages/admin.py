@@ -68,3 +68,5 @@ class EngineStats(SchedulerFigures, kw_only=True):
     replicas: list[ReplicaRow]
     draining: bool = False
     ring_traffic: list[RingTraffic] = msgspec.field(default_factory=list)
+    # CPU seconds of each actor's current process (a restart starts it over), and the root's
+    actor_cpu: dict[str, float] = msgspec.field(default_factory=dict)

@@ -126,6 +126,11 @@ class SchedulerFigures(msgspec.Struct, kw_only=True):
     prefix_cache_hit_tokens: int = 0
     num_preemptions: int = 0
     num_steps: int = 0
+    # Where a running batch's time goes (engine/scheduler/step_times.py); seconds since start.
+    step_compute_seconds: float = 0.0  # rank 0, plan taken in to result ready, summed
+    step_gaps: int = 0  # gaps between two steps of a running batch
+    step_gap_seconds: float = 0.0  # the workers' wait in those gaps: result ready to next plan
+    step_gap_scheduler_seconds: float = 0.0  # the scheduler's part: result read to plan sent
     # P/D disaggregation (all zero without kv_transfer actors); counts are since start.
     kv_holds: int = 0  # handed-off requests whose blocks are held for a puller now
     kv_pulls_in_flight: int = 0  # requests waiting for their KV now

@@ -76,6 +76,11 @@ class StepResult(msgspec.Struct, tag=True, array_like=True):
     token_ids: list[int]
     logprobs: list[TokenLogprobs] | None = None  # present when any sequence asked for logprobs
     prompt_logprobs: list[PromptLogprobs] | None = None  # chunks of sequences that asked
+    # When rank 0 took the plan in and when its result was ready (time.monotonic(), one clock
+    # for every process of the machine): the scheduler measures the steps and the gaps between
+    # them with these (StepTimes).
+    started_at: float = 0.0
+    finished_at: float = 0.0
 
 
 class WorkerFailed(msgspec.Struct, tag=True, array_like=True):

@@ -7,6 +7,7 @@ import stat
 
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.conftest import MAX_MODEL_LEN
 from tests.e2e.harness import Server, wait_until
@@ -183,6 +184,46 @@ def test_health_version_metrics(server: Server) -> None:
     weights = [line for line in text.splitlines() if line.startswith("engine:model_weight_bytes{")]
     assert len(weights) == 1 and 'format="float32"' in weights[0], weights
     assert float(weights[0].rsplit(" ", 1)[1]) > 0
+
+
+def _counters(server: Server) -> dict[tuple[str, str], float]:
+    """/metrics' counters by (name, actor label or "")."""
+    with server.http() as http:
+        text = http.get("/metrics").text
+    return {
+        (sample.name, sample.labels.get("actor", "")): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    }
+
+
+def test_metrics_show_where_a_running_batch_spends_its_time(
+    client: openai.OpenAI, server: Server
+) -> None:
+    before = _counters(server)
+    client.completions.create(
+        model=server.model, prompt=PROMPT, max_tokens=8, extra_body={"ignore_eos": True}
+    )
+
+    def delta(name: str, actor: str = "") -> float:
+        return counters[(name, actor)] - before.get((name, actor), 0.0)
+
+    def reported() -> dict[tuple[str, str], float] | None:
+        now = _counters(server)
+        gaps = now.get(("engine:step_gaps_total", ""), 0.0)
+        return now if gaps - before.get(("engine:step_gaps_total", ""), 0.0) >= 7 else None
+
+    # One prefill step, then 7 decode steps that each follow the previous one's result. The
+    # scheduler reports at intervals: wait for its figures to include them.
+    counters = wait_until(reported, 10.0)
+    assert delta("engine:steps_total") >= 8
+    assert delta("engine:step_compute_seconds_total") > 0
+    # The workers wait at least as long as the scheduler takes: its part lies inside each gap.
+    gap = delta("engine:step_gap_seconds_total")
+    assert 0 < delta("engine:step_gap_scheduler_seconds_total") <= gap
+    for actor in ("root", "tokenizer", "scheduler", "worker0", "detokenizer"):
+        assert counters[("engine:actor_cpu_seconds_total", actor)] > 0, actor
 
 
 def test_unknown_route_gets_an_openai_error_body(server: Server) -> None:

@@ -6,10 +6,12 @@ request (DESIGN §5); the admin socket shows `ChildStatus` rows.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import msgspec
 
+from engine.actors.runtime.process_cpu import cpu_seconds
 from engine.messages.admin import ActorRow, RingTraffic
 
 
@@ -86,6 +88,16 @@ def ring_traffic(rows: list[ChildStatus]) -> list[RingTraffic]:
         for row in rows
         for ring, frames in sorted(row.frames_sent.items())
     ]
+
+
+def actor_cpu(rows: list[ChildStatus]) -> dict[str, float]:
+    """CPU seconds of each live child's current process, and of this (the root) process."""
+    seconds = {"root": cpu_seconds(os.getpid()) or 0.0}
+    for row in rows:
+        used = cpu_seconds(row.pid) if row.pid else None
+        if used is not None:
+            seconds[row.name] = used
+    return seconds
 
 
 def actor_rows(rows: list[ChildStatus]) -> list[ActorRow]:
