@@ -1,11 +1,13 @@
-"""tools/bench_serving.py: the figures it derives from replay results, the direction of its
-ratios, its argument parsing, and that stopping a server leaves nothing of it behind."""
+"""tools/bench_serving.py: the figures it derives from replay results and from the engine's
+/metrics, the direction of its ratios and a ratio row per peer, its loads, its argument parsing,
+and that stopping a server leaves nothing of it behind."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,7 +18,20 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-from bench_serving import Figures, _rates, _window, ratios, summarize
+from bench_serving import (
+    EngineSteps,
+    Figures,
+    _counts,
+    _peers,
+    _rates,
+    _window,
+    engine_steps,
+    loads_of,
+    parse_metrics,
+    ratios,
+    render,
+    summarize,
+)
 from serving_servers import stop_server
 
 from engine.trace.client import ReplayResult
@@ -56,9 +71,9 @@ def test_a_failed_request_is_counted_and_its_error_kept() -> None:
     assert figures.first_error == "HTTP 400: prompt too long"
 
 
-def _figures(server: str, scale: float) -> Figures:
+def _figures(server: str, scale: float, load: str = "inf") -> Figures:
     """Throughput divided by `scale`, latencies multiplied by it."""
-    return Figures(server, "inf", 8, 8, 4.0 / scale, 400.0 / scale, 50.0 * scale, 90.0 * scale,
+    return Figures(server, load, 8, 8, 4.0 / scale, 400.0 / scale, 50.0 * scale, 90.0 * scale,
                    10.0 * scale, 20.0 * scale, 5.0 * scale, 30.0 * scale, None)  # fmt: skip
 
 
@@ -89,6 +104,117 @@ def test_rates_and_windows_parse_or_are_refused_with_the_text() -> None:
     for bad in ("20:10", "0", "a:b"):
         with pytest.raises(argparse.ArgumentTypeError, match=repr(bad)):
             _window(bad)
+
+
+def test_each_peer_gets_a_ratio_row_against_the_engine_for_each_load() -> None:
+    figures = [
+        _figures(server, scale, load)
+        for load in ("1 stream", "4/s")
+        for server, scale in (("engine", 1.0), ("llama.cpp", 2.0), ("vLLM (float32)", 4.0))
+    ]
+    cells = [re.split(r"\s{2,}", line.strip()) for line in render("w", figures).splitlines()[4:]]
+    assert [row[:2] for row in cells] == [
+        [server, load]
+        for load in ("1 stream", "4/s")
+        for server in ("engine", "llama.cpp", "vLLM (float32)", "ratio vs llama.cpp",
+                       "ratio vs vLLM (float32)")
+    ]  # fmt: skip
+    ratio_rows = [row[2:] for row in cells if row[0].startswith("ratio")]
+    assert ratio_rows == [["2.00x"] * 8, ["4.00x"] * 8] * 2
+
+
+# What the engine's GET /metrics says (prometheus_client's text format), before and after a load
+METRICS_BEFORE = """\
+# HELP engine:steps_total Model steps run
+# TYPE engine:steps_total counter
+engine:steps_total{model_name="m"} 100.0
+# HELP engine:step_compute_seconds_total Seconds rank 0 spent computing steps
+# TYPE engine:step_compute_seconds_total counter
+engine:step_compute_seconds_total{model_name="m"} 2.0
+# HELP engine:step_gaps_total Gaps between two steps of a running batch
+# TYPE engine:step_gaps_total counter
+engine:step_gaps_total{model_name="m"} 90.0
+# HELP engine:step_gap_seconds_total Seconds the workers waited in those gaps
+# TYPE engine:step_gap_seconds_total counter
+engine:step_gap_seconds_total{model_name="m"} 0.5
+# HELP engine:actor_cpu_seconds_total CPU seconds of each actor's current process
+# TYPE engine:actor_cpu_seconds_total counter
+engine:actor_cpu_seconds_total{actor="worker",model_name="m"} 10.0
+engine:actor_cpu_seconds_total{actor="root",model_name="m"} 3.0
+# HELP engine:num_requests_running Requests running
+# TYPE engine:num_requests_running gauge
+engine:num_requests_running{model_name="m"} 0.0
+"""
+METRICS_AFTER = (
+    METRICS_BEFORE.replace("} 100.0", "} 300.0")  # 200 steps
+    .replace("} 2.0", "} 7.0")  # 5 s of compute: 25 ms a step
+    .replace("} 90.0", "} 280.0")  # 190 gaps
+    .replace("} 0.5", "} 0.88")  # 0.38 s in gaps: 2 ms each
+    .replace('"m"} 10.0', '"m"} 19.0')  # worker: 9 s of CPU in 10 s
+    .replace('"m"} 3.0', '"m"} 5.0')  # root: 2 s
+    + 'engine:actor_cpu_seconds_total{actor="scheduler",model_name="m"} 0.5\n'  # new: from 0
+)
+
+
+def test_engine_figures_are_the_deltas_of_its_metrics_over_the_load() -> None:
+    before, after = parse_metrics(METRICS_BEFORE), parse_metrics(METRICS_AFTER)
+    assert before["engine:steps_total", ""] == 100.0
+    assert before["engine:actor_cpu_seconds_total", "worker"] == 10.0
+    steps = engine_steps("16 streams", before, after, wall_s=10.0, output_tokens=1000)
+    assert steps.steps == 200.0 and steps.gaps == 190.0
+    assert steps.compute_ms_per_step == pytest.approx(25.0)
+    assert steps.compute_share == pytest.approx(0.5)
+    assert steps.gap_ms == pytest.approx(2.0)
+    assert steps.tokens_per_compute_s == pytest.approx(200.0)
+    assert steps.actor_cpu_percent == pytest.approx(
+        {"root": 20.0, "scheduler": 5.0, "worker": 90.0}
+    )
+    assert list(steps.actor_cpu_percent) == ["root", "scheduler", "worker"]  # the actors' order
+    # the scheduler's part of the gaps is not exported here: no figure, and a dash for it
+    assert steps.gap_scheduler_ms is None
+    table = render("workload", [_figures("engine", 1.0, "16 streams")], [steps])
+    row = next(line for line in table.splitlines()[-3:] if line.startswith("16 streams"))
+    assert row.split()[2:9] == ["200", "25.0", "50%", "190", "2.00", "—", "200.0"]
+    assert row.endswith("root 20, scheduler 5, worker 90")
+
+
+def test_an_engine_without_step_metrics_gives_dashes_not_an_error() -> None:
+    assert parse_metrics("not a metrics text {") == {}
+    steps = engine_steps("1 stream", {}, parse_metrics("# nothing\n"), 3.0, 100)
+    assert steps == EngineSteps("1 stream", 3.0, *[None] * 7)
+    row = render("w", [_figures("engine", 1.0, "1 stream")], [steps]).splitlines()[-1]
+    assert row.split() == ["1", "stream", *["—"] * 7, "—"]
+
+
+def test_stream_loads_are_closed_loops_and_no_load_shares_a_prompt_with_another() -> None:
+    args = argparse.Namespace(
+        streams=[1, 4], streams_requests=2, rates=[4.0, float("inf")], num_requests=3,
+        input_len=40, output_len=5, seed=0,
+    )  # fmt: skip
+    loads = loads_of(args)
+    assert [(x.label, x.streams, len(x.entries)) for x in loads] == [
+        ("1 stream", 1, 2), ("4 streams", 4, 8), ("4/s", None, 3), ("inf", None, 3),
+    ]  # fmt: skip
+    assert [x.speed for x in loads] == [float("inf"), float("inf"), 1.0, float("inf")]
+    assert all(e.body["max_tokens"] == 5 and len(e.body["prompt"]) == 40 for x in loads
+               for e in x.entries)  # fmt: skip
+    starts = [tuple(e.body["prompt"][:16]) for x in loads for e in x.entries]
+    assert len(set(starts)) == len(starts)
+
+
+def test_peers_and_stream_counts_parse_or_are_refused_with_the_text() -> None:
+    assert _peers("vllm") == ["vllm"]
+    assert _peers("llamacpp,vllm") == ["llamacpp", "vllm"]
+    assert _peers("llamacpp,llamacpp") == ["llamacpp"]
+    assert _peers("none") == []
+    assert _counts("1,4,16,64", "stream counts") == [1, 4, 16, 64]
+    assert _counts("none", "stream counts") == [] and _rates("none") == []
+    for bad in ("sglang", "none,vllm", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match=repr(bad)):
+            _peers(bad)
+    for bad in ("0", "1,x", "2.5"):
+        with pytest.raises(argparse.ArgumentTypeError, match=repr(bad)):
+            _counts(bad, "stream counts")
 
 
 def test_stopping_a_server_also_ends_what_it_left_in_its_session(tmp_path: Path) -> None:
