@@ -555,7 +555,8 @@ def describe_loads(args: argparse.Namespace, loads: list[Load]) -> str:
     parts = []
     if args.streams:
         counts = ", ".join(str(n) for n in args.streams)
-        parts.append(f"closed loop at {counts} streams, {args.streams_requests} requests each")
+        each = f"{args.streams_requests} request{'s' if args.streams_requests > 1 else ''} each"
+        parts.append(f"closed loop at {counts} streams, {each}")
     if args.rates:
         parts.append(f"Poisson, {args.num_requests} requests per rate")
     return (f"{'; '.join(parts)}; {args.input_len} in / {args.output_len} out, greedy, "
