@@ -277,8 +277,8 @@ class RuntimeSettings(_Section, frozen=True):
         Meta(
             ge=0,
             le=1024,
-            description="torch threads per CPU worker rank; 0 = per step: the cores (shared by "
-            "the host's ranks) for steps of >= 128 tokens, one core fewer for smaller ones",
+            description="torch threads per CPU worker rank; 0 = the host's cores shared by its "
+            "ranks",
         ),
     ] = 0
     quarantine_after: Annotated[
