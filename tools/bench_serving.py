@@ -1,6 +1,6 @@
 """Online serving: our server and its peers (llama.cpp, vLLM), one after the other, one workload.
 
-    python tools/bench_serving.py --peer llamacpp,vllm    # 1, 4, 16, 64 streams and 4 req/s
+    python tools/bench_serving.py          # llama.cpp, vLLM: 1, 4, 16, 64 streams and 1 req/s
     python tools/bench_serving.py --peer llamacpp,vllm --precision q4_1 --streams 1,16 --rates none
     python tools/bench_serving.py --model demo --peer none --streams 1,4 --rates 4,inf \\
         --num-requests 16 --input-len 64 --output-len 16
@@ -28,7 +28,7 @@ Printed: one table, for each load and server: requests served, req/s, output tok
 p99, TPOT p50 / p99 (per request: (end - first token) / (tokens - 1)), ITL p50 / p99, then one
 ratio row per peer: throughput engine / peer, latency peer / engine, so > 1 means the engine is
 better in every column. Under it, per load, the engine's own figures from its GET /metrics just
-before and after (after a heartbeat's wait): steps, compute ms per step and its share of the
+before and after (after a scheduler report's wait): steps, compute ms per step and its share of the
 load's time, gaps between two steps of a running batch, their mean and the scheduler's part,
 output tokens per compute second (the raw model's decode rate while serving), and each actor's
 CPU in % of one core; "—" where the engine exports no such metric. --json: the same as one
@@ -79,9 +79,10 @@ from engine.trace.synth import PromptSynth
 SERVER_NAMES = {"engine": "engine", "vllm": "vLLM", "llamacpp": "llama.cpp"}
 PEERS = ("llamacpp", "vllm")
 PRECISIONS = ("float32", "q4_1")
-# The engine's actors report their CPU time with their heartbeat (1 s): wait this long after a
+# The engine's scheduler reports its figures every 0.2 s while busy (actor CPU is read at the
+# scrape): wait this long after a load before reading /metrics, so the figures cover all of it.
 # load before reading /metrics, so the figures cover the whole load.
-METRICS_SETTLE_S = 1.5
+METRICS_SETTLE_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -281,7 +282,7 @@ def parse_metrics(text: str) -> Counters:
 
 
 def settled_scrape(url: str) -> Counters:
-    """The server's /metrics once its actors' heartbeats caught up; {} when it has none."""
+    """The server's /metrics once its scheduler's report caught up; {} when it has none."""
     time.sleep(METRICS_SETTLE_S)
     with contextlib.suppress(httpx.HTTPError):
         reply = httpx.get(url + "/metrics", timeout=30.0)
@@ -572,8 +573,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--peer",
         type=_peers,
-        default=["vllm"],
-        help="peers after the engine, comma-separated: llamacpp, vllm; none: the engine alone",
+        default=["llamacpp", "vllm"],
+        help="peers after the engine, comma-separated: llamacpp, vllm; none: the engine alone "
+        "(default llamacpp,vllm)",
     )
     p.add_argument(
         "--precision",
@@ -599,9 +601,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--rates",
         type=_rates,
-        default=[4.0],
+        default=[1.0],
         help="Poisson request rates per second, comma-separated; inf = all at once; none: no "
-        "such load (default 4)",
+        "such load (default 1: about what this model serves on 2 cores at 256 / 128)",
     )
     p.add_argument("--num-requests", type=int, default=32, help="requests per rate (default 32)")
     p.add_argument("--input-len", type=int, default=256)
@@ -625,7 +627,12 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--seed", type=int, default=0, help="seed of prompts and arrivals")
     p.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON)
-    p.add_argument("--llamacpp-parallel", type=int, default=16, help="llama-server's slots (-np)")
+    p.add_argument(
+        "--llamacpp-parallel",
+        type=int,
+        default=None,
+        help="llama-server's slots (-np; default the most --streams, at least 16)",
+    )
     p.add_argument(
         "--engine-args",
         default="",
@@ -640,6 +647,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--request-timeout", type=float, default=1800.0)
     p.add_argument("--json", action="store_true", help="print one JSON object instead")
     args = p.parse_args()
+    if args.llamacpp_parallel is None:  # a slot per stream: none waits in llama-server's queue
+        args.llamacpp_parallel = max([16, *args.streams])
     positive = ("num_requests", "input_len", "output_len", "streams_requests", "llamacpp_parallel")
     for name in positive:
         if getattr(args, name) < 1:
