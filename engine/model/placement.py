@@ -97,10 +97,15 @@ class ThreadPolicy:
     stalled every op of its team (20x slower steps, with spinning OpenMP threads). Since idle
     OpenMP threads sleep (OMP_WAIT_POLICY=PASSIVE, set by the worker), a small decode step is
     one C++ call on the kernels' own sleeping pool (model/fused_decode.py), and the other actors
-    take ~5 % of a core while serving (engine:actor_cpu_seconds_total), both cores win on 2:
-    SmolLM2-135M float32 served at 1 stream 23.5 -> 30.2 tokens/s, 16 streams 75.1 -> 100.6
-    (256 in / 128 out, same machine, one after the other). Different light and busy counts
-    remain for a caller that sets them (ModelRunner's num_threads and busy_threads)."""
+    take ~5 % of a core while serving (engine:actor_cpu_seconds_total), both cores win on 2
+    (SmolLM2-135M, 256 in / 128 out, one thread for small steps against two, same machine):
+    float32 served at 1 stream 23.5 -> 30.2 tokens/s, 16 streams 75.1 -> 100.6; raw decode step
+    at 1 / 16 sequences 37.0 -> 27.5 / 112 -> 71.7 ms. For the Q4_1 file, whose step streams
+    5x fewer bytes, it is a draw at one sequence (raw 10.5 against 12.2 ms, then 11.3 against
+    11.6; served at 1 stream, three alternating rounds of two, 53 against 50 tokens/s: within
+    the rounds' spread of 44-61) and a gain at 16 (raw 47.0 -> 44.1 ms, served 129 -> 152
+    tokens/s). Different light and busy counts remain for a caller that sets them (ModelRunner's
+    num_threads and busy_threads)."""
 
     light: int
     busy: int
