@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 import queue
+import stat
 import threading
 from typing import IO
 
@@ -38,8 +39,7 @@ class TraceRecorder:
         self._failed = False
         self._warned_full = False
         try:
-            # Owner-only: a trace holds every prompt and output (a file that exists keeps its mode).
-            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            fd = _open_owner_only(path)
             self._file = os.fdopen(fd, "ab")  # owned by the writer thread
         except OSError as e:
             self._stop_recording(f"cannot open {path}: {e}")
@@ -107,6 +107,26 @@ class TraceRecorder:
             with contextlib.suppress(OSError):
                 self._file.close()
             self._file = None
+
+
+def _open_owner_only(path: str) -> int:
+    """`path` opened for appending, owner-only (0600): a trace holds every prompt and output.
+    The mode is set on the open file, so neither the umask (which could leave 0400, or with the
+    default, 0644 on a file created before) nor an earlier run's looser mode decides it. A file
+    owned by another user keeps its mode (only its owner may change it)."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        info = os.fstat(fd)
+        if (
+            stat.S_ISREG(info.st_mode)
+            and info.st_uid == os.geteuid()
+            and stat.S_IMODE(info.st_mode) != 0o600
+        ):
+            os.fchmod(fd, 0o600)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _append_line(encoder: msgspec.json.Encoder, record: TraceRecord, buffer: bytearray) -> None:

@@ -5,6 +5,8 @@ log line, and submitting afterwards is still harmless."""
 from __future__ import annotations
 
 import logging
+import os
+import stat
 from pathlib import Path
 
 import msgspec
@@ -81,3 +83,28 @@ def test_with_a_bounded_queue_every_record_is_written_or_counted_as_dropped(tmp_
     recorder.close()
     assert recorder.written + recorder.dropped == 5000
     assert len(read_trace(tmp_path / "t.jsonl").entries) == recorder.written
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o277, 0o000])
+def test_the_trace_file_is_owner_only_whatever_the_umask(tmp_path: Path, umask: int) -> None:
+    path = tmp_path / "trace.jsonl"
+    previous = os.umask(umask)
+    try:
+        recorder = TraceRecorder(str(path))
+    finally:
+        os.umask(previous)
+    recorder.submit(record(0))
+    recorder.close()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert len(read_trace(path).entries) == 1
+
+
+def test_appending_to_a_loose_file_of_ours_makes_it_owner_only(tmp_path: Path) -> None:
+    path = tmp_path / "trace.jsonl"
+    path.write_bytes(b"")
+    path.chmod(0o644)  # as an earlier run under the default umask left it
+    recorder = TraceRecorder(str(path))
+    recorder.submit(record(0))
+    recorder.close()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert len(read_trace(path).entries) == 1
