@@ -16,6 +16,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import sys
 from collections.abc import Generator
 from pathlib import Path
@@ -85,9 +86,16 @@ def _bind(host: str, port: int) -> socket.socket:
 
 def _bind_uds(path: str) -> socket.socket:
     """A Unix socket for HTTP (--uds), owner-only. A socket file left by a dead run is replaced;
-    one a live server still answers on, or a file that is no socket, is not touched."""
+    one a live server still answers on, or anything there that is no socket (a file, a
+    directory, a link), is not touched: the start is refused naming it."""
     target = Path(path).expanduser()
-    if target.is_socket():
+    try:
+        found = target.lstat().st_mode
+    except FileNotFoundError:
+        found = None
+    if found is not None:
+        if not stat.S_ISSOCK(found):
+            raise OSError(f"{target} exists and is not a socket; not removing it")
         if _answers(target):
             raise OSError(f"a server is listening on {target}")
         target.unlink()
@@ -99,6 +107,11 @@ def _bind_uds(path: str) -> socket.socket:
         sock.bind(str(target))
     finally:
         os.umask(previous)
+    try:
+        os.chmod(target, 0o600)  # whatever another thread did to the umask meanwhile
+    except OSError:
+        sock.close()
+        raise
     sock.listen(2048)
     sock.setblocking(False)
     return sock

@@ -44,3 +44,27 @@ def test_the_api_serves_on_a_unix_socket(model_args: list[str], tmp_path: Path) 
     finally:
         assert srv.stop(60) == 0
     assert not uds.exists()
+
+
+def test_a_file_or_directory_at_the_socket_path_is_refused_not_removed(
+    model_args: list[str], tmp_path: Path
+) -> None:
+    regular = tmp_path / "api.sock"
+    regular.write_text("not a socket")
+    directory = tmp_path / "dir.sock"
+    directory.mkdir()
+    for path in (regular, directory):
+        args = server_args(model_args, tmp_path / "admin.sock", "--uds", str(path))
+        refused = subprocess.run(
+            [sys.executable, "-m", "engine", *args],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert refused.returncode == 1
+        lines = refused.stderr.strip().splitlines()
+        assert lines == [
+            f"engine: cannot listen on {path}: {path} exists and is not a socket; not removing it"
+        ], refused.stderr
+    assert regular.read_text() == "not a socket" and directory.is_dir()
