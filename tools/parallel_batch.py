@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from engine.model.placement import sleeping_openmp_threads
-from tools.bench_one_batch import (
+from tools.raw_model import (
     CaseResult,
     bench_case,
     decode_steps,

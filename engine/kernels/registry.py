@@ -1,4 +1,4 @@
-"""Kernel backends for attention, norms and rotary embeddings, and the one place that picks one.
+"""The kernel backends by name, and the one place that picks one for a device.
 
 The model calls only the functions bundled in a `KernelBackend`; `select_backend` decides which
 implementation that is for a device. On the CPU that is the compiled backend (engine/kernels/cpu:
@@ -17,20 +17,12 @@ from collections.abc import Callable
 import torch
 
 from engine.kernels import batch_invariant
-from engine.kernels import cpu as cpu_kernels  # does not build or load the library itself
-from engine.kernels import triton as triton_kernels  # does not import Triton itself
-from engine.kernels.attention_metadata import AttentionMetadata
 from engine.kernels.backend import KernelBackend
-from engine.kernels.kv_cache import PagedKVCache
+from engine.kernels.cpu import backend as cpu_kernels  # does not build or load the library
 from engine.kernels.torch_backend import TORCH_BACKEND
+from engine.kernels.triton import backend as triton_kernels  # does not import Triton itself
 
-__all__ = [
-    "BACKENDS",
-    "AttentionMetadata",
-    "KernelBackend",
-    "PagedKVCache",
-    "select_backend",
-]
+__all__ = ["BACKENDS", "select_backend"]
 
 log = logging.getLogger(__name__)
 

@@ -26,8 +26,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from engine.kernels import AttentionMetadata, KernelBackend, PagedKVCache
-from engine.kernels.backend import Linear
+from engine.kernels.attention_metadata import AttentionMetadata
+from engine.kernels.backend import KernelBackend, Linear
+from engine.kernels.kv_cache import PagedKVCache
 from engine.model import quantized_weights
 from engine.model.config import ModelConfig
 from engine.model.fused_decode import FusedDecode

@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from engine.kernels import KernelBackend
+from engine.kernels.backend import KernelBackend
 from engine.model import placement
 from engine.model.config import ModelConfig
 from engine.model.decoder import DecoderForCausalLM
@@ -121,7 +121,7 @@ def _quantized_formats(
     )
     if not formats:
         return formats
-    from engine.kernels.cpu import unavailable_reason
+    from engine.kernels.cpu.backend import unavailable_reason
 
     reason = unavailable_reason(device)
     if reason is None:

@@ -18,8 +18,9 @@ from typing import Any
 
 import torch
 
-from engine.kernels import PagedKVCache, select_backend
 from engine.kernels.attention_metadata import AttentionMetadata, long_tensor
+from engine.kernels.kv_cache import PagedKVCache
+from engine.kernels.registry import select_backend
 from engine.model import placement
 from engine.model.capacity import available_cpu_memory, kv_block_bytes, kv_cache_blocks
 from engine.model.config import ModelConfig, load_model_config

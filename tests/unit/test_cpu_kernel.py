@@ -85,7 +85,7 @@ def test_without_a_working_compiler_the_cpu_runs_the_torch_backend(
     tmp_path: Path, compiler: str, reason: str
 ) -> None:
     done = run_python(
-        "from engine.kernels import select_backend\n"
+        "from engine.kernels.registry import select_backend\n"
         "print(select_backend('cpu').name)\n"
         "try:\n"
         "    select_backend('cpu', 'cpu')\n"

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.kernels import select_backend
 from engine.kernels.cpu import linear
+from engine.kernels.registry import select_backend
 
 
 @pytest.fixture(params=[1, 2], ids=["1 thread", "2 threads"])

@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kernels import PagedKVCache, attention_metadata, select_backend
+from engine.kernels import attention_metadata
 from engine.kernels.attention_metadata import SlotRows, TableRows, build_attention_metadata
+from engine.kernels.kv_cache import PagedKVCache
+from engine.kernels.registry import select_backend
 from engine.kernels.torch_ops import apply_rotary, output_projection, rms_norm
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 8, 4

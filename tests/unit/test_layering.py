@@ -1,6 +1,7 @@
 """The package's layering, read from the source with `ast` (no imports run): no import cycles
-inside `engine/`, lazy imports inside functions included, and the rules of DESIGN.md §1: the
-actor runtime knows nothing of LLMs, and messages know nothing of actors."""
+inside `engine/` or between the benchmarks and tools of `tools/`, lazy imports inside functions
+included, and the rules of DESIGN.md §1: the actor runtime knows nothing of LLMs, and messages
+know nothing of actors."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "engine"
+TOOLS = ROOT / "tools"  # scripts: they import each other as `tools.name` or, run as scripts, `name`
 
 
 def module_name(path: Path) -> str:
@@ -18,12 +20,14 @@ def module_name(path: Path) -> str:
 
 
 def modules() -> dict[str, Path]:
-    return {module_name(path): path for path in PACKAGE.rglob("*.py")}
+    found = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+    return found | {module_name(path): path for path in TOOLS.glob("*.py")}
 
 
 def imported(path: Path, name: str, known: set[str]) -> Iterator[str]:
-    """Modules of `engine` that `path` imports anywhere in its body (a `from pkg import mod`
-    counts as importing `pkg.mod` when that is a module)."""
+    """Modules of `engine` and `tools` that `path` imports anywhere in its body (a `from pkg
+    import mod` counts as importing `pkg.mod` when that is a module; a tool's bare `import
+    name` of a sibling script counts as `tools.name`)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
@@ -38,9 +42,11 @@ def imported(path: Path, name: str, known: set[str]) -> Iterator[str]:
         else:
             continue
         for target in targets:
+            if name.startswith("tools.") and f"tools.{target.partition('.')[0]}" in known:
+                target = f"tools.{target}"
             while target and target not in known:
                 target = target.rpartition(".")[0]
-            if target.startswith("engine") and target != name:
+            if target and target != name:
                 yield target
 
 
@@ -95,7 +101,7 @@ def violations(graph: dict[str, set[str]], layer: str, forbidden: tuple[str, ...
     ]
 
 
-def test_there_is_no_import_cycle_inside_engine() -> None:
+def test_there_is_no_import_cycle_inside_engine_or_tools() -> None:
     found = cycles(import_graph())
     assert not found, "import cycles: " + "; ".join(" <-> ".join(c) for c in found)
 

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from engine.kernels import select_backend
+from engine.kernels.registry import select_backend
 from engine.messages.params import SamplingParams
 from engine.model.sampler import Sampler, _apply_penalties, _top_k_top_p, uniform_noise
 from engine.model.step_inputs import SequenceStart

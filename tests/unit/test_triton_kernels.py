@@ -17,7 +17,8 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed (pip install 'engine[test]')")
 
-from engine.kernels import PagedKVCache, select_backend
+from engine.kernels.kv_cache import PagedKVCache
+from engine.kernels.registry import select_backend
 from engine.kernels.triton import decode_attention
 from engine.kernels.triton.pointwise import fused_add_rms_norm
 

@@ -1,0 +1,1 @@
+"""The Triton kernel backend (backend.py), for GPUs. Importing this package loads nothing."""
