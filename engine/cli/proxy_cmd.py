@@ -58,6 +58,12 @@ def _parser() -> _Parser:
         help="larger request bodies are answered 413",
     )
     p.add_argument("--log-level", choices=LOG_LEVELS, default=defaults.log_level)
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every route but /health, /ready and "
+        "/metrics (also env ENGINE_API_KEY); /health/instances names instances and their errors",
+    )
     return p
 
 
@@ -88,8 +94,11 @@ def _instances(urls: Sequence[str], flag: str) -> tuple[str, ...]:
     return found
 
 
-def parse_proxy_args(argv: Sequence[str]) -> ProxyConfig:
+def parse_proxy_args(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> ProxyConfig:
     args = _parser().parse_args(list(argv))
+    api_key = args.api_key if args.api_key is not None else (environ or {}).get("ENGINE_API_KEY")
+    if api_key is not None and not api_key:
+        raise ProxyUsageError("--api-key must not be empty")
     if not 0 <= args.port <= 65535:
         raise ProxyUsageError(f"--port {args.port}: must be in [0, 65535]")
     for flag in ("connect_timeout", "read_timeout", "probe_interval", "probe_timeout"):
@@ -111,12 +120,13 @@ def parse_proxy_args(argv: Sequence[str]) -> ProxyConfig:
         max_request_bytes=args.max_request_bytes,
         drain_timeout=args.drain_timeout,
         log_level=args.log_level,
+        api_key=api_key,
     )
 
 
 def run_proxy(argv: list[str], environ: Mapping[str, str]) -> int:
     try:
-        config = parse_proxy_args(argv)
+        config = parse_proxy_args(argv, environ)
     except ProxyUsageError as e:
         print(f"engine proxy: {e}", file=sys.stderr)
         return 2

@@ -3,8 +3,9 @@
 A completion or chat completion is prefilled on a prefill instance (one token, its KV kept for
 a decode instance) and then sent, as the client wrote it plus the prefill's transfer
 parameters, to a decode instance whose answer (status, content type, body; streams chunk by
-chunk) is the client's. Every other route goes to a decode instance; /health, /ready and
-/metrics are the proxy's own.
+chunk) is the client's. Every other route goes to a decode instance; /health, /ready,
+/health/instances and /metrics are the proxy's own. With an API key set, every route but
+/health, /ready and /metrics requires it (the instances check the key they are given too).
 
 Failures (proxy_upstream.InstanceFailed) mark the instance down and the request moves on: to
 another prefill instance, else to a decode instance without KV (it prefills itself); to another
@@ -18,6 +19,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import secrets
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
@@ -97,15 +99,34 @@ class ProxyRoutes:
         return await self._served("abort", request, everywhere)
 
     async def health(self, request: Request) -> Response:
-        """200 while at least one instance of each role is up; else 503 naming the role(s)."""
+        """200 while at least one instance of each role is up; else 503 naming the role(s). Open
+        to anyone, so it says no more than that: which instances there are and why one is down
+        is /health/instances', behind the API key."""
+        missing = [role for role in Role if not self.pool.any_up(role)]
+        if missing:
+            message = "; ".join(f"no {role.value} instance is up" for role in missing)
+            return Response(error_body(message, 503), 503, media_type=JSON)
+        return Response(_json({"status": "ok"}), media_type=JSON)
+
+    async def instances(self, request: Request) -> Response:
+        """/health's status with every instance: "up", or since when it is down and its last
+        error (a 503's message names them all, as a request's 503 does)."""
+        if (refused := self._unauthorized(request)) is not None:
+            return refused
+        state = {
+            role.value: {
+                i.url: "up" if i.up else i.describe().removeprefix(f"{i.url} ")
+                for i in self.pool.of_role(role)
+            }
+            for role in Role
+        }
         missing = [role for role in Role if not self.pool.any_up(role)]
         if missing:
             message = "; ".join(str(NoInstanceUp(r, self.pool.of_role(r))) for r in missing)
-            return Response(error_body(message, 503), 503, media_type=JSON)
-        state = {
-            role.value: {i.url: "up" if i.up else "down" for i in self.pool.of_role(role)}
-            for role in Role
-        }
+            error = msgspec.json.decode(error_body(message, 503))
+            return Response(
+                _json({"status": "unavailable", **error, **state}), 503, media_type=JSON
+            )
         return Response(_json({"status": "ok", **state}), media_type=JSON)
 
     async def metrics_text(self, request: Request) -> Response:
@@ -246,6 +267,20 @@ class ProxyRoutes:
 
     # -- helpers ----------------------------------------------------------------------------
 
+    def _unauthorized(self, request: Request) -> Response | None:
+        """A 401 unless the request carries the proxy's API key (None when none is set)."""
+        key = self.config.api_key
+        if not key:
+            return None
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() == "bearer" and secrets.compare_digest(
+            token.strip().encode(errors="replace"), key.encode()
+        ):
+            return None
+        message = "missing or invalid API key: send 'Authorization: Bearer <key>'"
+        body = error_body(message, 401, "invalid_request_error")
+        return Response(body, 401, {"WWW-Authenticate": "Bearer"}, media_type=JSON)
+
     def _failed(self, instance: Instance, why: str) -> None:
         if self.pool.mark_down(instance, why):
             log.warning("%s instance %s is down: %s", instance.role.value, instance.url, why)
@@ -270,6 +305,9 @@ class ProxyRoutes:
         """`work` on the request's body, counted by route and status. A client that hangs up
         before the answer is ready cancels the work, which closes its upstream requests, so the
         instances abort them instead of computing an answer for nobody."""
+        if (refused := self._unauthorized(request)) is not None:
+            self.metrics.requests.labels(route, str(refused.status_code)).inc()
+            return refused
         try:
             body = await self._body(request)
         except _BodyTooLarge:
@@ -315,6 +353,7 @@ def build_proxy_app(
             Route("/v1/completions", routes.completions, methods=["POST"]),
             Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
             Route("/health", routes.health, methods=["GET"]),
+            Route("/health/instances", routes.instances, methods=["GET"]),
             Route("/ready", routes.health, methods=["GET"]),
             Route("/metrics", routes.metrics_text, methods=["GET"]),
             Route("/abort", routes.abort, methods=["POST"]),

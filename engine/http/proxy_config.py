@@ -18,3 +18,6 @@ class ProxyConfig:
     max_request_bytes: int = 64 * 1024 * 1024
     drain_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
     log_level: str = "info"
+    # 'Authorization: Bearer KEY' required on every route but /health, /ready and /metrics;
+    # /health/instances (URLs, last errors) is only for holders of the key. None: no check.
+    api_key: str | None = None

@@ -300,10 +300,40 @@ def test_other_routes_are_the_decode_instances(instances: Instances, pd_proxy: P
 def test_health_and_metrics_are_the_proxys_own(instances: Instances, pd_proxy: Proxy) -> None:
     health = httpx.get(pd_proxy.url + "/health", timeout=30.0)
     assert health.status_code == 200
-    assert health.json()["prefill"] == {instances.a.url: "up"}
+    assert health.json() == {"status": "ok"}  # public: no instance named
+    detail = httpx.get(pd_proxy.url + "/health/instances", timeout=30.0)  # no --api-key: open
+    assert detail.status_code == 200
+    assert detail.json()["prefill"] == {instances.a.url: "up"}
     assert httpx.get(pd_proxy.url + "/ready", timeout=30.0).status_code == 200
     assert pd_proxy.metric("engine:proxy_instance_up", url=instances.a.url) == 1
     assert pd_proxy.metric("engine:proxy_instance_up", url=instances.b.url) == 1
+
+
+def test_with_an_api_key_only_health_ready_and_metrics_are_open(
+    instances: Instances, tmp_path: Path
+) -> None:
+    with proxied(tmp_path, [instances.a.url], [instances.b.url], "--api-key", API_KEY) as proxy:
+        with httpx.Client(base_url=proxy.url, timeout=30.0) as anyone:
+            assert anyone.get("/health").json() == {"status": "ok"}
+            assert anyone.get("/ready").status_code == 200
+            assert anyone.get("/metrics").status_code == 200
+            for method, path in [
+                ("GET", "/health/instances"),
+                ("GET", "/v1/models"),
+                ("POST", "/v1/completions"),
+                ("POST", "/abort"),
+            ]:
+                refused = anyone.request(method, path, json={})
+                assert refused.status_code == 401, (path, refused.text)
+                assert refused.json()["error"]["type"] == "invalid_request_error"
+                assert instances.a.url not in refused.text
+            wrong = anyone.get("/health/instances", headers={"Authorization": "Bearer nope"})
+            assert wrong.status_code == 401
+        with proxy.http() as holder:
+            detail = holder.get("/health/instances")
+            assert detail.status_code == 200
+            assert detail.json()["decode"] == {instances.b.url: "up"}
+            assert holder.get("/v1/models").status_code == 200
 
 
 def test_no_decode_instance_up_is_a_503_that_names_it(instances: Instances, tmp_path: Path) -> None:
@@ -315,14 +345,19 @@ def test_no_decode_instance_up_is_a_503_that_names_it(instances: Instances, tmp_
             headers={"X-Request-Id": "pd-proxy-503"},
         )
         health = http.get("/health")
+        detail = http.get("/health/instances")
     assert answer.status_code == 503
     assert answer.headers["x-request-id"] == "pd-proxy-503"
     error = answer.json()["error"]
     assert error["code"] == 503
     assert error["message"].startswith(f"no decode instance is up ({nowhere} down since ")
     assert health.status_code == 503
-    assert "no decode instance is up" in health.json()["error"]["message"]
-    assert "prefill" not in health.json()["error"]["message"]
+    assert health.json()["error"]["message"] == "no decode instance is up"  # no URL, no error
+    assert detail.status_code == 503
+    assert detail.json()["error"]["message"].startswith(
+        f"no decode instance is up ({nowhere} down since "
+    )
+    assert detail.json()["decode"][nowhere].startswith("down since ")
 
 
 def test_a_stream_whose_decode_instance_stops_answering_ends_with_an_error_event(
@@ -391,7 +426,9 @@ def test_a_killed_instance_is_marked_down_skipped_and_taken_back_once_restarted(
         with solo.http() as http:
             health = http.get("/health")
             assert health.status_code == 503
-            assert f"no prefill instance is up ({a.url} down since " in health.text
+            assert a.url not in health.text
+            detail = http.get("/health/instances")
+            assert f"no prefill instance is up ({a.url} down since " in detail.text
 
             instances.restart_a()
             wait_until(lambda: http.get("/health").status_code == 200, timeout=60)
@@ -407,7 +444,9 @@ def test_a_killed_instance_is_marked_down_skipped_and_taken_back_once_restarted(
             answer = http.post("/v1/completions", json=body)
             assert completion_fields(answer.json()) == expected
             assert solo.metric("engine:proxy_prefill_fallbacks_total") == 3
-            wait_until(lambda: "/ready answered 503" in http.get("/health").text, timeout=30)
+            wait_until(
+                lambda: "/ready answered 503" in http.get("/health/instances").text, timeout=30
+            )
             assert solo.metric("engine:proxy_instance_up", role="prefill", url=a.url) == 0
 
 
