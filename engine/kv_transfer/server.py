@@ -12,14 +12,17 @@ counts only for a transfer pulled on the same connection.
 from __future__ import annotations
 
 import contextlib
+import logging
 import socket
 import ssl
+import threading
 import time
 from collections.abc import Callable
 
 from engine.kv_transfer.cache_view import CacheView
 from engine.kv_transfer.handshake import HANDSHAKE_TIMEOUT, admit_puller
 from engine.kv_transfer.holds import HoldTable
+from engine.kv_transfer.refusals import RefusalLog
 from engine.kv_transfer.wire import (
     TO_PULLER,
     TO_SERVER,
@@ -37,7 +40,13 @@ from engine.kv_transfer.wire import (
 )
 
 REPLY_TIMEOUT = 10.0  # for a small reply to a puller that stopped reading
+# Connections one peer address may have served at once: a quarter of the actor's 64 slots, so
+# no single peer (authenticated or not) can hold them all. A decode host keeps at most 4 idle
+# connections per source and rank (connections.KEPT_PER_SOURCE), so honest pullers stay under.
+MAX_PER_PEER = 16
 HOLD_ARRIVAL_S = 1.0  # how long a pull of an unknown transfer waits for its hold order
+
+log = logging.getLogger("engine.kv_transfer")
 
 
 class Refused(Exception):
@@ -58,6 +67,7 @@ class BlockServer:
         tls: ssl.SSLContext | None = None,
         idle_timeout: float = 30.0,
         hold_arrival: float = HOLD_ARRIVAL_S,
+        max_per_peer: int = MAX_PER_PEER,
     ) -> None:
         self.view = view
         self.segment = segment  # the shared-memory name of the cache `view` shows
@@ -69,23 +79,64 @@ class BlockServer:
         self.tls = tls
         self.idle_timeout = idle_timeout
         self.hold_arrival = hold_arrival
+        self.max_per_peer = max_per_peer
+        self.crowded = 0  # connections closed at once: their peer had max_per_peer served
+        self._per_peer: dict[str, int] = {}
+        self._per_peer_lock = threading.Lock()  # serve() runs on a thread per connection
+        self._crowded_log = RefusalLog()
 
     def serve(self, sock: socket.socket) -> None:
-        """Answer requests on `sock` until the peer closes it, errs, or idles; closes it."""
+        """Answer requests on `sock` until the peer closes it, errs, or idles; closes it. A
+        peer that already has `max_per_peer` connections served is closed at once, before
+        its handshake."""
         with sock:
             peer = _address(sock)
-            if self.tls is not None:
-                try:
-                    sock.settimeout(HANDSHAKE_TIMEOUT)
-                    sock = self.tls.wrap_socket(sock, server_side=True)
-                except (ssl.SSLError, OSError):
-                    self.on_refused(peer)
-                    return
-            with sock:
-                if not admit_puller(sock, self.secret):
-                    self.on_refused(peer)
-                    return
-                self._serve_requests(sock)
+            if not self._enter(peer):
+                return
+            try:
+                self._serve_admitted(sock, peer)
+            finally:
+                self._leave(peer)
+
+    def _enter(self, peer: str) -> bool:
+        with self._per_peer_lock:
+            served = self._per_peer.get(peer, 0)
+            if served < self.max_per_peer:
+                self._per_peer[peer] = served + 1
+                return True
+            self.crowded += 1
+            count = self._crowded_log.note(peer, time.monotonic())
+        if count is not None:
+            log.warning(
+                "closed %d kv_transfer connection(s) from %s: it already has %d served "
+                "(logged once a minute per peer)",
+                count,
+                peer,
+                self.max_per_peer,
+            )
+        return False
+
+    def _leave(self, peer: str) -> None:
+        with self._per_peer_lock:
+            left = self._per_peer[peer] - 1
+            if left:
+                self._per_peer[peer] = left
+            else:
+                del self._per_peer[peer]
+
+    def _serve_admitted(self, sock: socket.socket, peer: str) -> None:
+        if self.tls is not None:
+            try:
+                sock.settimeout(HANDSHAKE_TIMEOUT)
+                sock = self.tls.wrap_socket(sock, server_side=True)
+            except (ssl.SSLError, OSError):
+                self.on_refused(peer)
+                return
+        with sock:
+            if not admit_puller(sock, self.secret):
+                self.on_refused(peer)
+                return
+            self._serve_requests(sock)
 
     def _serve_requests(self, sock: socket.socket) -> None:
         pulled: set[str] = set()  # transfers this connection was given: the ones it may ack

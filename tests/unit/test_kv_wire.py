@@ -23,7 +23,7 @@ from engine.kv_transfer.handshake import prove_to_server
 from engine.kv_transfer.holds import HoldTable
 from engine.kv_transfer.puller import Puller
 from engine.kv_transfer.segment import Segments
-from engine.kv_transfer.server import BlockServer
+from engine.kv_transfer.server import MAX_PER_PEER, BlockServer
 from engine.kv_transfer.wire import (
     MAX_FRAME_BYTES,
     TO_PULLER,
@@ -345,3 +345,33 @@ def test_gathered_sends_and_scattered_receives_survive_partial_moves() -> None:
         sender.join(30)
 
     assert got == len(data) and bytes(received) == data
+
+
+def test_one_peer_holds_at_most_its_share_of_the_connections(served: Served) -> None:
+    """MAX_PER_PEER connections from one address that never finish their handshake hold their
+    threads; one more from that address is closed at once, before any handshake, and counted;
+    once one of them is gone, an authenticated connection is served again."""
+    address = served.listener.getsockname()
+    held = [socket.create_connection(address, timeout=10) for _ in range(MAX_PER_PEER)]
+    try:
+        deadline = time.monotonic() + 5
+        while served.server._per_peer.get("127.0.0.1", 0) < MAX_PER_PEER:
+            assert time.monotonic() < deadline, served.server._per_peer
+            time.sleep(0.01)
+        started = time.monotonic()
+        with socket.create_connection(address, timeout=10) as extra:
+            assert extra.recv(1) == b""  # closed by the server, not by a timeout
+        assert time.monotonic() - started < 1.0
+        assert served.server.crowded == 1
+        held.pop().close()
+        deadline = time.monotonic() + 5
+        while served.server._per_peer.get("127.0.0.1", 0) >= MAX_PER_PEER:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        request = PullRequest("t@1", [1], served.layout, "another-host", "shm")
+        frame = TO_SERVER._encoder.encode(request)
+        reply = served.raw_exchange(struct.pack(">I", len(frame)) + frame)
+        assert isinstance(reply, WireError), reply  # served: answered, not closed
+    finally:
+        for sock in held:
+            sock.close()
