@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
@@ -210,16 +210,23 @@ async def _read_body(request: Request, limit: int) -> bytes:
     too_big = declared.isdigit() and int(declared) > limit
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            too_big = True
-        if too_big:
-            # Read (and drop) the rest so the client sees the 413, not a reset connection.
-            if size > _DISCARD_LIMIT:
-                break
-            continue
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                too_big = True
+            if too_big:
+                # Read (and drop) the rest so the client sees the 413, not a reset connection.
+                if size > _DISCARD_LIMIT:
+                    break
+                continue
+            chunks.append(chunk)
+    except ClientDisconnect:
+        # Gone before its body ended (or closed at server.body_timeout, answered 408 already):
+        # a 4xx no one reads, not an internal error with a traceback.
+        raise ApiError(
+            400, "the client closed the connection before sending its whole body"
+        ) from None
     if too_big:
         raise ApiError(
             413,

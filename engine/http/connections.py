@@ -7,6 +7,10 @@
   as nginx, Apache and Node do. The deadline runs from the connection's start, or on a kept-alive
   connection from the first byte of its next head, not from the last byte, so trickling bytes does
   not extend it. An idle kept-alive connection is uvicorn's to close (KEEP_ALIVE_S), silently.
+- A deadline for the request body (`server.body_timeout`), from the end of its head: a client
+  that sends a head and then trickles its body (or none of it) would hold the request, and its
+  connection, forever. Past the deadline the request is answered 408 and the connection closed;
+  the request's handler sees the client gone. Trickling does not extend it.
 - A cap on open connections (`server.max_connections`). uvicorn's `limit_concurrency` answers
   503 only once a head has arrived, and counts every open connection, so past the limit the next
   request of an existing client is refused too. Here a connection over the cap is answered 503
@@ -43,7 +47,10 @@ _last_refusal_warning = -_WARN_INTERVAL_S
 
 
 def guarded_http_protocol(
-    header_timeout: float, max_connections: int, send_buffer: int = 0
+    header_timeout: float,
+    max_connections: int,
+    send_buffer: int = 0,
+    body_timeout: float = 60.0,
 ) -> type[asyncio.Protocol]:
     """The protocol class to pass as `uvicorn.Config(http=...)`; `send_buffer` 0 leaves the
     kernel's send buffer autotuned."""
@@ -54,6 +61,7 @@ def guarded_http_protocol(
             "header_timeout": header_timeout,
             "max_connections": max_connections,
             "send_buffer": send_buffer,
+            "body_timeout": body_timeout,
         },
     )
 
@@ -69,7 +77,9 @@ class GuardedH11Protocol(H11Protocol):
     header_timeout: float = 10.0
     max_connections: int = 2048
     send_buffer: int = 0
+    body_timeout: float = 60.0
     _head_timer: asyncio.TimerHandle | None = None
+    _body_timer: asyncio.TimerHandle | None = None
     _idle: bool = False  # between a response and the first byte of the next request
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -89,14 +99,17 @@ class GuardedH11Protocol(H11Protocol):
         self._idle = False
         super().data_received(data)
         self._watch_head()
+        self._watch_body()
 
     def on_response_complete(self) -> None:
         self._idle = True
         super().on_response_complete()
         self._watch_head()
+        self._watch_body()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_head_timer()
+        self._stop_body_timer()
         super().connection_lost(exc)
 
     def _watch_head(self) -> None:
@@ -118,6 +131,34 @@ class GuardedH11Protocol(H11Protocol):
             return
         message = (
             f"no complete request head within {self.header_timeout:g} s (server.header_timeout)"
+        )
+        _answer_and_close(self.transport, ApiError(408, message))
+
+    def _watch_body(self) -> None:
+        """Run the body timer from the end of a request's head until its body has all come
+        (or the request is answered, or the connection closes)."""
+        cycle = self.cycle
+        receiving = cycle is not None and cycle.more_body and not cycle.response_complete
+        if not receiving or self.transport.is_closing():
+            self._stop_body_timer()
+        elif self._body_timer is None:
+            self._body_timer = self.loop.call_later(self.body_timeout, self._body_timed_out)
+
+    def _stop_body_timer(self) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+
+    def _body_timed_out(self) -> None:
+        self._body_timer = None
+        if self.transport.is_closing():
+            return
+        if self.cycle is not None and self.cycle.response_started:
+            self.transport.close()  # an answer has begun: it cannot become a 408
+            return
+        message = (
+            f"the request body did not arrive within {self.body_timeout:g} s of its head "
+            "(server.body_timeout)"
         )
         _answer_and_close(self.transport, ApiError(408, message))
 

@@ -214,6 +214,7 @@ async def _run(
                 settings.server.header_timeout,
                 settings.server.max_connections,
                 settings.server.send_buffer,
+                settings.server.body_timeout,
             ),
             ws="none",  # no websocket routes; an upgrade would also escape the head deadline
         )

@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 import msgspec
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
@@ -310,6 +310,10 @@ class ProxyRoutes:
             return refused
         try:
             body = await self._body(request)
+        except ClientDisconnect:  # gone before its body ended (or closed at the body deadline)
+            response = Response(status_code=CLIENT_CLOSED_REQUEST)
+            self.metrics.requests.labels(route, str(response.status_code)).inc()
+            return response
         except _BodyTooLarge:
             limit = self.config.max_request_bytes
             message = f"the request body is larger than the proxy's limit of {limit} bytes"

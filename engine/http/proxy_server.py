@@ -30,6 +30,7 @@ from engine.http.proxy_upstream import new_client, probe_all, probe_down_forever
 log = logging.getLogger("engine.proxy")
 
 HEADER_TIMEOUT_S = 10.0  # a client's request head must arrive within this (slowloris guard)
+BODY_TIMEOUT_S = 60.0  # and its body within this after the head
 MAX_CONNECTIONS = 4096
 
 
@@ -96,7 +97,9 @@ async def _run(
             access_log=config.log_level == "debug",
             timeout_graceful_shutdown=max(1, int(config.drain_timeout)),
             timeout_keep_alive=KEEP_ALIVE_S,
-            http=guarded_http_protocol(HEADER_TIMEOUT_S, MAX_CONNECTIONS),
+            http=guarded_http_protocol(
+                HEADER_TIMEOUT_S, MAX_CONNECTIONS, body_timeout=BODY_TIMEOUT_S
+            ),
             ws="none",
         )
     )

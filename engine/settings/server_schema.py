@@ -71,6 +71,14 @@ class ServerSettings(Section, frozen=True):
             "it is answered 408 and closed",
         ),
     ] = 10.0
+    body_timeout: Annotated[
+        float,
+        Meta(
+            gt=0.0,
+            description="seconds a request gets to send its whole body after its head; then "
+            "it is answered 408 and closed",
+        ),
+    ] = 60.0
     max_connections: Annotated[
         int,
         Meta(ge=1, description="open HTTP connections; one more is answered 503 and closed"),

@@ -5,9 +5,11 @@ request is served and no actor has restarted."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import re
+import select
 import selectors
 import socket
 import time
@@ -29,6 +31,7 @@ INT64 = (-(2**63), 2**63 - 1)
 # Python exception names, tracebacks, reprs of objects: what must never reach a client.
 INTERNAL_TEXT = re.compile(r"[A-Za-z]*(Error|Exception)\b|Traceback|object at 0x|<class ")
 HEADER_TIMEOUT_S = 3
+BODY_TIMEOUT_S = 1
 MAX_CONNECTIONS = 220  # over the 200 partial heads one test holds
 PARTIAL_HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: engine\r\nContent-Type: appl"
 
@@ -243,6 +246,7 @@ def guarded(model_args: list[str], tmp_path_factory: pytest.TempPathFactory) -> 
         model_args,
         work / "admin.sock",
         "--server.header_timeout", str(HEADER_TIMEOUT_S),
+        "--server.body_timeout", str(BODY_TIMEOUT_S),
         "--server.max_connections", str(MAX_CONNECTIONS),
     )  # fmt: skip
     with served(args, work, name="guarded") as srv:
@@ -293,6 +297,42 @@ def test_partial_request_head_is_answered_408_and_closed(guarded_unharmed: Serve
         (answer,) = read_until_closed([sock], timeout=HEADER_TIMEOUT_S + 30)
     assert answer.startswith(b"HTTP/1.1 408 "), answer
     assert b"server.header_timeout" in answer
+
+
+def test_a_trickled_body_is_answered_408_at_the_body_deadline(guarded_unharmed: Server) -> None:
+    """A head, then a body one byte every 0.1 s (each well within any idle timeout): closed
+    with a 408 and an OpenAI-style error at server.body_timeout, not when the trickle ends,
+    while other requests are served."""
+    host = httpx.URL(guarded_unharmed.url).host
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {API_KEY}\r\n"
+        "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+    )
+    answer = b""
+    with connect(guarded_unharmed) as sock:
+        sock.sendall(head.encode())
+        started = time.monotonic()
+        served_meanwhile = False
+        while time.monotonic() - started < BODY_TIMEOUT_S + 10:
+            readable, _, _ = select.select([sock], [], [], 0.1)
+            if readable:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                answer += chunk
+                continue
+            with contextlib.suppress(OSError):  # closed under us: read what came
+                sock.sendall(b" ")
+            if not served_meanwhile:
+                with guarded_unharmed.http(timeout=30.0) as http:
+                    assert http.get("/v1/models").status_code == 200
+                served_meanwhile = True
+        elapsed = time.monotonic() - started
+    assert answer.startswith(b"HTTP/1.1 408 "), answer
+    assert b"connection: close" in answer.lower()
+    error = json.loads(answer.partition(b"\r\n\r\n")[2])["error"]
+    assert "server.body_timeout" in error["message"] and error["code"] is not None
+    assert BODY_TIMEOUT_S <= elapsed < BODY_TIMEOUT_S + 1.5, elapsed
 
 
 def test_a_kept_alive_connection_idle_past_the_head_deadline_still_serves(
