@@ -15,7 +15,7 @@ def default_engine_home() -> Path:
     return Path(os.environ.get("ENGINE_HOME") or "~/.cache/engine").expanduser()
 
 
-def build_directory(target: Path, build: Callable[[Path], None], marker: str) -> None:
+def build_directory(target: Path, build: Callable[[Path], object], marker: str) -> None:
     """Run `build` into a staging directory beside `target`, then rename it into place whole:
     concurrent builders never see half a directory. One that loses the race keeps the winner's
     copy (`marker`, a file every finished build holds, tells that one is there)."""

@@ -11,7 +11,7 @@ import argparse
 import contextlib
 import sys
 from collections.abc import Iterator, Mapping
-from typing import IO
+from typing import IO, Literal
 
 from engine.cli.replay_cmd import _positive_float, _positive_int
 from engine.trace.format import write_trace
@@ -114,7 +114,9 @@ def _common_options(p: argparse.ArgumentParser) -> None:
 
 def run_trace(argv: list[str], environ: Mapping[str, str]) -> int:
     args = _parser().parse_args(argv)
-    endpoint = "chat_completions" if args.endpoint == "chat" else "completions"
+    endpoint: Literal["completions", "chat_completions"] = (
+        "chat_completions" if args.endpoint == "chat" else "completions"
+    )
     if endpoint == "chat_completions" and args.prompt_format != "text":
         print("engine trace: --endpoint chat needs --prompt-format text", file=sys.stderr)
         return 2

@@ -80,6 +80,7 @@ def make_checkpoint(out_dir: str | Path, spec: CheckpointSpec, corpus: str | Non
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = train_bpe_tokenizer(spec.vocab_size, corpus)
     eos_id = tokenizer.convert_tokens_to_ids(END_OF_TEXT)
+    assert isinstance(eos_id, int)  # one token in, one id out
     im_end_id = tokenizer.convert_tokens_to_ids(IM_END)
 
     config_class, model_class = (getattr(transformers, n) for n in ARCH_CLASSES[spec.arch])
@@ -91,7 +92,7 @@ def make_checkpoint(out_dir: str | Path, spec: CheckpointSpec, corpus: str | Non
     save_kwargs: dict[str, Any] = {}
     if spec.max_shard_size is not None:
         save_kwargs["max_shard_size"] = spec.max_shard_size
-    model.generation_config = transformers.GenerationConfig(
+    model.generation_config = transformers.GenerationConfig(  # type: ignore[no-untyped-call]
         bos_token_id=eos_id, eos_token_id=[eos_id, im_end_id], pad_token_id=eos_id
     )
     model.save_pretrained(out, **save_kwargs)

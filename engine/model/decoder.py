@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -122,7 +122,7 @@ class Attention(nn.Module):
         out = self.ops.paged_attention(
             q, k, v, step.kv_cache, self.layer, step.attention, self.scale
         )
-        return self.o_proj(out)
+        return cast(torch.Tensor, self.o_proj(out))
 
 
 class GatedMLP(nn.Module):
@@ -144,7 +144,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
-        return self.down_proj(self.ops.silu_and_mul(gate_up))
+        return cast(torch.Tensor, self.down_proj(self.ops.silu_and_mul(gate_up)))
 
 
 class DecoderLayer(nn.Module):
@@ -164,7 +164,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, step: StepContext) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), step)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return cast(torch.Tensor, h + self.mlp(self.post_attention_layernorm(h)))
 
 
 class DecoderForCausalLM(nn.Module):
@@ -241,7 +241,7 @@ class DecoderForCausalLM(nn.Module):
         step = StepContext(attention, kv_cache, cos, sin)
         for layer in self.layers:
             h = layer(h, step)
-        return h
+        return cast(torch.Tensor, h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """float32 logits [rows, vocab] of the given last-layer hidden rows, on rank 0 (None on

@@ -37,7 +37,7 @@ def keep_freed_memory() -> bool:
     tuned = mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1 and tuned
     if not tuned:
         log.warning("mallopt refused the settings; large CPU steps may pay page faults")
-    return tuned
+    return bool(tuned)
 
 
 def release_freed_memory() -> bool:

@@ -95,7 +95,7 @@ def train_bpe_tokenizer(vocab_size: int, corpus: str | None = None) -> PreTraine
     tokenizer.add_special_tokens(
         [AddedToken(f"<|reserved_{i}|>", special=True) for i in range(shortfall)]
     )
-    return PreTrainedTokenizerFast(
+    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tokenizer,
         eos_token=END_OF_TEXT,
         pad_token=END_OF_TEXT,

@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 import torch
 import torch.distributed as dist
+from torch.distributed import Store, TCPStore  # type: ignore[attr-defined]  # not re-exported
 
 log = logging.getLogger(__name__)
 
@@ -115,10 +116,10 @@ class TensorParallelGroup:
 
 def open_store(
     rank: int, size: int, master_addr: str, master_port: int, timeout_s: float
-) -> dist.TCPStore:
+) -> TCPStore:
     """Rank 0 serves the store (port 0: any free port, read back from `store.port`); the others
     connect to it, retrying until it is up or `timeout_s` has passed."""
-    return dist.TCPStore(
+    return TCPStore(
         master_addr,
         master_port,
         world_size=size,
@@ -128,7 +129,7 @@ def open_store(
     )
 
 
-def wait_for_ranks(store: dist.Store, size: int, timeout_s: float, where: str) -> None:
+def wait_for_ranks(store: Store, size: int, timeout_s: float, where: str) -> None:
     """Count this rank in and wait until all `size` have; TimeoutError saying how many came.
     (The process group's own timeout is the collectives' very long one: not for start-up.)"""
     joined = store.add("ranks_joined", 1)
@@ -144,7 +145,7 @@ def wait_for_ranks(store: dist.Store, size: int, timeout_s: float, where: str) -
 
 
 def join_group(
-    store: dist.Store,
+    store: Store,
     rank: int,
     size: int,
     device: torch.device,

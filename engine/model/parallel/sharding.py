@@ -6,7 +6,7 @@ never the whole tensor. Names are the checkpoint's (`model.layers.0.self_attn.q_
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -48,7 +48,7 @@ def read_shard(tensors: Any, name: str, config: ModelConfig, shape: RankShape) -
     """This rank's part of `name` from an open safetensors file (`safe_open(...)`)."""
     split = split_of(name, config, shape)
     if split is None:
-        return tensors.get_tensor(name)
+        return cast(torch.Tensor, tensors.get_tensor(name))
     dim, start, length = split
     lazy = tensors.get_slice(name)
     size = lazy.get_shape()[dim]
@@ -58,5 +58,5 @@ def read_shard(tensors: Any, name: str, config: ModelConfig, shape: RankShape) -
             f"rank {shape.rank} of {shape.size} needs {start}..{start + length} (check config.json)"
         )
     if dim == _ROWS:
-        return lazy[start : start + length]
-    return lazy[:, start : start + length]
+        return cast(torch.Tensor, lazy[start : start + length])
+    return cast(torch.Tensor, lazy[:, start : start + length])
