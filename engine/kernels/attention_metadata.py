@@ -21,7 +21,7 @@ import itertools
 import warnings
 from array import array
 from collections.abc import Iterable, Sequence
-from typing import Literal, TypeVar
+from typing import Any, Literal
 
 import torch
 
@@ -83,7 +83,6 @@ class AttentionMetadata:
     pieces: list[Piece]  # one SDPA call each; together they cover every token row once
 
 
-_PieceT = TypeVar("_PieceT", SlotRows, TableRows, ChunkPrefill)
 _arange_cache = torch.arange(1024)
 
 
@@ -289,11 +288,11 @@ def _padded_block_tables(
     return torch.frombuffer(flat, dtype=torch.int64).view(len(rows), width)
 
 
-def _to(piece: _PieceT, device: torch.device) -> _PieceT:
+def _to(piece: Piece, device: torch.device) -> Piece:
     """The piece with its index tensors on `device` (built on the CPU, where Python lives)."""
     if device.type == "cpu":
         return piece
-    moved = {
+    moved: dict[str, Any] = {
         field.name: value.to(device, non_blocking=True)
         for field in dataclasses.fields(piece)
         if isinstance(value := getattr(piece, field.name), torch.Tensor)

@@ -13,6 +13,8 @@ group * queries, head_dim] against [kv_heads, keys, head_dim]), the mask repeate
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 
@@ -78,7 +80,13 @@ def _attend(
 def _slot_rows(
     query: torch.Tensor, cache: PagedKVCache, layer: int, piece: SlotRows, scale: float
 ) -> torch.Tensor:
-    q = query if piece.rows is None else query.index_select(0, piece.rows)
+    rows = piece.rows
+    if rows is None:
+        q = query
+    elif isinstance(rows, tuple):  # [start, stop)
+        q = query[rows[0] : rows[1]]
+    else:
+        q = query.index_select(0, rows)
     num_tokens, heads, head_dim = q.shape
     keys = cache.keys[layer].view(-1, head_dim)  # [slots * kv_heads, head_dim]
     values = cache.values[layer].view(-1, head_dim)
@@ -105,7 +113,8 @@ def _sampled_scores(
 ) -> torch.Tensor:
     """scale * q[row] . keys[column] for every (row, column) of the pattern, in its order."""
     if keys.device.type != "cpu" or keys.dtype in (torch.float32, torch.float64):
-        return torch.sparse.sampled_addmm(pattern, q, keys.t(), beta=0.0, alpha=scale).values()
+        scores = torch.sparse.sampled_addmm(pattern, q, keys.t(), beta=0.0, alpha=scale)
+        return cast(torch.Tensor, scores.values())
     # torch's CPU sampled_addmm has no half-precision kernel: gather the keys (a copy of K only).
     rows = torch.repeat_interleave(pattern.crow_indices().diff())
     picked = keys.index_select(0, pattern.col_indices()).float()

@@ -7,6 +7,7 @@ results agree to the last few ulps.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -72,7 +73,7 @@ def packed_linear(weight: torch.Tensor) -> Callable[..., torch.Tensor] | None:
     usable = (
         weight.device.type == "cpu"
         and weight.dtype in (torch.float32, torch.bfloat16)
-        and torch.backends.mkldnn.is_available()
+        and torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
         and nbytes <= PACKED_WEIGHT_LIMIT
     )
     if not usable:
@@ -81,7 +82,8 @@ def packed_linear(weight: torch.Tensor) -> Callable[..., torch.Tensor] | None:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
         def linear(x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+            out = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+            return cast(torch.Tensor, out)
 
         generator = torch.Generator().manual_seed(0)
         probe = torch.randn(3, weight.shape[1], generator=generator).to(weight.dtype)

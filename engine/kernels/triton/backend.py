@@ -45,7 +45,8 @@ def backend() -> KernelBackend:
     return dataclasses.replace(
         TORCH_BACKEND,
         name="triton",
-        build_attention_metadata=metadata.build_triton_attention_metadata,
+        # Its metadata is a type of its own, read only by its own kernels.
+        build_attention_metadata=metadata.build_triton_attention_metadata,  # type: ignore[arg-type]
         paged_attention=attention.paged_attention,
         rms_norm=pointwise.rms_norm,
         rms_norm_per_head=pointwise.rms_norm_per_head,

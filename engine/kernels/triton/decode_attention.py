@@ -146,7 +146,7 @@ def _combine_splits_kernel(
 def num_splits(max_context: int) -> int:
     """K splits per sequence: a power of two, so each count compiles one kernel variant."""
     wanted = min(MAX_SPLITS, -(-max_context // TOKENS_PER_SPLIT))
-    return triton.next_power_of_2(max(1, wanted))
+    return int(triton.next_power_of_2(max(1, wanted)))
 
 
 def decode_attention(
