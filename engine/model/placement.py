@@ -118,18 +118,25 @@ class ThreadPolicy:
         return self.busy if busy else self.light
 
 
-def thread_policy(requested: int, cores: int, local_ranks: int) -> ThreadPolicy:
+def thread_policy(
+    requested: int, cores: int, local_ranks: int, batch_invariant: bool = False
+) -> ThreadPolicy:
     """`requested` threads for every step when set (> 0); else the host's cores shared by its
-    ranks (ThreadPolicy says why every step gets them all)."""
+    ranks (ThreadPolicy says why every step gets them all). The batch-invariant backend
+    (deterministic mode) runs small steps on one thread: on more, a matmul of few rows may split
+    its sums across threads, so a row's bits would depend on the rows beside it (a resumed
+    stream's logprobs then differed: tests/integration/test_deterministic_recovery.py)."""
     if requested > 0:
         return ThreadPolicy(requested, requested)
     share = max(1, cores // max(1, local_ranks))
-    return ThreadPolicy(light=share, busy=share)
+    return ThreadPolicy(light=1 if batch_invariant else share, busy=share)
 
 
-def worker_threads(requested: int, cores: int, local_ranks: int) -> int:
+def worker_threads(
+    requested: int, cores: int, local_ranks: int, batch_invariant: bool = False
+) -> int:
     """torch threads of each CPU worker rank for small steps (ThreadPolicy.light)."""
-    return thread_policy(requested, cores, local_ranks).light
+    return thread_policy(requested, cores, local_ranks, batch_invariant).light
 
 
 def sleeping_openmp_threads() -> None:

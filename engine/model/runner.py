@@ -77,7 +77,9 @@ class ModelRunner:
             keep_freed_memory()
         self.threads: placement.ThreadPolicy | None = None  # None: torch's default (a GPU)
         if num_threads is None and self.device.type == "cpu":  # one rank on this host
-            self.threads = placement.thread_policy(0, placement.available_cores(), 1)
+            self.threads = placement.thread_policy(
+                0, placement.available_cores(), 1, kernel_backend == "batch_invariant"
+            )
         elif num_threads is not None:
             for name, value in (("num_threads", num_threads), ("busy_threads", busy_threads)):
                 if value is not None and value < 1:

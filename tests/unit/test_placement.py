@@ -132,3 +132,10 @@ def test_the_kv_budget_is_the_share_the_weights_leave() -> None:
     assert budget(device="cuda", available_memory=2**40) == 2**39 - 100 * MIB
     with pytest.raises(ValueError, match=r"kv_cache_fraction must be in \(0, 1\], got 1.5"):
         budget(memory_fraction=1.5)
+
+
+def test_the_batch_invariant_backend_runs_small_steps_on_one_thread() -> None:
+    policy = thread_policy(0, cores=16, local_ranks=1, batch_invariant=True)
+    assert (policy.threads_for(1), policy.threads_for(BUSY_STEP_TOKENS)) == (1, 16)
+    assert worker_threads(0, 2, 1, batch_invariant=True) == 1
+    assert thread_policy(4, cores=16, local_ranks=1, batch_invariant=True).light == 4  # asked
