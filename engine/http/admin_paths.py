@@ -60,7 +60,7 @@ def pid_alive(pid: int) -> bool:
 
 def sweep_stale(base: Path) -> list[Path]:
     """Remove `<base>/<pid>/` directories whose server is gone; return what was removed."""
-    removed = []
+    removed: list[Path] = []
     if not base.is_dir():
         return removed
     for child in base.iterdir():

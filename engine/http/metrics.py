@@ -52,7 +52,7 @@ class ServerMetrics:
         model_name: str,
         weight_bytes: dict[str, int] | None = None,
     ) -> None:
-        disable_created_metrics()  # *_created series only add noise to every scrape
+        disable_created_metrics()  # type: ignore[no-untyped-call]  # *_created series only add noise to every scrape
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
         self.prompt_token_count = 0  # the same as the counters, for the periodic stats line

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -42,7 +42,7 @@ class PreparedRequest:
     created: int
     params: SamplingParams
     prompts: list[Prompt | None]  # completions: one entry per prompt; chat: [None]
-    messages: list[dict[str, Any]] | None
+    messages: list[Mapping[str, Any]] | None
     stream: bool
     include_usage: bool
     want_logprobs: bool
@@ -125,7 +125,7 @@ def parse_chat(body: bytes, served_model: str | Sequence[str]) -> PreparedReques
     req = decode_request(_CHAT_DECODER, body)
     refuse_unimplemented(body)
     model = _check_model(req.model, served_model)
-    messages = [_message_dict(i, m) for i, m in enumerate(req.messages)]
+    messages = chat_message_dicts(req.messages)
     if not messages:
         raise ApiError(400, "'messages' must hold at least one message", param="messages")
     top = req.top_logprobs
@@ -212,7 +212,7 @@ def _prompts_of(prompt: str | list[str | int | list[int]]) -> list[Prompt]:
     return prompts
 
 
-def chat_message_dicts(messages: list[ChatMessageIn]) -> list[dict[str, Any]]:
+def chat_message_dicts(messages: list[ChatMessageIn]) -> list[Mapping[str, Any]]:
     """Checked messages as the chat template takes them (also for /tokenize)."""
     return [_message_dict(i, m) for i, m in enumerate(messages)]
 

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import TYPE_CHECKING
 
 from engine.http.errors import ApiError, outcome_of
@@ -134,14 +134,14 @@ class RequestRun:
         try:
             remaining = len(pumps)
             while remaining:
-                i, item = await queue.get()
-                if item is None:
+                i, got = await queue.get()
+                if got is None:
                     remaining -= 1
-                elif isinstance(item, BaseException):
-                    raise item
+                elif isinstance(got, BaseException):
+                    raise got
                 else:
-                    self._observe(i, item)
-                    yield i, item
+                    self._observe(i, got)
+                    yield i, got
         finally:
             for pump in pumps:
                 pump.cancel()
@@ -210,7 +210,7 @@ class RequestRun:
         self.abort_unfinished()
         self.finish()
 
-    async def sse(self, firsts: list[tuple[int, RequestOutput]]) -> AsyncIterator[bytes]:
+    async def sse(self, firsts: list[tuple[int, RequestOutput]]) -> AsyncGenerator[bytes, None]:
         """The event stream; a client that goes away cancels it here and its requests abort."""
         try:
             for event in self.builder.opening_events():
