@@ -37,19 +37,18 @@ from engine.gateway.registry import Gateway, ToTokenizer
 from engine.gateway.replicas import Replicas, supervise
 from engine.messages.admin import ActorRow, EngineStats, Health, RequestRow
 from engine.messages.codec import too_large_for_one_frame
-from engine.messages.outputs import DETOKENIZER_TO_GATEWAY
 from engine.messages.params import SamplingParams
-from engine.messages.reports import SCHEDULER_REPORTS, SchedulerReport
-from engine.messages.requests import GATEWAY_TO_TOKENIZER, ChatMessage, ChatOptions, GenerateRequest
-from engine.messages.rings import RECORD_OVERHEAD
+from engine.messages.reports import SchedulerReport
+from engine.messages.requests import ChatMessage, ChatOptions, GenerateRequest
+from engine.messages.ring_catalogue import OUTPUTS_RING, REPORTS_RING, REQUESTS_RING, ring_of
 from engine.model_source import model_directory
 from engine.outputs import EngineError, RequestOutput, merge_outputs, snapshot
-from engine.plan import RING_BYTES, EnginePlan, plan_engine
+from engine.plan import EnginePlan, plan_engine
 from engine.prompts import Prompt, chat_messages, split_prompt
 from engine.settings import Settings, resolve_home
 
 log = logging.getLogger("engine")
-MAX_FRAME_BYTES = RING_BYTES - RECORD_OVERHEAD  # the most the root sends the tokenizer at once
+MAX_FRAME_BYTES = REQUESTS_RING.max_frame_bytes  # the most the root sends the tokenizer at once
 
 
 class AsyncLLM:
@@ -253,7 +252,7 @@ class AsyncLLM:
         abort = self.gateway.abort(request_id)
         if abort is None:
             return False
-        await self._send([GATEWAY_TO_TOKENIZER.encode(abort)])
+        await self._send([REQUESTS_RING.encode(abort)])
         self._send_owed()
         return True
 
@@ -319,7 +318,7 @@ class AsyncLLM:
     async def _submit(self, submissions: list[ToTokenizer]) -> None:
         frames = []
         for submission in submissions:
-            frame = GATEWAY_TO_TOKENIZER.encode(submission)
+            frame = REQUESTS_RING.encode(submission)
             if len(frame) > MAX_FRAME_BYTES and isinstance(submission, GenerateRequest):
                 # e.g. a resubmission carrying many samples' delivered tokens: it fails alone
                 error = EngineError(too_large_for_one_frame(len(frame), MAX_FRAME_BYTES), 400)
@@ -332,7 +331,7 @@ class AsyncLLM:
         assert self._supervisor is not None
         # False means the tokenizer restarted while we waited: the resubmission that follows
         # every restart carries these requests again.
-        await self._supervisor.root.send_many("requests", frames)
+        await self._supervisor.root.send_many(REQUESTS_RING.name, frames)
 
     def _send_owed(self) -> None:
         """Send what the gateway owes (probation moved on) without holding up the caller."""
@@ -353,11 +352,12 @@ class AsyncLLM:
                     return  # the supervisor shut down (escalation) and closed the root's rings
                 raise
             for ring, frames in received:
-                if ring == "outputs":
-                    for batch in DETOKENIZER_TO_GATEWAY.decode_many(frames):
+                entry = ring_of(ring)
+                if entry is OUTPUTS_RING:
+                    for batch in OUTPUTS_RING.decode_many(frames):
                         self.gateway.deliver(batch)
-                elif ring == "reports":
-                    reports = SCHEDULER_REPORTS.decode_many(frames)
+                elif entry is REPORTS_RING:
+                    reports = REPORTS_RING.decode_many(frames)
                     if reports:
                         self._report = reports[-1]
             self._send_owed()

@@ -16,17 +16,17 @@ import msgspec
 
 from engine.actors.kv_transfer_config import KvTransferConfig
 from engine.actors.roles import Role
-from engine.actors.runtime.child_spec import ChildSpec, RingDecl, SegmentDecl
+from engine.actors.runtime.child_spec import ChildSpec, RingDecl, SegmentDecl, declare_ring
 from engine.kv_transfer.secret import instance_secret
 from engine.kv_transfer.tls import TlsFiles
 from engine.messages.kv_transfer import KvLayout
+from engine.messages.ring_catalogue import KV_EVENTS_RING, KV_ORDERS_RING
 from engine.model.capacity import dtype_bytes
 from engine.model.config import ModelConfig
 from engine.model.parallel.layout import kv_heads_per_rank
 from engine.settings import Settings
 
 KV_TRANSFER = "engine.actors.kv_transfer:KvTransferActor"
-KV_RING_BYTES = 1 << 20  # orders and events are small; a pull names its blocks once
 
 
 def replica_roles(settings: Settings) -> tuple[str, ...]:
@@ -104,14 +104,12 @@ def kv_transfer_parts(
                 ready_timeout=runtime.start_timeout,
             )
         )
-        rings.append(RingDecl(name=f"kv-events{rank}", writer=name, readers=(scheduler,),
-                              capacity=KV_RING_BYTES))  # fmt: skip
+        rings.append(declare_ring(KV_EVENTS_RING.at(rank), name, [scheduler]))
         segments.append(
             SegmentDecl(name=cache_segment(rank), size=layout.segment_bytes, parties=(worker, name))
         )
     names = tuple(child.name for child in children)
-    rings.append(RingDecl(name="kv-orders", writer=scheduler, readers=names,
-                          capacity=KV_RING_BYTES))  # fmt: skip
+    rings.append(declare_ring(KV_ORDERS_RING, scheduler, names))
     return children, rings, segments
 
 

@@ -33,10 +33,22 @@ from engine.actors.runtime.child_spec import (
     SegmentDecl,
     Strategy,
     SupervisorSpec,
+    declare_ring,
 )
 from engine.actors.tokenizer import TokenizerConfig
 from engine.actors.worker_config import WorkerConfig
 from engine.kv_plan import cache_segment, kv_transfer_parts, replica_roles
+from engine.messages.ring_catalogue import (
+    OUTPUTS_RING,
+    PLAN_RING,
+    RENDEZVOUS_RING,
+    REPORTS_RING,
+    REQUESTS_RING,
+    RESULTS_RING,
+    STOPS_RING,
+    SUBMIT_RING,
+    TOKENS_RING,
+)
 from engine.model.capacity import available_cpu_memory, kv_block_bytes
 from engine.model.config import ModelConfig, load_model_config
 from engine.model.parallel.config import Placement, TensorParallelConfig
@@ -58,7 +70,6 @@ from engine.settings import Settings, resolve_home
 
 log = logging.getLogger(__name__)
 
-RING_BYTES = 8 * 2**20  # a ring holds several whole steps of a large batch
 WORKER = "engine.actors.worker:WorkerActor"
 RELAY_WORKER = "engine.actors.tp_relay:PlanRelayWorker"
 FOLLOWER_WORKER = "engine.actors.tp_relay:PlanFollowerWorker"
@@ -191,7 +202,7 @@ def plan_engine(settings: Settings, model_path: str) -> EnginePlan:
         max_model_len=max_model_len,
         enable_prefix_caching=settings.cache.enable_prefix_caching,
         eos_token_ids=list(config.eos_token_ids),
-        max_plan_bytes=RING_BYTES // 2,  # a plan frame leaves half the plan ring free
+        max_plan_bytes=PLAN_RING.capacity // 2,  # a plan frame leaves half the plan ring free
     )
     scheduler.validate()  # a KV cache too small for max_model_len fails here, naming both
     weights = weight_bytes_by_format(
@@ -344,23 +355,20 @@ def _replica_spec(
     # Across hosts only rank 0 reads the plan ring; it relays each plan to the others.
     plan_readers = (rank0,) if placement.nnodes > 1 else tuple(w.name for w in workers)
 
-    def ring(name: str, writer: str, *readers: str) -> RingDecl:
-        return RingDecl(name=name, writer=writer, readers=readers, capacity=RING_BYTES)
-
     sched, detok, tokenizer = (child.name for child in children[len(workers) :])
     rings = [
-        ring("requests", ROOT, tokenizer),
-        ring("submit", tokenizer, sched),
-        ring("plan", sched, *plan_readers),
-        ring("results", rank0, sched),
-        ring("tokens", sched, detok),
-        ring("stops", detok, sched),
-        ring("outputs", detok, ROOT),
-        ring("reports", sched, ROOT),
+        declare_ring(REQUESTS_RING, ROOT, [tokenizer]),
+        declare_ring(SUBMIT_RING, tokenizer, [sched]),
+        declare_ring(PLAN_RING, sched, plan_readers),
+        declare_ring(RESULTS_RING, rank0, [sched]),
+        declare_ring(TOKENS_RING, sched, [detok]),
+        declare_ring(STOPS_RING, detok, [sched]),
+        declare_ring(OUTPUTS_RING, detok, [ROOT]),
+        declare_ring(REPORTS_RING, sched, [ROOT]),
     ]
     if len(workers) > 1 and settings.parallel.master_port == 0:
         # Rank 0 tells the other ranks of this host the port it bound (fresh at each restart).
-        rings.append(ring("rendezvous", rank0, *(w.name for w in workers[1:])))
+        rings.append(declare_ring(RENDEZVOUS_RING, rank0, [w.name for w in workers[1:]]))
     segments: list[SegmentDecl] = []
     if moves_kv:
         transfers, kv_rings, segments = kv_transfer_parts(

@@ -1,8 +1,8 @@
 """The kv_transfer actor, one per worker rank: serves the blocks its scheduler holds to pullers
 on other instances, and pulls blocks from them into its own rank's cache (DESIGN §9).
 
-Orders come on "kv-orders" (HoldBlocks, DropHolds, PullBlocks); events go out on
-"kv-events<rank>" (TransferEndpoint at every start, BlocksReleased, BlocksPulled,
+Orders come on KV_ORDERS_RING (HoldBlocks, DropHolds, PullBlocks); events go out on
+its rank's KV_EVENTS_RING (TransferEndpoint at every start, BlocksReleased, BlocksPulled,
 ConnectionsRefused). Every connection, either way, first proves the deployment secret. The cache is
 the worker's shared-memory segment, mapped here too. The domain work is engine.kv_transfer;
 sockets are served and pulls run on threads, so the loop (and its heartbeats) stays free while
@@ -37,7 +37,6 @@ from engine.kv_transfer.segment import Segments
 from engine.kv_transfer.server import BlockServer
 from engine.kv_transfer.tls import TlsFiles
 from engine.messages.kv_transfer import (
-    KV_EVENTS,
     KV_ORDERS,
     BlocksReleased,
     ConnectionsRefused,
@@ -47,9 +46,10 @@ from engine.messages.kv_transfer import (
     PullBlocks,
     TransferEndpoint,
 )
+from engine.messages.ring_catalogue import KV_EVENTS_RING, KV_ORDERS_RING
+from engine.messages.roles import Role
 from engine.testing.fault_injection import KV_PULL_DELAY_ENV
 
-ORDERS = "kv-orders"
 T = TypeVar("T")
 MAX_CONNECTIONS = 64  # served at once (a thread each); more are closed at once
 ACCEPT_RETRY = 0.1  # seconds before accepting again after accept failed
@@ -57,11 +57,12 @@ ACCEPT_RETRY = 0.1  # seconds before accepting again after accept failed
 
 class KvTransferActor(Actor):
     channels = (KV_ORDERS,)
+    role = Role.KV_TRANSFER
 
     async def on_start(self) -> dict[str, Any] | None:
         config = msgspec.msgpack.decode(self.config, type=KvTransferConfig)
         self.settings = config
-        self.events = f"kv-events{config.rank}"
+        self.events = KV_EVENTS_RING.at(config.rank)
         if config.cache_segment not in self.segments:
             raise KeyError(f"no segment {config.cache_segment!r}; mapped: {list(self.segments)}")
         segment = self.segments[config.cache_segment]
@@ -125,7 +126,7 @@ class KvTransferActor(Actor):
         return {"cache_segment": segment, "port": port}
 
     async def handle(self, ring: str, frames: list[bytes]) -> None:
-        for order in KV_ORDERS.decode_many(frames):
+        for order in KV_ORDERS_RING.decode_many(frames):  # its one inbound ring
             if isinstance(order, HoldBlocks):
                 self._hold(order)
             elif isinstance(order, DropHolds):
@@ -136,9 +137,11 @@ class KvTransferActor(Actor):
                 task.add_done_callback(self._pulls.discard)
 
     async def on_rings_swapped(self, peer: str, rings: list[str]) -> None:
-        if ORDERS in rings:  # a restarted scheduler forgot its holds: their blocks are free
+        if (
+            KV_ORDERS_RING.name in rings
+        ):  # a restarted scheduler forgot its holds: their blocks are free
             self.holds.drop_all(f"{peer} restarted")
-        if self.events in rings:
+        if self.events.name in rings:
             await self._announce()
 
     async def on_stop(self) -> None:
@@ -165,7 +168,7 @@ class KvTransferActor(Actor):
 
     async def _announce(self) -> None:
         message = TransferEndpoint(self.settings.rank, self.endpoint, self.settings.layout)
-        await self.send(self.events, KV_EVENTS.encode(message))
+        await self.send_to(self.events, message)
 
     async def _accept(self) -> None:
         loop = asyncio.get_running_loop()
@@ -193,7 +196,7 @@ class KvTransferActor(Actor):
         while True:
             transfer_id = await self._released.get()
             released = BlocksReleased(transfer_id, self.settings.rank)
-            await self.send(self.events, KV_EVENTS.encode(released))
+            await self.send_to(self.events, released)
 
     async def _report_refusals(self) -> None:
         """Each refused connection counted (one event for those that came together) and logged
@@ -213,7 +216,7 @@ class KvTransferActor(Actor):
                         peer,
                     )
             refused = ConnectionsRefused(self.settings.rank, len(peers))
-            await self.send(self.events, KV_EVENTS.encode(refused))
+            await self.send_to(self.events, refused)
 
     async def _expire_holds(self) -> None:
         """Drop each hold at its deadline (a pull of it is refused from then on anyway)."""
@@ -232,7 +235,7 @@ class KvTransferActor(Actor):
         outcome = await _on_daemon_thread(self.puller.pull, order, self.settings.rank)
         if outcome.error is not None:
             self.log.warning("%s", outcome.error)
-        await self.send(self.events, KV_EVENTS.encode(outcome))
+        await self.send_to(self.events, outcome)
 
 
 async def _on_daemon_thread(function: Callable[..., T], *args: Any) -> T:

@@ -1,16 +1,11 @@
-"""The roles of the engine's actors, as their ChildSpecs declare them (`ChildSpec.role`)."""
+"""The roles of the engine's actors (declared with the rings, engine/messages/roles.py), and what
+a role means for the requests in flight."""
 
 from __future__ import annotations
 
-import enum
+from engine.messages.roles import Role
 
-
-class Role(enum.StrEnum):
-    TOKENIZER = "tokenizer"
-    SCHEDULER = "scheduler"
-    WORKER = "worker"
-    DETOKENIZER = "detokenizer"
-    KV_TRANSFER = "kv_transfer"
+__all__ = ["Role", "holds_requests"]
 
 
 def holds_requests(role: str) -> bool:

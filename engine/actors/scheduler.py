@@ -1,12 +1,13 @@
 """The scheduler actor: a thin shell that feeds rings into `Scheduler` and its plans back out.
 
-Inbound: requests from the tokenizer ("submit"), one StepResult per step from worker rank 0
-("results"), stop-string stops from the detokenizer ("stops"). Outbound: one StepPlan per step to
-every rank ("plan", broadcast), one TokenBatch per step to the detokenizer ("tokens"), and a
-periodic report to the root ("reports"). Exactly one step is in flight at a time.
+Inbound: requests from the tokenizer (SUBMIT_RING), one StepResult per step from worker rank 0
+(RESULTS_RING), stop-string stops from the detokenizer (STOPS_RING). Outbound: one StepPlan per
+step to every rank (PLAN_RING, broadcast), one TokenBatch per step to the detokenizer
+(TOKENS_RING), and a periodic report to the root (REPORTS_RING). Exactly one step is in flight at
+a time (the rings: engine/messages/ring_catalogue.py).
 
-With P/D (DESIGN §9) it also orders its kv_transfer actors ("kv-orders", broadcast: holds and
-pulls), hears each rank's events ("kv-events<rank>"), and checks holds and pulls against their
+With P/D (DESIGN §9) it also orders its kv_transfer actors (KV_ORDERS_RING, broadcast: holds and
+pulls), hears each rank's events (KV_EVENTS_RING), and checks holds and pulls against their
 deadlines once a second. Orders go out before the tokens of the same step, so a handoff never
 reaches a puller before its hold reached the ranks' ring.
 
@@ -27,10 +28,21 @@ import msgspec
 from engine.actors.runtime.actor import Actor
 from engine.messages.codec import encode_in_frames, too_large_for_one_frame
 from engine.messages.failures import RequestFailed
-from engine.messages.kv_transfer import KV_EVENTS, KV_ORDERS
-from engine.messages.reports import SCHEDULER_REPORTS, SchedulerReport
+from engine.messages.kv_transfer import KV_EVENTS
+from engine.messages.reports import SchedulerReport
+from engine.messages.ring_catalogue import (
+    KV_EVENTS_RING,
+    KV_ORDERS_RING,
+    PLAN_RING,
+    REPORTS_RING,
+    RESULTS_RING,
+    STOPS_RING,
+    SUBMIT_RING,
+    TOKENS_RING,
+    ring_of,
+)
+from engine.messages.roles import Role
 from engine.messages.scheduling import (
-    SCHEDULER_OUTPUTS,
     SCHEDULER_REQUESTS,
     AbortRequests,
     SchedulerStats,
@@ -39,7 +51,7 @@ from engine.messages.scheduling import (
     TokenBatch,
     ToScheduler,
 )
-from engine.messages.steps import STEP_PLANS, STEP_RESULTS, StepPlan, StepResult
+from engine.messages.steps import STEP_RESULTS, StepPlan, StepResult
 from engine.scheduler.config import SchedulerConfig
 from engine.scheduler.scheduler import Scheduler, failed
 from engine.scheduler.step_times import StepTimes
@@ -50,12 +62,13 @@ KV_TICK_S = 1.0  # how often KV holds and pulls are checked against their deadli
 
 class SchedulerActor(Actor):
     channels = (SCHEDULER_REQUESTS, STEP_RESULTS, KV_EVENTS)
+    role = Role.SCHEDULER
 
     async def on_start(self) -> dict[str, Any] | None:
         config = msgspec.msgpack.decode(self.config, type=SchedulerConfig)
         # Ids past any a former generation can have used (the workers may still answer it).
         self.scheduler = Scheduler(config, first_id=self.generation << 40)
-        self._max_frame_bytes = self.rings.writer("tokens").spec.max_frame_bytes
+        self._max_frame_bytes = self.rings.writer(TOKENS_RING.name).spec.max_frame_bytes
         self._last_report = 0.0
         self._reported_stats: SchedulerStats | None = None
         self._step_times = StepTimes()
@@ -67,16 +80,17 @@ class SchedulerActor(Actor):
 
     async def handle(self, ring: str, frames: list[bytes]) -> None:
         to_detokenizer: list[bytes] = []
-        if ring.startswith("kv-events"):
+        entry = ring_of(ring)
+        if entry is KV_EVENTS_RING:
             assert self.scheduler.kv_transfer is not None
             admitted = []
-            for event in KV_EVENTS.decode_many(frames):
+            for event in KV_EVENTS_RING.decode_many(frames):
                 admitted += self.scheduler.kv_transfer.on_event(event)
             to_detokenizer += self._admit_pulled(admitted)
             await self._plan_next()
-        elif ring == "results":
+        elif entry is RESULTS_RING:
             read_at = time.monotonic()
-            for result in STEP_RESULTS.decode_many(frames):
+            for result in RESULTS_RING.decode_many(frames):
                 if isinstance(result, StepResult):
                     batch = self.scheduler.update(result)
                     self._step_times.on_result(result)
@@ -89,21 +103,22 @@ class SchedulerActor(Actor):
                     )
                     error = f"the model failed on this request: {result.error}"
                     failures = self.scheduler.fail(result.seq_ids, error)
-                    to_detokenizer.extend(SCHEDULER_OUTPUTS.encode(f) for f in failures)
+                    to_detokenizer.extend(TOKENS_RING.encode(f) for f in failures)
                     continue
                 # Start the next step before telling the detokenizer: the workers are idle now.
                 plan = await self._plan_next()
                 if plan is not None:
                     self._step_times.planned_after_result(plan.step_id, read_at, time.monotonic())
                 to_detokenizer += self._frames(batch)
-        else:  # "submit" (from the tokenizer) or "stops" (from the detokenizer)
-            for message in SCHEDULER_REQUESTS.decode_many(frames):
+        else:  # SUBMIT_RING (from the tokenizer) or STOPS_RING (from the detokenizer)
+            requests = SUBMIT_RING if entry is SUBMIT_RING else STOPS_RING
+            for message in requests.decode_many(frames):
                 to_detokenizer.extend(self._apply(message))
             await self._plan_next()
         # Holds first: a handoff in these tokens must never reach a puller before its hold.
         await self._send_kv_orders()
         if to_detokenizer:
-            await self.send_many("tokens", to_detokenizer)
+            await self.send_many(TOKENS_RING, to_detokenizer)
         self._publish_report()
 
     async def on_stop(self) -> None:
@@ -119,22 +134,22 @@ class SchedulerActor(Actor):
             await self._plan_next()
             await self._send_kv_orders()
             if failures:
-                await self.send_many("tokens", failures)
+                await self.send_many(TOKENS_RING, failures)
             self._publish_report()  # an expired hold changes the figures of an idle scheduler
 
     def _admit_pulled(self, submits: list[SubmitRequest]) -> list[bytes]:
         """Queue requests whose KV arrived or fell back; frames for the detokenizer."""
         failures = self.scheduler.admit_pulled(submits)
-        return [SCHEDULER_OUTPUTS.encode(failure) for failure in failures]
+        return [TOKENS_RING.encode(failure) for failure in failures]
 
     async def _send_kv_orders(self) -> None:
         if self.scheduler.kv_transfer is not None:
             orders = self.scheduler.kv_transfer.take_orders()
             if orders:
-                await self.send_many("kv-orders", [KV_ORDERS.encode(o) for o in orders])
+                await self.send_all(KV_ORDERS_RING, orders)
 
     async def on_rings_swapped(self, peer: str, rings: list[str]) -> None:
-        if "plan" in rings or "results" in rings:
+        if PLAN_RING.name in rings or RESULTS_RING.name in rings:
             # The workers restarted: their KV cache and sequences are gone, and the gateway is
             # about to resubmit every unfinished request under a new epoch. Keep none of the
             # old epochs: rerunning them would recompute what is about to be replaced, and run
@@ -150,10 +165,10 @@ class SchedulerActor(Actor):
             return []
         if isinstance(message, AbortRequests):
             self.scheduler.abort(message.request_ids)
-            return [SCHEDULER_OUTPUTS.encode(message)]
+            return [TOKENS_RING.encode(message)]
         if isinstance(message, RequestFailed):  # the tokenizer's: on its way to the gateway
             self.scheduler.abort([message.request_id])
-            return [SCHEDULER_OUTPUTS.encode(message)]
+            return [TOKENS_RING.encode(message)]
         try:
             rejected = self.scheduler.add(message)
         except Exception as exc:  # this request's doing or not, the others go on
@@ -162,14 +177,14 @@ class SchedulerActor(Actor):
             error = f"the scheduler could not take in this request: {type(exc).__name__}: {exc}"
             rejected = failed(message.request_id, message.epoch, 500, error, "scheduler")
         if rejected is not None:
-            return [SCHEDULER_OUTPUTS.encode(rejected)]
+            return [TOKENS_RING.encode(rejected)]
         # The detokenizer learns stop strings and resume points ahead of any token (same ring).
-        forwarded = SCHEDULER_OUTPUTS.encode(message)
+        forwarded = TOKENS_RING.encode(message)
         if len(forwarded) > self._max_frame_bytes:  # it could never reach the detokenizer
             self.scheduler.abort([message.request_id])
             error = too_large_for_one_frame(len(forwarded), self._max_frame_bytes)
             rejected = failed(message.request_id, message.epoch, 400, error, "scheduler")
-            return [SCHEDULER_OUTPUTS.encode(rejected)]
+            return [TOKENS_RING.encode(rejected)]
         early = self.scheduler.take_outputs()
         return [forwarded, *(self._frames(early) if early is not None else [])]
 
@@ -177,12 +192,14 @@ class SchedulerActor(Actor):
         """A step's tokens for the detokenizer, in as many frames as they need."""
         if not batch.items:
             return []
-        return encode_in_frames(SCHEDULER_OUTPUTS, TokenBatch, [batch.items], self._max_frame_bytes)
+        return encode_in_frames(
+            TOKENS_RING.channel, TokenBatch, [batch.items], self._max_frame_bytes
+        )
 
     async def _plan_next(self) -> StepPlan | None:
         plan = self.scheduler.schedule()
         if plan is not None:
-            await self.send("plan", STEP_PLANS.encode(plan))
+            await self.send_to(PLAN_RING, plan)
         return plan
 
     def _publish_report(self) -> None:
@@ -197,9 +214,9 @@ class SchedulerActor(Actor):
         self._last_report = now
         self._reported_stats = stats
         report = SchedulerReport(stats, self.scheduler.request_statuses())
-        frame = SCHEDULER_REPORTS.encode(report)
-        writer = self.rings.writer("reports")
+        frame = REPORTS_RING.encode(report)
+        writer = self.rings.writer(REPORTS_RING.name)
         if len(frame) > writer.spec.max_frame_bytes:  # the figures still go; the listing not
-            frame = SCHEDULER_REPORTS.encode(SchedulerReport(report.stats, []))
+            frame = REPORTS_RING.encode(SchedulerReport(report.stats, []))
         # Never waits: a report the root has no room for is replaced by the next one.
         writer.try_send_many([frame])

@@ -19,7 +19,9 @@ from engine.actors.runtime.actor import Actor
 from engine.messages.codec import too_large_for_one_frame
 from engine.messages.failures import RequestFailed
 from engine.messages.requests import GATEWAY_TO_TOKENIZER, GenerateRequest
-from engine.messages.scheduling import SCHEDULER_REQUESTS, AbortRequests, SubmitRequest
+from engine.messages.ring_catalogue import REQUESTS_RING, SUBMIT_RING
+from engine.messages.roles import Role
+from engine.messages.scheduling import AbortRequests, SubmitRequest
 from engine.outputs import EngineError
 from engine.text.hf_tokenizer import load_tokenizer_without_torch
 from engine.text.prompt import PromptBuilder
@@ -40,6 +42,7 @@ INLINE_CHARS = 16_384
 
 class TokenizerActor(Actor):
     channels = (GATEWAY_TO_TOKENIZER,)
+    role = Role.TOKENIZER
 
     async def on_start(self) -> dict[str, Any] | None:
         config = msgspec.msgpack.decode(self.config, type=TokenizerConfig)
@@ -51,7 +54,7 @@ class TokenizerActor(Actor):
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self._on_thread: dict[str, int] = {}  # request id -> epoch being tokenized there
         self._tasks: set[asyncio.Task[None]] = set()
-        self._max_frame_bytes = self.rings.writer("submit").spec.max_frame_bytes
+        self._max_frame_bytes = self.rings.writer(SUBMIT_RING.name).spec.max_frame_bytes
         return None
 
     async def on_stop(self) -> None:
@@ -59,28 +62,28 @@ class TokenizerActor(Actor):
 
     async def handle(self, ring: str, frames: list[bytes]) -> None:
         to_scheduler: list[bytes] = []
-        for message in GATEWAY_TO_TOKENIZER.decode_many(frames):
+        for message in REQUESTS_RING.decode_many(frames):  # its one inbound ring
             if isinstance(message, AbortRequests):
                 for request_id in message.request_ids:  # its thread's result will be dropped
                     self._on_thread.pop(request_id, None)
-                to_scheduler.append(SCHEDULER_REQUESTS.encode(message))
+                to_scheduler.append(SUBMIT_RING.encode(message))
             elif _prompt_chars(message) > INLINE_CHARS:
                 self._tokenize_on_thread(message)
             else:
                 to_scheduler.append(self._tokenize(message))
         if to_scheduler:
-            await self.send_many("submit", to_scheduler)
+            await self.send_many(SUBMIT_RING, to_scheduler)
 
     def _tokenize(self, message: GenerateRequest) -> bytes:
         """The request's frame for the scheduler: its submission, or its failure."""
         try:
             token_ids = self.builder.build(message)
         except Exception as exc:  # fails this request alone
-            return SCHEDULER_REQUESTS.encode(_failure(message, exc))
-        frame = SCHEDULER_REQUESTS.encode(_submission(message, token_ids))
+            return SUBMIT_RING.encode(_failure(message, exc))
+        frame = SUBMIT_RING.encode(_submission(message, token_ids))
         if len(frame) > self._max_frame_bytes:
             error = too_large_for_one_frame(len(frame), self._max_frame_bytes)
-            return SCHEDULER_REQUESTS.encode(_failed(message, 400, error))
+            return SUBMIT_RING.encode(_failed(message, 400, error))
         return frame
 
     def _tokenize_on_thread(self, message: GenerateRequest) -> None:
@@ -100,7 +103,7 @@ class TokenizerActor(Actor):
             if current:
                 del self._on_thread[message.request_id]
         if current:
-            await self.send_many("submit", [frame])
+            await self.send_many(SUBMIT_RING, [frame])
 
 
 def _prompt_chars(request: GenerateRequest) -> int:

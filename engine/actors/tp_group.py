@@ -15,11 +15,11 @@ import msgspec
 
 from engine.actors.runtime.actor import Actor
 from engine.actors.worker_config import WorkerConfig
-from engine.messages.parallel import RENDEZVOUS, Rendezvous
+from engine.messages.parallel import Rendezvous
+from engine.messages.ring_catalogue import RENDEZVOUS_RING
 from engine.model.parallel.config import TensorParallelConfig
 from engine.model.placement import rank_device
 
-RENDEZVOUS_RING = "rendezvous"
 CONNECT_ATTEMPT_S = 2.0
 
 
@@ -37,8 +37,8 @@ async def join_group_of(actor: Actor, config: WorkerConfig) -> tuple[WorkerConfi
             open_store, 0, tp.size, tp.master_addr, tp.master_port, tp.timeout_s
         )
         address, port = tp.master_addr, store.port
-        if RENDEZVOUS_RING in actor.rings.outbound_names:
-            await actor.send(RENDEZVOUS_RING, RENDEZVOUS.encode(Rendezvous(address, port)))
+        if RENDEZVOUS_RING.name in actor.rings.outbound_names:
+            await actor.send_to(RENDEZVOUS_RING, Rendezvous(address, port))
         # Ranks on other hosts size their KV cache as the root did for this one.
         store.set("kv_cache_memory", str(config.kv_cache_memory))
     else:
@@ -91,7 +91,7 @@ async def _connect(tp: TensorParallelConfig, address: str, port: int) -> Any:
 
 
 async def _rendezvous_from_rank0(actor: Actor, tp: TensorParallelConfig) -> tuple[str, int]:
-    reader = actor.rings.reader(RENDEZVOUS_RING)
+    reader = actor.rings.reader(RENDEZVOUS_RING.name)
     try:
         frames = await asyncio.wait_for(reader.recv_many(), tp.timeout_s)
     except TimeoutError:
@@ -99,5 +99,5 @@ async def _rendezvous_from_rank0(actor: Actor, tp: TensorParallelConfig) -> tupl
             f"tensor-parallel rank {tp.rank}: rank 0 announced no rendezvous port within "
             f"{tp.timeout_s:g} s"
         ) from None
-    found = RENDEZVOUS.decode(frames[-1])
+    found = RENDEZVOUS_RING.decode(frames[-1])
     return found.master_addr, found.master_port

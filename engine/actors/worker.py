@@ -21,14 +21,18 @@ from tqdm import tqdm
 
 from engine.actors.runtime.actor import Actor
 from engine.actors.worker_config import WorkerConfig
-from engine.messages.steps import STEP_PLANS, STEP_RESULTS, StepPlan, StepResult, WorkerFailed
+from engine.messages.parallel import RENDEZVOUS
+from engine.messages.ring_catalogue import PLAN_RING, RESULTS_RING
+from engine.messages.roles import Role
+from engine.messages.steps import STEP_PLANS, StepPlan, StepResult, WorkerFailed
 from engine.model.placement import sleeping_openmp_threads
 from engine.model.step_inputs import is_long
 from engine.testing.fault_injection import FaultInjection
 
 
 class WorkerActor(Actor):
-    channels = (STEP_PLANS,)
+    channels = (STEP_PLANS, RENDEZVOUS)  # the rendezvous: ranks > 0 read it while starting
+    role = Role.WORKER
 
     async def on_start(self) -> dict[str, Any] | None:
         sleeping_openmp_threads()  # before torch is imported, below
@@ -78,7 +82,7 @@ class WorkerActor(Actor):
 
     async def handle(self, ring: str, frames: list[bytes]) -> None:
         generation = self._scheduler_generation
-        for plan in STEP_PLANS.decode_many(frames):
+        for plan in PLAN_RING.decode_many(frames):  # its one ring served by handle()
             if generation != self._scheduler_generation:
                 return  # the scheduler restarted meanwhile: the rest is a dead one's plans
             started_at = time.monotonic()
@@ -94,12 +98,12 @@ class WorkerActor(Actor):
                 for message in messages:
                     if isinstance(message, StepResult):  # the scheduler's StepTimes read these
                         message.started_at, message.finished_at = started_at, finished_at
-                await self.send_many("results", [STEP_RESULTS.encode(m) for m in messages])
+                await self.send_all(RESULTS_RING, messages)
 
     def run_step(self, plan: StepPlan) -> list[StepResult | WorkerFailed]:
         with self.busy():
             return self.executor.run(plan)
 
     async def on_rings_swapped(self, peer: str, rings: list[str]) -> None:
-        if "plan" in rings:  # the scheduler restarted; a step may be running: handle() resets
+        if PLAN_RING.name in rings:  # the scheduler restarted; a running step: handle() resets
             self._scheduler_generation += 1

@@ -36,7 +36,8 @@ from engine.actors.runtime.supervisor import Supervisor
 from engine.gateway.registry import Gateway
 from engine.gateway.router import LeastPendingRouter, pending_tokens
 from engine.messages.admin import ReplicaRow
-from engine.messages.reports import SCHEDULER_REPORTS, SchedulerReport
+from engine.messages.reports import SchedulerReport
+from engine.messages.ring_catalogue import REPORTS_RING, ring_of
 from engine.messages.scheduling import SchedulerStats
 
 log = logging.getLogger(__name__)
@@ -233,7 +234,7 @@ class _MergedRoot:
         self._pumping = len(replicas.supervisors)
 
     async def send_many(self, ring: str, frames: Sequence[bytes]) -> bool:
-        """Gateway -> tokenizer frames ("requests"), each to its replica's tokenizer."""
+        """Gateway -> tokenizer frames (REQUESTS_RING), each to its replica's tokenizer."""
         sent = True
         for replica, part in self._replicas.router.route(frames).items():
             supervisor = self._replicas.supervisors[replica]
@@ -266,7 +267,7 @@ class _MergedRoot:
                     return
                 batch: Received = []
                 for ring, frames in received:
-                    if ring == "reports":
+                    if ring_of(ring) is REPORTS_RING:
                         batch.append((ring, [self._merge_reports(replica, frames)]))
                         continue
                     batch.append((ring, frames))
@@ -275,7 +276,7 @@ class _MergedRoot:
             self._received.put_nowait(None)
 
     def _merge_reports(self, replica: int, frames: list[bytes]) -> bytes:
-        reports = SCHEDULER_REPORTS.decode_many(frames)
+        reports = REPORTS_RING.decode_many(frames)
         if reports:
             self._replicas.reports[replica] = reports[-1]
         # A replica that gave up is no longer the engine's: its last figures (and requests,
@@ -284,7 +285,7 @@ class _MergedRoot:
         live = [
             r for i, r in enumerate(self._replicas.reports) if r is not None and i not in failed
         ]
-        return SCHEDULER_REPORTS.encode(merge_reports(live))
+        return REPORTS_RING.encode(merge_reports(live))
 
     def close(self) -> None:
         self._received.put_nowait(None)

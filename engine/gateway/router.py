@@ -25,7 +25,8 @@ import msgspec
 
 from engine.gateway.records import RequestRecord
 from engine.gateway.registry import Gateway
-from engine.messages.requests import GATEWAY_TO_TOKENIZER, GenerateRequest
+from engine.messages.requests import GenerateRequest
+from engine.messages.ring_catalogue import REQUESTS_RING
 
 CHARS_PER_TOKEN = 4  # a rough count for text not yet tokenized
 
@@ -157,7 +158,7 @@ class LeastPendingRouter:
         """Gateway -> tokenizer frames, split by the replica each must go to."""
         out: dict[int, list[bytes]] = {}
         for frame in frames:
-            message = GATEWAY_TO_TOKENIZER.decode(frame)
+            message = REQUESTS_RING.decode(frame)
             if isinstance(message, GenerateRequest):
                 chosen = self.choose(message)
                 if self.disaggregated:
@@ -173,7 +174,7 @@ class LeastPendingRouter:
                     by_replica.setdefault(target, []).append(request_id)
             for replica, ids in by_replica.items():
                 abort = type(message)(ids)
-                out.setdefault(replica, []).append(GATEWAY_TO_TOKENIZER.encode(abort))
+                out.setdefault(replica, []).append(REQUESTS_RING.encode(abort))
         return out
 
     def _with_kv_directives(self, request: GenerateRequest, replica: int, frame: bytes) -> bytes:
@@ -190,7 +191,7 @@ class LeastPendingRouter:
         if handoff == request.kv_handoff and source is request.kv_source:
             return frame
         changed = msgspec.structs.replace(request, kv_handoff=handoff, kv_source=source)
-        return GATEWAY_TO_TOKENIZER.encode(changed)
+        return REQUESTS_RING.encode(changed)
 
     def requests_on(self, replicas: Collection[int]) -> set[str]:
         """Unfinished requests routed to any of `replicas`, and those routed nowhere now (a dead

@@ -11,11 +11,11 @@ last, partial block and the delivered tokens).
 Transfer ids are random strings of 128 bits (32 hex digits), one per attempt, never derived from
 the request's id (a client chooses that one): only the two ends of a transfer know it.
 
-Rings, per instance (one kv_transfer actor per worker rank):
-- "kv-orders": scheduler -> every rank's kv_transfer (broadcast): `HoldBlocks`, `DropHolds`,
+Rings, per instance (one kv_transfer actor per worker rank; engine/messages/ring_catalogue.py):
+- KV_ORDERS_RING: scheduler -> every rank's kv_transfer (broadcast): `HoldBlocks`, `DropHolds`,
   `PullBlocks`.
-- "kv-events<rank>": that rank's kv_transfer -> scheduler: `TransferEndpoint` (at every start),
-  `BlocksReleased`, `BlocksPulled`, `ConnectionsRefused`.
+- KV_EVENTS_RING (one per rank): that rank's kv_transfer -> scheduler: `TransferEndpoint` (at
+  every start), `BlocksReleased`, `BlocksPulled`, `ConnectionsRefused`.
 
 A request's KV has arrived only when every rank has reported it (`BlocksPulled` without error
 from each); a hold ends when every rank has reported the receiver's acknowledgement
@@ -108,7 +108,7 @@ class KvSource(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     signature: str = ""  # hex HMAC-SHA256 of everything above, with the deployment secret
 
 
-# ---- scheduler -> kv_transfer ("kv-orders") ----------------------------------------------------
+# ---- scheduler -> kv_transfer (KV_ORDERS_RING) -------------------------------------------------
 
 
 class HoldBlocks(msgspec.Struct, tag=True, array_like=True):
@@ -137,7 +137,7 @@ class PullBlocks(msgspec.Struct, tag=True, array_like=True):
     deadline: float
 
 
-# ---- kv_transfer -> scheduler ("kv-events<rank>") ----------------------------------------------
+# ---- kv_transfer -> scheduler (KV_EVENTS_RING) -------------------------------------------------
 
 
 class TransferEndpoint(msgspec.Struct, tag=True, array_like=True):

@@ -25,8 +25,6 @@ from engine.actors.runtime.child_spec import ROOT, ChildSpec, RingDecl, SegmentD
 from engine.actors.runtime.events import ChildReady, ChildRestarted
 from engine.actors.runtime.segments import map_segment
 from engine.messages.kv_transfer import (
-    KV_EVENTS,
-    KV_ORDERS,
     BlocksPulled,
     BlocksReleased,
     HoldBlocks,
@@ -37,6 +35,7 @@ from engine.messages.kv_transfer import (
     PullBlocks,
     TransferEndpoint,
 )
+from engine.messages.ring_catalogue import KV_EVENTS_RING, KV_ORDERS_RING
 from tests.integration.sample_actors import (
     EVENT_TIMEOUT,
     Run,
@@ -61,7 +60,9 @@ class Instance:
         self.seen: list[KvEvent] = []
 
     async def order(self, message: KvOrder) -> None:
-        assert await self.run.supervisor.root.send_many("kv-orders", [KV_ORDERS.encode(message)])
+        assert await self.run.supervisor.root.send_many(
+            KV_ORDERS_RING.name, [KV_ORDERS_RING.encode(message)]
+        )
 
     async def next_event(self, kind: type[E]) -> E:
         """The next event of `kind` from the actor (others are kept in `seen`)."""
@@ -74,7 +75,7 @@ class Instance:
                 self.run.supervisor.root.mailbox.recv(), EVENT_TIMEOUT
             )
             for _, frames in received:
-                self.seen.extend(KV_EVENTS.decode_many(frames))
+                self.seen.extend(KV_EVENTS_RING.decode_many(frames))
 
 
 @contextlib.asynccontextmanager
@@ -96,8 +97,8 @@ async def instance(
         heartbeat_timeout=heartbeat_timeout,
     )
     rings = (
-        RingDecl(name="kv-orders", writer=ROOT, readers=(KV,), capacity=1 << 16),
-        RingDecl(name="kv-events0", writer=KV, readers=(ROOT,), capacity=1 << 16),
+        RingDecl(name=KV_ORDERS_RING.name, writer=ROOT, readers=(KV,), capacity=1 << 16),
+        RingDecl(name=KV_EVENTS_RING.at(0).name, writer=KV, readers=(ROOT,), capacity=1 << 16),
     )
     segment = SegmentDecl(name="cache", size=LAYOUT.segment_bytes, parties=(KV,))
     async with supervised(supervisor_spec(child, rings=rings, segments=(segment,))) as run:

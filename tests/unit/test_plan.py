@@ -13,6 +13,7 @@ import pytest
 from engine.actors.kv_transfer_config import KvTransferConfig
 from engine.actors.worker_config import WorkerConfig
 from engine.llm import build_settings
+from engine.messages.ring_catalogue import KV_EVENTS_RING, KV_ORDERS_RING
 from engine.model.config import ModelConfig, load_model_config
 from engine.model.parallel.config import Placement
 from engine.model.parallel.layout import check_tensor_parallel, rank_shape
@@ -176,8 +177,8 @@ def test_a_pd_plan_gives_each_replica_kv_transfer_actors_sharing_each_rank_cache
             assert config.layout.num_blocks == plan.num_blocks and config.layout.tp_rank == rank
             ports.append(config.port)
         rings = {ring.name: ring for ring in spec.rings}
-        assert rings["kv-orders"].readers == tuple(transfers)
-        assert [rings[f"kv-events{r}"].writer for r in range(2)] == transfers
+        assert rings[KV_ORDERS_RING.name].readers == tuple(transfers)
+        assert [rings[KV_EVENTS_RING.at(r).name].writer for r in range(2)] == transfers
     assert ports == list(range(7100, 7106))  # no two ranks of the launch share a port
 
 

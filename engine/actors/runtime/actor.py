@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import uvloop
 
@@ -51,6 +51,9 @@ from engine.messages.control import (
     SwapDone,
     SwapRings,
 )
+from engine.messages.rings import Ring
+
+T = TypeVar("T")
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
@@ -60,6 +63,9 @@ class Actor:
 
     # Channels this actor decodes with; their malformed-frame counts go to the root in heartbeats.
     channels: ClassVar[tuple[Channel[Any], ...]] = ()
+    # The role its ChildSpec gives it: the party it is in the rings it reads and writes
+    # (engine/messages/ring_catalogue.py); "" for an actor outside the catalogue.
+    role: ClassVar[str] = ""
 
     def __init__(self, boot: ChildBoot) -> None:
         self.name = boot.name
@@ -96,13 +102,24 @@ class Actor:
 
     # Services.
 
-    async def send(self, ring: str, frame: bytes) -> bool:
-        """Write one frame to outbound ring `ring`; False if the ring was swapped while waiting."""
-        return await self.rings.send_many(ring, (frame,))
+    async def send_to(self, ring: Ring[T], message: T) -> bool:
+        """Encode `message` for outbound ring `ring` and write it; False if the ring was swapped
+        while waiting."""
+        return await self.rings.send_many(ring.name, (ring.encode(message),))
 
-    async def send_many(self, ring: str, frames: Sequence[bytes]) -> bool:
-        """Write frames to outbound ring `ring`; False if the ring was swapped while waiting."""
-        return await self.rings.send_many(ring, frames)
+    async def send_all(self, ring: Ring[T], messages: Sequence[T]) -> bool:
+        """Encode `messages` for outbound ring `ring` and write them, oldest first."""
+        return await self.rings.send_many(ring.name, [ring.encode(m) for m in messages])
+
+    async def send(self, ring: Ring[Any] | str, frame: bytes) -> bool:
+        """Write one frame, encoded already (with the ring's channel), to outbound ring `ring`;
+        False if the ring was swapped while waiting."""
+        return await self.rings.send_many(_name(ring), (frame,))
+
+    async def send_many(self, ring: Ring[Any] | str, frames: Sequence[bytes]) -> bool:
+        """Write frames, encoded already (with the ring's channel; e.g. split to fit a frame),
+        to outbound ring `ring`; False if the ring was swapped while waiting."""
+        return await self.rings.send_many(_name(ring), frames)
 
     @contextmanager
     def busy(self) -> Iterator[None]:
@@ -228,6 +245,10 @@ class Actor:
             if not self._status_closed:
                 quiet = isinstance(message, Heartbeat)
                 self._status.try_send_many([STATUS.encode(message)], quiet=quiet)
+
+
+def _name(ring: Ring[Any] | str) -> str:
+    return ring if isinstance(ring, str) else ring.name
 
 
 def child_main(boot_frame: bytes) -> None:

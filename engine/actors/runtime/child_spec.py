@@ -11,10 +11,15 @@ from __future__ import annotations
 import enum
 import math
 import re
+from collections.abc import Sequence
+from typing import Any
 
 import msgspec
 
-ROOT = "root"  # the root process's own party name in ring declarations
+from engine.messages.rings import Ring
+from engine.messages.roles import ROOT  # the root process's own party name in ring declarations
+
+__all__ = ["ROOT", "ChildSpec", "RingDecl", "SegmentDecl", "SupervisorSpec", "declare_ring"]
 
 # Names end up inside shared-memory segment names: keep them short and plain.
 _NAME = re.compile(r"[a-z][a-z0-9_-]{0,31}")
@@ -56,6 +61,14 @@ class ChildSpec(msgspec.Struct, frozen=True, kw_only=True):
     ready_timeout: float = 60.0  # spawn -> Ready
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 10.0  # no status frame for this long: hung, SIGKILLed
+
+
+def declare_ring(ring: Ring[Any], writer: str, readers: Sequence[str]) -> RingDecl:
+    """The declaration of a catalogued ring (engine/messages/ring_catalogue.py) between these
+    parties: its name and capacity come from the catalogue (a per-rank ring's: `ring.at(r)`)."""
+    if ring.per_rank:
+        raise ValueError(f"ring {ring!r} is one per rank: declare ring.at(rank)")
+    return RingDecl(name=ring.name, writer=writer, readers=tuple(readers), capacity=ring.capacity)
 
 
 class RingDecl(msgspec.Struct, frozen=True, kw_only=True):
