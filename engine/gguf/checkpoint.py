@@ -106,8 +106,8 @@ def _copy_tokenizer(source: Path, staging: Path) -> None:
 
 def _content_hash(path: Path, memo_dir: Path) -> str:
     """The file's content hash, read from a memo while the file's size, modification time and
-    inode are those it was computed for (as git's index does): hashing a 98 MB file costs
-    ~0.3 s of every start, a 4 GB one ~10 s."""
+    inode are those it was computed for (as git's index does): hashing reads the whole file,
+    which every start would pay again, and a multi-GB model file takes seconds."""
     stat = path.stat()
     identity = f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\0{stat.st_ino}"
     memo = memo_dir / hashlib.sha256(identity.encode()).hexdigest()[:24]

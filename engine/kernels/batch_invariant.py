@@ -14,7 +14,7 @@ resumed stream could pick another token. Here every reduction has one order per 
   head_dim, and the softmax denominator and the weighted sum of values are sums over positions
   in an order that the padding cannot change (see _sum_over_keys).
 
-The cost is the padding and the copies of the context (measured by tools/bench_offline.py).
+The cost is the padding and the copies of the context (tools/bench_offline.py shows it).
 """
 
 from __future__ import annotations
@@ -46,8 +46,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def output_projection(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
     """The vocabulary projection: oneDNN's packed matmul where it computes a row alike for any
-    row count (checked here, on this CPU; ~2.5x faster than padded sgemm at 1 row), else
-    `linear`."""
+    row count (checked here, on this CPU): the widest matmul, which a decode step of one row
+    would otherwise pad to MIN_GEMM_ROWS rows, and whose pre-packed weight saves sgemm's packing
+    on every call; else `linear`."""
     packed = packed_linear(weight)
     if packed is not None and _row_invariant(packed, weight.shape[1], weight.dtype):
         return packed

@@ -57,9 +57,9 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 # Packing a CPU weight for oneDNN costs a second copy of it, up to PACKED_WEIGHT_LIMIT (counted in
-# the memory plan: placement.packed_weight_bytes). Worth it for the vocabulary projection (the
-# widest matmul: ~1.5x faster at batch 1..256); the compiled CPU backend packs every matmul, for
-# a kernel of its own in float32 (engine/kernels/cpu/linear.py).
+# the memory plan: placement.packed_weight_bytes). Worth it for the vocabulary projection: the
+# widest matmul, where sgemm's packing of the weight on every call costs the most; the compiled
+# CPU backend packs every matmul, for a kernel of its own in float32 (engine/kernels/cpu/linear.py).
 def output_projection(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
     """x -> x @ weight.T for the logits: oneDNN with a pre-packed weight on the CPU where
     available (checked against F.linear once), plain F.linear elsewhere."""

@@ -190,8 +190,9 @@ class DecoderForCausalLM(nn.Module):
             else nn.Linear(config.hidden_size, shape.vocab_per_rank, bias=False)
         )
         # On the CPU even while the loader builds the model on the meta device: arithmetic on
-        # meta tensors runs through torch._refs, whose first use imports torch._dynamo (~1.3 s
-        # of every worker start and restart). fuse_weights() moves it to the model's device.
+        # meta tensors runs through torch._refs, whose first use imports torch._dynamo (a large
+        # import that every worker start and restart would pay). fuse_weights() moves it to the
+        # model's device.
         with torch.device("cpu"):
             self.inv_freq: torch.Tensor = rope_inv_freq(config)
         self.project_to_vocab: Callable[[torch.Tensor], torch.Tensor] | None = None

@@ -19,7 +19,7 @@ from engine.model.checkpoint_maker import CheckpointSpec
 
 log = logging.getLogger(__name__)
 
-# The size PEERS.md's measurements use: 7.3 M parameters, 4 layers, hidden 256.
+# Small enough for fast tests and synthetic benchmarks: 7.3 M parameters, 4 layers, hidden 256.
 DEFAULT_MODEL_SPEC = CheckpointSpec(
     arch="qwen3",
     num_layers=4,
@@ -33,7 +33,7 @@ DEFAULT_MODEL_SPEC = CheckpointSpec(
     seed=0,
 )
 # Bump when the maker's output changes for the same spec, so caches rebuild.
-DEFAULT_MODEL_VERSION = 3  # 3: the chat template renders tools (issue 15)
+DEFAULT_MODEL_VERSION = 3  # 3: the chat template renders tools
 
 
 def default_model_dir(engine_home: str | None = None) -> Path:

@@ -3,10 +3,10 @@
 A decode step allocates and frees large temporaries (K and V gathered from the paged cache:
 21 MB each per layer at 128 sequences of 320 tokens). By default glibc serves such blocks with
 fresh mmaps, or returns the freed top of its heap to the kernel, so every step pays page faults
-and zeroing for memory it had a moment ago. Measured on the demo model, 128 sequences at context
-320: 155 ms per decode step as glibc comes, 60 ms with freed memory kept. Whether a process was
-fast depended on what it happened to run first: a large prefill raises glibc's adaptive mmap
-threshold, and a run with smaller prefill chunks never got that raise.
+and zeroing for memory it had a moment ago, which can cost more than the step's arithmetic.
+Left to glibc, a process's speed would also depend on what it happened to run first: a large
+prefill raises glibc's adaptive mmap threshold, and a run with smaller prefill chunks never gets
+that raise.
 
 `keep_freed_memory()` serves blocks up to glibc's largest mmap threshold from the heap and trims
 the heap only past 2 GiB of free top: the process keeps its peak working set, as a serving worker

@@ -92,20 +92,14 @@ class ThreadPolicy:
     step of at least `busy_from_tokens` tokens, or whose attention reads at least
     `busy_from_keys` keys, on `busy` ones.
 
-    The engine's own policy (thread_policy) gives every step every core of the rank. It used to
-    leave a small step one core fewer, for the other actors: an OpenMP thread that lost its core
-    stalled every op of its team (20x slower steps, with spinning OpenMP threads). Since idle
-    OpenMP threads sleep (OMP_WAIT_POLICY=PASSIVE, set by the worker), a small decode step is
-    one C++ call on the kernels' own sleeping pool (model/fused_decode.py), and the other actors
-    take ~5 % of a core while serving (engine:actor_cpu_seconds_total), both cores win on 2
-    (SmolLM2-135M, 256 in / 128 out, one thread for small steps against two, same machine):
-    float32 served at 1 stream 23.5 -> 30.2 tokens/s, 16 streams 75.1 -> 100.6; raw decode step
-    at 1 / 16 sequences 37.0 -> 27.5 / 112 -> 71.7 ms. For the Q4_1 file, whose step streams
-    5x fewer bytes, it is a draw at one sequence (raw 10.5 against 12.2 ms, then 11.3 against
-    11.6; served at 1 stream, three alternating rounds of two, 53 against 50 tokens/s: within
-    the rounds' spread of 44-61) and a gain at 16 (raw 47.0 -> 44.1 ms, served 129 -> 152
-    tokens/s). Different light and busy counts remain for a caller that sets them (ModelRunner's
-    num_threads and busy_threads)."""
+    The engine's own policy (thread_policy) gives every step every core of the rank. Leaving a
+    small step a core fewer, for the other actors, would cost more than it saves: idle OpenMP
+    threads sleep (OMP_WAIT_POLICY=PASSIVE, set by the worker), so a waiting thread does not
+    spin against the actors that need its core; a small decode step is one C++ call on the
+    kernels' own sleeping pool (model/fused_decode.py); and the other actors use only a sliver
+    of a core while serving (engine:actor_cpu_seconds_total). The README's Serving section has
+    the figures. Different light and busy counts remain for a caller that sets them
+    (ModelRunner's num_threads and busy_threads)."""
 
     light: int
     busy: int
@@ -124,8 +118,9 @@ def thread_policy(
     """`requested` threads for every step when set (> 0); else the host's cores shared by its
     ranks (ThreadPolicy says why every step gets them all). The batch-invariant backend
     (deterministic mode) runs small steps on one thread: on more, a matmul of few rows may split
-    its sums across threads, so a row's bits would depend on the rows beside it (a resumed
-    stream's logprobs then differed: tests/integration/test_deterministic_recovery.py)."""
+    its sums across threads, so a row's bits would depend on the rows beside it, and a resumed
+    stream's logprobs would differ from the undisturbed run's
+    (tests/integration/test_deterministic_recovery.py)."""
     if requested > 0:
         return ThreadPolicy(requested, requested)
     share = max(1, cores // max(1, local_ranks))
@@ -143,9 +138,8 @@ def sleeping_openmp_threads() -> None:
     """For a process that runs the model on the CPU (a worker, or a benchmark measuring what a
     worker does), before torch loads OpenMP: idle OpenMP threads sleep rather than spin. With two
     OpenMP threads on a small machine, a spinning barrier thread fights the other actors, and the
-    attention kernel's helper, for the other core: passive waiting is 5-10x faster here, and at
-    32 decodes x 1,024 keys on 2 threads, 18.8 against 28.4 ms per step. The caller's own
-    OMP_WAIT_POLICY wins."""
+    attention kernel's helper, for the other core, and the step waits for whichever thread lost
+    it; a sleeping one gives the core back. The caller's own OMP_WAIT_POLICY wins."""
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 

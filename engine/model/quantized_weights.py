@@ -32,10 +32,8 @@ def linear(packed: PackedWeight) -> Linear:
 def output_projection(packed: PackedWeight) -> Callable[[torch.Tensor], torch.Tensor]:
     """x -> x @ table^T on every core given to the rank, whatever the step's thread count: one
     call of milliseconds (35 MB of the default model's codes) pays a helper's wake-up many times
-    over, and the kernel's pool never waits for a helper whose core is taken. Measured on the
-    default model, 1 against 2 threads, alternating: the projection alone at 16 rows 12.1-14.8
-    -> 7.8-8.3 ms; a whole decode step of 16 sequences 61.7-70.0 -> 53.2-57.5 ms; of one
-    sequence no change beyond the noise (11.0-11.6 against 10.5-11.3 ms)."""
+    over, and the kernel's pool never waits for a helper whose core is taken. The gain shows
+    with several rows; at one row the projection is short and the threads come out even."""
     from engine.kernels.cpu.attention import most_threads
     from engine.kernels.cpu.quantized import quantized_linear
 

@@ -1,4 +1,4 @@
-"""The [kv_transfer] section of the settings schema: prefill/decode disaggregation (DESIGN §9).
+"""The [kv_transfer] section of the settings schema: prefill/decode disaggregation.
 
 Two ways to disaggregate:
 - one launch: `prefill_replicas` P and `decode_replicas` D (both >= 1) run P + D replicas on

@@ -159,9 +159,9 @@ class SchedulerSettings(_Section, frozen=True):
     max_num_seqs: Annotated[int, Meta(ge=1, description="most sequences running in one batch")] = (
         256
     )
-    # vLLM-CPU's server default. A step's prefill tokens hold up every running decode: at 8192,
-    # 128 streams saw inter-token p99 855 ms under a burst of prompts, at 2048 298 ms, for the
-    # same throughput (demo model, 2 cores).
+    # vLLM-CPU's server default. A step's prefill tokens hold up every running decode, so a
+    # larger budget lets a burst of prompts stretch every stream's inter-token gap without
+    # raising throughput.
     max_num_batched_tokens: Annotated[
         int, Meta(ge=1, description="most tokens in one step (longer prefills are chunked)")
     ] = 2048

@@ -40,8 +40,8 @@ def fill_bitmask(
 def _byte_masks() -> torch.Tensor:
     """[256, 8] float32: for each byte value, 0 where its bit (little-endian order) is set and
     -inf where not. A bitmask's bytes index it: one lookup turns 8 tokens' bits into logit
-    offsets, far cheaper than unpacking bits and masking with them (measured: 0.1 ms against
-    1.5 ms for 16 rows of an 8k vocabulary)."""
+    offsets, far cheaper than unpacking bits and masking with them: one gather of 8 floats per
+    byte replaces a shift, a compare and a select per token."""
     bits = torch.tensor([[(value >> j) & 1 for j in range(8)] for value in range(256)])
     return torch.zeros(256, 8).masked_fill_(bits == 0, -math.inf)
 

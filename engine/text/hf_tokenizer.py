@@ -2,8 +2,9 @@
 
 The tokenizer and detokenizer actors only need transformers' tokenizers, but `transformers`
 imports torch whenever torch is installed, which costs a spawned process seconds and hundreds of
-MB (DESIGN §2). Marking torch as absent in `sys.modules` before the first transformers import
-makes transformers take its torch-free path; only processes that never use torch call this.
+MB; only the processes that run the model should pay that. Marking torch as absent in
+`sys.modules` before the first transformers import makes transformers take its torch-free path;
+only processes that never use torch call this.
 The detokenizer needs less still: `load_token_decoder` skips transformers when it can.
 """
 
@@ -30,10 +31,10 @@ def load_token_decoder(model_path: str) -> Any:
 
     A transformers fast tokenizer decodes through a `tokenizers.Tokenizer` built from the
     checkpoint's tokenizer.json (its backend_tokenizer). Reading that file with the `tokenizers`
-    library alone takes ~50 ms, where importing transformers costs ~1 s of every detokenizer
-    start and restart. A checkpoint without tokenizer.json, or whose tokenizer_config.json
-    declares added tokens that tokenizer.json lacks (transformers would add them), loads through
-    transformers instead.
+    library alone is quick, where importing transformers is a large import that every
+    detokenizer start and restart would pay. A checkpoint without tokenizer.json, or whose
+    tokenizer_config.json declares added tokens that tokenizer.json lacks (transformers would
+    add them), loads through transformers instead.
     """
     from tokenizers import Tokenizer
 

@@ -18,8 +18,7 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # A piece that reads at least this many keys (a few MB of KV per layer) runs on every core given
 # to the rank, even in a step whose matmuls run on fewer (placement.ThreadPolicy): attention is
 # memory-bound, so a second core adds bandwidth, and the kernel's pool never waits for a helper
-# whose core is taken (measured: 32 x 1024 in / 256 out offline, 634-660 -> 805-901 tok/s on 2
-# cores). Below it, waking a helper costs more than it saves.
+# whose core is taken. Below it, waking a helper costs more than it saves.
 PARALLEL_KEYS = 4096
 
 

@@ -1,12 +1,11 @@
 // The cpu backend's float32 matmuls (the decoder's and the vocabulary projection): out = x @ w^T +
 // bias, with w packed once into panels of 16 output columns.
 //
-// At a decode step's 8-64 rows and a small model's widths (K = 256-768), oneDNN and MKL reach
-// 45-65 GFLOP/s on one core of this project's 2-core test host, where the core's FMA peak is
-// ~96: their per-call work (packing x, choosing a kernel, an OpenMP team) is a large share of a
-// call that lasts 50-300 us. Here there is none of that: each panel of 16 columns (K x 16 floats,
-// contiguous) stays in L1 while every tile of 6 rows of x streams past it, 12 accumulators in
-// registers (measured, one thread, 32 rows: 80-86 GFLOP/s against oneDNN's 46-64).
+// At a decode step's 8-64 rows and a small model's widths (K = 256-768) a call is short, so
+// oneDNN's and MKL's per-call work (packing x, choosing a kernel, an OpenMP team) is a large
+// share of it and keeps them far from the core's FMA peak. Here there is none of that: each
+// panel of 16 columns (K x 16 floats, contiguous) stays in L1 while every tile of 6 rows of x
+// streams past it, 12 accumulators in registers.
 //
 // The sum over k runs in order, one fused multiply-add per term, so results differ from MKL's
 // and oneDNN's by float rounding only, and a row's result is the same bits whatever the other
@@ -23,7 +22,7 @@ namespace {
 
 constexpr int64_t kPanel = 16;  // output columns per panel: two 8-lane vectors
 constexpr int kTileRows = 6;    // 6 x 2 accumulators + 2 panel vectors + 1 broadcast: 15 of 16
-constexpr int64_t kBlockRows = 32 * kTileRows;  // 16 and 8 tiles: 1-5 % slower at 2,048 rows
+constexpr int64_t kBlockRows = 32 * kTileRows;  // each block reads every panel once
 
 struct Problem {
   const float* x;  // [m, k], rows x_stride apart

@@ -6,14 +6,11 @@ The packed copies are a second copy of each weight (counted by the memory plan, 
 decoder only while a rank's decoder weights take at most PACKED_DECODER_LIMIT:
 engine/packed_weights.py; a weight's packed rows are rounded up to 16, at most 15 rows more).
 
-Measured on this project's 2-core test host, one step's matmuls of the demo model (4 layers of
-K = 256-768 and its 8,192-row vocabulary projection) on 2 threads, kernel against oneDNN (and
-F.linear at 1 row), same run: 1 row 0.97 against 1.26 ms; 8 rows 1.58 against 2.49; 32 rows 3.09
-against 4.17; 128 rows 9.84 against 11.98; 512 rows 35.9 against 46.5; 2,048 rows 281 against
-267, the one size where oneDNN stays ahead (by 1-5 % over four runs). At 32 rows of wider shapes
-(896 x 9,728, 4,096 x 4,096) 131-140 against 109-116 GFLOP/s. For half-precision weights oneDNN's
-call costs ~35 us more than F.linear's, which a single token's matmul does not win back, hence
-PACKED_FROM_TOKENS there.
+The kernel takes float32 steps of every size, from one row up: oneDNN's per-call work (packing x,
+choosing a kernel, a thread team) is a large share of a small step's short matmuls, and only at
+prefill blocks of thousands of rows does oneDNN's own blocking draw level with the panels. For
+half-precision weights oneDNN's call costs more than F.linear's, which a single token's matmul
+does not win back, hence PACKED_FROM_TOKENS there.
 """
 
 from __future__ import annotations

@@ -22,12 +22,11 @@
 namespace {
 
 // Hardware prefetchers stop at page boundaries, and a sequence's blocks lie anywhere: the next
-// block (its rows are contiguous) is fetched ahead while this one is read (measured: 5.5-6.1 ->
-// 4.4 ms per layer at 32 x 1024 keys over shuffled blocks, one thread). The hint is
-// non-temporal: a step reads each K and V row once, and a large context streaming through the
-// last-level cache would evict the weights the step's matmuls read next (in-process A/B at 32
-// x 1,024 keys: decode step 19.2 -> 18.7 ms, its matmuls 5.2 -> 4.4 ms; no change measured at
-// 1 x 512, 8 x 256 or 32 x 128, whose KV fits in the cache either way).
+// block (its rows are contiguous) is fetched ahead while this one is read, so the loads of a
+// shuffled cache do not wait on memory. The hint is non-temporal: a step reads each K and V row
+// once, and a large context streaming through the last-level cache would evict the weights the
+// step's matmuls read next (a small context fits in the cache either way, and the hint costs
+// it nothing).
 template <typename T>
 inline void prefetch_row(const T* row, int64_t elements) {
   const char* bytes = reinterpret_cast<const char*>(row);

@@ -2,10 +2,10 @@
 // vector), rotary embedding and SwiGLU, each one call over the whole step.
 //
 // For a decode step's few tokens, torch runs each of them as several small ops (RMSNorm alone is
-// six), and their dispatch costs more than their arithmetic: removing these steps altogether saved
-// 2.4-4.7 ms of a 15-26 ms decode step of 32 sequences (4 layers). The arithmetic is that of
-// engine/kernels/torch_ops.py (the Hugging Face reference's order), in float32; for bfloat16 and
-// float16 the result is rounded to the dtype at the same points as there.
+// six), and their dispatch costs more than their arithmetic: for a small model, a noticeable
+// share of the whole decode step. The arithmetic is that of engine/kernels/torch_ops.py (the
+// Hugging Face reference's order), in float32; for bfloat16 and float16 the result is rounded to
+// the dtype at the same points as there.
 //
 // One thread: these run on tensors small enough for dispatch to dominate (the Python side sends
 // larger ones to torch's parallel ops; engine/kernels/cpu/pointwise.py).
@@ -130,10 +130,10 @@ int64_t first_equal(const float* row, int64_t cols, float value) {
 
 // The index of each row's largest value, as torch.argmax(dim=-1): the first one of equal maxima,
 // and the first NaN where a row has one. torch's CPU reduction keeps an index beside every value
-// it compares and takes ~9.5 us per row of 8,192 logits (~1 GB/s); greedy sampling calls it every
-// step, over every sequence's row of a vocabulary that is 152k wide for Qwen. Here: one pass of
-// 8-lane max (and NaN check) over the row, then a scan for the first element equal to it
-// (measured: 32 rows x 8,192, torch 326 us, this 64 us; x 151,936, 5.9 ms against 2.1 ms).
+// it compares, so it runs far below memory bandwidth; greedy sampling calls it every step, over
+// every sequence's row of a vocabulary that is 152k wide for Qwen. Here: one pass of 8-lane max
+// (and NaN check) over the row, then a scan for the first element equal to it, both at the
+// speed of streaming the row.
 void argmax_rows(const float* x, int64_t rows, int64_t cols, int64_t row_stride, int64_t* out) {
   constexpr int kChains = 4;  // independent max chains, so compares overlap
   for (int64_t r = 0; r < rows; ++r) {

@@ -233,8 +233,9 @@ ENGINE_AVX2_INLINE __m256i load256(const uint8_t* p) {
 // One 8-lane vector holds 8 panel rows (the low or high 32 bytes of a group's 64), so a panel is
 // two halves. vpmaddubsw multiplies unsigned by signed bytes and adds pairs into int16, with
 // saturation: the two widths stay exact in different ways (below). GCC would re-associate each
-// row's chain of integer adds into a tree of all products at once, which spills (measured 15-20 %
-// slower): saturating adds, which it cannot re-associate, and an empty asm keep the order.
+// row's chain of integer adds into a tree of all products at once, which needs more registers
+// than there are and spills: saturating adds, which it cannot re-associate, and an empty asm
+// keep the order.
 
 // 4-bit codes: a pair is at most 2 * 15 * 127, so a block's 8 groups sum exactly in int16
 // (30,480 < 32,767); vpmaddwd widens them once per block. sums[r][half]: int32 per panel row.
@@ -328,8 +329,9 @@ ENGINE_AVX2 void tile_avx2(const Problem& p, int64_t row, int64_t panel, float* 
 }
 
 struct Avx2 {
-  // 4 rows x 2 halves x (1 int + 1 float) accumulators: some spill to L1, yet measured 5-15 %
-  // faster than 2 or 3 rows per tile, and than two passes of half a panel at 4 rows.
+  // 4 rows x 2 halves x (1 int + 1 float) accumulators: some spill to L1, yet each panel load
+  // then serves 4 rows, which pays more than the spills cost (better than 2 or 3 rows per tile,
+  // and than two passes of half a panel at 4 rows).
   static constexpr int kRows = 4;
 
   template <int R, int Bits>
@@ -499,8 +501,8 @@ int engine_quantized_linear(const float* x, int64_t m, int64_t k, int64_t x_stri
   const Item item = item_for(path, bits);
   if (item == nullptr) return kUnavailable;
   if (m == 0 || n == 0) return kOk;
-  // Once, on the calling thread, before the others start: ~0.5 ns a value (256 rows of 576: 80
-  // us, against ~2 ms for the matmul of 960 columns on one core of this project's test host).
+  // Once, on the calling thread, before the others start: quantizing a row is one pass over its
+  // k values, small against the matmul's pass over every column for it.
   const Activations& activations = quantize_rows(x, m, k, x_stride);
   const Problem problem{activations.q.data(), activations.stats.data(), m, k, packed, n, bias, out};
   engine_cpu::Task task;
@@ -534,7 +536,7 @@ int engine_quantized_rows(const uint8_t* packed, int64_t n, int64_t k, int bits,
       const float* scales = reinterpret_cast<const float*>(record + code_bytes(bits));
       const float scale = scales[i], minimum = scales[kPanel + i];
       float* o = out + c * k + b * kBlock;
-      // A group's 4 codes at a time (code_at per value kept this loop scalar: ~1.5 ns a value).
+      // A group's 4 codes at a time: code_at per value would keep this loop scalar.
       for (int64_t g = 0; g < kGroups; ++g) {
         const uint8_t* codes = record + ((bits == 8 ? g : g % 4) * kPanel + i) * kGroup;
         const int shift = bits == 4 && g >= 4 ? 4 : 0;

@@ -50,8 +50,8 @@ class VocabParallelEmbedding(nn.Embedding):
         self, num_embeddings: int, embedding_dim: int, vocab_start: int, group: TensorParallelGroup
     ) -> None:
         # An uninitialised weight (the loader fills it): nn.Embedding's random init on the meta
-        # device runs through torch._refs, whose first use imports torch._dynamo (~1.3 s of
-        # every worker start and restart).
+        # device runs through torch._refs, whose first use imports torch._dynamo (a large import
+        # that every worker start and restart would pay).
         super().__init__(
             num_embeddings, embedding_dim, _weight=torch.empty(num_embeddings, embedding_dim)
         )
