@@ -75,16 +75,7 @@ class ModelRunner:
         self.device = torch.device(placement.resolve_device(str(device)))
         if self.device.type == "cpu":
             keep_freed_memory()
-        self.threads: placement.ThreadPolicy | None = None  # None: torch's default (a GPU)
-        if num_threads is None and self.device.type == "cpu":  # one rank on this host
-            self.threads = placement.thread_policy(
-                0, placement.available_cores(), 1, kernel_backend == "batch_invariant"
-            )
-        elif num_threads is not None:
-            for name, value in (("num_threads", num_threads), ("busy_threads", busy_threads)):
-                if value is not None and value < 1:
-                    raise ValueError(f"{name} must be a positive integer, got {value}")
-            self.threads = placement.ThreadPolicy(num_threads, busy_threads or num_threads)
+        self.threads = _thread_policy(self.device, num_threads, busy_threads, kernel_backend)
         if self.threads is not None:
             torch.set_num_threads(self.threads.light)
         self.config: ModelConfig = load_model_config(model_path, max_model_len)
@@ -92,8 +83,13 @@ class ModelRunner:
         self.backend = select_backend(self.device, kernel_backend)
         if self.threads is not None and self.backend.set_max_threads is not None:
             self.backend.set_max_threads(self.threads.busy)
+        self._load_weights(quantization)
+        self.block_size = block_size
+        self._allocate_kv_cache(kv_cache_memory, kv_cache_fraction, kv_cache_buffer)
+
+    def _load_weights(self, quantization: str) -> None:
         self.model = load_model(
-            model_path,
+            self.model_path,
             self.config,
             dtype=self.dtype,
             device=self.device,
@@ -104,9 +100,10 @@ class ModelRunner:
         self.shape = self.model.shape  # this rank's heads, KV heads, columns, vocabulary rows
         if self.device.type == "cpu":
             release_freed_memory()
+        dtype = str(self.dtype).removeprefix("torch.")
         self.weight_bytes = placement.resident_weight_bytes(
             self.config,
-            str(self.dtype).removeprefix("torch."),
+            dtype,
             self.group.size,
             self.device.type,
             {name: f.bits for name, f in self.model.weight_formats.items()},
@@ -114,9 +111,14 @@ class ModelRunner:
         log.info(
             "weights: %.1f MiB resident (%s)",
             self.weight_bytes / 2**20,
-            describe_formats(self.model.weight_formats, str(self.dtype).removeprefix("torch.")),
+            describe_formats(self.model.weight_formats, dtype),
         )
-        self.block_size = block_size
+
+    def _allocate_kv_cache(
+        self, kv_cache_memory: int | None, kv_cache_fraction: float, buffer: Any
+    ) -> None:
+        """As many KV blocks as the budget holds (what the memory left after the weights
+        allows, when no size is given), in `buffer` when one is given."""
         kv_cache_memory = placement.kv_cache_bytes(
             kv_cache_memory=kv_cache_memory,
             memory_fraction=kv_cache_fraction,
@@ -125,22 +127,22 @@ class ModelRunner:
             ranks_on_device=1,
             device=self.device.type,
         )
-        block_bytes = kv_block_bytes(self.config, block_size, self.dtype, self.group.size)
+        block_bytes = kv_block_bytes(self.config, self.block_size, self.dtype, self.group.size)
         self.num_blocks = kv_cache_memory // block_bytes
         if self.num_blocks < 1:
             raise ValueError(
                 f"a KV cache of {kv_cache_memory} bytes holds no block: one block of "
-                f"{block_size} tokens needs {block_bytes} bytes"
+                f"{self.block_size} tokens needs {block_bytes} bytes"
             )
         self.kv_cache = PagedKVCache(
             num_layers=self.config.num_layers,
             num_blocks=self.num_blocks,
-            block_size=block_size,
+            block_size=self.block_size,
             num_kv_heads=self.shape.num_kv_heads,
             head_dim=self.config.head_dim,
             dtype=self.dtype,
             device=self.device,
-            buffer=kv_cache_buffer,
+            buffer=buffer,
         )
         log.info(
             "%s%s on %s (%s threads) in %s (%s kernels): "
@@ -154,8 +156,8 @@ class ModelRunner:
             str(self.dtype).removeprefix("torch."),
             self.backend.name,
             self.num_blocks,
-            block_size,
-            self.num_blocks * block_size,
+            self.block_size,
+            self.num_blocks * self.block_size,
             self.num_blocks * block_bytes / 2**20,
         )
 
@@ -233,6 +235,22 @@ class ModelRunner:
                     f"chunk of sequence {chunk.seq_id} reaches position "
                     f"{chunk.start_pos + len(chunk.token_ids) - 1}; max_model_len is {limit}"
                 )
+
+
+def _thread_policy(
+    device: torch.device, num_threads: int | None, busy_threads: int | None, kernel_backend: str
+) -> placement.ThreadPolicy | None:
+    """The threads asked for; else, on the CPU, those of one rank alone on this host; None on a
+    GPU (torch's default)."""
+    if num_threads is None:
+        if device.type != "cpu":
+            return None
+        batch_invariant = kernel_backend == "batch_invariant"
+        return placement.thread_policy(0, placement.available_cores(), 1, batch_invariant)
+    for name, value in (("num_threads", num_threads), ("busy_threads", busy_threads)):
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value}")
+    return placement.ThreadPolicy(num_threads, busy_threads or num_threads)
 
 
 def describe_threads(threads: placement.ThreadPolicy | None) -> str:
