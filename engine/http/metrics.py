@@ -45,6 +45,35 @@ _REQUEST_BUCKETS = (
 )  # fmt: skip
 
 
+# The engine's figures (EngineStats fields) under their metric names: (name, help, field).
+_ENGINE_GAUGES = (
+    ("num_requests_running", "Requests in the running batch", "num_running"),
+    ("num_requests_waiting", "Requests waiting to be scheduled", "num_waiting"),
+    ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1)", "kv_usage"),
+)
+_ENGINE_COUNTERS = (
+    ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+     "prefix_cache_queried_tokens"),
+    ("prefix_cache_hits", "Prompt tokens found in the prefix cache", "prefix_cache_hit_tokens"),
+    ("num_preemptions", "Sequences preempted (to be recomputed)", "num_preemptions"),
+    ("request_resubmissions", "Requests resubmitted after an actor restart",
+     "resubmitted_requests"),
+    ("stalled_stream_aborts", "Requests aborted because their client stopped reading",
+     "stalled_stream_aborts"),
+    ("steps", "Model steps run", "num_steps"),
+    ("step_compute_seconds",
+     "Seconds rank 0 spent computing steps (plan taken in to result ready)",
+     "step_compute_seconds"),
+    ("step_gaps", "Gaps between two steps of a running batch", "step_gaps"),
+    ("step_gap_seconds",
+     "Seconds the workers waited in those gaps (result ready to next plan taken in)",
+     "step_gap_seconds"),
+    ("step_gap_scheduler_seconds",
+     "The scheduler's part of the gaps (result read to next plan sent)",
+     "step_gap_scheduler_seconds"),
+)  # fmt: skip
+
+
 class ServerMetrics:
     def __init__(
         self,
@@ -52,29 +81,23 @@ class ServerMetrics:
         model_name: str,
         weight_bytes: dict[str, int] | None = None,
     ) -> None:
-        disable_created_metrics()  # type: ignore[no-untyped-call]  # *_created series only add noise to every scrape
+        # *_created series only add noise to every scrape
+        disable_created_metrics()  # type: ignore[no-untyped-call]
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
         self.prompt_token_count = 0  # the same as the counters, for the periodic stats line
         self.generation_token_count = 0
-        registry = self.registry
+        self._declare_latencies()
+        self._declare_counts(weight_bytes or {})
+        self.registry.register(_EngineStatsCollector(engine_stats, model_name))
+
+    def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
         label = ["model_name"]
+        return Histogram(PREFIX + name, doc, label, buckets=buckets, registry=self.registry)
 
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(PREFIX + name, doc, label, buckets=buckets, registry=registry)
-
-        self.requests = Counter(
-            PREFIX + "http_requests",
-            "HTTP API requests by endpoint and outcome",
-            ["model_name", "endpoint", "outcome"],
-            registry=registry,
-        )
-        self.request_success = Counter(
-            PREFIX + "request_success",
-            "Finished requests by finish reason (stop, length, abort)",
-            ["model_name", "finished_reason"],
-            registry=registry,
-        )
+    def _declare_latencies(self) -> None:
+        """vLLM's per-request histograms, observed by the HTTP layer as requests run."""
+        histogram = self._histogram
         self.ttft = histogram(
             "time_to_first_token_seconds",
             "Time from request arrival to its first output token",
@@ -116,6 +139,22 @@ class ServerMetrics:
             "Tokens generated for each finished request (all its choices)",
             _TOKEN_BUCKETS,
         )
+
+    def _declare_counts(self, weight_bytes: dict[str, int]) -> None:
+        """Requests by outcome and finish reason, tokens, and the weights' bytes by format."""
+        registry, label = self.registry, ["model_name"]
+        self.requests = Counter(
+            PREFIX + "http_requests",
+            "HTTP API requests by endpoint and outcome",
+            ["model_name", "endpoint", "outcome"],
+            registry=registry,
+        )
+        self.request_success = Counter(
+            PREFIX + "request_success",
+            "Finished requests by finish reason (stop, length, abort)",
+            ["model_name", "finished_reason"],
+            registry=registry,
+        )
         self.prompt_tokens = Counter(
             PREFIX + "prompt_tokens", "Prompt tokens of finished requests", label, registry=registry
         )
@@ -129,9 +168,8 @@ class ServerMetrics:
             ["model_name", "format"],
             registry=registry,
         )
-        for weight_format, size in (weight_bytes or {}).items():
-            weights.labels(model_name, weight_format).set(size)
-        self.registry.register(_EngineStatsCollector(engine_stats, model_name))
+        for weight_format, size in weight_bytes.items():
+            weights.labels(self.model_name, weight_format).set(size)
 
     def count_request(self, endpoint: str, outcome: str) -> None:
         self.requests.labels(self.model_name, endpoint, outcome).inc()
@@ -164,59 +202,19 @@ class _EngineStatsCollector(Collector):
         except Exception:  # a scrape must not fail because the engine is restarting
             return
         model = [self._model_name]
-        gauges = (
-            ("num_requests_running", "Requests in the running batch", stats.num_running),
-            ("num_requests_waiting", "Requests waiting to be scheduled", stats.num_waiting),
-            ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1)", stats.kv_usage),
-        )
-        for name, doc, value in gauges:
+        for name, doc, field in _ENGINE_GAUGES:
             gauge = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
-            gauge.add_metric(model, float(value))
+            gauge.add_metric(model, float(getattr(stats, field)))
             yield gauge
-        counters = (
-            (
-                "prefix_cache_queries",
-                "Prompt tokens looked up in the prefix cache",
-                stats.prefix_cache_queried_tokens,
-            ),
-            (
-                "prefix_cache_hits",
-                "Prompt tokens found in the prefix cache",
-                stats.prefix_cache_hit_tokens,
-            ),
-            ("num_preemptions", "Sequences preempted (to be recomputed)", stats.num_preemptions),
-            (
-                "request_resubmissions",
-                "Requests resubmitted after an actor restart",
-                stats.resubmitted_requests,
-            ),
-            (
-                "stalled_stream_aborts",
-                "Requests aborted because their client stopped reading",
-                stats.stalled_stream_aborts,
-            ),
-            ("steps", "Model steps run", stats.num_steps),
-            (
-                "step_compute_seconds",
-                "Seconds rank 0 spent computing steps (plan taken in to result ready)",
-                stats.step_compute_seconds,
-            ),
-            ("step_gaps", "Gaps between two steps of a running batch", stats.step_gaps),
-            (
-                "step_gap_seconds",
-                "Seconds the workers waited in those gaps (result ready to next plan taken in)",
-                stats.step_gap_seconds,
-            ),
-            (
-                "step_gap_scheduler_seconds",
-                "The scheduler's part of the gaps (result read to next plan sent)",
-                stats.step_gap_scheduler_seconds,
-            ),
-        )
-        for name, doc, value in counters:
+        for name, doc, field in _ENGINE_COUNTERS:
             counter = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
-            counter.add_metric(model, float(value))
+            counter.add_metric(model, float(getattr(stats, field)))
             yield counter
+        yield from self._per_actor(stats)
+        yield from kv_transfer_metrics(stats, self._model_name)
+
+    def _per_actor(self, stats: EngineStats) -> Iterator[Metric]:
+        """Restarts and CPU seconds by actor; frames and bytes by actor and ring."""
         family = CounterMetricFamily(
             PREFIX + "actor_restarts", "Restarts of each actor", labels=["model_name", "actor"]
         )
@@ -243,4 +241,3 @@ class _EngineStatsCollector(Collector):
             sent.add_metric([self._model_name, row.actor, row.ring], float(row.bytes))
         yield frames
         yield sent
-        yield from kv_transfer_metrics(stats, self._model_name)
