@@ -127,7 +127,12 @@ def threads_per_rank(settings: Settings, device: str, placement: Placement) -> T
     """torch threads of each worker rank, per step; None on a GPU (torch's own default)."""
     if device_type(device) != "cpu":
         return None
-    return thread_policy(settings.runtime.worker_threads, available_cores(), placement.local_ranks)
+    return thread_policy(
+        settings.runtime.worker_threads,
+        available_cores(),
+        placement.local_ranks,
+        batch_invariant=settings.model.deterministic,
+    )
 
 
 def thread_fields(policy: ThreadPolicy | None) -> dict[str, int | None]:

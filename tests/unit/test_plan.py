@@ -208,3 +208,11 @@ def test_every_worker_rank_is_told_the_engine_home_its_cpu_kernel_is_built_in(
         if child.name.startswith("worker")
     ]
     assert [worker.engine_home for worker in workers] == [home, home]
+
+
+def test_deterministic_mode_plans_small_steps_on_one_thread(path: Path) -> None:
+    settings = build_settings(**{"model.path": str(path), "model.deterministic": True})
+    spec = plan_engine(settings, str(path)).spec
+    child = next(c for c in spec.children if c.name.startswith("worker"))
+    worker = msgspec.msgpack.decode(child.config, type=WorkerConfig)
+    assert worker.num_threads == 1
