@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
+from typing import TypedDict
 
 import msgspec
 
@@ -135,7 +136,18 @@ def threads_per_rank(settings: Settings, device: str, placement: Placement) -> T
     )
 
 
-def thread_fields(policy: ThreadPolicy | None) -> dict[str, int | None]:
+class ThreadFields(TypedDict):
+    num_threads: int | None
+    busy_threads: int | None
+
+
+class ChildTiming(TypedDict):
+    heartbeat_interval: float
+    heartbeat_timeout: float
+    ready_timeout: float
+
+
+def thread_fields(policy: ThreadPolicy | None) -> ThreadFields:
     """WorkerConfig's thread fields for a policy (None: the device's default)."""
     if policy is None:
         return {"num_threads": None, "busy_threads": None}
@@ -314,7 +326,7 @@ def _replica_spec(
     suffix = replica_suffix(replica, num_replicas)
     moves_kv = role != "both"
     runtime = settings.runtime
-    timing = {
+    timing: ChildTiming = {
         "heartbeat_interval": runtime.heartbeat_interval,
         "heartbeat_timeout": runtime.heartbeat_timeout,
         "ready_timeout": runtime.start_timeout,

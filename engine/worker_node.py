@@ -17,6 +17,7 @@ import asyncio
 import logging
 import signal
 import sys
+from typing import Any
 
 import uvloop
 
@@ -53,7 +54,8 @@ async def _serve(settings: Settings) -> int:
         loop.add_signal_handler(sig, stop.set)
     starting = asyncio.gather(*(s.start() for s in supervisors))
     stopped = asyncio.ensure_future(stop.wait())
-    await asyncio.wait([starting, stopped], return_when="FIRST_COMPLETED")
+    either: list[asyncio.Future[Any]] = [starting, stopped]
+    await asyncio.wait(either, return_when="FIRST_COMPLETED")
     if not starting.done():  # a signal came first
         starting.cancel()
         stopped.cancel()
