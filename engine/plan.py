@@ -185,16 +185,21 @@ def replica_suffix(replica: int, data_parallel_size: int) -> str:
     return f"-r{replica}" if data_parallel_size > 1 else ""
 
 
-def plan_engine(settings: Settings, model_path: str) -> EnginePlan:
-    config = load_model_config(model_path)
+def max_model_len_of(settings: Settings, config: ModelConfig) -> int:
+    """model.max_model_len, checked against the model's positions; else the model's."""
     requested_len = settings.model.max_model_len
     if requested_len is not None and requested_len > config.max_position_embeddings:
         raise ValueError(
             f"model.max_model_len {requested_len} exceeds the model's "
             f"max_position_embeddings {config.max_position_embeddings}"
         )
+    return requested_len or config.max_position_embeddings
+
+
+def plan_engine(settings: Settings, model_path: str) -> EnginePlan:
+    config = load_model_config(model_path)
+    max_model_len = max_model_len_of(settings, config)
     placement = check_parallel(settings, config)
-    max_model_len = requested_len or config.max_position_embeddings
     device = resolve_device(settings.model.device)
     dtype = resolve_dtype(settings.model.dtype, config.torch_dtype, device)
     block_size = settings.cache.block_size
@@ -225,22 +230,7 @@ def plan_engine(settings: Settings, model_path: str) -> EnginePlan:
     weights = weight_bytes_by_format(
         config, dtype, tp, device, {n: (f.source, f.bits) for n, f in quantized.items()}
     )
-    log.info(
-        "weights: %.1f MiB per rank (%s)",
-        sum(weights.values()) / 2**20,
-        ", ".join(f"{kind} {size / 2**20:.1f} MiB" for kind, size in sorted(weights.items())),
-    )
-    log.info(
-        "KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB per rank, %s)%s",
-        num_blocks,
-        block_size,
-        num_blocks * block_size,
-        num_blocks * block_bytes / 2**20,
-        dtype,
-        f"; {len(replica_roles(settings))} replicas x {tp} ranks"
-        if placement.local_ranks > 1 or placement.nnodes > 1
-        else "",
-    )
+    _log_memory(settings, placement, weights, num_blocks, block_bytes, dtype)
     worker = WorkerConfig(
         model_path=model_path,
         rank=0,
@@ -279,6 +269,35 @@ def plan_engine(settings: Settings, model_path: str) -> EnginePlan:
     )
 
 
+def _log_memory(
+    settings: Settings,
+    placement: Placement,
+    weights: dict[str, int],
+    num_blocks: int,
+    block_bytes: int,
+    dtype: str,
+) -> None:
+    """What one rank's weights and KV cache take, as the start log shows it."""
+    log.info(
+        "weights: %.1f MiB per rank (%s)",
+        sum(weights.values()) / 2**20,
+        ", ".join(f"{kind} {size / 2**20:.1f} MiB" for kind, size in sorted(weights.items())),
+    )
+    block_size = settings.cache.block_size
+    log.info(
+        "KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB per rank, %s)%s",
+        num_blocks,
+        block_size,
+        num_blocks * block_size,
+        num_blocks * block_bytes / 2**20,
+        dtype,
+        f"; {len(replica_roles(settings))} replicas x "
+        f"{settings.parallel.tensor_parallel_size} ranks"
+        if placement.local_ranks > 1 or placement.nnodes > 1
+        else "",
+    )
+
+
 def kernel_backend_of(settings: Settings) -> str:
     """The kernel backend the workers load: deterministic mode has its own (batch-invariant)."""
     return "batch_invariant" if settings.model.deterministic else settings.model.kernel_backend
@@ -300,7 +319,7 @@ def plan_worker_node(settings: Settings, model_path: str) -> tuple[SupervisorSpe
         device=device,
         block_size=settings.cache.block_size,
         kv_cache_memory=0,  # rank 0's value arrives over the group's store
-        max_model_len=settings.model.max_model_len or config.max_position_embeddings,
+        max_model_len=max_model_len_of(settings, config),
         **thread_fields(threads_per_rank(settings, device, placement)),
         kernel_backend=kernel_backend_of(settings),
         quantization=settings.model.quantization,
@@ -325,12 +344,6 @@ def _replica_spec(
     num_replicas = len(replica_roles(settings))
     suffix = replica_suffix(replica, num_replicas)
     moves_kv = role != "both"
-    runtime = settings.runtime
-    timing: ChildTiming = {
-        "heartbeat_interval": runtime.heartbeat_interval,
-        "heartbeat_timeout": runtime.heartbeat_timeout,
-        "ready_timeout": runtime.start_timeout,
-    }
     workers = _worker_specs(settings, placement, replica, worker, moves_kv)
     if moves_kv:
         scheduler = msgspec.structs.replace(
@@ -338,14 +351,42 @@ def _replica_spec(
             kv_transfer_ranks=len(workers),
             kv_hold_timeout=settings.kv_transfer.hold_timeout,
         )
+    pipeline = _pipeline_specs(settings, config, worker, scheduler, suffix)
+    children: tuple[ChildSpec, ...] = (*workers, *pipeline)
+    sched, detok, tokenizer = (child.name for child in pipeline)
+    rings = _pipeline_rings(settings, placement, [w.name for w in workers], sched, detok, tokenizer)
+    segments: list[SegmentDecl] = []
+    if moves_kv:
+        transfers, kv_rings, segments = kv_transfer_parts(
+            settings, config, worker.dtype, worker.block_size, scheduler.num_blocks, replica,
+            suffix, sched, [w.name for w in workers],
+        )  # fmt: skip
+        children = (*children, *transfers)
+        rings += kv_rings
+    return _supervisor_spec(settings, children, tuple(rings), tuple(segments))
+
+
+def _pipeline_specs(
+    settings: Settings,
+    config: ModelConfig,
+    worker: WorkerConfig,
+    scheduler: SchedulerConfig,
+    suffix: str,
+) -> tuple[ChildSpec, ChildSpec, ChildSpec]:
+    """A replica's scheduler, detokenizer and tokenizer."""
+    runtime = settings.runtime
+    timing: ChildTiming = {
+        "heartbeat_interval": runtime.heartbeat_interval,
+        "heartbeat_timeout": runtime.heartbeat_timeout,
+        "ready_timeout": runtime.start_timeout,
+    }
     tokenizer_config = TokenizerConfig(
         worker.model_path,
         worker.max_model_len,
         config.vocab_size,
         settings.server.allow_special_tokens_in_chat,
     )
-    children = (
-        *workers,
+    return (
         ChildSpec(
             name=f"scheduler{suffix}",
             entry="engine.actors.scheduler:SchedulerActor",
@@ -368,11 +409,20 @@ def _replica_spec(
             **timing,
         ),
     )
-    rank0 = workers[0].name
-    # Across hosts only rank 0 reads the plan ring; it relays each plan to the others.
-    plan_readers = (rank0,) if placement.nnodes > 1 else tuple(w.name for w in workers)
 
-    sched, detok, tokenizer = (child.name for child in children[len(workers) :])
+
+def _pipeline_rings(
+    settings: Settings,
+    placement: Placement,
+    workers: list[str],
+    sched: str,
+    detok: str,
+    tokenizer: str,
+) -> list[RingDecl]:
+    """The rings between a replica's actors and the root."""
+    rank0 = workers[0]
+    # Across hosts only rank 0 reads the plan ring; it relays each plan to the others.
+    plan_readers = (rank0,) if placement.nnodes > 1 else tuple(workers)
     rings = [
         declare_ring(REQUESTS_RING, ROOT, [tokenizer]),
         declare_ring(SUBMIT_RING, tokenizer, [sched]),
@@ -385,16 +435,8 @@ def _replica_spec(
     ]
     if len(workers) > 1 and settings.parallel.master_port == 0:
         # Rank 0 tells the other ranks of this host the port it bound (fresh at each restart).
-        rings.append(declare_ring(RENDEZVOUS_RING, rank0, [w.name for w in workers[1:]]))
-    segments: list[SegmentDecl] = []
-    if moves_kv:
-        transfers, kv_rings, segments = kv_transfer_parts(
-            settings, config, worker.dtype, worker.block_size, scheduler.num_blocks, replica,
-            suffix, sched, [w.name for w in workers],
-        )  # fmt: skip
-        children = (*children, *transfers)
-        rings += kv_rings
-    return _supervisor_spec(settings, children, tuple(rings), tuple(segments))
+        rings.append(declare_ring(RENDEZVOUS_RING, rank0, workers[1:]))
+    return rings
 
 
 def _worker_specs(
