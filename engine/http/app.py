@@ -50,6 +50,20 @@ T = TypeVar("T")
 
 
 def build_app(state: ServerState) -> Starlette:
+    routes = [*_api_routes(state), *_probe_routes(state), *_token_routes(state)]
+    handlers: dict[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
+        ApiError: _api_error_response,
+        HTTPException: _http_exception_response,
+        Exception: _internal_error_response,
+    }
+    return Starlette(
+        routes=routes, exception_handlers=handlers, middleware=cors_middleware(state.settings)
+    )
+
+
+def _api_routes(state: ServerState) -> list[Route]:
+    """The OpenAI API, the version and the metrics."""
+
     async def completions(request: Request) -> Response:
         return await _generate(request, state, parse_completion, "completions")
 
@@ -63,6 +77,24 @@ def build_app(state: ServerState) -> Starlette:
             for name in state.served_names
         ]
         return Response(encode(ModelList(data=cards)), media_type=JSON)
+
+    async def version_route(request: Request) -> Response:
+        return _json(200, {"version": engine_version()})
+
+    async def metrics(request: Request) -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    return [
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/version", version_route, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+
+
+def _probe_routes(state: ServerState) -> list[Route]:
+    """Liveness (/health) and readiness (/ready), as Kubernetes probes read them."""
 
     async def health(request: Request) -> Response:
         """Liveness: 503 only once the engine has given up. An actor being restarted is the
@@ -86,6 +118,12 @@ def build_app(state: ServerState) -> Starlette:
         body = {"status": "unavailable", "not_ready": report.not_ready, "reason": report.reason}
         return _json(503, body)
 
+    return [Route("/health", health, methods=["GET"]), Route("/ready", ready, methods=["GET"])]
+
+
+def _token_routes(state: ServerState) -> list[Route]:
+    """vLLM's /tokenize, /detokenize and /abort."""
+
     async def tokenize(request: Request) -> Response:
         _check_auth(request, state)
         body = await _read_body(request, state.settings.server.max_request_bytes)
@@ -106,32 +144,11 @@ def build_app(state: ServerState) -> Starlette:
             )
         return _json(200, {"aborted": request_id})
 
-    async def version_route(request: Request) -> Response:
-        return _json(200, {"version": engine_version()})
-
-    async def metrics(request: Request) -> Response:
-        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
-
-    routes = [
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/ready", ready, methods=["GET"]),
+    return [
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/abort", abort, methods=["POST"]),
-        Route("/version", version_route, methods=["GET"]),
-        Route("/metrics", metrics, methods=["GET"]),
     ]
-    handlers: dict[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
-        ApiError: _api_error_response,
-        HTTPException: _http_exception_response,
-        Exception: _internal_error_response,
-    }
-    return Starlette(
-        routes=routes, exception_handlers=handlers, middleware=cors_middleware(state.settings)
-    )
 
 
 async def _generate(request: Request, state: ServerState, parse: Parser, endpoint: str) -> Response:

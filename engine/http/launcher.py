@@ -201,24 +201,7 @@ async def _run(
         return {"drained": True, "in_flight": len(llm.requests())}
 
     admin = AdminServer(state, admin_path, drain=drain, shutdown=shutdown.request)
-    server = _Server(
-        uvicorn.Config(
-            build_app(state),
-            lifespan="off",
-            root_path=settings.server.root_path,
-            log_config=None,
-            access_log=settings.runtime.log_level == "debug",
-            timeout_graceful_shutdown=int(_CONNECTION_GRACE_S),
-            timeout_keep_alive=KEEP_ALIVE_S,
-            http=guarded_http_protocol(
-                settings.server.header_timeout,
-                settings.server.max_connections,
-                settings.server.send_buffer,
-                settings.server.body_timeout,
-            ),
-            ws="none",  # no websocket routes; an upgrade would also escape the head deadline
-        )
-    )
+    server = _http_server(state, settings)
     serve_task: asyncio.Task[None] | None = None
     exit_status = 0
     try:
@@ -240,18 +223,7 @@ async def _run(
         print(
             f"engine ready: {url} (model {state.model_name}; admin socket {admin_path})", flush=True
         )
-        stop_waiter = asyncio.create_task(shutdown.requested.wait())
-        engine_failed = asyncio.create_task(_engine_failure(llm))
-        waiters = {serve_task, stop_waiter, engine_failed}
-        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-        stop_waiter.cancel()
-        engine_failed.cancel()
-        if engine_failed.done() and not engine_failed.cancelled():
-            print(f"engine: stopped: {engine_failed.result()}", file=sys.stderr, flush=True)
-            exit_status = 1
-        elif serve_task.done():
-            print("engine: the HTTP server stopped unexpectedly", file=sys.stderr, flush=True)
-            exit_status = 1
+        exit_status = await _serve_until_stopped(llm, serve_task, shutdown)
         log.info("shutting down: draining in-flight requests")
         await _drain(state, shutdown)
     finally:
@@ -267,6 +239,47 @@ async def _run(
         if state.trace is not None:
             state.trace.close()
     return exit_status
+
+
+def _http_server(state: ServerState, settings: Settings) -> _Server:
+    """uvicorn around the app, with the connection guards (connections.py) as its protocol."""
+    return _Server(
+        uvicorn.Config(
+            build_app(state),
+            lifespan="off",
+            root_path=settings.server.root_path,
+            log_config=None,
+            access_log=settings.runtime.log_level == "debug",
+            timeout_graceful_shutdown=int(_CONNECTION_GRACE_S),
+            timeout_keep_alive=KEEP_ALIVE_S,
+            http=guarded_http_protocol(
+                settings.server.header_timeout,
+                settings.server.max_connections,
+                settings.server.send_buffer,
+                settings.server.body_timeout,
+            ),
+            ws="none",  # no websocket routes; an upgrade would also escape the head deadline
+        )
+    )
+
+
+async def _serve_until_stopped(
+    llm: Any, serve_task: asyncio.Task[None], shutdown: _Shutdown
+) -> int:
+    """Until a stop is asked (0), the engine gives up or the HTTP server stops (1, said)."""
+    stop_waiter = asyncio.create_task(shutdown.requested.wait())
+    engine_failed = asyncio.create_task(_engine_failure(llm))
+    waiters = {serve_task, stop_waiter, engine_failed}
+    await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    stop_waiter.cancel()
+    engine_failed.cancel()
+    if engine_failed.done() and not engine_failed.cancelled():
+        print(f"engine: stopped: {engine_failed.result()}", file=sys.stderr, flush=True)
+        return 1
+    if serve_task.done():
+        print("engine: the HTTP server stopped unexpectedly", file=sys.stderr, flush=True)
+        return 1
+    return 0
 
 
 async def _engine_failure(llm: Any, interval: float = 0.5) -> str:
