@@ -128,6 +128,12 @@ class Scheduler:
                 f"({room}): shorten the prompt or stop_token_ids"
             )
             return failed(submit.request_id, submit.epoch, 400, reason, "scheduler")
+        self._queue_samples(request, submit)
+        return None
+
+    def _queue_samples(self, request: Request, submit: SubmitRequest) -> None:
+        """A sequence per sample still to finish (a resumed request's carry their delivered
+        tokens), queued for the planner."""
         starts: list[tuple[int, list[int]]]
         if submit.resume is None:
             starts = [(index, []) for index in range(submit.params.n)]
@@ -156,7 +162,6 @@ class Scheduler:
             del self._requests[request.request_id]
         elif submit.params.prompt_logprobs is not None and not any(d for _, d in starts):
             request.prompt_scores = {}  # none were delivered yet: compute them
-        return None
 
     def admit_pulled(self, submits: Iterable[SubmitRequest]) -> list[RequestFailed]:
         """Queue requests whose KV pull settled (arrived: its blocks are cached prefix now)."""
