@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from engine.home import default_engine_home
 
@@ -110,6 +111,55 @@ def build(target: Path) -> None:
             os.unlink(staging)
 
 
+i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+# Each exported function's argument types (they all return an int status).
+_SIGNATURES: dict[str, list[type[Any]]] = {
+    # engine/kernels/cpu/paged_attention.cpp
+    "engine_paged_attention": [
+        ctypes.c_int,  # dtype
+        ptr,  # query
+        i64,  # query token stride
+        ptr,  # key cache
+        ptr,  # value cache
+        ptr,  # block tables
+        i64,  # table width
+        ptr,  # token -> block table row
+        ptr,  # keys seen per token
+        ptr,  # step row per token, or null
+        i64,  # tokens
+        i64,  # heads
+        i64,  # kv heads
+        i64,  # head dim
+        i64,  # block size
+        ctypes.c_float,  # scale
+        ptr,  # out
+        ctypes.c_int,  # threads
+    ],
+    # engine/kernels/cpu/pointwise.cpp; x and out point at activations, all of one dtype.
+    # dtype, x, token stride, tokens, heads, dim, weight, weight head stride, eps, out
+    "engine_rms_norm": [ctypes.c_int, ptr, i64, i64, i64, i64, ptr, i64, ctypes.c_float, ptr],
+    # dtype, x, token stride, tokens, heads, dim, cos, sin, out
+    "engine_rotary": [ctypes.c_int, ptr, i64, i64, i64, i64, ptr, ptr, ptr],
+    # dtype, gate_up, tokens, width, out
+    "engine_silu_and_mul": [ctypes.c_int, ptr, i64, i64, ptr],
+    # float32 x, rows, columns, row stride, int64 out
+    "engine_argmax_rows": [ptr, i64, i64, i64, ptr],
+    # engine/kernels/cpu/linear.cpp, float32: x, m, k, x row stride, packed w, n, bias or
+    # null, out, threads
+    "engine_linear": [ptr, i64, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int],
+    # engine/kernels/cpu/quantized_linear.cpp: float32 x, m, k, x row stride, packed w
+    # (engine/quantization/layout.py), n, bits, bias or null, out, threads, path
+    "engine_quantized_linear": [ptr, i64, i64, i64, ptr, i64, i32, ptr, ptr, i32, i32],
+    # packed w, n, k, bits, int64 ids, count, float32 out [count, k]
+    "engine_quantized_rows": [ptr, i64, i64, i32, ptr, i64, ptr],
+    # (no arguments) -> bit p set where path p runs
+    "engine_quantized_paths": [],
+    # engine/kernels/cpu/decode_step.cpp: layers (engine/model/fused_decode.py's structs),
+    # count, shape, step, h [m, hidden] in place, m
+    "engine_decode_layers": [ptr, i64, ptr, ptr, ptr, i64],
+}
+
+
 @functools.cache
 def load_library() -> ctypes.CDLL:
     """The built library with its functions' signatures declared; built first if missing."""
@@ -121,54 +171,7 @@ def load_library() -> ctypes.CDLL:
         library = ctypes.CDLL(str(target))
     except OSError as exc:
         raise KernelBuildError(f"cannot load {target}: {exc}") from exc
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    i32 = ctypes.c_int
-    signatures = {
-        # engine/kernels/cpu/paged_attention.cpp
-        "engine_paged_attention": [
-            ctypes.c_int,  # dtype
-            ptr,  # query
-            i64,  # query token stride
-            ptr,  # key cache
-            ptr,  # value cache
-            ptr,  # block tables
-            i64,  # table width
-            ptr,  # token -> block table row
-            ptr,  # keys seen per token
-            ptr,  # step row per token, or null
-            i64,  # tokens
-            i64,  # heads
-            i64,  # kv heads
-            i64,  # head dim
-            i64,  # block size
-            ctypes.c_float,  # scale
-            ptr,  # out
-            ctypes.c_int,  # threads
-        ],
-        # engine/kernels/cpu/pointwise.cpp; x and out point at activations, all of one dtype.
-        # dtype, x, token stride, tokens, heads, dim, weight, weight head stride, eps, out
-        "engine_rms_norm": [ctypes.c_int, ptr, i64, i64, i64, i64, ptr, i64, ctypes.c_float, ptr],
-        # dtype, x, token stride, tokens, heads, dim, cos, sin, out
-        "engine_rotary": [ctypes.c_int, ptr, i64, i64, i64, i64, ptr, ptr, ptr],
-        # dtype, gate_up, tokens, width, out
-        "engine_silu_and_mul": [ctypes.c_int, ptr, i64, i64, ptr],
-        # float32 x, rows, columns, row stride, int64 out
-        "engine_argmax_rows": [ptr, i64, i64, i64, ptr],
-        # engine/kernels/cpu/linear.cpp, float32: x, m, k, x row stride, packed w, n, bias or
-        # null, out, threads
-        "engine_linear": [ptr, i64, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int],
-        # engine/kernels/cpu/quantized_linear.cpp: float32 x, m, k, x row stride, packed w
-        # (engine/quantization/layout.py), n, bits, bias or null, out, threads, path
-        "engine_quantized_linear": [ptr, i64, i64, i64, ptr, i64, i32, ptr, ptr, i32, i32],
-        # packed w, n, k, bits, int64 ids, count, float32 out [count, k]
-        "engine_quantized_rows": [ptr, i64, i64, i32, ptr, i64, ptr],
-        # (no arguments) -> bit p set where path p runs
-        "engine_quantized_paths": [],
-        # engine/kernels/cpu/decode_step.cpp: layers (engine/model/fused_decode.py's structs),
-        # count, shape, step, h [m, hidden] in place, m
-        "engine_decode_layers": [ptr, i64, ptr, ptr, ptr, i64],
-    }
-    for name, argtypes in signatures.items():
+    for name, argtypes in _SIGNATURES.items():
         function = getattr(library, name)
         function.argtypes = argtypes
         function.restype = ctypes.c_int
