@@ -2,7 +2,7 @@
 
 It lives in the root process: it starts the supervisor, keeps the gateway (every unfinished
 request's truth), pumps the detokenizer's output into per-request streams, and after any restart
-on the request path resubmits every unfinished request under a new epoch (DESIGN §5; with
+on the request path resubmits every unfinished request under a new epoch (engine/gateway/; with
 data-parallel replicas, every unfinished request of the restarted actor's replica). A death
 that was a crash (not a kill from outside) is counted against the requests in flight at the
 actor, which the gateway retries alone and quarantines if they crash it again (see gateway).

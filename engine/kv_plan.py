@@ -1,5 +1,5 @@
-"""The plan's P/D part (DESIGN §9): which replicas prefill, which decode, and the actors, rings
-and segments a replica with KV transfer gets.
+"""The plan's part for P/D (prefill/decode disaggregation): which replicas prefill, which
+decode, and the actors, rings and segments a replica with KV transfer gets.
 
 A replica with a role other than `both` in a one-launch P/D engine, and the one replica of an
 instance started with `--kv-role prefill|decode`, get one kv_transfer actor per worker rank.

@@ -1,5 +1,6 @@
 """The kv_transfer actor, one per worker rank: serves the blocks its scheduler holds to pullers
-on other instances, and pulls blocks from them into its own rank's cache (DESIGN §9).
+on other instances, and pulls blocks from them into its own rank's cache (prefill/decode
+disaggregation: engine/messages/kv_transfer.py).
 
 Orders come on KV_ORDERS_RING (HoldBlocks, DropHolds, PullBlocks); events go out on
 its rank's KV_EVENTS_RING (TransferEndpoint at every start, BlocksReleased, BlocksPulled,

@@ -6,10 +6,10 @@ step to every rank (PLAN_RING, broadcast), one TokenBatch per step to the detoke
 (TOKENS_RING), and a periodic report to the root (REPORTS_RING). Exactly one step is in flight at
 a time (the rings: engine/messages/ring_catalogue.py).
 
-With P/D (DESIGN §9) it also orders its kv_transfer actors (KV_ORDERS_RING, broadcast: holds and
-pulls), hears each rank's events (KV_EVENTS_RING), and checks holds and pulls against their
-deadlines once a second. Orders go out before the tokens of the same step, so a handoff never
-reaches a puller before its hold reached the ranks' ring.
+With P/D disaggregation (engine/scheduler/kv_handoff.py) it also orders its kv_transfer actors
+(KV_ORDERS_RING, broadcast: holds and pulls), hears each rank's events (KV_EVENTS_RING), and
+checks holds and pulls against their deadlines once a second. Orders go out before the tokens
+of the same step, so a handoff never reaches a puller before its hold reached the ranks' ring.
 
 A request that breaks something here fails alone: a submission the scheduler cannot take in, or
 sequences the workers could not compute (WorkerFailed), become a RequestFailed with status

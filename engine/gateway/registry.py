@@ -1,4 +1,5 @@
-"""The gateway: the one place where every unfinished request's truth lives (DESIGN §5).
+"""The gateway: the one place where every unfinished request's truth lives, so that an actor's
+restart loses no request.
 
 It runs in the root process. It assigns request ids and seeds, keeps each unfinished request's
 record (prompt, params, what each sample has delivered to its client, epoch), fans detokenizer

@@ -17,10 +17,10 @@
   and closed as it opens, and those already open keep working.
 - A fixed kernel send buffer per connection (`server.send_buffer`). Left to the kernel, a TCP
   socket's send buffer autotunes up to net.ipv4.tcp_wmem's maximum (4 MiB on many hosts, more on
-  tuned ones): on loopback it reached 3.9 MiB within a second and held 2.8 MB of a stream its
-  client never read. All that time the request kept generating as if read, and an output
-  smaller than the machine's buffers ran to its end unread: whether a stalled client was
-  detected depended on the host's sysctls. With the buffer fixed, a client that stops reading
+  tuned ones), on loopback within a second, and so holds megabytes of a stream its client
+  never reads. All that time the request goes on generating as if read, and an output smaller
+  than the machine's buffers runs to its end unread: whether a stalled client is detected would
+  depend on the host's sysctls. With the buffer fixed, a client that stops reading
   fills it, then uvicorn's transport (paused at its high-water mark), then the request's output
   stream, whose stall aborts the request (engine/gateway/output_stream.py) on any host.
 

@@ -22,7 +22,8 @@ connection (the stream is out of step), and goes on serving the others.
 Every connection starts with the handshake of handshake.py (inside TLS, where tls.py is set up):
 the server reads no request from a peer that has not proved the deployment secret.
 
-The messages are in engine/messages/kv_wire.py, with every other message type (DESIGN §1).
+The messages are in engine/messages/kv_wire.py, with every other message type: plain types
+that know nothing of actors or sockets (tests/unit/test_layering.py).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""KV transfer between a prefill instance and a decode instance (DESIGN §9).
+"""KV transfer between a prefill instance and a decode instance (P/D disaggregation).
 
 Roles. A prefill instance's scheduler, once a request's first token is sampled, keeps the
 request's full prompt blocks (a *hold*) and hands the request on with a `KvSource`: where its

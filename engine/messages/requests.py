@@ -1,8 +1,9 @@
 """Channels gateway -> tokenizer, and tokenizer -> gateway (requests it cannot serve).
 
-The gateway is the only place a request's truth lives (DESIGN §5). Each submission carries an
-epoch; after a restart on the request path the gateway resubmits every unfinished request under a
-new epoch with `resume` naming each unfinished sample and what was already delivered of it.
+The gateway is the only place a request's truth lives (engine/gateway/registry.py), so actors
+may restart without losing a request. Each submission carries an epoch; after a restart on the
+request path the gateway resubmits every unfinished request under a new epoch with `resume`
+naming each unfinished sample and what was already delivered of it.
 """
 
 from __future__ import annotations

@@ -40,11 +40,11 @@ class SubmitRequest(msgspec.Struct, tag=True, array_like=True):
     # None: a fresh request, all params.n samples. Otherwise only the listed samples run (the
     # others already finished).
     resume: list[SampleResume] | None = None
-    # P/D disaggregation (DESIGN §9): `kv_handoff` asks a prefill instance to hold the prompt's
-    # KV after the first token and say so (SampleDelta.handoff): "continue" when the request
-    # goes on elsewhere in this launch (not if the first token ended it), "hold" whatever the
-    # first token (another instance, told by the client, recomputes it); `kv_source` tells a
-    # decode instance where the prompt's KV lies, to pull instead of computing it.
+    # P/D disaggregation: `kv_handoff` asks a prefill instance to hold the prompt's KV after
+    # the first token and say so (SampleDelta.handoff): "continue" when the request goes on
+    # elsewhere in this launch (not if the first token ended it), "hold" whatever the first
+    # token (another instance, told by the client, recomputes it); `kv_source` tells a decode
+    # instance where the prompt's KV lies, to pull instead of computing it.
     kv_handoff: KvHandoff = ""
     kv_source: KvSource | None = None
 

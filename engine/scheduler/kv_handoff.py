@@ -1,5 +1,5 @@
-"""The scheduler's side of P/D disaggregation (DESIGN §9): holds on a prefill instance, pulls on a
-decode instance. Plain Python, no I/O: orders for the kv_transfer actors queue in `orders`.
+"""The scheduler's side of P/D disaggregation: holds on a prefill instance, pulls on a decode
+instance. Plain Python, no I/O: orders for the kv_transfer actors queue in `orders`.
 
 Prefill side (`KvHolds`). When a request asked to hand off has its first token, the scheduler
 takes a reference on the request's full prompt blocks (so neither the request's end nor an

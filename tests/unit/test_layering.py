@@ -1,7 +1,7 @@
 """The package's layering, read from the source with `ast` (no imports run): no import cycles
 inside `engine/` or between the benchmarks and tools of `tools/`, lazy imports inside functions
-included, and the rules of DESIGN.md §1: the actor runtime knows nothing of LLMs, and messages
-know nothing of actors."""
+included, and the layering rules: the actor runtime knows nothing of LLMs, and messages know
+nothing of actors."""
 
 from __future__ import annotations
 

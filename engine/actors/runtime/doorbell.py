@@ -33,9 +33,11 @@ from typing import Protocol
 
 SAFETY_RECHECK_S = 0.1
 MAX_SAFETY_RECHECK_S = 1.6
-DEFAULT_MAX_SPIN_US = 200.0  # readers: a reply often comes within tens of µs
-# A writer facing a full ring waits for its reader to get through a whole ring's worth of frames
-# (hundreds of µs); spinning through that only takes CPU from the reader on a busy machine.
+# Readers: a peer's reply usually comes while they spin, sooner than parking and being woken.
+DEFAULT_MAX_SPIN_US = 200.0
+# A writer facing a full ring waits for its reader to get through a whole ring's worth of frames,
+# far longer than a reply takes; spinning through that only takes CPU from the reader on a busy
+# machine.
 DEFAULT_WRITER_MAX_SPIN_US = 20.0
 _PIPE_DRAIN_BYTES = 4096
 
@@ -209,8 +211,9 @@ class Waiter:
     """Waits until any of some parties is ready: spin first (adaptive budget), then park.
 
     Spinning yields to the event loop every round, so the loop's other coroutines keep running,
-    and calls sched_yield, so a process we wait for that shares our core gets it: on an
-    oversubscribed machine that turned a 270 µs round trip into 25 µs. (The price: while that
+    and calls sched_yield, so a process we wait for that shares our core gets it at once: on an
+    oversubscribed machine it would otherwise run only when the kernel preempts the spinner at
+    the end of its time slice, and the round trip would take that long. (The price: while that
     other process runs, this loop pauses, as it would when the kernel preempts a busy spinner.)
 
     Several coroutines may wait at once (parties count their parkers). `interrupt()` ends every

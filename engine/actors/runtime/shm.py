@@ -206,7 +206,9 @@ def frames_that_fit(lengths: Sequence[int], free: int) -> int:
 def split_records(source: bytes | mmap.mmap, start: int, end: int, out: list[bytes]) -> None:
     """Append the frames of the records in source[start:end] to `out`; ValueError if torn.
 
-    A plain loop: measured faster than map/slice or comprehension variants on CPython 3.11.
+    A plain loop with `out.append` bound once: each frame goes straight into `out`, where
+    map/slice or comprehension variants would build an intermediate list or call a function per
+    frame, on the path of every message received.
     """
     append = out.append
     while start < end:

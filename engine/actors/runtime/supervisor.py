@@ -1,4 +1,4 @@
-"""The supervisor (DESIGN §4): Erlang/OTP's supervisor, run on the root process's event loop.
+"""The supervisor: Erlang/OTP's supervisor, run on the root process's event loop.
 
 - start: sweep segments left by dead runs, create this run's rings, spawn every child at once,
   then await the Ready of each unit in start order (a group is one unit), each within its
