@@ -80,6 +80,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     def validate(self) -> None:
         """Raise ValueError naming the offending field and its allowed range."""
+        self._validate_lengths_and_sampling()
+        self._validate_outputs_and_controls()
+
+    def _validate_lengths_and_sampling(self) -> None:
         _check(self.n >= 1, "n", self.n, "an integer >= 1")
         _check(
             self.max_tokens is None or self.max_tokens >= 1,
@@ -116,6 +120,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             self.frequency_penalty,
             "a number in [-2, 2]",
         )
+
+    def _validate_outputs_and_controls(self) -> None:
         _check(
             self.logprobs is None or 0 <= self.logprobs <= 20,
             "logprobs",
