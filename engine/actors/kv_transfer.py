@@ -74,11 +74,34 @@ class KvTransferActor(Actor):
             self.log.warning("%s is set: each pull waits %g s first", KV_PULL_DELAY_ENV,
                              self._pull_delay)  # fmt: skip
         here = host_id(SHM_DIR)
+        self._open_transfers(config, segment, here)
+        self._listener = socket.create_server((config.listen_host, config.port), backlog=64)
+        self._listener.setblocking(False)
+        port = self._listener.getsockname()[1]
+        self.endpoint = KvEndpoint(config.advertised_host or config.listen_host, port, here)
+        self._hold_added = asyncio.Event()
+        self._pulls: set[asyncio.Task[None]] = set()
+        self._connections = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._accept(), name="accept"),
+            loop.create_task(self._report_releases(), name="releases"),
+            loop.create_task(self._report_refusals(), name="refusals"),
+            loop.create_task(self._expire_holds(), name="expiry"),
+        ]
+        for task in self._tasks:
+            task.add_done_callback(self._on_task_done)
+        await self._announce()
+        return {"cache_segment": segment, "port": port}
+
+    def _open_transfers(self, config: KvTransferConfig, segment: Any, here: str) -> None:
+        """The server of this rank's blocks and the puller of others', both proving the
+        deployment secret (and speaking TLS when its files are given)."""
+        loop = asyncio.get_running_loop()
         secret = config.secret or deployment_secret(
             one_launch=False, secret_file=None, home=default_engine_home(), environ=os.environ
         )
         tls = TlsFiles(config.tls_cert, config.tls_key, config.tls_ca)
-        loop = asyncio.get_running_loop()
         self._released: asyncio.Queue[str] = asyncio.Queue()
         self._refused: asyncio.Queue[str] = asyncio.Queue()
 
@@ -108,23 +131,6 @@ class KvTransferActor(Actor):
             tls=tls.client_context() if tls.enabled else None,
             force_tcp=config.force_tcp,
         )
-        self._listener = socket.create_server((config.listen_host, config.port), backlog=64)
-        self._listener.setblocking(False)
-        port = self._listener.getsockname()[1]
-        self.endpoint = KvEndpoint(config.advertised_host or config.listen_host, port, here)
-        self._hold_added = asyncio.Event()
-        self._pulls: set[asyncio.Task[None]] = set()
-        self._connections = threading.BoundedSemaphore(MAX_CONNECTIONS)
-        self._tasks = [
-            loop.create_task(self._accept(), name="accept"),
-            loop.create_task(self._report_releases(), name="releases"),
-            loop.create_task(self._report_refusals(), name="refusals"),
-            loop.create_task(self._expire_holds(), name="expiry"),
-        ]
-        for task in self._tasks:
-            task.add_done_callback(self._on_task_done)
-        await self._announce()
-        return {"cache_segment": segment, "port": port}
 
     async def handle(self, ring: str, frames: list[bytes]) -> None:
         for order in KV_ORDERS_RING.decode_many(frames):  # its one inbound ring
