@@ -18,8 +18,11 @@ from engine.settings.schema import LimitsSettings
 from engine.structured.spec import check_structured_outputs
 
 
-def check_params(params: SamplingParams, limits: LimitsSettings, max_model_len: int) -> None:
-    """Raise EngineError(400) naming the field when `params` is invalid or over a limit."""
+def check_params(
+    params: SamplingParams, limits: LimitsSettings, max_model_len: int, max_logprobs: int = 20
+) -> None:
+    """Raise EngineError(400) naming the field when `params` is invalid or over a limit
+    (`max_logprobs`: model.max_logprobs, for logprobs and prompt_logprobs alike)."""
     try:
         params.validate()
         if params.structured_outputs is not None:
@@ -27,6 +30,15 @@ def check_params(params: SamplingParams, limits: LimitsSettings, max_model_len: 
     except ValueError as exc:  # the message starts with the field's name
         field = str(exc).split(" ", 1)[0].split(".", 1)[0]
         raise EngineError(str(exc), 400, field) from None
+    asked_for = (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs))
+    for field, asked in asked_for:
+        if asked is not None and asked > max_logprobs:
+            raise EngineError(
+                f"{field} is {asked}, more than this server allows "
+                f"({max_logprobs}, model.max_logprobs / --max-logprobs)",
+                400,
+                field,
+            )
     _within(params.n, limits.max_n, "n", "limits.max_n", "samples")
     _within(len(params.stop), limits.max_stop_strings, "stop", "limits.max_stop_strings", "strings")
     stop_chars = sum(len(stop) for stop in params.stop)

@@ -309,7 +309,7 @@ class AsyncLLM:
         if self._supervisor is None or self._closed:
             raise EngineError("the engine is not running", 503)
         limits = self.settings.limits
-        check_params(params, limits, self.max_model_len)
+        check_params(params, limits, self.max_model_len, self.settings.model.max_logprobs)
         contents = (message.content for message in messages or ())
         check_prompt_size(prompt, prompt_token_ids, contents, limits, self.max_model_len)
         waiting = sum(r.params.n for r in self.gateway.records() if r.first_token_at is None)

@@ -107,8 +107,16 @@ def _logit_bias(raw: dict[str, float]) -> dict[int, float]:
                 400, f"logit_bias keys must be token ids (integers >= 0), got {key!r}",
                 param="logit_bias",
             )  # fmt: skip
-        # OpenAI's range; values outside it are clamped, as OpenAI does.
-        bias[token_id] = max(-MAX_LOGIT_BIAS, min(MAX_LOGIT_BIAS, value))
+        # One rule with the library's (SamplingParams.validate): a value outside OpenAI's range
+        # is refused, naming the field, rather than changed behind the client's back.
+        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise ApiError(
+                400,
+                f"logit_bias must be values in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                f"got {value!r}",
+                param="logit_bias",
+            )
+        bias[token_id] = value
     return bias
 
 

@@ -29,6 +29,7 @@ def llm(model_path: str) -> Iterator[LLM]:
         kv_cache_memory_bytes=4 * 2**20,
         max_model_len=256,
         max_num_seqs=64,
+        max_logprobs=5,
         gpu_memory_utilization=0.5,
         enforce_eager=True,
     ) as engine:
@@ -218,6 +219,18 @@ def test_prompt_logprobs_match_transformers_even_on_a_cached_prefix(
             assert [top.token_id for top in entry.top] == expected.topk(3).indices.tolist()
     plain = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0))[0]
     assert plain.prompt_logprobs is None
+
+
+@pytest.mark.parametrize("field", ["logprobs", "prompt_logprobs"])
+def test_max_logprobs_bounds_logprobs_and_prompt_logprobs(llm: LLM, field: str) -> None:
+    with pytest.raises(EngineError, match=rf"{field} is 6, more than this server allows \(5") as e:
+        llm.generate(["x"], SamplingParams(max_tokens=1, **{field: 6}))
+    assert e.value.status == 400 and e.value.param == field
+
+
+def test_logit_bias_out_of_range_is_refused_as_over_http(llm: LLM) -> None:
+    with pytest.raises(EngineError, match=r"logit_bias must be values in \[-100, 100\], got 150"):
+        llm.generate(["x"], SamplingParams(max_tokens=1, logit_bias={7: 150.0}))
 
 
 def test_prompt_logprobs_out_of_range_are_refused(llm: LLM) -> None:

@@ -102,12 +102,16 @@ def test_output_controls_map_and_check_the_request_fields() -> None:
     fields = output_controls(
         chat(
             response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
-            logit_bias={"7": 150, "8": -3},
+            logit_bias={"7": 100, "8": -3},
             bad_words=["no"],
         )
     )
     assert fields["structured_outputs"].json == schema
-    assert fields["logit_bias"] == {7: 100.0, 8: -3.0}  # clamped to OpenAI's range
+    assert fields["logit_bias"] == {7: 100.0, 8: -3.0}
+    refusal = r"logit_bias must be values in \[-100, 100\], got 150"
+    with pytest.raises(ApiError, match=refusal) as bias:
+        output_controls(chat(logit_bias={"7": 150}))
+    assert bias.value.param == "logit_bias"
     assert fields["bad_words"] == ["no"]
     assert output_controls(chat(guided_regex="[0-9]+"))["structured_outputs"].regex == "[0-9]+"
     with pytest.raises(ApiError) as error:
