@@ -35,6 +35,11 @@ from engine.gateway.crashes import drain_restarts, is_crash
 from engine.gateway.kv_params import KvParams, instance_kv_params
 from engine.gateway.registry import Gateway, ToTokenizer
 from engine.gateway.replicas import Replicas, supervise
+from engine.generation_defaults import (
+    default_sampling_params,
+    load_chat_template,
+    load_generation_defaults,
+)
 from engine.messages.admin import ActorRow, EngineStats, Health, RequestRow
 from engine.messages.codec import too_large_for_one_frame
 from engine.messages.params import SamplingParams
@@ -63,6 +68,10 @@ class AsyncLLM:
         )
         self.model_name = ""
         self.model_path = ""  # the checkpoint directory, once started
+        # As vLLM: what a request that brings no sampling parameters (or a chat no template)
+        # gets: the model's generation_config.json defaults, model.chat_template (once started).
+        self.generation_defaults: dict[str, Any] = {}
+        self.chat_template: str | None = None
         self.max_model_len = 0
         self.weight_bytes: dict[str, int] = {}  # per rank, by format (EnginePlan.weight_bytes)
         self._plan: EnginePlan | None = None
@@ -84,6 +93,8 @@ class AsyncLLM:
             model.path, resolve_home(self.settings), model.tokenizer
         )
         self.model_path = model_path
+        self.generation_defaults = load_generation_defaults(model.generation_config, model_path)
+        self.chat_template = load_chat_template(model.chat_template)
         self._kv_params = instance_kv_params(self.settings)  # reads the KV secret, if it needs one
         self._plan = plan_engine(self.settings, model_path)
         # One-launch P/D: a prefill replica's handoff goes on to a decode replica here.
@@ -176,10 +187,10 @@ class AsyncLLM:
         """Incremental outputs: each holds the new text / tokens of the samples that advanced.
 
         `prompt`: text, token ids, {"prompt": text} or {"prompt_token_ids": ids}; or chat
-        `messages`, rendered with the model's chat template (or `chat_template`, given
-        `chat_template_kwargs`). `kv_transfer_params`: P/D across instances
-        (engine/gateway/kv_params.py)."""
-        params = params or SamplingParams()
+        `messages`, rendered with `chat_template`, else model.chat_template, else the model's
+        own (given `chat_template_kwargs`); without `params`, the model's generation defaults.
+        `kv_transfer_params`: P/D across instances (engine/gateway/kv_params.py)."""
+        params = params or default_sampling_params(self.generation_defaults)
         kv_handoff, kv_source = self._kv_params.directives(kv_transfer_params)
         if kv_handoff == "hold":  # a prefill instance computes the prompt and one token
             params = msgspec.structs.replace(params, max_tokens=1)
@@ -187,9 +198,8 @@ class AsyncLLM:
         chat = chat_messages(messages) if messages is not None else None
         options = None
         if chat is not None:
-            options = ChatOptions(
-                chat_template, dict(chat_template_kwargs or {}), add_generation_prompt
-            )
+            template = chat_template or self.chat_template
+            options = ChatOptions(template, dict(chat_template_kwargs or {}), add_generation_prompt)
         self._check_can_accept(params, text, token_ids, chat)
         record, submission = self.gateway.register(
             params,

@@ -19,8 +19,6 @@ from tqdm import tqdm
 from engine.async_llm import AsyncLLM
 from engine.generation_defaults import (
     default_sampling_params,
-    load_chat_template,
-    load_generation_defaults,
 )
 from engine.hf_cache import with_resolved_model
 from engine.messages.admin import EngineStats
@@ -115,12 +113,6 @@ class LLM:
         self._thread.start()
         try:
             self._run(self.engine.start(), START_TIMEOUT_S)
-            chosen = self.engine.settings.model
-            # As vLLM's LLM: a call without SamplingParams samples with these
-            self._generation_defaults = load_generation_defaults(
-                chosen.generation_config, self.engine.model_path
-            )
-            self._chat_template = load_chat_template(chosen.chat_template)
         except BaseException:
             self.close()
             raise
@@ -152,7 +144,7 @@ class LLM:
         one = bool(messages) and isinstance(messages[0], Mapping)
         batch: Sequence[Conversation] = [messages] if one else messages  # type: ignore[list-item,assignment]
         options = {
-            "chat_template": chat_template or self._chat_template,
+            "chat_template": chat_template,
             "chat_template_kwargs": chat_template_kwargs,
             "add_generation_prompt": add_generation_prompt,
         }
@@ -161,7 +153,7 @@ class LLM:
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The model's generation_config.json defaults (model.generation_config), as vLLM's."""
-        return default_sampling_params(self._generation_defaults)
+        return default_sampling_params(self.engine.generation_defaults)
 
     def get_tokenizer(self) -> Any:
         """The model's tokenizer (a transformers tokenizer, loaded without torch)."""

@@ -25,7 +25,6 @@ from typing import Any
 import uvicorn
 import uvloop
 
-from engine.generation_defaults import load_chat_template, load_generation_defaults
 from engine.http.admin import AdminServer
 from engine.http.admin_paths import prepare_default_socket
 from engine.http.app import build_app
@@ -183,13 +182,7 @@ async def _run(
     llm = AsyncLLM(settings)
     if not await _start_engine(llm, shutdown):
         return 0 if shutdown.requested.is_set() else 1
-    try:
-        defaults = load_generation_defaults(settings.model.generation_config, llm.model_path)
-        chat_template = load_chat_template(settings.model.chat_template)
-    except ValueError as e:
-        print(f"engine: {e}", file=sys.stderr, flush=True)
-        await llm.shutdown()
-        return 2
+    defaults, chat_template = llm.generation_defaults, llm.chat_template
     if defaults:
         log.info("sampling defaults from generation_config.json: %s", defaults)
     state = ServerState.create(llm, settings, defaults, chat_template)

@@ -3,10 +3,14 @@ SamplingParams samples with its defaults (here greedy, 3 tokens); an explicit on
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
+from typing import Any
 
-from engine import LLM, SamplingParams
+from engine import LLM, AsyncLLM, SamplingParams
+from engine.llm import build_settings
+from engine.text.hf_tokenizer import load_tokenizer_without_torch
 from tests.checkpoints import tiny_checkpoint
 
 
@@ -36,3 +40,47 @@ def test_generate_without_params_uses_the_generation_config(tmp_path: Path) -> N
     # vLLM's RequestOutput fields: cache hits known once scheduled; no stop_reason at a length
     assert explicit.num_cached_tokens is not None and explicit.num_cached_tokens >= 0
     assert (explicit.outputs[0].finish_reason, explicit.outputs[0].stop_reason) == ("length", None)
+
+
+def test_async_llm_applies_the_generation_config_and_the_chat_template(tmp_path: Path) -> None:
+    """AsyncLLM, not only LLM and the server: a request without SamplingParams gets the model's
+    generation defaults, a chat without a template of its own model.chat_template."""
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"temperature": 0.0, "max_new_tokens": 3})
+    )
+    template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    settings = build_settings(
+        **{
+            "model.path": str(tiny_checkpoint(arch="qwen3")),
+            "model.generation_config": str(tmp_path),
+            "model.chat_template": template,
+            "cache.kv_cache_memory": 4 * 2**20,
+            "model.max_model_len": 128,
+        }
+    )
+
+    async def collect(engine: AsyncLLM, **request: Any) -> tuple[list[int], list[int]]:
+        prompt_ids: list[int] = []
+        tokens: list[int] = []
+        async for out in engine.stream(**request):
+            prompt_ids = prompt_ids or out.prompt_token_ids
+            tokens += out.outputs[0].token_ids
+        return prompt_ids, tokens
+
+    async def run() -> list[tuple[list[int], list[int]]]:
+        engine = AsyncLLM(settings)
+        await engine.start()
+        try:
+            greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+            return [
+                await collect(engine, prompt="the defaults say"),
+                await collect(engine, prompt="the defaults say", params=greedy),
+                await collect(engine, messages=[{"role": "user", "content": "hi"}]),
+            ]
+        finally:
+            await engine.shutdown()
+
+    (_, by_default), (_, explicit), (chat_prompt, _) = asyncio.run(asyncio.wait_for(run(), 120))
+    assert len(explicit) == 3 and by_default == explicit[: len(by_default)]  # may stop at EOS
+    tokenizer = load_tokenizer_without_torch(str(tiny_checkpoint(arch="qwen3")))
+    assert chat_prompt == tokenizer.encode("[hi]", add_special_tokens=False)
