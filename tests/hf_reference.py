@@ -1,4 +1,5 @@
-"""Hugging Face transformers as the reference our outputs are judged against (DESIGN §8)."""
+"""Hugging Face transformers as the reference our outputs are judged against (docs/architecture.md,
+'Tests and measurement')."""
 
 from __future__ import annotations
 

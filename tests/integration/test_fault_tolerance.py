@@ -1,4 +1,5 @@
-"""Any actor can die and every in-flight request still completes (DESIGN §5, issue 6).
+"""Any actor can die and every in-flight request still completes (docs/architecture.md,
+'Nothing in flight is lost'; issue 6).
 
 One engine serves every test here (module scope, one event loop): each test disturbs it under a
 load of 8 concurrent streams, greedy and seeded, and compares every stream with the undisturbed

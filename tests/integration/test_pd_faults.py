@@ -1,5 +1,5 @@
 """P/D disaggregation under faults, with real processes: one launch with a prefill replica and a
-decode replica (DESIGN §9), each with its kv_transfer actor.
+decode replica (docs/architecture.md, 'P/D disaggregation'), each with its kv_transfer actor.
 
 One engine (module scope) serves every test. The undisturbed workload (greedy and seeded
 streams) runs first; every disturbed run must reproduce it token for token: no token lost or
