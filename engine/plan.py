@@ -196,6 +196,25 @@ def max_model_len_of(settings: Settings, config: ModelConfig) -> int:
     return requested_len or config.max_position_embeddings
 
 
+def _scheduler_config(
+    settings: Settings, config: ModelConfig, num_blocks: int, max_model_len: int
+) -> SchedulerConfig:
+    """The scheduler's part of the settings, checked: a KV cache too small for max_model_len
+    fails here, naming both."""
+    scheduler = SchedulerConfig(
+        num_blocks=num_blocks,
+        block_size=settings.cache.block_size,
+        max_num_seqs=settings.scheduler.max_num_seqs,
+        max_num_batched_tokens=settings.scheduler.max_num_batched_tokens,
+        max_model_len=max_model_len,
+        enable_prefix_caching=settings.cache.enable_prefix_caching,
+        eos_token_ids=list(config.eos_token_ids),
+        max_plan_bytes=PLAN_RING.capacity // 2,  # a plan frame leaves half the plan ring free
+    )
+    scheduler.validate()
+    return scheduler
+
+
 def plan_engine(settings: Settings, model_path: str) -> EnginePlan:
     config = load_model_config(model_path)
     max_model_len = max_model_len_of(settings, config)
@@ -216,17 +235,7 @@ def plan_engine(settings: Settings, model_path: str) -> EnginePlan:
         kv_cache_bytes(settings, config, device, dtype, placement.local_ranks, quantized)
         // block_bytes
     )
-    scheduler = SchedulerConfig(
-        num_blocks=num_blocks,
-        block_size=block_size,
-        max_num_seqs=settings.scheduler.max_num_seqs,
-        max_num_batched_tokens=settings.scheduler.max_num_batched_tokens,
-        max_model_len=max_model_len,
-        enable_prefix_caching=settings.cache.enable_prefix_caching,
-        eos_token_ids=list(config.eos_token_ids),
-        max_plan_bytes=PLAN_RING.capacity // 2,  # a plan frame leaves half the plan ring free
-    )
-    scheduler.validate()  # a KV cache too small for max_model_len fails here, naming both
+    scheduler = _scheduler_config(settings, config, num_blocks, max_model_len)
     weights = weight_bytes_by_format(
         config, dtype, tp, device, {n: (f.source, f.bits) for n, f in quantized.items()}
     )
