@@ -44,13 +44,29 @@ def _parser() -> _Parser:
     p.add_argument("--port", type=int, default=defaults.port, help="0: any free port")
     seconds = [
         ("--connect-timeout", defaults.connect_timeout, "to open a connection to an instance"),
-        ("--read-timeout", defaults.read_timeout, "between two reads of an instance's answer"),
-        ("--probe-interval", defaults.probe_interval, "between probes of down instances"),
+        (
+            "--first-byte-timeout",
+            defaults.first_byte_timeout,
+            "to a stream's first event or a prefill's answer (past it: a failure, like a probe's)",
+        ),
+        (
+            "--read-timeout",
+            defaults.read_timeout,
+            "between two chunks of a stream, and for a whole non-streamed answer",
+        ),
+        ("--probe-interval", defaults.probe_interval, "between probes of each instance"),
         ("--probe-timeout", defaults.probe_timeout, "for one probe of an instance's /ready"),
         ("--drain-timeout", defaults.drain_timeout, "in-flight requests get after SIGTERM"),
     ]
     for flag, default, what in seconds:
         p.add_argument(flag, type=float, default=default, help=f"seconds {what}")
+    p.add_argument(
+        "--probe-failures",
+        type=int,
+        default=defaults.probe_failures,
+        help="failed probes in a row that take an instance out of rotation (one good probe "
+        "brings it back)",
+    )
     p.add_argument(
         "--max-request-bytes",
         type=int,
@@ -101,11 +117,14 @@ def parse_proxy_args(argv: Sequence[str], environ: Mapping[str, str] | None = No
         raise ProxyUsageError("--api-key must not be empty")
     if not 0 <= args.port <= 65535:
         raise ProxyUsageError(f"--port {args.port}: must be in [0, 65535]")
-    for flag in ("connect_timeout", "read_timeout", "probe_interval", "probe_timeout"):
+    timeouts = ("connect_timeout", "first_byte_timeout", "read_timeout")
+    for flag in (*timeouts, "probe_interval", "probe_timeout"):
         if not getattr(args, flag) > 0:
             raise ProxyUsageError(f"--{flag.replace('_', '-')} must be > 0 seconds")
     if args.drain_timeout < 0:
         raise ProxyUsageError("--drain-timeout must be >= 0 seconds")
+    if args.probe_failures < 1:
+        raise ProxyUsageError("--probe-failures must be >= 1")
     if args.max_request_bytes < 1:
         raise ProxyUsageError("--max-request-bytes must be >= 1")
     return ProxyConfig(
@@ -114,9 +133,11 @@ def parse_proxy_args(argv: Sequence[str], environ: Mapping[str, str] | None = No
         host=args.host,
         port=args.port,
         connect_timeout=args.connect_timeout,
+        first_byte_timeout=args.first_byte_timeout,
         read_timeout=args.read_timeout,
         probe_interval=args.probe_interval,
         probe_timeout=args.probe_timeout,
+        probe_failures=args.probe_failures,
         max_request_bytes=args.max_request_bytes,
         drain_timeout=args.drain_timeout,
         log_level=args.log_level,

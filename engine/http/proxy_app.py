@@ -7,10 +7,14 @@ chunk) is the client's. Every other route goes to a decode instance; /health, /r
 /health/instances and /metrics are the proxy's own. With an API key set, every route but
 /health, /ready and /metrics requires it (the instances check the key they are given too).
 
-Failures (proxy_upstream.InstanceFailed) mark the instance down and the request moves on: to
+Whether an instance is up is for probes (proxy_upstream.probe_forever) and connections to say:
+a refused connection takes it down at once, a missed first byte or an idle stream counts like a
+failed probe. After such a failure (proxy_upstream.InstanceFailed) the request moves on: to
 another prefill instance, else to a decode instance without KV (it prefills itself); to another
 decode instance while nothing has reached the client; once a stream has begun, its end is an
-SSE error event. A 4xx from any instance is the client's answer, relayed as it came.
+SSE error event. An answer is never a failure: a 5xx is sent once to another instance of the
+role if there is one and then relayed (a prefill's: the decode instance prefills instead), a
+4xx is the client's answer, relayed as it came; neither marks anything down.
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ from engine.http.proxy_pd import (
 from engine.http.proxy_pool import Instance, InstancePool, NoInstanceUp, Role
 from engine.http.proxy_upstream import (
     Answer,
+    AnswerTimedOut,
+    Fault,
     InstanceFailed,
     OpenStream,
     open_answer,
@@ -88,7 +94,7 @@ class ProxyRoutes:
 
     async def forward(self, request: Request) -> Response:
         async def to_decode(request: Request, body: bytes) -> Response:
-            return await self._decode(request, body, _upstream_headers(request))
+            return await self._decode(request, body, _upstream_headers(request), streamed=False)
 
         return await self._served("other", request, to_decode)
 
@@ -138,23 +144,31 @@ class ProxyRoutes:
         headers = _upstream_headers(request)
         fields = json_object(body)
         if fields is None:  # not a JSON object: the decode instance answers what is wrong
-            return await self._decode(request, body, headers)
+            return await self._decode(request, body, headers, streamed=False)
         prefilled = await self._prefill(request.url.path, fields, headers)
         if isinstance(prefilled, Response):
             return prefilled
-        return await self._decode(request, decode_body(fields, prefilled), headers)
+        streamed = fields.get("stream") is True
+        return await self._decode(
+            request, decode_body(fields, prefilled), headers, streamed=streamed
+        )
 
     async def _prefill(
         self, path: str, fields: dict[str, Any], headers: dict[str, str]
     ) -> dict[str, Any] | Response | None:
         """The prefill's transfer parameters (None: the decode instance prefills), or the
-        prefill instance's 4xx answer for the client."""
+        prefill instance's 4xx answer for the client. A 5xx is sent once to another prefill
+        instance, then to the decode instance (which answers the client)."""
         body = prefill_body(fields)
         tried: list[Instance] = []
+        answered_5xx = False
         while True:
             try:
                 instance = self.pool.choose(Role.PREFILL, exclude=tried)
             except NoInstanceUp as e:
+                if answered_5xx:  # up, but erring: the decode instance prefills and answers
+                    self.metrics.prefill_fallbacks.inc()
+                    return None
                 if not self._falling_back:  # once per outage, not once per request
                     log.warning("prefilling on decode instances until one is back: %s", e)
                 self._falling_back = True
@@ -165,17 +179,24 @@ class ProxyRoutes:
             tried.append(instance)
             instance.outstanding += 1
             try:
-                answer = await open_answer(self.client, instance, "POST", path, body, headers)
+                answer = await self._open(instance, "POST", path, body, headers, first_byte=True)
             except InstanceFailed as e:
-                self._failed(instance, str(e))
+                self._failed(instance, e)
                 continue
             finally:
                 instance.outstanding -= 1
             if isinstance(answer, OpenStream):  # asked stream: false; a stream is not an answer
                 await answer.close()
-                self._failed(instance, "answered a prefill with a stream")
+                log.warning("prefill instance %s answered with a stream", instance.url)
                 continue
             self._falling_back = False
+            if answer.status >= 500:
+                self.metrics.upstream_5xx.labels(Role.PREFILL.value).inc()
+                if answered_5xx:
+                    self.metrics.prefill_fallbacks.inc()
+                    return None
+                answered_5xx = True
+                continue
             if answer.status >= 400:
                 return _relay(answer)
             try:
@@ -187,32 +208,47 @@ class ProxyRoutes:
                 self.metrics.without_kv.inc()
             return params
 
-    async def _decode(self, request: Request, body: bytes, headers: dict[str, str]) -> Response:
+    async def _decode(
+        self, request: Request, body: bytes, headers: dict[str, str], *, streamed: bool
+    ) -> Response:
+        """The decode instance's answer. A stream must begin within the first-byte timeout; a
+        whole answer may take the read timeout (a long generation), while its instance is up."""
         path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        own = {"x-request-id": headers["x-request-id"]}
         tried: list[Instance] = []
+        answered_5xx: Answer | None = None  # the first, sent once elsewhere before it is relayed
         while True:
             try:
                 instance = self.pool.choose(Role.DECODE, exclude=tried)
             except NoInstanceUp as e:
-                own = {"x-request-id": headers["x-request-id"]}
+                if answered_5xx is not None:
+                    return _relay(answered_5xx)
                 return Response(error_body(str(e), 503), 503, own, media_type=JSON)
             if tried:
                 self.metrics.retries.labels(Role.DECODE.value).inc()
             tried.append(instance)
             instance.outstanding += 1
             try:
-                answer = await open_answer(
-                    self.client, instance, request.method, path, body, headers
+                answer = await self._open(
+                    instance, request.method, path, body, headers, first_byte=streamed
                 )
             except InstanceFailed as e:
                 instance.outstanding -= 1
-                self._failed(instance, str(e))
+                self._failed(instance, e)
                 continue
+            except AnswerTimedOut as e:
+                instance.outstanding -= 1
+                return Response(error_body(str(e), 504), 504, own, media_type=JSON)
             except BaseException:
                 instance.outstanding -= 1
                 raise
             if isinstance(answer, Answer):
                 instance.outstanding -= 1
+                if answer.status >= 500:
+                    self.metrics.upstream_5xx.labels(Role.DECODE.value).inc()
+                    if answered_5xx is None:
+                        answered_5xx = answer
+                        continue
                 return _relay(answer)
             chunks = self._relay_stream(instance, answer)
             release = functools.partial(_release, instance, answer)
@@ -228,11 +264,11 @@ class ProxyRoutes:
         last = stream.first_chunk
         try:
             yield stream.first_chunk
-            async for chunk in relay_rest(stream):
+            async for chunk in relay_rest(self.pool, instance, stream, self.config.read_timeout):
                 last = chunk
                 yield chunk
         except InstanceFailed as e:
-            self._failed(instance, str(e))
+            self._failed(instance, e)
             self.metrics.broken_streams.inc()
             # The break may have cut an event in half: end that one before the error event.
             separator = b"" if not last or last.endswith(b"\n\n") else b"\n\n"
@@ -248,7 +284,7 @@ class ProxyRoutes:
         if not targets:
             return Response(error_body("no instance is up", 503), 503, media_type=JSON)
         results = await asyncio.gather(
-            *(open_answer(self.client, i, "POST", "/abort", body, headers) for i in targets),
+            *(self._open(i, "POST", "/abort", body, headers, first_byte=True) for i in targets),
             return_exceptions=True,
         )
         answers: list[Answer] = []
@@ -258,12 +294,13 @@ class ProxyRoutes:
             elif isinstance(result, OpenStream):
                 await result.close()
             elif isinstance(result, InstanceFailed):
-                self._failed(instance, str(result))
+                self._failed(instance, result)
             elif isinstance(result, BaseException):
                 raise result
         if not answers:
             return Response(error_body("no instance answered the abort", 503), 503, media_type=JSON)
-        return _relay(next((a for a in answers if a.status == 200), answers[0]))
+        best = min(answers, key=lambda a: (a.status != 200, a.status >= 500))
+        return _relay(best)
 
     # -- helpers ----------------------------------------------------------------------------
 
@@ -281,8 +318,41 @@ class ProxyRoutes:
         body = error_body(message, 401, "invalid_request_error")
         return Response(body, 401, {"WWW-Authenticate": "Bearer"}, media_type=JSON)
 
-    def _failed(self, instance: Instance, why: str) -> None:
-        if self.pool.mark_down(instance, why):
+    async def _open(
+        self,
+        instance: Instance,
+        method: str,
+        path: str,
+        body: bytes,
+        headers: dict[str, str],
+        *,
+        first_byte: bool,
+    ) -> Answer | OpenStream:
+        config = self.config
+        within = config.first_byte_timeout if first_byte else config.read_timeout
+        return await open_answer(
+            self.client,
+            self.pool,
+            instance,
+            method,
+            path,
+            body,
+            headers,
+            within=within,
+            first_byte=first_byte,
+        )
+
+    def _failed(self, instance: Instance, failed: InstanceFailed) -> None:
+        """A refused connection takes `instance` down; a timeout or a broken connection counts
+        like a failed probe; one marked down meanwhile is down already."""
+        why = str(failed)
+        if failed.fault is Fault.REFUSED:
+            went = self.pool.mark_down(instance, why)
+        elif failed.fault is Fault.STRIKE:
+            went = self.pool.strike(instance, why)
+        else:
+            return
+        if went:
             log.warning("%s instance %s is down: %s", instance.role.value, instance.url, why)
 
     async def _body(self, request: Request) -> bytes:

@@ -1,7 +1,8 @@
 """The P/D proxy's own /metrics: requests by route and status, per-instance state, fallbacks.
 
 Counters the proxy increments as it routes; the per-instance gauges (up, outstanding requests,
-times marked down) are read from the pool at scrape time so they can never drift from it.
+times marked down, failures in a row) are read from the pool at scrape time so they can never
+drift from it.
 """
 
 from __future__ import annotations
@@ -44,6 +45,13 @@ class ProxyMetrics:
             ["role"],
             registry=registry,
         )
+        self.upstream_5xx = Counter(
+            PREFIX + "upstream_5xx",
+            "5xx answers from instances, by role (sent once elsewhere, then relayed; never a "
+            "reason to mark an instance down)",
+            ["role"],
+            registry=registry,
+        )
         self.broken_streams = Counter(
             PREFIX + "broken_streams",
             "Streams whose decode instance failed after the first byte (ended with an error event)",
@@ -68,9 +76,15 @@ class _PoolCollector(Collector):
         failures = CounterMetricFamily(
             PREFIX + "instance_failures", "Times the instance was marked down", labels=labels
         )
+        strikes = GaugeMetricFamily(
+            PREFIX + "instance_strikes",
+            "Failed probes (and missed first bytes) in a row since the last good probe",
+            labels=labels,
+        )
         for instance in self.pool.instances:
             key = [instance.role.value, instance.url]
             up.add_metric(key, 1.0 if instance.up else 0.0)
             busy.add_metric(key, float(instance.outstanding))
             failures.add_metric(key, float(instance.failures))
-        yield from (up, busy, failures)
+            strikes.add_metric(key, float(instance.strikes))
+        yield from (up, busy, failures, strikes)

@@ -1,14 +1,17 @@
 """The P/D proxy's instances: which are up, how busy each is, and which one takes the next request.
 
 Plain state without I/O (the proxy's app and its prober drive it), so the choice and the marking
-are tested without servers. An instance is down from the failure that marked it until a probe of
-its /ready answers 200; a down instance is never chosen.
+are tested without servers. An instance goes down after `down_after` failures in a row (failed
+probes of its /ready, and requests it left without a first byte) or at once when nothing listens
+at its address; it is up again at the first probe that answers 200. A down instance is never
+chosen, and what waits on it is told (`watch_down`) so that it can move elsewhere.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -27,6 +30,8 @@ class Instance:
     last_error: str = ""
     outstanding: int = 0  # requests sent to it that have not finished yet
     failures: int = 0  # times it was marked down
+    strikes: int = 0  # failures in a row since its last good probe
+    down_watchers: set[Callable[[], None]] = field(default_factory=set, repr=False)
 
     def describe(self) -> str:
         if self.up or self.down_since is None:
@@ -50,12 +55,13 @@ class InstancePool:
     """Instances of both roles in the order given on the command line."""
 
     instances: list[Instance]
+    down_after: int = 3  # failures in a row that take an instance out of rotation
     _next: dict[Role, int] = field(default_factory=dict)  # round-robin cursor per role
 
     @classmethod
-    def of(cls, prefill: Iterable[str], decode: Iterable[str]) -> InstancePool:
+    def of(cls, prefill: Iterable[str], decode: Iterable[str], down_after: int = 3) -> InstancePool:
         prefills = [Instance(url, Role.PREFILL) for url in prefill]
-        return cls(prefills + [Instance(url, Role.DECODE) for url in decode])
+        return cls(prefills + [Instance(url, Role.DECODE) for url in decode], down_after)
 
     def of_role(self, role: Role) -> list[Instance]:
         return [i for i in self.instances if i.role is role]
@@ -83,16 +89,40 @@ class InstancePool:
         return members[chosen]
 
     def mark_down(self, instance: Instance, reason: str, now: float | None = None) -> bool:
-        """Mark `instance` down; True if it was up (its first failure since it came back)."""
+        """Mark `instance` down; True if it was up (its first failure since it came back).
+        Whatever watches it (`watch_down`) is told."""
         instance.last_error = reason
         if not instance.up:
             return False
         instance.up = False
         instance.down_since = time.time() if now is None else now
         instance.failures += 1
+        for told in list(instance.down_watchers):
+            told()
         return True
 
+    def strike(self, instance: Instance, reason: str, now: float | None = None) -> bool:
+        """One failure that may be passing (a probe or a first byte that timed out): down at
+        the `down_after`-th in a row. True if this one took it down."""
+        instance.strikes += 1
+        instance.last_error = reason
+        if instance.strikes < self.down_after:
+            return False
+        return self.mark_down(instance, reason, now)
+
     def mark_up(self, instance: Instance) -> None:
+        """A good probe: up (again), its strikes forgotten."""
         instance.up = True
         instance.down_since = None
         instance.last_error = ""
+        instance.strikes = 0
+
+    @contextlib.contextmanager
+    def watch_down(self, instance: Instance, told: Callable[[], None]) -> Iterator[None]:
+        """`told()` is called if `instance` is marked down while inside (from the marking, so
+        it must only schedule: e.g. expire a timeout)."""
+        instance.down_watchers.add(told)
+        try:
+            yield
+        finally:
+            instance.down_watchers.discard(told)

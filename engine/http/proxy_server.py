@@ -25,7 +25,7 @@ from engine.http.proxy_app import build_proxy_app
 from engine.http.proxy_config import ProxyConfig
 from engine.http.proxy_metrics import ProxyMetrics
 from engine.http.proxy_pool import InstancePool
-from engine.http.proxy_upstream import new_client, probe_all, probe_down_forever
+from engine.http.proxy_upstream import new_client, probe_all, probe_forever
 
 log = logging.getLogger("engine.proxy")
 
@@ -70,7 +70,7 @@ async def _serve(config: ProxyConfig) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    pool = InstancePool.of(config.prefill, config.decode)
+    pool = InstancePool.of(config.prefill, config.decode, config.probe_failures)
     try:
         async with new_client(config) as client:
             # Instances not up yet are marked down here and taken in once they answer.
@@ -105,7 +105,7 @@ async def _run(
     )
     serve_task = asyncio.create_task(server.serve(sockets=[sock]))
     prober = asyncio.create_task(
-        probe_down_forever(pool, client, config.probe_interval, config.probe_timeout)
+        probe_forever(pool, client, config.probe_interval, config.probe_timeout)
     )
     try:
         while not server.started and not serve_task.done():

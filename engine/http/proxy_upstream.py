@@ -1,8 +1,11 @@
-"""Calls from the proxy to instances over httpx, each one bounded by the configured timeouts.
+"""Calls from the proxy to instances over httpx, each bounded by its own timeouts.
 
-An instance *fails* a call when it cannot be reached, times out, answers 5xx, or breaks its
-answer off before the end: `InstanceFailed`, which the caller turns into marking it down. A 4xx
-is an answer like any other (the client's request was at fault) and is relayed.
+An instance *fails* a call when it cannot be reached (`Fault.REFUSED`: nothing listens there,
+down at once), or leaves it unanswered: no first byte within the first-byte timeout, a
+connection that breaks, or a stream idle past the read timeout (`Fault.STRIKE`: counted like a
+failed probe). A call waiting on an instance that is marked down meanwhile (by the probes) ends
+at once (`Fault.WENT_DOWN`) so that it can move elsewhere. An answer, whatever its status (5xx
+included), is not a failure: whether the instance is up is for probes and connections to say.
 
 A streamed answer (text/event-stream) is opened and its first chunk read before anything is
 sent to the client, so a decode instance that fails before its first byte can be replaced; any
@@ -13,8 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from enum import StrEnum
+from typing import TypeVar
 
 import httpx
 
@@ -27,9 +32,24 @@ log = logging.getLogger("engine.proxy")
 RELAYED_HEADERS = ("content-type", "x-request-id", "retry-after", "www-authenticate")
 EVENT_STREAM = "text/event-stream"
 
+T = TypeVar("T")
+
+
+class Fault(StrEnum):
+    REFUSED = "refused"  # no connection: down at once
+    STRIKE = "strike"  # timed out or broke off: one failure, like a failed probe
+    WENT_DOWN = "went_down"  # marked down (by probes) while this call waited on it
+
 
 class InstanceFailed(Exception):
-    pass
+    def __init__(self, why: str, fault: Fault) -> None:
+        super().__init__(why)
+        self.fault = fault
+
+
+class AnswerTimedOut(Exception):
+    """A whole (non-streamed) answer took longer than the read timeout, its instance up all
+    along: a long generation, the client's to hear about (504), no failure of the instance."""
 
 
 @dataclass
@@ -56,11 +76,10 @@ class OpenStream:
 
 
 def new_client(config: ProxyConfig) -> httpx.AsyncClient:
+    # Only the connection's own phases are httpx's to time; how long an answer may take (first
+    # byte, whole answer, idle stream) is set per call below, where a probe can cut it short.
     timeout = httpx.Timeout(
-        connect=config.connect_timeout,
-        read=config.read_timeout,
-        write=config.read_timeout,
-        pool=config.connect_timeout,
+        connect=config.connect_timeout, read=None, write=None, pool=config.connect_timeout
     )
     # Streams hold a connection each for their whole life: allow many (httpx's default is 100).
     limits = httpx.Limits(max_connections=4096, max_keepalive_connections=256)
@@ -76,46 +95,101 @@ def _why(error: BaseException) -> str:
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
+def _fault(error: httpx.HTTPError) -> InstanceFailed:
+    if isinstance(error, httpx.ConnectError):  # refused, unreachable: nothing to wait for
+        return InstanceFailed(_why(error), Fault.REFUSED)
+    return InstanceFailed(_why(error), Fault.STRIKE)
+
+
+async def _unless_down(
+    pool: InstancePool, instance: Instance, seconds: float, call: Callable[[], Awaitable[T]]
+) -> T:
+    """`call()`'s result; TimeoutError past `seconds`, InstanceFailed(WENT_DOWN) as soon as
+    `instance` is marked down (the call is cancelled either way)."""
+    went_down = False
+    loop = asyncio.get_running_loop()
+    try:
+        async with asyncio.timeout(seconds) as deadline:
+
+            def expire_now() -> None:
+                nonlocal went_down
+                went_down = True
+                deadline.reschedule(loop.time())
+
+            with pool.watch_down(instance, expire_now):
+                return await call()
+    except TimeoutError:
+        if went_down:
+            why = f"marked down while waiting: {instance.last_error}"
+            raise InstanceFailed(why, Fault.WENT_DOWN) from None
+        raise
+
+
 async def open_answer(
     client: httpx.AsyncClient,
+    pool: InstancePool,
     instance: Instance,
     method: str,
     path: str,
     body: bytes,
     headers: dict[str, str],
+    *,
+    within: float,
+    first_byte: bool,
 ) -> Answer | OpenStream:
-    """Send a request to `instance`; its answer read whole, or opened if it is a 2xx stream."""
+    """Send a request to `instance`; its answer read whole, or opened if it is a 2xx stream.
+    `within` seconds bound the first byte (`first_byte`: a stream's first event, a prefill's
+    one token; past it the instance failed) or the whole answer (past it: AnswerTimedOut)."""
     request = client.build_request(method, instance.url + path, content=body, headers=headers)
-    try:
-        response = await client.send(request, stream=True)
-    except httpx.HTTPError as e:
-        raise InstanceFailed(_why(e)) from e
-    try:
-        streamed = EVENT_STREAM in response.headers.get("content-type", "")
-        if response.is_success and streamed:
-            rest = response.aiter_raw()
-            first = await anext(rest, b"")
-            return OpenStream(response.status_code, _relayed(response), first, rest, response)
-        answer = Answer(response.status_code, _relayed(response), await response.aread())
-    except httpx.HTTPError as e:
+
+    async def answer() -> Answer | OpenStream:
+        try:
+            response = await client.send(request, stream=True)
+        except httpx.HTTPError as e:
+            raise _fault(e) from e
+        try:
+            streamed = EVENT_STREAM in response.headers.get("content-type", "")
+            if response.is_success and streamed:
+                rest = response.aiter_raw()
+                first = await anext(rest, b"")
+                return OpenStream(response.status_code, _relayed(response), first, rest, response)
+            whole = Answer(response.status_code, _relayed(response), await response.aread())
+        except httpx.HTTPError as e:
+            await response.aclose()
+            raise InstanceFailed(_why(e), Fault.STRIKE) from e
+        except BaseException:
+            await response.aclose()
+            raise
         await response.aclose()
-        raise InstanceFailed(_why(e)) from e
-    except BaseException:
-        await response.aclose()
-        raise
-    await response.aclose()
-    if answer.status >= 500:
-        raise InstanceFailed(f"answered {answer.status}: {answer.body[:200]!r}")
-    return answer
+        return whole
+
+    try:
+        return await _unless_down(pool, instance, within, answer)
+    except TimeoutError:
+        if first_byte:
+            raise InstanceFailed(f"no first byte within {within:g} s", Fault.STRIKE) from None
+        raise AnswerTimedOut(f"{instance.url} did not answer within {within:g} s") from None
 
 
-async def relay_rest(stream: OpenStream) -> AsyncIterator[bytes]:
-    """The stream's chunks after the first; InstanceFailed if it breaks before its end."""
-    try:
-        async for chunk in stream.rest:
-            yield chunk
-    except httpx.HTTPError as e:
-        raise InstanceFailed(_why(e)) from e
+async def relay_rest(
+    pool: InstancePool, instance: Instance, stream: OpenStream, idle: float
+) -> AsyncIterator[bytes]:
+    """The stream's chunks after the first; InstanceFailed if it breaks before its end, stays
+    idle `idle` seconds, or its instance is marked down."""
+    failures = instance.failures  # changes if it was marked down while a chunk was relayed
+    while True:
+        if instance.failures != failures:
+            why = f"marked down while streaming: {instance.last_error}"
+            raise InstanceFailed(why, Fault.WENT_DOWN)
+        try:
+            chunk = await _unless_down(pool, instance, idle, lambda: anext(stream.rest))
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise InstanceFailed(f"no chunk for {idle:g} s", Fault.STRIKE) from None
+        except httpx.HTTPError as e:
+            raise InstanceFailed(_why(e), Fault.STRIKE) from e
+        yield chunk
 
 
 async def probe(client: httpx.AsyncClient, instance: Instance, timeout: float) -> str | None:
@@ -123,9 +197,12 @@ async def probe(client: httpx.AsyncClient, instance: Instance, timeout: float) -
     (503 while draining or restarting an actor, when /health still says 200: taken back then,
     a draining instance would fail every request sent to it); others, /health."""
     try:
-        response = await client.get(instance.url + "/ready", timeout=timeout)
-        if response.status_code == 404:
-            response = await client.get(instance.url + "/health", timeout=timeout)
+        async with asyncio.timeout(timeout):
+            response = await client.get(instance.url + "/ready", timeout=timeout)
+            if response.status_code == 404:
+                response = await client.get(instance.url + "/health", timeout=timeout)
+    except TimeoutError:
+        return f"no answer to a probe within {timeout:g} s"
     except httpx.HTTPError as e:
         return _why(e)
     if response.status_code == 200:
@@ -133,31 +210,52 @@ async def probe(client: httpx.AsyncClient, instance: Instance, timeout: float) -
     return f"{response.url.path} answered {response.status_code}"
 
 
+def judge(pool: InstancePool, instance: Instance, why: str | None, *, at_once: bool) -> None:
+    """Mark `instance` by a probe's verdict: up at the first good one (a down instance is
+    always probed: half-open), down at once (`at_once`) or after `pool.down_after` in a row."""
+    if why is None:
+        if not instance.up:
+            log.info("%s instance %s is up again", instance.role.value, instance.url)
+        pool.mark_up(instance)
+        return
+    went = pool.mark_down(instance, why) if at_once else pool.strike(instance, why)
+    if went:
+        log.warning("%s instance %s is down: %s", instance.role.value, instance.url, why)
+
+
 async def probe_all(
     pool: InstancePool, client: httpx.AsyncClient, instances: list[Instance], timeout: float
 ) -> None:
-    """Probe `instances` at once; mark each up or down by its answer."""
+    """Probe `instances` at once; mark each up or down by its answer (the check at start: an
+    instance not ready yet is down until it is)."""
     verdicts = await asyncio.gather(*(probe(client, i, timeout) for i in instances))
     for instance, why in zip(instances, verdicts, strict=True):
-        if why is None:
-            if not instance.up:
-                log.info("%s instance %s is up again", instance.role.value, instance.url)
-            pool.mark_up(instance)
-        elif pool.mark_down(instance, why):
-            log.warning("%s instance %s is down: %s", instance.role.value, instance.url, why)
+        judge(pool, instance, why, at_once=True)
 
 
-async def probe_down_forever(
+async def probe_forever(
     pool: InstancePool, client: httpx.AsyncClient, interval: float, timeout: float
 ) -> None:
-    """Every `interval` seconds, probe the instances that are down (a failed request marked
-    them); those ready again are chosen again."""
+    """Probe every instance, up or down, every `interval` seconds (each on its own clock, so
+    one that hangs delays no other): `pool.down_after` failures in a row take it out of
+    rotation, one success brings it back."""
+    await asyncio.gather(*(_probe_one(pool, client, i, interval, timeout) for i in pool.instances))
+
+
+async def _probe_one(
+    pool: InstancePool,
+    client: httpx.AsyncClient,
+    instance: Instance,
+    interval: float,
+    timeout: float,
+) -> None:
+    loop = asyncio.get_running_loop()
+    wait = interval
     while True:
-        await asyncio.sleep(interval)
-        down = pool.down()
-        if not down:
-            continue
+        await asyncio.sleep(wait)
+        started = loop.time()
         try:
-            await probe_all(pool, client, down, timeout)
+            judge(pool, instance, await probe(client, instance, timeout), at_once=False)
         except Exception:  # a bug here must not stop instances from ever coming back
-            log.exception("probing down instances failed")
+            log.exception("probing %s failed", instance.url)
+        wait = max(0.0, interval - (loop.time() - started))

@@ -86,6 +86,15 @@ def test_good_arguments_make_a_config() -> None:
     assert config.decode == ("http://c:3",)
     assert config.port == 0
     assert config.host == "127.0.0.1"
+    assert (config.connect_timeout, config.first_byte_timeout) == (2.0, 30.0)
+    assert (config.probe_interval, config.probe_timeout, config.probe_failures) == (1.0, 1.0, 3)
+    tuned = parse_proxy_args(
+        [
+            *("--prefill", "http://a:1", "--decode", "http://c:3"),
+            *("--first-byte-timeout", "5", "--read-timeout", "20", "--probe-failures", "2"),
+        ]
+    )
+    assert (tuned.first_byte_timeout, tuned.read_timeout, tuned.probe_failures) == (5.0, 20.0, 2)
 
 
 @pytest.mark.parametrize(
@@ -99,6 +108,11 @@ def test_good_arguments_make_a_config() -> None:
         (["--prefill", "http://a:1", "http://a:1/", "--decode", "http://c:3"], "more than once"),
         (["--prefill", "http://a:1", "--decode", "http://c:3", "--port", "70000"], "--port"),
         (["--prefill", "http://a:1", "--decode", "http://c:3", "--read-timeout", "0"], "read"),
+        (
+            ["--prefill", "http://a:1", "--decode", "http://c:3", "--first-byte-timeout", "0"],
+            "first",
+        ),
+        (["--prefill", "http://a:1", "--decode", "http://c:3", "--probe-failures", "0"], "probe"),
         (["--prefill", "http://a:1", "--decode", "http://c:3", "--bogus"], "--bogus"),
     ],
 )

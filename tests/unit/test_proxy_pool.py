@@ -83,3 +83,38 @@ def test_no_instance_up_names_the_role_and_every_instance() -> None:
     assert f"{P1} down since {since}: ConnectError: refused" in message
     assert f"{P2} down since {since}: answered 500" in message
     assert caught.value.role is Role.PREFILL
+
+
+def test_failures_in_a_row_take_an_instance_down_and_one_good_probe_brings_it_back() -> None:
+    instances = InstancePool.of([P1], [D1, D2], down_after=3)
+    d1 = instances.of_role(Role.DECODE)[0]
+    assert not instances.strike(d1, "no answer to a probe within 1 s")
+    assert not instances.strike(d1, "no answer to a probe within 1 s")
+    instances.mark_up(d1)  # a good probe between: the count starts again
+    assert d1.up and d1.strikes == 0
+    assert not instances.strike(d1, "timeout")
+    assert not instances.strike(d1, "timeout")
+    assert d1.up
+    assert instances.strike(d1, "timeout")  # the third in a row
+    assert not d1.up and d1.failures == 1 and d1.last_error == "timeout"
+    assert not instances.strike(d1, "timeout")  # down already: not a new failure
+    assert d1.failures == 1
+    instances.mark_up(d1)  # half-open: one good probe and it is chosen again
+    assert d1.up and d1.strikes == 0
+    assert D1 in {instances.choose(Role.DECODE).url for _ in range(2)}
+
+
+def test_what_waits_on_an_instance_is_told_when_it_goes_down() -> None:
+    instances = pool()
+    d1 = instances.of_role(Role.DECODE)[0]
+    told: list[str] = []
+    with instances.watch_down(d1, lambda: told.append("down")):
+        instances.strike(d1, "timeout")
+        assert told == []
+        instances.mark_down(d1, "ConnectError")
+        instances.mark_down(d1, "ConnectError again")  # already down: told once
+        assert told == ["down"]
+    instances.mark_up(d1)
+    instances.mark_down(d1, "ConnectError")  # no longer watched
+    assert told == ["down"]
+    assert not d1.down_watchers
