@@ -356,7 +356,9 @@ class Gateway:
                 self._outbox.append(record.submission())
 
     def _apply(self, record: RequestRecord, deltas: list[SampleDeltaText]) -> None:
-        outputs = []
+        # One CompletionOutput per sample: deltas of several steps that arrive together (a busy
+        # root reads several frames at once) are joined, as a reader expects of one output.
+        outputs: dict[int, CompletionOutput] = {}
         handoff = None
         for delta in deltas:
             sample = record.samples[delta.index]
@@ -365,16 +367,23 @@ class Gateway:
             sample.token_ids.extend(delta.token_ids)
             sample.text_parts.append(delta.text)
             sample.finish_reason = delta.finish_reason
-            outputs.append(
-                CompletionOutput(
+            output = outputs.get(delta.index)
+            if output is None:
+                outputs[delta.index] = CompletionOutput(
                     delta.index,
                     delta.text,
                     list(delta.token_ids),
                     delta.finish_reason,
-                    delta.logprobs,
+                    None if delta.logprobs is None else list(delta.logprobs),
                     delta.stop_reason,
                 )
-            )
+            else:
+                output.text += delta.text
+                output.token_ids.extend(delta.token_ids)
+                output.finish_reason = delta.finish_reason
+                output.stop_reason = delta.stop_reason
+                if delta.logprobs is not None:
+                    output.logprobs = (output.logprobs or []) + list(delta.logprobs)
             if record.first is None:
                 record.first = delta.first
             if record.prompt_logprobs is None and delta.prompt_logprobs is not None:
@@ -391,7 +400,7 @@ class Gateway:
         finished = record.finished
         if finished:
             del self._records[record.request_id]
-        record.stream.put_nowait(record.output(outputs, finished))
+        record.stream.put_nowait(record.output(list(outputs.values()), finished))
         if finished:
             self._forget(record)
         elif record.stream.stalled_for() > self.stalled_stream_timeout:

@@ -64,7 +64,7 @@ def test_async_llm_applies_the_generation_config_and_the_chat_template(tmp_path:
         tokens: list[int] = []
         async for out in engine.stream(**request):
             prompt_ids = prompt_ids or out.prompt_token_ids
-            tokens += out.outputs[0].token_ids
+            tokens += [token for output in out.outputs for token in output.token_ids]
         return prompt_ids, tokens
 
     async def run() -> list[tuple[list[int], list[int]]]:

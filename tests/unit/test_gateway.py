@@ -47,6 +47,19 @@ def test_outputs_of_a_stale_epoch_are_dropped_and_resume_carries_what_was_delive
     assert outputs[-1].finished and "r" not in gateway
 
 
+def test_deltas_of_one_sample_that_arrive_together_make_one_output() -> None:
+    """A reader takes outputs[i] as sample i's news: two steps' deltas read in one batch must
+    not come as two outputs of the same sample (the second was missed by such a reader)."""
+    gateway = Gateway()
+    record, _ = gateway.register(SamplingParams(n=2, max_tokens=8), prompt="hi", request_id="r")
+    gateway.deliver(OutputBatch([PromptInfo("r", 0, [1, 2, 3])], [], []))
+    batch = [_delta("r", 0, 0, [7], "a"), _delta("r", 0, 1, [5], "x"), _delta("r", 0, 0, [8], "b")]
+    gateway.deliver(OutputBatch([], batch, []))
+    [out] = _drain(record)
+    joined = [(o.index, o.token_ids, o.text) for o in out.outputs]
+    assert joined == [(0, [7, 8], "ab"), (1, [5], "x")]
+
+
 def test_a_failure_reaches_the_stream_as_an_error_and_forgets_the_request() -> None:
     gateway = Gateway()
     record, _ = gateway.register(SamplingParams(), prompt="x", request_id="bad")
