@@ -18,6 +18,11 @@ GAUGES = (
 COUNTERS = (
     ("handoffs", "Requests handed on after their prefill, KV held", "kv_handoffs"),
     (
+        "holds_refused",
+        "Handoffs whose KV was not held: held blocks at their cap (half the pool)",
+        "kv_holds_refused",
+    ),
+    (
         "holds_expired",
         "Holds freed by kv_transfer.hold_timeout, unacknowledged",
         "kv_holds_expired",

@@ -135,6 +135,7 @@ class SchedulerFigures(msgspec.Struct, kw_only=True):
     kv_holds: int = 0  # handed-off requests whose blocks are held for a puller now
     kv_pulls_in_flight: int = 0  # requests waiting for their KV now
     kv_handoffs: int = 0
+    kv_holds_refused: int = 0  # handoffs not held: held blocks at their cap (a pool share)
     kv_holds_expired: int = 0  # freed by the hold timeout, not by an acknowledgement
     kv_pulls: int = 0  # pulls whose KV arrived
     kv_blocks_pulled: int = 0

@@ -44,6 +44,11 @@ from engine.messages.scheduling import SubmitRequest
 from engine.scheduler.kv_pulls import KvPulls
 from engine.scheduler.kv_tally import KvEndpoints, KvTransferFigures, Outcome, RankTally
 
+# Held blocks may take at most this share of the KV pool. A hold pins its blocks until a puller
+# acknowledges it or its deadline passes, and any client of a prefill instance can ask for one
+# (do_remote_decode): unbounded, unpulled holds would leave no block to admit requests with.
+MAX_HELD_SHARE = 0.5
+
 
 def new_transfer_id() -> str:
     """128 random bits: a transfer id nobody can guess, whatever the request's id is."""
@@ -76,19 +81,26 @@ class KvHolds:
         self._figures = figures
         self._holds: dict[str, _Hold] = {}
         self._by_attempt: dict[tuple[str, int], str] = {}  # (request id, epoch) -> transfer id
+        self._blocks_held = 0
+        self._max_blocks_held = int(kv.num_blocks * MAX_HELD_SHARE)
         self.new_transfer_id = new_transfer_id  # tests may make ids predictable
 
     def hand_off(
         self, request_id: str, epoch: int, block_ids: list[int], prompt_token_ids: Sequence[int]
     ) -> KvSource | None:
         """Hold the full prompt blocks among `block_ids` for a puller; None when this instance
-        cannot serve them (a rank's kv_transfer actor has not announced itself yet)."""
+        cannot serve them (a rank's kv_transfer actor has not announced itself yet). With the
+        held blocks at their cap (MAX_HELD_SHARE), none are held: the puller computes the
+        prompt itself, as for a prompt shorter than a block."""
         if not self._endpoints.complete:
             return None
         block_size = self._kv.block_size
         held = block_ids[: len(prompt_token_ids) // block_size]
         attempt = (request_id, epoch)
         self._release(self._by_attempt.get(attempt, ""))  # the same attempt handed off before
+        if held and self._blocks_held + len(held) > self._max_blocks_held:
+            held = []
+            self._figures.holds_refused += 1
         tid = self.new_transfer_id()
         prompt_key = ""
         if held:  # a prompt shorter than a block has nothing worth moving: no hold
@@ -97,6 +109,7 @@ class KvHolds:
             deadline = self._clock() + self._hold_timeout
             tally = RankTally(self._endpoints.num_ranks)
             self._holds[tid] = _Hold(held, deadline, tally, attempt)
+            self._blocks_held += len(held)
             self._by_attempt[attempt] = tid
             self._orders.append(HoldBlocks(tid, held, deadline))
             prompt_key = BlockHashChain(block_size).key(prompt_token_ids, len(held) - 1).hex()
@@ -145,6 +158,7 @@ class KvHolds:
         hold = self._holds.pop(tid, None)
         if hold is not None:
             del self._by_attempt[hold.attempt]
+            self._blocks_held -= len(hold.block_ids)
             self._kv.pool.release(hold.block_ids[::-1])
 
 
@@ -193,6 +207,7 @@ class KvTransfer:
             "kv_holds": self.holds.num_held,
             "kv_pulls_in_flight": self.pulls.num_pending,
             "kv_handoffs": figures.handoffs,
+            "kv_holds_refused": figures.holds_refused,
             "kv_holds_expired": figures.holds_expired,
             "kv_pulls": figures.pulls,
             "kv_blocks_pulled": figures.blocks_pulled,

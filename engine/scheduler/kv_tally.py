@@ -56,6 +56,7 @@ class KvTransferFigures:
     """Counts since start, for stats and /metrics."""
 
     handoffs: int = 0  # requests handed on (prefill side)
+    holds_refused: int = 0  # handoffs whose blocks were not held: held blocks at their cap
     holds_expired: int = 0  # holds freed by their deadline, not by an acknowledgement
     pulls: int = 0  # pulls whose KV arrived (decode side)
     blocks_pulled: int = 0

@@ -403,3 +403,33 @@ def test_another_prompts_kv_is_never_pulled_into_this_prompts_prefix() -> None:
     _, starts = decode_to_end(decode, d_worker)
     assert starts == [0]  # it computed its own prompt
     assert decode.stats().kv_fallbacks == 1 and decode.stats().kv_pulls == 0
+
+
+def test_held_blocks_stop_at_half_the_pool_and_normal_requests_still_run() -> None:
+    """Unpulled holds (anyone may ask a prefill instance for one) never take more than half the
+    KV pool: past it a handoff holds nothing and its puller computes the prompt itself."""
+    clock = Clock()
+    prefill, worker = instance(clock, num_blocks=16)  # holds may take 8 blocks
+    prompt = list(range(1, 13))  # 3 full blocks each
+    sources = []
+    for i in range(3):
+        request = msgspec.structs.replace(
+            submit(f"h{i}", prompt, seed=i, max_tokens=4), kv_handoff="continue"
+        )
+        sources.append(prefill_and_hand_off(prefill, worker, request)[1])
+    assert [len(s.block_ids) for s in sources] == [3, 3, 0]
+    stats = prefill.stats()
+    assert (stats.kv_holds, stats.kv_holds_refused) == (2, 1)
+    outputs = Outputs()  # a request of its own is still admitted and served beside the holds
+    assert prefill.add(submit("plain", prompt, seed=9, max_tokens=4)) is None
+    while prefill.has_unfinished_requests:
+        step(prefill, worker, outputs)
+    assert outputs.tokens[("plain", 0)] == expected(prompt, 9, 4)
+    assert prefill.kv_transfer is not None  # an acknowledged hold makes room for the next
+    for rank in range(RANKS):
+        prefill.kv_transfer.on_event(BlocksReleased(sources[0].transfer_id, rank))
+    request = msgspec.structs.replace(
+        submit("h3", prompt, seed=3, max_tokens=4), kv_handoff="continue"
+    )
+    assert len(prefill_and_hand_off(prefill, worker, request)[1].block_ids) == 3
+    prefill.kv.pool.check_invariants()
