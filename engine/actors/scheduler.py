@@ -72,6 +72,7 @@ class SchedulerActor(Actor):
         self._last_report = 0.0
         self._reported_stats: SchedulerStats | None = None
         self._step_times = StepTimes()
+        self._planned_at = 0.0  # when the latest plan was made, before it was sent
         self._publish_report()  # so the root's stats are complete from the start
         self._kv_ticker: asyncio.Task[None] | None = None
         if self.scheduler.kv_transfer is not None:
@@ -108,7 +109,7 @@ class SchedulerActor(Actor):
                 # Start the next step before telling the detokenizer: the workers are idle now.
                 plan = await self._plan_next()
                 if plan is not None:
-                    self._step_times.planned_after_result(plan.step_id, read_at, time.monotonic())
+                    self._step_times.planned_after_result(plan.step_id, read_at, self._planned_at)
                 to_detokenizer += self._frames(batch)
         else:  # SUBMIT_RING (from the tokenizer) or STOPS_RING (from the detokenizer)
             requests = SUBMIT_RING if entry is SUBMIT_RING else STOPS_RING
@@ -199,6 +200,8 @@ class SchedulerActor(Actor):
     async def _plan_next(self) -> StepPlan | None:
         plan = self.scheduler.schedule()
         if plan is not None:
+            # Before the send: once written, the plan may reach a rank before send() returns.
+            self._planned_at = time.monotonic()
             await self.send_to(PLAN_RING, plan)
         return plan
 

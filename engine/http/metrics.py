@@ -69,7 +69,7 @@ _ENGINE_COUNTERS = (
      "Seconds the workers waited in those gaps (result ready to next plan taken in)",
      "step_gap_seconds"),
     ("step_gap_scheduler_seconds",
-     "The scheduler's part of the gaps (result read to next plan sent)",
+     "The scheduler's part of the gaps (result read to next plan made)",
      "step_gap_scheduler_seconds"),
 )  # fmt: skip
 

@@ -4,9 +4,10 @@ Exactly one step is in flight at a time, so the workers idle from the moment ran
 ready until the next plan reaches them: the result crosses the "results" ring, the scheduler
 updates and plans, the plan crosses the "plan" ring. Rank 0 stamps every StepResult with when it
 took the plan in and when the result was ready (one monotonic clock for every process of the
-machine); the scheduler actor notes how long it took from reading a result to sending the plan
-that follows it. A gap is counted only for a plan made right after a result (a plan made when a
-request arrives at an idle scheduler follows no step).
+machine); the scheduler actor notes how long it took from reading a result to making the plan
+that follows it (before sending it: a rank may take a plan in before the send returns, and the
+scheduler's part must lie inside the gap). A gap is counted only for a plan made right after a
+result (a plan made when a request arrives at an idle scheduler follows no step).
 """
 
 from __future__ import annotations
@@ -35,9 +36,9 @@ class StepTimes:
         self._follow_on = None
         self._previous_finished_at = result.finished_at
 
-    def planned_after_result(self, step_id: int, read_at: float, sent_at: float) -> None:
-        """The plan `step_id` was sent at `sent_at`, after a result read at `read_at`."""
-        self._follow_on = (step_id, sent_at - read_at)
+    def planned_after_result(self, step_id: int, read_at: float, planned_at: float) -> None:
+        """The plan `step_id` was made at `planned_at`, after a result read at `read_at`."""
+        self._follow_on = (step_id, planned_at - read_at)
 
     def figures(self) -> dict[str, float | int]:
         """SchedulerFigures' step_* fields."""
