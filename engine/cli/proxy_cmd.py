@@ -10,7 +10,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from urllib.parse import urlsplit
 
-from engine.http.proxy_config import ProxyConfig
+from engine.proxy.config import ProxyConfig
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -151,6 +151,6 @@ def run_proxy(argv: list[str], environ: Mapping[str, str]) -> int:
     except ProxyUsageError as e:
         print(f"engine proxy: {e}", file=sys.stderr)
         return 2
-    from engine.http.proxy_server import serve_proxy
+    from engine.proxy.server import serve_proxy
 
     return serve_proxy(config)

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from engine.cli.proxy_cmd import ProxyUsageError, parse_proxy_args
-from engine.http.proxy_pd import decode_body, kv_transfer_params_of, prefill_body
+from engine.proxy.pd import decode_body, kv_transfer_params_of, prefill_body
 from tests.e2e.harness import REPO
 from tests.fresh_process import imported_after
 
@@ -143,7 +143,7 @@ def test_the_command_exits_nonzero_with_one_line() -> None:
 
 def test_the_proxy_imports_no_model_code() -> None:
     """It starts in well under a second: torch and transformers stay out of it."""
-    code = "import engine.cli.proxy_cmd, engine.http.proxy_server"
+    code = "import engine.cli.proxy_cmd, engine.proxy.server"
     assert imported_after(code, ("torch", "transformers", "engine.async_llm")) == []
 
 

@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from engine.http.proxy_pool import InstancePool, NoInstanceUp, Role
+from engine.proxy.pool import InstancePool, NoInstanceUp, Role
 
 P1, P2 = "http://p1:8000", "http://p2:8000"
 D1, D2, D3 = "http://d1:8000", "http://d2:8000", "http://d3:8000"

@@ -23,8 +23,8 @@ from typing import TypeVar
 
 import httpx
 
-from engine.http.proxy_config import ProxyConfig
-from engine.http.proxy_pool import Instance, InstancePool
+from engine.proxy.config import ProxyConfig
+from engine.proxy.pool import Instance, InstancePool
 
 log = logging.getLogger("engine.proxy")
 

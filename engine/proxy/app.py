@@ -7,9 +7,9 @@ chunk) is the client's. Every other route goes to a decode instance; /health, /r
 /health/instances and /metrics are the proxy's own. With an API key set, every route but
 /health, /ready and /metrics requires it (the instances check the key they are given too).
 
-Whether an instance is up is for probes (proxy_upstream.probe_forever) and connections to say:
+Whether an instance is up is for probes (upstream.probe_forever) and connections to say:
 a refused connection takes it down at once, a missed first byte or an idle stream counts like a
-failed probe. After such a failure (proxy_upstream.InstanceFailed) the request moves on: to
+failed probe. After such a failure (upstream.InstanceFailed) the request moves on: to
 another prefill instance, else to a decode instance without KV (it prefills itself); to another
 decode instance while nothing has reached the client; once a stream has begun, its end is an
 SSE error event. An answer is never a failure: a 5xx is sent once to another instance of the
@@ -35,9 +35,10 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from engine.http.proxy_config import ProxyConfig
-from engine.http.proxy_metrics import ProxyMetrics
-from engine.http.proxy_pd import (
+from engine.http.streams import ReleasingStream
+from engine.proxy.config import ProxyConfig
+from engine.proxy.metrics import ProxyMetrics
+from engine.proxy.pd import (
     decode_body,
     error_body,
     json_object,
@@ -45,8 +46,8 @@ from engine.http.proxy_pd import (
     prefill_body,
     stream_error_event,
 )
-from engine.http.proxy_pool import Instance, InstancePool, NoInstanceUp, Role
-from engine.http.proxy_upstream import (
+from engine.proxy.pool import Instance, InstancePool, NoInstanceUp, Role
+from engine.proxy.upstream import (
     Answer,
     AnswerTimedOut,
     Fault,
@@ -55,7 +56,6 @@ from engine.http.proxy_upstream import (
     open_answer,
     relay_rest,
 )
-from engine.http.streams import ReleasingStream
 
 log = logging.getLogger("engine.proxy")
 

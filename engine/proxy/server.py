@@ -21,11 +21,11 @@ import uvloop
 from starlette.applications import Starlette
 
 from engine.http.connections import KEEP_ALIVE_S, guarded_http_protocol
-from engine.http.proxy_app import build_proxy_app
-from engine.http.proxy_config import ProxyConfig
-from engine.http.proxy_metrics import ProxyMetrics
-from engine.http.proxy_pool import InstancePool
-from engine.http.proxy_upstream import new_client, probe_all, probe_forever
+from engine.proxy.app import build_proxy_app
+from engine.proxy.config import ProxyConfig
+from engine.proxy.metrics import ProxyMetrics
+from engine.proxy.pool import InstancePool
+from engine.proxy.upstream import new_client, probe_all, probe_forever
 
 log = logging.getLogger("engine.proxy")
 

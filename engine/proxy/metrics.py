@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, disable_created_metric
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from engine.http.proxy_pool import InstancePool
+from engine.proxy.pool import InstancePool
 
 PREFIX = "engine:proxy_"
 
