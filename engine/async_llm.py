@@ -30,16 +30,10 @@ from engine.actors.runtime.events import (
 )
 from engine.actors.runtime.ring import RingClosed
 from engine.actors.runtime.supervision import Supervision
-from engine.admission import check_params, check_prompt_size, check_queue
 from engine.gateway.crashes import drain_restarts, is_crash
 from engine.gateway.kv_params import KvParams, instance_kv_params
 from engine.gateway.registry import Gateway, ToTokenizer
 from engine.gateway.replicas import Replicas, supervise
-from engine.generation_defaults import (
-    default_sampling_params,
-    load_chat_template,
-    load_generation_defaults,
-)
 from engine.messages.admin import ActorRow, EngineStats, Health, RequestRow
 from engine.messages.codec import too_large_for_one_frame
 from engine.messages.params import SamplingParams
@@ -49,7 +43,13 @@ from engine.messages.ring_catalogue import OUTPUTS_RING, REPORTS_RING, REQUESTS_
 from engine.model_source import model_directory
 from engine.outputs import EngineError, RequestOutput, merge_outputs, snapshot
 from engine.plan import EnginePlan, plan_engine
-from engine.prompts import Prompt, chat_messages, split_prompt
+from engine.request.defaults import (
+    default_sampling_params,
+    load_chat_template,
+    load_generation_defaults,
+)
+from engine.request.limits import check_params, check_prompt_size, check_queue
+from engine.request.prompts import Prompt, chat_messages, split_prompt
 from engine.settings import Settings, resolve_home
 
 log = logging.getLogger("engine")
@@ -284,6 +284,7 @@ class AsyncLLM:
             resubmitted_requests=self.gateway.resubmissions,
             stalled_stream_aborts=self.gateway.stalled_aborts,
             restarts={row.name: row.restarts for row in rows},
+            actor_recovery_seconds={row.name: row.recovery_seconds for row in rows},
             kv_cache_blocks=self._plan.num_blocks if self._plan else 0,
             replicas=self._replicas.replica_stats(report) if self._replicas else [],
             ring_traffic=ring_traffic(rows),

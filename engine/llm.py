@@ -17,14 +17,14 @@ import uvloop
 from tqdm import tqdm
 
 from engine.async_llm import AsyncLLM
-from engine.generation_defaults import (
-    default_sampling_params,
-)
 from engine.hf_cache import with_resolved_model
 from engine.messages.admin import EngineStats
 from engine.messages.params import SamplingParams
 from engine.outputs import RequestOutput
-from engine.prompts import Prompt
+from engine.request.defaults import (
+    default_sampling_params,
+)
+from engine.request.prompts import Prompt
 from engine.settings import Settings
 from engine.settings.schema import cross_field_problems
 from engine.text.hf_tokenizer import load_tokenizer_without_torch

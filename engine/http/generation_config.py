@@ -8,9 +8,9 @@ from typing import Any
 
 import msgspec
 
-from engine.generation_defaults import with_defaults
 from engine.http.errors import ApiError
 from engine.http.parsing import PreparedRequest
+from engine.request.defaults import with_defaults
 
 
 class _SetFields(msgspec.Struct, kw_only=True):

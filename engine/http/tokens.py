@@ -18,7 +18,7 @@ from engine.http.errors import ApiError
 from engine.http.parsing import chat_message_dicts
 from engine.http.protocol import ChatMessageIn, TokenId, encode
 from engine.messages.requests import ChatOptions
-from engine.prompts import chat_messages
+from engine.request.prompts import chat_messages
 from engine.text.prompt import PromptBuilder
 
 

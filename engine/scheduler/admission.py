@@ -1,14 +1,14 @@
 """Requests the scheduler refuses before they reach a queue, and why (in the client's terms).
 
-The root and the tokenizer refuse what they can first (engine/admission.py); this re-checks what
+The root and the tokenizer refuse what they can first (engine/request/); this re-checks what
 the scheduler relies on, with the same rules and words, since a submission may come from either.
 """
 
 from __future__ import annotations
 
-from engine.admission import check_prompt_length
 from engine.messages.scheduling import SubmitRequest
 from engine.outputs import EngineError
+from engine.request.limits import check_prompt_length
 
 # What one prompt token's logprobs may take in a message, text included (a generous bound: id,
 # logprob and token text for the token and each alternative).

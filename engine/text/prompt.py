@@ -11,8 +11,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from engine.admission import check_prompt_length, check_token_ids_named
 from engine.messages.requests import ChatMessage, ChatOptions, GenerateRequest
+from engine.request.limits import check_prompt_length, check_token_ids_named
 
 # Stands in for a special token found in a chat content while the template renders: private-use
 # code points no template writes, numbered so each one maps back to the text it replaced.
