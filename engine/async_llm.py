@@ -285,6 +285,7 @@ class AsyncLLM:
             stalled_stream_aborts=self.gateway.stalled_aborts,
             restarts={row.name: row.restarts for row in rows},
             actor_recovery_seconds={row.name: row.recovery_seconds for row in rows},
+            actor_recovery_seconds={row.name: row.recovery_seconds for row in rows},
             kv_cache_blocks=self._plan.num_blocks if self._plan else 0,
             replicas=self._replicas.replica_stats(report) if self._replicas else [],
             ring_traffic=ring_traffic(rows),

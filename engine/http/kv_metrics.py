@@ -42,9 +42,8 @@ COUNTERS = (
 
 
 def kv_transfer_metrics(stats: EngineStats, model_name: str) -> Iterator[Metric]:
+    """Without P/D the families are declared with no samples (a dashboard's query is valid)."""
     rows = [row for row in stats.replicas if row.role != "both"]
-    if not rows:
-        return
     labels = ["model_name", "replica", "role"]
     for kind, table in ((GaugeMetricFamily, GAUGES), (CounterMetricFamily, COUNTERS)):
         for name, doc, field in table:

@@ -10,8 +10,11 @@ outcome), `engine:actor_restarts_total`, `engine:request_resubmissions_total`,
 `engine:stalled_stream_aborts_total`, `engine:model_weight_bytes` (by format: what the weights
 are served as), where a running batch's time goes (`engine:steps_total`,
 `engine:step_compute_seconds_total`, `engine:step_gaps_total`, `engine:step_gap_seconds_total`,
-`engine:step_gap_scheduler_seconds_total`: engine/scheduler/step_times.py) and each actor's CPU
-seconds (`engine:actor_cpu_seconds_total`, by actor).
+`engine:step_gap_scheduler_seconds_total`: engine/scheduler/step_times.py), each actor's CPU
+seconds (`engine:actor_cpu_seconds_total`, by actor), how long restarts kept each actor down
+(`engine:actor_recovery_seconds_total`) and how full each ring is (`engine:ring_occupancy_perc`).
+Every family is declared (HELP and TYPE) from the first scrape, samples or not, so dashboards and
+alert rules can be checked against any running server (deploy/grafana/, deploy/prometheus/).
 """
 
 from __future__ import annotations
@@ -211,6 +214,7 @@ class _EngineStatsCollector(Collector):
             counter.add_metric(model, float(getattr(stats, field)))
             yield counter
         yield from self._per_actor(stats)
+        yield from self._recovery_and_rings(stats)
         yield from kv_transfer_metrics(stats, self._model_name)
 
     def _per_actor(self, stats: EngineStats) -> Iterator[Metric]:
@@ -241,3 +245,24 @@ class _EngineStatsCollector(Collector):
             sent.add_metric([self._model_name, row.actor, row.ring], float(row.bytes))
         yield frames
         yield sent
+
+    def _recovery_and_rings(self, stats: EngineStats) -> Iterator[Metric]:
+        """How long restarts kept each actor down, and how full each ring is."""
+        recovery = CounterMetricFamily(
+            PREFIX + "actor_recovery_seconds",
+            "Seconds from each actor's death to its next generation ready, over its restarts "
+            "(divide by actor_restarts for the mean)",
+            labels=["model_name", "actor"],
+        )
+        for actor, seconds in sorted(stats.actor_recovery_seconds.items()):
+            recovery.add_metric([self._model_name, actor], seconds)
+        yield recovery
+        fill = GaugeMetricFamily(
+            PREFIX + "ring_occupancy_perc",
+            "Fraction of each ring its writer has written and its slowest reader not yet read "
+            "(0 to 1), as of the writer's last heartbeat",
+            labels=["model_name", "actor", "ring"],
+        )
+        for row in stats.ring_traffic:
+            fill.add_metric([self._model_name, row.actor, row.ring], row.fill)
+        yield fill

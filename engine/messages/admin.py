@@ -43,6 +43,7 @@ class RingTraffic(msgspec.Struct, kw_only=True):
     ring: str
     frames: int
     bytes: int
+    fill: float = 0.0  # how full the ring was at the actor's last heartbeat (0 to 1)
 
 
 class ReplicaRow(SchedulerFigures, kw_only=True):
@@ -70,3 +71,5 @@ class EngineStats(SchedulerFigures, kw_only=True):
     ring_traffic: list[RingTraffic] = msgspec.field(default_factory=list)
     # CPU seconds of each actor's current process (a restart starts it over), and the root's
     actor_cpu: dict[str, float] = msgspec.field(default_factory=dict)
+    # Seconds from each actor's deaths to its next generations ready, summed over its restarts
+    actor_recovery_seconds: dict[str, float] = msgspec.field(default_factory=dict)

@@ -82,6 +82,8 @@ class Heartbeat(msgspec.Struct, tag=True, array_like=True):
     # Written so far by this process, by outbound ring (logical name): frames and bytes
     frames_sent: dict[str, int] = msgspec.field(default_factory=dict)
     bytes_sent: dict[str, int] = msgspec.field(default_factory=dict)
+    # How full each outbound ring is at this beat (0 to 1): a sample, not a peak
+    ring_fill: dict[str, float] = msgspec.field(default_factory=dict)
 
 
 class SwapDone(msgspec.Struct, tag=True, array_like=True):

@@ -233,7 +233,11 @@ class Actor:
             self._beats += 1
             rings = self.rings  # dict() copies are atomic: the loop may be sending meanwhile
             beat = Heartbeat(
-                self._beats, self.decode_errors, dict(rings.frames_sent), dict(rings.bytes_sent)
+                self._beats,
+                self.decode_errors,
+                dict(rings.frames_sent),
+                dict(rings.bytes_sent),
+                rings.fill(),
             )
         self._report(beat)
 

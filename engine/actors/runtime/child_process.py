@@ -74,6 +74,8 @@ class ChildProcess:
         self.decode_errors = 0
         self.frames_sent: dict[str, int] = {}  # as of its last heartbeat, by ring
         self.bytes_sent: dict[str, int] = {}
+        self.ring_fill: dict[str, float] = {}  # as of its last heartbeat, by outbound ring
+        self.died_at: float | None = None  # monotonic: when its death was seen
         self.exit_reason = ""  # the child's own last word (Exiting), or why we killed it
         self.stopping = False  # the supervisor asked it to go: its exit is not a failure
         self._process: multiprocessing.process.BaseProcess | None = None
@@ -243,6 +245,7 @@ class ChildProcess:
             elif isinstance(message, Heartbeat):
                 self.decode_errors = message.decode_errors
                 self.frames_sent, self.bytes_sent = message.frames_sent, message.bytes_sent
+                self.ring_fill = message.ring_fill
             elif isinstance(message, SwapDone):
                 done = self._swaps.get(message.swap_id)
                 if done is not None and not done.done():
@@ -254,6 +257,7 @@ class ChildProcess:
         assert self._process is not None
         self._loop.remove_reader(self._process.sentinel)
         self.dying = True
+        self.died_at = time.monotonic()
         self._reap()
 
     def _reap(self) -> None:

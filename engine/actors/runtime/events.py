@@ -79,12 +79,20 @@ class ChildStatus(msgspec.Struct, frozen=True):
     # Written by all its generations, by outbound ring, as of the last heartbeat
     frames_sent: dict[str, int] = msgspec.field(default_factory=dict)
     bytes_sent: dict[str, int] = msgspec.field(default_factory=dict)
+    ring_fill: dict[str, float] = msgspec.field(default_factory=dict)  # current generation's
+    recovery_seconds: float = 0.0  # death seen to next generation ready, over all restarts
 
 
 def ring_traffic(rows: list[ChildStatus]) -> list[RingTraffic]:
     """What each child has written to each of its rings (for /metrics and admin stats)."""
     return [
-        RingTraffic(actor=row.name, ring=ring, frames=frames, bytes=row.bytes_sent.get(ring, 0))
+        RingTraffic(
+            actor=row.name,
+            ring=ring,
+            frames=frames,
+            bytes=row.bytes_sent.get(ring, 0),
+            fill=row.ring_fill.get(ring, 0.0),
+        )
         for row in rows
         for ring, frames in sorted(row.frames_sent.items())
     ]

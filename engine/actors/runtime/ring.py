@@ -157,6 +157,13 @@ class RingWriter:
             raise _corrupted(self.spec, f"tail {self._tail} and slowest head {head} are apart")
         return head
 
+    def fill(self) -> float:
+        """Fraction of the data area its slowest reader has not read yet (0 to 1). Read-only,
+        so the busy-beat thread may call it while the loop writes."""
+        words = self._words
+        head = min(words[w] for w in self._head_words)
+        return min(max(self._tail - head, 0), self._capacity) / self._capacity
+
     def free_bytes(self) -> int:
         """Room for records right now (re-reads the readers' heads)."""
         self._check_open()

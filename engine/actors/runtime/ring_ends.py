@@ -75,6 +75,17 @@ class RingEnds:
         self.bytes_sent[ring] = self.bytes_sent.get(ring, 0) + sum(map(len, frames))
         return True
 
+    def fill(self) -> dict[str, float]:
+        """How full each outbound ring is right now, by logical name (a ring being swapped or
+        closed is left out)."""
+        fills = {}
+        for name, writer in list(self._writers.items()):
+            try:
+                fills[name] = writer.fill()
+            except (ValueError, TypeError, IndexError):  # its memory was released meanwhile
+                continue
+        return fills
+
     def swap(self, inbound: Mapping[str, InboundRing], outbound: Mapping[str, RingSpec]) -> None:
         """Replace the named ends by ends of fresh segments and close the old ones.
 

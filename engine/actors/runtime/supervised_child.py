@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from engine.actors.runtime.child_process import ChildProcess
@@ -17,6 +18,10 @@ class SupervisedChild:
     spawned: int = 0  # generations started so far
     restarts: int = 0
     last_restart_reason: str = ""
+    # Recovery: from its death seen (or its stop, for a sibling restarted with it) to its next
+    # generation ready, summed over its restarts.
+    down_since: float | None = None
+    recovery_seconds: float = 0.0
     # Ring traffic of its earlier generations, by ring: with the current one's, a monotonic total
     frames_before: dict[str, int] = field(default_factory=dict)
     bytes_before: dict[str, int] = field(default_factory=dict)
@@ -37,6 +42,17 @@ class SupervisedChild:
             _add(sent, self.process.bytes_sent)
         return frames, sent
 
+    def went_down(self) -> None:
+        """It is about to be restarted: its downtime runs from its death, if it died."""
+        died_at = self.process.died_at if self.process is not None else None
+        self.down_since = died_at if died_at is not None else time.monotonic()
+
+    def came_up(self) -> None:
+        """Its new generation is ready: count the downtime as recovery."""
+        if self.down_since is not None:
+            self.recovery_seconds += time.monotonic() - self.down_since
+            self.down_since = None
+
     def status(self) -> ChildStatus:
         process = self.process
         frames_sent, bytes_sent = self.ring_traffic()
@@ -53,6 +69,8 @@ class SupervisedChild:
             decode_errors=process.decode_errors if process is not None else 0,
             frames_sent=frames_sent,
             bytes_sent=bytes_sent,
+            ring_fill=dict(process.ring_fill) if process is not None else {},
+            recovery_seconds=self.recovery_seconds,
         )
 
 

@@ -196,6 +196,7 @@ class Supervisor:
             child = self._children[process.name]
             if isinstance(result, Ready):
                 child.state = "running"
+                child.came_up()
                 self._emit(ChildReady(process.name, result.pid, process.generation, result.info))
                 if restart_reason:
                     event = ChildRestarted(
@@ -288,6 +289,7 @@ class Supervisor:
         for name in restarting:
             child = self._children[name]
             child.state = "restarting"
+            child.went_down()
             child.restarts += 1
             child.last_restart_reason = reason
         delay = self._intensity.backoff(failed)
