@@ -29,6 +29,7 @@ from engine.actors.runtime.events import (
     ring_traffic,
 )
 from engine.actors.runtime.ring import RingClosed
+from engine.actors.runtime.shm_space import require_shm_space
 from engine.actors.runtime.supervision import Supervision
 from engine.gateway.crashes import drain_restarts, is_crash
 from engine.gateway.kv_params import KvParams, instance_kv_params
@@ -53,6 +54,7 @@ from engine.request.prompts import Prompt, chat_messages, split_prompt
 from engine.settings import Settings, resolve_home
 
 log = logging.getLogger("engine")
+SHM_REMEDY = ("lower cache.kv_cache_memory (a P/D rank's KV cache is a segment there)",)
 MAX_FRAME_BYTES = REQUESTS_RING.max_frame_bytes  # the most the root sends the tokenizer at once
 
 
@@ -97,6 +99,7 @@ class AsyncLLM:
         self.chat_template = load_chat_template(model.chat_template)
         self._kv_params = instance_kv_params(self.settings)  # reads the KV secret, if it needs one
         self._plan = plan_engine(self.settings, model_path)
+        require_shm_space(self._plan.replica_specs, remedy=SHM_REMEDY)  # not a SIGBUS later
         # One-launch P/D: a prefill replica's handoff goes on to a decode replica here.
         self.gateway.hands_on_locally = "decode" in self._plan.replica_roles and (
             "prefill" in self._plan.replica_roles
