@@ -16,6 +16,7 @@ else is a 400 naming `kv_transfer_params`.
 
 from __future__ import annotations
 
+import ipaddress
 import time
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
@@ -45,6 +46,7 @@ class KvParams:
         self.role = role
         self._secret = secret
         self._peers = frozenset(peers)
+        self._networks = peer_networks(peers)
         self._ttl = ttl
         self._clock = clock
 
@@ -92,7 +94,22 @@ class KvParams:
 
     def _is_peer(self, endpoint: KvEndpoint) -> bool:
         host, port = endpoint.host, endpoint.port
-        return bool({host, f"{host}:{port}", f"[{host}]:{port}"} & self._peers)
+        if {host, f"{host}:{port}", f"[{host}]:{port}"} & self._peers:
+            return True
+        try:
+            address = ipaddress.ip_address(host)
+        except ValueError:
+            return False
+        return any(address in network for network in self._networks)
+
+
+def peer_networks(
+    peers: Collection[str],
+) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
+    """The peers written as networks (`10.244.0.0/16`): any address inside one is a peer, as a
+    pod's address is only known to lie in its cluster's pod network. A malformed one raises
+    ValueError."""
+    return tuple(ipaddress.ip_network(peer, strict=False) for peer in peers if "/" in peer)
 
 
 def instance_kv_params(settings: Settings) -> KvParams:

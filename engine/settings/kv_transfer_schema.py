@@ -13,6 +13,7 @@ hands out, a decode instance pulls only from `peers`; the secret itself is never
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Annotated, Literal
 
 from msgspec import Meta
@@ -65,8 +66,9 @@ class KvTransferSettings(Section, frozen=True):
     peers: Annotated[
         tuple[str, ...],
         Meta(
-            description="the hosts (or host:port) a decode instance pulls KV from; "
-            "kv_transfer_params naming any other are refused"
+            description="the hosts (or host:port, or networks such as 10.244.0.0/16: a "
+            "cluster's pod network) a decode instance pulls KV from; kv_transfer_params naming "
+            "any other are refused"
         ),
     ] = ("127.0.0.1", "localhost", "::1")
     params_ttl: Annotated[
@@ -120,6 +122,12 @@ def kv_transfer_problems(settings: object) -> list[tuple[str, str]]:
             f"must be 1 with P/D disaggregation (an instance's ranks on one host), got "
             f"{parallel.nnodes}",
         ))  # fmt: skip
+    for peer in kv.peers:
+        if "/" in peer and not _is_network(peer):
+            problems.append((
+                "kv_transfer.peers",
+                f"{peer!r} is neither a host nor a network such as 10.244.0.0/16",
+            ))  # fmt: skip
     if disaggregated and not settings.cache.enable_prefix_caching:  # type: ignore[attr-defined]
         problems.append((
             "cache.enable_prefix_caching",
@@ -127,3 +135,11 @@ def kv_transfer_problems(settings: object) -> list[tuple[str, str]]:
             "prefix cache), got false",
         ))  # fmt: skip
     return problems
+
+
+def _is_network(text: str) -> bool:
+    try:
+        ipaddress.ip_network(text, strict=False)
+    except ValueError:
+        return False
+    return True
