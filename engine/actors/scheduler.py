@@ -2,9 +2,9 @@
 
 Inbound: requests from the tokenizer (SUBMIT_RING), one StepResult per step from worker rank 0
 (RESULTS_RING), stop-string stops from the detokenizer (STOPS_RING). Outbound: one StepPlan per
-step to every rank (PLAN_RING, broadcast), one TokenBatch per step to the detokenizer
-(TOKENS_RING), and a periodic report to the root (REPORTS_RING). Exactly one step is in flight at
-a time (the rings: engine/messages/ring_catalogue.py).
+step to every rank (PLAN_RING, broadcast), to the detokenizer a TextStart per request taken in
+and one TokenBatch per step (TOKENS_RING), and a periodic report to the root (REPORTS_RING).
+Exactly one step is in flight at a time (the rings: engine/messages/ring_catalogue.py).
 
 With P/D disaggregation (engine/scheduler/kv_handoff.py) it also orders its kv_transfer actors
 (KV_ORDERS_RING, broadcast: holds and pulls), hears each rank's events (KV_EVENTS_RING), and
@@ -55,6 +55,7 @@ from engine.messages.steps import STEP_RESULTS, StepPlan, StepResult
 from engine.scheduler.config import SchedulerConfig
 from engine.scheduler.scheduler import Scheduler, failed
 from engine.scheduler.step_times import StepTimes
+from engine.text.detokenizer import text_start
 
 REPORT_INTERVAL_S = 0.2  # the admin socket's and /metrics' view may lag this much
 KV_TICK_S = 1.0  # how often KV holds and pulls are checked against their deadlines
@@ -180,7 +181,7 @@ class SchedulerActor(Actor):
         if rejected is not None:
             return [TOKENS_RING.encode(rejected)]
         # The detokenizer learns stop strings and resume points ahead of any token (same ring).
-        forwarded = TOKENS_RING.encode(message)
+        forwarded = TOKENS_RING.encode(text_start(message))
         if len(forwarded) > self._max_frame_bytes:  # it could never reach the detokenizer
             self.scheduler.abort([message.request_id])
             error = too_large_for_one_frame(len(forwarded), self._max_frame_bytes)

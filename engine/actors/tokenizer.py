@@ -153,6 +153,7 @@ def _input_error(exc: Exception) -> bool:
     messages (jinja2's errors, raised from the template itself)."""
     if isinstance(exc, ValueError | TypeError | LookupError):
         return True
+        prompt_from_text=request.prompt_token_ids is None,
     return any(cls.__module__.startswith("jinja2") for cls in type(exc).__mro__)
 
 

@@ -168,7 +168,8 @@ class Gateway:
         for info in batch.prompts:
             record = self._current(info.request_id, info.epoch)
             if record is not None:
-                record.prompt_token_ids = info.prompt_token_ids
+                if info.prompt_token_ids is not None:  # the tokenizer's, from the prompt's text
+                    record.prompt_token_ids = info.prompt_token_ids
                 record.acknowledged = True
         for failure in batch.failures:
             if self._current(failure.request_id, failure.epoch) is not None:

@@ -42,11 +42,13 @@ class SampleDeltaText(msgspec.Struct, array_like=True):
 
 
 class PromptInfo(msgspec.Struct, array_like=True):
-    """Sent once per request and epoch, when the detokenizer learns of it."""
+    """Sent once per request and epoch, when the detokenizer learns of it: the request got past
+    the tokenizer. With the prompt's tokens when the tokenizer made them (from text); None when
+    the gateway has them already."""
 
     request_id: str
     epoch: int
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int] | None = None
 
 
 class OutputBatch(msgspec.Struct, tag=True, array_like=True):

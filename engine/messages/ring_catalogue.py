@@ -10,7 +10,7 @@ and status rings of each child are the runtime's, not listed here.
     submit           tokenizer -> scheduler      SubmitRequest, AbortRequests, RequestFailed
     plan             scheduler -> worker ranks   StepPlan (broadcast)
     results          worker rank 0 -> scheduler  StepResult, WorkerFailed
-    tokens           scheduler -> detokenizer    TokenBatch, SubmitRequest, failures, aborts
+    tokens           scheduler -> detokenizer    TokenBatch, TextStart, failures, aborts
     stops            detokenizer -> scheduler    StopSamples, AbortRequests
     outputs          detokenizer -> root         OutputBatch
     reports          scheduler -> root           SchedulerReport

@@ -5,10 +5,13 @@ Inbound, `SubmitRequest` carries a tokenized request; after a failure the gatewa
 with a newer `epoch`, listing in `resume` the samples still unfinished and the tokens already
 delivered for each, and the scheduler replaces whatever it held for older epochs.
 
-Outbound, the scheduler forwards `SubmitRequest` and `AbortRequests` to the detokenizer ahead of
-any tokens for them (one ring, so order holds): the detokenizer learns prompt, stop strings and
-delivered tokens (to prime itself) from the same message the scheduler acted on. Then one
-`TokenBatch` per step carries every sample's new tokens.
+Outbound, the scheduler sends the detokenizer a `TextStart` for each request it took in, and
+passes `AbortRequests` on, ahead of any tokens for them (one ring, so order holds). A TextStart
+is what the detokenizer needs and no more: the last few prompt tokens (the first output tokens
+decode in their context), the text parameters, the delivered tokens to prime itself with; the
+whole prompt only when its tokens are needed there (prompt logprobs name them) or the gateway
+has yet to learn them (the tokenizer made them from text: the detokenizer passes them on, once).
+Then one `TokenBatch` per step carries every sample's new tokens.
 """
 
 from __future__ import annotations
@@ -47,6 +50,44 @@ class SubmitRequest(msgspec.Struct, tag=True, array_like=True):
     # instance where the prompt's KV lies, to pull instead of computing it.
     kv_handoff: KvHandoff = ""
     kv_source: KvSource | None = None
+    # The tokenizer made prompt_token_ids from text or chat messages: the gateway has yet to
+    # learn them (it keeps them, so a resubmission is never tokenized again).
+    prompt_from_text: bool = False
+
+
+class TextParams(msgspec.Struct, array_like=True):
+    """The detokenizer's part of SamplingParams."""
+
+    stop: list[str]
+    stop_token_ids: list[int]
+    include_stop_str_in_output: bool
+    skip_special_tokens: bool
+
+    @classmethod
+    def of(cls, params: SamplingParams) -> TextParams:
+        return cls(
+            params.stop,
+            params.stop_token_ids,
+            params.include_stop_str_in_output,
+            params.skip_special_tokens,
+        )
+
+
+class TextStart(msgspec.Struct, tag=True, array_like=True):
+    """Start (or, under a newer epoch, restart) a request's text: sent to the detokenizer once
+    per request and epoch, ahead of its tokens."""
+
+    request_id: str
+    epoch: int
+    num_samples: int  # params.n: the samples of a fresh request are 0 .. n-1
+    params: TextParams
+    context_token_ids: list[int]  # the prompt's last tokens: the first output decodes after them
+    resume: list[SampleResume] | None = None  # as SubmitRequest.resume: what to prime with
+    # The whole prompt, only when its tokens are needed downstream: `prompt_logprobs` (they are
+    # named by its tokens), or `prompt_from_text` (the gateway learns them from the detokenizer).
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: bool = False
+    prompt_from_text: bool = False
 
 
 class AbortRequests(msgspec.Struct, tag=True, array_like=True):
@@ -151,7 +192,7 @@ class SchedulerStats(SchedulerFigures, tag=True, kw_only=True):
 
 
 ToScheduler = SubmitRequest | AbortRequests | StopSamples | RequestFailed
-FromScheduler = SubmitRequest | AbortRequests | TokenBatch | RequestFailed
+FromScheduler = TextStart | AbortRequests | TokenBatch | RequestFailed
 
 SCHEDULER_REQUESTS: Channel[ToScheduler] = Channel("scheduler-requests", ToScheduler)
 SCHEDULER_OUTPUTS: Channel[FromScheduler] = Channel("scheduler-outputs", FromScheduler)

@@ -1,11 +1,12 @@
 """The detokenizer's domain object: scheduler outputs in, text for the gateway out.
 
-It learns each request (prompt, stop strings, resume points) from the SubmitRequest the
-scheduler forwards ahead of any of its tokens, keeps one SampleTextStream per unfinished sample,
-and drops whatever belongs to an older epoch. A sample that hits a stop string is finished here;
-`stops` tells the scheduler to stop generating it. A request whose text cannot be made (an
-exception while handling it) fails alone with status 500 and `aborts` names it for the
-scheduler; the other requests go on. Torch-free, no I/O.
+It learns each request (the prompt's last tokens, stop strings, resume points) from the
+TextStart the scheduler sends ahead of any of its tokens (`text_start` says what goes in one),
+keeps one SampleTextStream per unfinished sample, and drops whatever belongs to an older epoch.
+A sample that hits a stop string is finished here; `stops` tells the scheduler to stop
+generating it. A request whose text cannot be made (an exception while handling it) fails alone
+with status 500 and `aborts` names it for the scheduler; the other requests go on. Torch-free,
+no I/O.
 """
 
 from __future__ import annotations
@@ -28,10 +29,12 @@ from engine.messages.scheduling import (
     SampleDelta,
     StopSamples,
     SubmitRequest,
+    TextParams,
+    TextStart,
     TokenBatch,
 )
 from engine.messages.steps import TokenLogprobs
-from engine.text.incremental import as_decoder
+from engine.text.incremental import PROMPT_CONTEXT_TOKENS, as_decoder
 from engine.text.stream import SampleTextStream
 
 log = logging.getLogger(__name__)
@@ -43,11 +46,28 @@ class DetokenizerOutput(NamedTuple):
     aborts: tuple[str, ...] = ()  # for the scheduler: requests that failed here
 
 
+def text_start(submit: SubmitRequest) -> TextStart:
+    """What the detokenizer needs of a request the scheduler took in: the whole prompt only
+    when prompt logprobs name its tokens or the gateway has yet to learn it."""
+    wanted = submit.params.prompt_logprobs is not None
+    return TextStart(
+        request_id=submit.request_id,
+        epoch=submit.epoch,
+        num_samples=submit.params.n,
+        params=TextParams.of(submit.params),
+        context_token_ids=submit.prompt_token_ids[-PROMPT_CONTEXT_TOKENS:],
+        resume=submit.resume,
+        prompt_token_ids=submit.prompt_token_ids if wanted or submit.prompt_from_text else None,
+        prompt_logprobs=wanted,
+        prompt_from_text=submit.prompt_from_text,
+    )
+
+
 class _RequestText:
     __slots__ = ("epoch", "prompt_token_ids", "streams")
 
     def __init__(
-        self, epoch: int, prompt_token_ids: list[int], streams: dict[int, SampleTextStream]
+        self, epoch: int, prompt_token_ids: list[int] | None, streams: dict[int, SampleTextStream]
     ) -> None:
         self.epoch = epoch
         self.prompt_token_ids = prompt_token_ids  # names the tokens of prompt logprobs
@@ -78,9 +98,9 @@ class Detokenizer:
                     except Exception as exc:
                         failures.append(self._fail(item.request_id, item.epoch, exc))
                         aborts.append(item.request_id)
-            elif isinstance(message, SubmitRequest):
+            elif isinstance(message, TextStart):
                 try:
-                    prompts.append(self.submit(message))
+                    prompts.append(self.start(message))
                 except Exception as exc:
                     failures.append(self._fail(message.request_id, message.epoch, exc))
                     aborts.append(message.request_id)
@@ -91,25 +111,26 @@ class Detokenizer:
         batch = OutputBatch(prompts, samples, failures) if prompts or samples or failures else None
         return DetokenizerOutput(batch, stops, tuple(aborts))
 
-    def submit(self, submit: SubmitRequest) -> PromptInfo:
-        """Start (or, for a newer epoch, restart) a request's streams, primed when resumed."""
-        current = self._requests.get(submit.request_id)
-        if current is None or submit.epoch > current.epoch:
+    def start(self, start: TextStart) -> PromptInfo:
+        """Start (or, for a newer epoch, restart) a request's streams, primed when resumed;
+        the gateway's acknowledgement (with the prompt, when it has yet to learn it)."""
+        current = self._requests.get(start.request_id)
+        if current is None or start.epoch > current.epoch:
             starts: dict[int, list[int]]
-            if submit.resume is None:
-                starts = {index: [] for index in range(submit.params.n)}
+            if start.resume is None:
+                starts = {index: [] for index in range(start.num_samples)}
             else:
-                starts = {item.index: item.delivered_token_ids for item in submit.resume}
+                starts = {item.index: item.delivered_token_ids for item in start.resume}
             streams = {
                 index: SampleTextStream(
-                    self._tokenizer, submit.prompt_token_ids, submit.params, delivered
+                    self._tokenizer, start.context_token_ids, start.params, delivered
                 )
                 for index, delivered in starts.items()
             }
-            self._requests[submit.request_id] = _RequestText(
-                submit.epoch, submit.prompt_token_ids, streams
-            )
-        return PromptInfo(submit.request_id, submit.epoch, submit.prompt_token_ids)
+            named = start.prompt_token_ids if start.prompt_logprobs else None
+            self._requests[start.request_id] = _RequestText(start.epoch, named, streams)
+        prompt = start.prompt_token_ids if start.prompt_from_text else None
+        return PromptInfo(start.request_id, start.epoch, prompt)
 
     def abort(self, request_ids: Iterable[str]) -> None:
         for request_id in request_ids:
@@ -155,7 +176,7 @@ class Detokenizer:
             pairs = zip(item.logprobs, item.new_token_ids, strict=False)
             logprobs = [self._logprobs(entry, token_id) for entry, token_id in pairs]
         prompt_logprobs = None
-        if item.prompt_logprobs is not None:
+        if item.prompt_logprobs is not None and request.prompt_token_ids is not None:
             pairs = zip(item.prompt_logprobs, request.prompt_token_ids[1:], strict=False)
             prompt_logprobs = [self._logprobs(entry, token_id) for entry, token_id in pairs]
         samples.append(

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from engine.messages.params import SamplingParams
+from engine.messages.scheduling import TextParams
 from engine.text.incremental import IncrementalDetokenizer
 from engine.text.stop_strings import StopStrings
 
@@ -22,7 +23,7 @@ class SampleTextStream:
         self,
         tokenizer: Any,
         prompt_token_ids: Sequence[int],
-        params: SamplingParams,
+        params: TextParams | SamplingParams,  # it reads the text parameters alone
         delivered_token_ids: Sequence[int] = (),
     ) -> None:
         self._detokenizer = IncrementalDetokenizer(

@@ -10,15 +10,19 @@ from transformers import PreTrainedTokenizerFast
 
 from engine.messages.failures import RequestFailed
 from engine.messages.params import SamplingParams
+from engine.messages.ring_catalogue import TOKENS_RING
 from engine.messages.scheduling import (
     AbortRequests,
     SampleDelta,
     SampleResume,
     SubmitRequest,
+    TextStart,
     TokenBatch,
 )
 from engine.messages.steps import TokenLogprobs
 from engine.text import Detokenizer, IncrementalDetokenizer, SampleTextStream, StopStrings
+from engine.text.detokenizer import text_start
+from engine.text.incremental import PROMPT_CONTEXT_TOKENS
 from tests.fresh_process import imported_after
 
 CORPUS = [
@@ -200,9 +204,10 @@ def test_tokens_batched_differently_give_the_same_text(tokenizer: PreTrainedToke
 # ---- the request-level detokenizer ---------------------------------------------------------------
 
 
-def _submit(tokenizer: PreTrainedTokenizerFast, epoch: int = 0, **params: object) -> SubmitRequest:
+def _submit(tokenizer: PreTrainedTokenizerFast, epoch: int = 0, **params: object) -> TextStart:
     prompt = encode(tokenizer, "tell me: ")
-    return SubmitRequest("r", epoch, prompt, SamplingParams(**params), seed=1)  # type: ignore[arg-type]
+    submit = SubmitRequest("r", epoch, prompt, SamplingParams(**params), seed=1)  # type: ignore[arg-type]
+    return text_start(submit)
 
 
 def test_the_detokenizer_streams_samples_and_reports_stop_string_stops(
@@ -271,13 +276,45 @@ def test_aborts_rejections_and_logprobs(tokenizer: PreTrainedTokenizerFast) -> N
     [failure] = out.batch.failures
     assert (failure.request_id, failure.epoch, failure.status) == ("q", 2, 400)
     # A failed resubmission ends the request: the streams of its older epoch go too.
-    detokenizer.handle([SubmitRequest("old", 0, [token], SamplingParams(), 1)])
+    detokenizer.handle([text_start(SubmitRequest("old", 0, [token], SamplingParams(), 1))])
     assert len(detokenizer) == 1
     resubmission_failed = RequestFailed(
         request_id="old", epoch=1, status=400, message="too big", actor="tokenizer"
     )
     detokenizer.handle([resubmission_failed])
     assert len(detokenizer) == 0
+
+
+def test_the_start_message_carries_the_prompt_only_where_it_is_needed(
+    tokenizer: PreTrainedTokenizerFast,
+) -> None:
+    prompt = [random.Random(7).randrange(10, 200) for _ in range(1000)]
+    plain = SubmitRequest("r", 0, prompt, SamplingParams(), seed=1)
+    start = text_start(plain)
+    assert start.prompt_token_ids is None
+    assert start.context_token_ids == prompt[-PROMPT_CONTEXT_TOKENS:]
+    assert len(TOKENS_RING.encode(start)) < 100  # the whole prompt alone takes ~2 KB
+    detokenizer = Detokenizer(tokenizer)
+    out = detokenizer.handle([start])
+    assert out.batch is not None
+    [info] = out.batch.prompts
+    assert (info.request_id, info.prompt_token_ids) == ("r", None)  # the gateway has them
+    # Prompt logprobs are named by the prompt's tokens: then it comes along.
+    asked = SubmitRequest("p", 0, prompt[:3], SamplingParams(prompt_logprobs=0), seed=1)
+    start = text_start(asked)
+    assert start.prompt_token_ids == prompt[:3]
+    detokenizer.handle([start])
+    entries = [TokenLogprobs(-1.0, [], []), TokenLogprobs(-2.0, [], [])]
+    delta = SampleDelta("p", 0, 0, [prompt[0]], prompt_logprobs=entries)
+    out = detokenizer.handle([TokenBatch([delta])])
+    assert out.batch is not None
+    named = out.batch.samples[0].prompt_logprobs or []
+    assert [(e.token_id, e.logprob) for e in named] == [(prompt[1], -1.0), (prompt[2], -2.0)]
+    # Tokens the tokenizer made from text go on to the gateway, once.
+    from_text = SubmitRequest("t", 0, prompt, SamplingParams(), seed=1, prompt_from_text=True)
+    out = detokenizer.handle([text_start(from_text)])
+    assert out.batch is not None
+    assert out.batch.prompts[0].prompt_token_ids == prompt
 
 
 def test_engine_text_does_not_import_torch() -> None:
