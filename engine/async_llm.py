@@ -52,6 +52,7 @@ from engine.request.defaults import (
 from engine.request.limits import check_params, check_prompt_size, check_queue
 from engine.request.prompts import Prompt, chat_messages, split_prompt
 from engine.settings import Settings, resolve_home
+from engine.telemetry.tracer import open_request_tracer
 
 log = logging.getLogger("engine")
 SHM_REMEDY = ("lower cache.kv_cache_memory (a P/D rank's KV cache is a segment there)",)
@@ -106,6 +107,9 @@ class AsyncLLM:
         )
         # As vLLM: the name clients use is the --model value as given, unless one is set.
         self.model_name = (model.served_name or (default_name,))[0]
+        # --otlp-traces-endpoint: each request's span, made as it leaves the gateway
+        tracer = open_request_tracer(self.settings.server.otlp_traces_endpoint, self.model_name)
+        self.gateway.on_request_end = tracer.record if tracer is not None else None
 
         self.max_model_len = self._plan.max_model_len
         self.weight_bytes = self._plan.weight_bytes
@@ -186,13 +190,15 @@ class AsyncLLM:
         add_generation_prompt: bool = True,
         request_id: str | None = None,
         kv_transfer_params: Mapping[str, Any] | None = None,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Incremental outputs: each holds the new text / tokens of the samples that advanced.
 
         `prompt`: text, token ids, {"prompt": text} or {"prompt_token_ids": ids}; or chat
         `messages`, rendered with `chat_template`, else model.chat_template, else the model's
         own (given `chat_template_kwargs`); without `params`, the model's generation defaults.
-        `kv_transfer_params`: P/D across instances (engine/gateway/kv_params.py)."""
+        `kv_transfer_params`: P/D across instances (engine/gateway/kv_params.py).
+        `trace_headers`: the W3C trace context (traceparent) its span continues."""
         params = params or default_sampling_params(self.generation_defaults)
         kv_handoff, kv_source = self._kv_params.directives(kv_transfer_params)
         if kv_handoff == "hold":  # a prefill instance computes the prompt and one token
@@ -213,6 +219,7 @@ class AsyncLLM:
             request_id=request_id,
             kv_handoff=kv_handoff,
             kv_source=kv_source,
+            trace_headers=trace_headers,
         )
         finished = False
         try:
@@ -287,7 +294,6 @@ class AsyncLLM:
             resubmitted_requests=self.gateway.resubmissions,
             stalled_stream_aborts=self.gateway.stalled_aborts,
             restarts={row.name: row.restarts for row in rows},
-            actor_recovery_seconds={row.name: row.recovery_seconds for row in rows},
             actor_recovery_seconds={row.name: row.recovery_seconds for row in rows},
             kv_cache_blocks=self._plan.num_blocks if self._plan else 0,
             replicas=self._replicas.replica_stats(report) if self._replicas else [],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +59,11 @@ class RequestRecord:
     kv_handoff: KvHandoff = ""
     kv_source: KvSource | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    # For its trace span (engine/telemetry/): the W3C trace context it came with, when it was
+    # resubmitted after restarts (monotonic), and why it failed if it did.
+    trace_headers: Mapping[str, str] | None = None
+    resubmitted_at: list[float] = field(default_factory=list)
+    failure: str | None = None
 
     def output(self, outputs: list[CompletionOutput], finished: bool) -> RequestOutput:
         """What its stream gets next: `outputs`, with what is known of the whole request."""

@@ -36,7 +36,7 @@ import random
 import secrets
 import time
 from collections import deque
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 
 import msgspec
 
@@ -88,6 +88,8 @@ class Gateway:
         self.hands_on_locally = False
         self.quarantined = 0
         self.stalled_aborts = 0
+        # Called with each record as it leaves (finished, failed, aborted): the request tracer
+        self.on_request_end: Callable[[RequestRecord], None] | None = None
 
     def __len__(self) -> int:
         return len(self._records)
@@ -111,9 +113,11 @@ class Gateway:
         request_id: str | None = None,
         kv_handoff: KvHandoff = "",
         kv_source: KvSource | None = None,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> tuple[RequestRecord, GenerateRequest | None]:
         """Register a new request; its record and the submission to send (None: held back
-        while a suspect is on probation; it is sent when probation ends)."""
+        while a suspect is on probation; it is sent when probation ends). `trace_headers`: the
+        W3C trace context its span continues."""
         if request_id is None:
             request_id = f"req-{self._id_prefix}-{next(self._ids)}"
         elif request_id in self._records:
@@ -133,6 +137,7 @@ class Gateway:
             chat=chat,
             kv_handoff=kv_handoff,
             kv_source=kv_source,
+            trace_headers=dict(trace_headers) if trace_headers else None,
         )
         self._records[request_id] = record
         return record, None if record.held else record.submission()
@@ -154,6 +159,7 @@ class Gateway:
     def fail(self, request_id: str, error: EngineError) -> None:
         record = self._records.pop(request_id, None)
         if record is not None:
+            record.failure = error.message
             record.stream.put_nowait(error)
             self._forget(record)
 
@@ -234,12 +240,14 @@ class Gateway:
             for record in records:
                 record.epoch += 1
                 record.acknowledged = False
+                record.resubmitted_at.append(time.monotonic())
             self.resubmissions += len(records)
             return [record.submission() for record in records]
         self._outbox.clear()  # whatever was owed goes in this resubmission, or stays held
         for record in self._records.values():
             record.epoch += 1
             record.acknowledged = False
+            record.resubmitted_at.append(time.monotonic())
         if self._probationer is None:
             self._next_probationer()
         if not self.on_probation:
@@ -331,6 +339,8 @@ class Gateway:
 
     def _forget(self, record: RequestRecord) -> None:
         """`record` left the registry (finished, failed, aborted)."""
+        if self.on_request_end is not None:
+            self.on_request_end(record)
         if record.request_id == self._probationer:
             self._probationer = None
             self._advance()

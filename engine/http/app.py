@@ -38,6 +38,7 @@ from engine.http.protocol import ModelCard, ModelList, encode
 from engine.http.runs import RequestRun
 from engine.http.state import ServerState
 from engine.http.streams import ReleasingStream
+from engine.telemetry.tracer import trace_headers
 
 log = logging.getLogger("engine.http")
 
@@ -171,6 +172,7 @@ async def _generate(request: Request, state: ServerState, parse: Parser, endpoin
         state.metrics.count_request(endpoint, outcome_of(e.status))
         raise
     run = RequestRun(state, prepared, endpoint, body)
+    run.trace_headers = trace_headers(request.headers)
     if prepared.stream:
         firsts = await _until_disconnect(request, run.open())
         if firsts is None:  # left while queued or prefilling

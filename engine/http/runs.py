@@ -55,6 +55,7 @@ class RequestRun:
         self._last_token_at: dict[int, float] = {}
         self.scheduling: dict[int, FirstScheduled] = {}  # per prompt, once reported
         self.key = prepared.client_request_id or prepared.request_id  # X-Request-Id, /abort
+        self.trace_headers: dict[str, str] | None = None  # W3C trace context its spans continue
         state.runs[self.key] = self
         self.outcome = "aborted"
         self.status = 200  # the HTTP status answered; an engine refusal's otherwise
@@ -79,6 +80,7 @@ class RequestRun:
                 chat_template=self.state.chat_template if p.messages is not None else None,
                 chat_template_kwargs=p.chat_template_kwargs,
                 kv_transfer_params=p.kv_transfer_params,
+                trace_headers=self.trace_headers,
             )
             self._streams.append(aiter(stream))
         results = await asyncio.gather(

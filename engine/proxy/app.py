@@ -20,11 +20,8 @@ role if there is one and then relayed (a prefill's: the decode instance prefills
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
-import secrets
-import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
@@ -36,6 +33,14 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from engine.http.streams import ReleasingStream
+from engine.proxy.client_side import (
+    CLIENT_CLOSED_REQUEST,
+    BodyTooLarge,
+    read_body,
+    unauthorized,
+    unless_client_leaves,
+    upstream_headers,
+)
 from engine.proxy.config import ProxyConfig
 from engine.proxy.metrics import ProxyMetrics
 from engine.proxy.pd import (
@@ -60,14 +65,7 @@ from engine.proxy.upstream import (
 log = logging.getLogger("engine.proxy")
 
 JSON = "application/json"
-# Request headers the instances see; the rest (hop-by-hop, host, lengths) are the proxy's own.
-FORWARDED_HEADERS = ("authorization", "content-type", "accept")
-CLIENT_CLOSED_REQUEST = 499
 ALL_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
-
-
-class _BodyTooLarge(Exception):
-    pass
 
 
 class ProxyRoutes:
@@ -94,13 +92,13 @@ class ProxyRoutes:
 
     async def forward(self, request: Request) -> Response:
         async def to_decode(request: Request, body: bytes) -> Response:
-            return await self._decode(request, body, _upstream_headers(request), streamed=False)
+            return await self._decode(request, body, upstream_headers(request), streamed=False)
 
         return await self._served("other", request, to_decode)
 
     async def abort(self, request: Request) -> Response:
         async def everywhere(request: Request, body: bytes) -> Response:
-            return await self._abort_everywhere(body, _upstream_headers(request))
+            return await self._abort_everywhere(body, upstream_headers(request))
 
         return await self._served("abort", request, everywhere)
 
@@ -117,7 +115,7 @@ class ProxyRoutes:
     async def instances(self, request: Request) -> Response:
         """/health's status with every instance: "up", or since when it is down and its last
         error (a 503's message names them all, as a request's 503 does)."""
-        if (refused := self._unauthorized(request)) is not None:
+        if (refused := unauthorized(request, self.config.api_key)) is not None:
             return refused
         state = {
             role.value: {
@@ -141,7 +139,7 @@ class ProxyRoutes:
     # -- the P/D path -----------------------------------------------------------------------
 
     async def _disaggregated(self, request: Request, body: bytes) -> Response:
-        headers = _upstream_headers(request)
+        headers = upstream_headers(request)
         fields = json_object(body)
         if fields is None:  # not a JSON object: the decode instance answers what is wrong
             return await self._decode(request, body, headers, streamed=False)
@@ -304,20 +302,6 @@ class ProxyRoutes:
 
     # -- helpers ----------------------------------------------------------------------------
 
-    def _unauthorized(self, request: Request) -> Response | None:
-        """A 401 unless the request carries the proxy's API key (None when none is set)."""
-        key = self.config.api_key
-        if not key:
-            return None
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() == "bearer" and secrets.compare_digest(
-            token.strip().encode(errors="replace"), key.encode()
-        ):
-            return None
-        message = "missing or invalid API key: send 'Authorization: Bearer <key>'"
-        body = error_body(message, 401, "invalid_request_error")
-        return Response(body, 401, {"WWW-Authenticate": "Bearer"}, media_type=JSON)
-
     async def _open(
         self,
         instance: Instance,
@@ -355,67 +339,30 @@ class ProxyRoutes:
         if went:
             log.warning("%s instance %s is down: %s", instance.role.value, instance.url, why)
 
-    async def _body(self, request: Request) -> bytes:
-        limit = self.config.max_request_bytes
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
-            raise _BodyTooLarge
-        chunks: list[bytes] = []
-        size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise _BodyTooLarge
-            chunks.append(chunk)
-        return b"".join(chunks)
-
     async def _served(
         self, route: str, request: Request, work: Callable[[Request, bytes], Awaitable[Response]]
     ) -> Response:
         """`work` on the request's body, counted by route and status. A client that hangs up
         before the answer is ready cancels the work, which closes its upstream requests, so the
         instances abort them instead of computing an answer for nobody."""
-        if (refused := self._unauthorized(request)) is not None:
+        if (refused := unauthorized(request, self.config.api_key)) is not None:
             self.metrics.requests.labels(route, str(refused.status_code)).inc()
             return refused
         try:
-            body = await self._body(request)
+            body = await read_body(request, self.config.max_request_bytes)
         except ClientDisconnect:  # gone before its body ended (or closed at the body deadline)
             response = Response(status_code=CLIENT_CLOSED_REQUEST)
             self.metrics.requests.labels(route, str(response.status_code)).inc()
             return response
-        except _BodyTooLarge:
+        except BodyTooLarge:
             limit = self.config.max_request_bytes
             message = f"the request body is larger than the proxy's limit of {limit} bytes"
             body = error_body(message, 413, "invalid_request_error")
             response = Response(body, 413, media_type=JSON)
         else:
-            response = await _unless_client_leaves(request, work(request, body))
+            response = await unless_client_leaves(request, work(request, body))
         self.metrics.requests.labels(route, str(response.status_code)).inc()
         return response
-
-
-async def _unless_client_leaves(request: Request, work: Awaitable[Response]) -> Response:
-    """`work`'s response; or, if the client disconnects first, `work` cancelled and a 499 (as
-    nginx logs it) that no one reads."""
-    answer = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_disconnect(request))
-    try:
-        await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not answer.done():
-            answer.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        return await answer
-    return Response(status_code=CLIENT_CLOSED_REQUEST)
-
-
-async def _disconnect(request: Request) -> None:
-    """Returns once the client has disconnected (its body has been read already: what the
-    server receives next is the disconnect)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 def build_proxy_app(
@@ -434,17 +381,6 @@ def build_proxy_app(
             Route("/{path:path}", routes.forward, methods=ALL_METHODS),
         ]
     )
-
-
-def _upstream_headers(request: Request) -> dict[str, str]:
-    """The client's Authorization (and content type) for the instances, and one X-Request-Id
-    that the prefill and the decode instance both see (made up when the client sent none)."""
-    headers = {k: v for k in FORWARDED_HEADERS if (v := request.headers.get(k)) is not None}
-    headers["x-request-id"] = request.headers.get("x-request-id") or uuid.uuid4().hex
-    # Streams are relayed as raw bytes: an instance must not compress them (httpx would ask for
-    # gzip by default, and the client would get gzip bytes without their content-encoding).
-    headers["accept-encoding"] = "identity"
-    return headers
 
 
 async def _release(instance: Instance, stream: OpenStream) -> None:

@@ -74,6 +74,7 @@ FLAG_ALIASES: dict[str, str] = {
     "--record-trace": "server.record_trace",
     "--tool-call-parser": "server.tool_call_parser",
     "--reasoning-parser": "server.reasoning_parser",
+    "--otlp-traces-endpoint": "server.otlp_traces_endpoint",
     "--ui": "server.ui",  # --no-ui turns the chat page off
     "--admin-socket": "admin.socket",
     "--chat-template": "model.chat_template",

@@ -131,6 +131,13 @@ class ServerSettings(Section, frozen=True):
         Literal["qwen3"] | None,
         Meta(description="qwen3: a chat answer's <think>...</think> is its reasoning_content"),
     ] = None
+    otlp_traces_endpoint: Annotated[
+        str | None,
+        Meta(
+            description="export one OpenTelemetry span per request to this OTLP/HTTP URL "
+            "(e.g. http://localhost:4318/v1/traces); needs the extra engine[otel]"
+        ),
+    ] = None
     ui: Annotated[
         bool,
         Meta(description="serve the chat page at GET / (--no-ui: the API alone)"),

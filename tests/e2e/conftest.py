@@ -3,9 +3,11 @@ their own. Every server is terminated, waited for and, if need be, killed here."
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -51,11 +53,30 @@ def server_args(model_args: list[str], socket: Path | None, *extra: str) -> list
 
 
 @pytest.fixture(scope="session")
-def server(model_args: list[str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def otlp() -> Iterator[Any]:
+    """The OTLP receiver the shared server sends its request spans to (tests/otlp_receiver.py);
+    None without the OpenTelemetry SDK (the extra engine[otel])."""
+    if importlib.util.find_spec("opentelemetry.sdk") is None:
+        yield None
+        return
+    from tests.otlp_receiver import otlp_receiver
+
+    with otlp_receiver() as receiver:
+        yield receiver
+
+
+@pytest.fixture(scope="session")
+def server(
+    model_args: list[str], tmp_path_factory: pytest.TempPathFactory, otlp: Any
+) -> Iterator[Server]:
     work = tmp_path_factory.mktemp("server")
     trace = work / "trace.jsonl"
     args = server_args(model_args, work / "admin.sock", "--server.record_trace", str(trace))
-    with served(args, work, name="shared") as srv:
+    env = {}
+    if otlp is not None:
+        args += ["--otlp-traces-endpoint", otlp.url]
+        env["OTEL_BSP_SCHEDULE_DELAY"] = "100"  # ms: export spans soon after each request
+    with served(args, work, env, name="shared") as srv:
         srv.extra["trace"] = trace
         yield srv
 

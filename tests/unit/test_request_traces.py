@@ -1,0 +1,92 @@
+"""Request spans (engine/telemetry/) from the gateway's records, exported over OTLP/HTTP to an
+in-process receiver: a restart the request lived through is an event on its span, a failure
+its status; a bad endpoint or a missing SDK is one clear line. The server's side (a traceparent
+continued, the attributes of a served request) is tests/e2e/test_otel_traces.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from engine.gateway.registry import Gateway
+from engine.messages.outputs import OutputBatch, PromptInfo, SampleDeltaText
+from engine.messages.params import SamplingParams
+from engine.messages.scheduling import FirstScheduled
+from engine.outputs import EngineError
+from engine.telemetry import attributes as attr
+from engine.telemetry.tracer import RequestTracer, TracingUnavailable, traces_url
+from tests.otlp_receiver import otlp_receiver
+
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+PARENT_ID = "00f067aa0ba902b7"
+
+
+def _delta(epoch: int, tokens: list[int], finish: str | None = None, first=None):
+    return SampleDeltaText("r", epoch, 0, tokens, "x", None, finish, first=first)
+
+
+def test_a_restart_is_an_event_and_a_failure_the_status() -> None:
+    with otlp_receiver() as receiver:
+        tracer = RequestTracer(receiver.url, "tiny")
+        gateway = Gateway()
+        gateway.on_request_end = tracer.record
+        headers = {"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"}
+        gateway.register(SamplingParams(max_tokens=3), prompt="hi", request_id="r",
+                         trace_headers=headers)  # fmt: skip
+        gateway.deliver(OutputBatch([PromptInfo("r", 0, [1, 2])], [], []))
+        gateway.deliver(OutputBatch([], [_delta(0, [7], first=FirstScheduled(0, 0.01, 0.02))], []))
+        gateway.resubmit_all()  # as after an actor's restart on the request path
+        gateway.deliver(OutputBatch([], [_delta(1, [8, 9], "length")], []))
+        gateway.register(SamplingParams(), prompt="x", request_id="bad")
+        gateway.fail("bad", EngineError("the engine failed: test", 503))
+        tracer.shutdown()  # exports what is queued
+        [span] = receiver.wait_for(lambda s: s.attributes.get(attr.REQUEST_ID) == "r")
+        [failed] = receiver.wait_for(lambda s: s.attributes.get(attr.REQUEST_ID) == "bad")
+    assert (span.name, span.trace_id, span.parent_span_id) == ("llm_request", TRACE_ID, PARENT_ID)
+    [(name, when, event)] = span.events
+    assert name == "restart" and event == {"engine.epoch": 1}
+    assert span.start_ns < when < span.end_ns
+    assert span.attributes[attr.RESTARTS] == 1
+    assert span.attributes[attr.USAGE_COMPLETION_TOKENS] == 3
+    assert span.attributes[attr.RESPONSE_FINISH_REASONS] == ["length"]
+    assert span.status_code == 0  # unset: it was served
+    assert failed.status_code == 2 and failed.status_message == "the engine failed: test"
+    assert failed.parent_span_id == "" and failed.trace_id != TRACE_ID  # a trace of its own
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "url"),
+    [
+        ("http://collector:4318", "http://collector:4318/v1/traces"),
+        ("http://collector:4318/", "http://collector:4318/v1/traces"),
+        ("https://c.example/otlp/v1/traces", "https://c.example/otlp/v1/traces"),
+    ],
+)
+def test_an_endpoint_naming_only_a_collector_gets_the_traces_path(endpoint: str, url: str) -> None:
+    assert traces_url(endpoint) == url
+
+
+@pytest.mark.parametrize("endpoint", ["grpc://collector:4317", "collector:4318", "http://"])
+def test_an_endpoint_that_is_not_an_http_url_is_refused(endpoint: str) -> None:
+    with pytest.raises(TracingUnavailable, match="must be an http:// or https:// URL"):
+        traces_url(endpoint)
+
+
+def test_without_the_sdk_the_engine_imports_and_the_flag_says_what_to_install() -> None:
+    # A fresh interpreter in which the SDK's package cannot be imported.
+    script = (
+        "import sys; sys.modules['opentelemetry'] = None\n"
+        "import engine.async_llm, engine.http.app\n"
+        "from engine.telemetry.tracer import open_request_tracer\n"
+        "assert open_request_tracer(None, 'm') is None\n"
+        "open_request_tracer('http://127.0.0.1:4318', 'm')\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert "TracingUnavailable: --otlp-traces-endpoint needs the OpenTelemetry SDK" in last
+    assert "pip install 'engine[otel]'" in last
