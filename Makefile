@@ -38,6 +38,7 @@ lint: $(STAMP)
 	$(PY) -m ruff check engine tests tools
 	$(PY) -m ruff format --check engine tests tools
 	$(PY) -m mypy
+	$(VENV)/bin/hadolint Dockerfile
 
 test: $(STAMP) lint
 	$(PY) -m pytest -q
