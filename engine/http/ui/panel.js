@@ -39,8 +39,8 @@
     showStatus(figures);
     $("live-in-flight").textContent = figures.in_flight;
     $("live-running").textContent = `${figures.running} / ${figures.waiting}`;
-    $("live-kv").textContent = `${(figures.kv_usage * 100).toFixed(1)}% of ` +
-      `${figures.kv_cache_blocks} blocks`;
+    $("live-kv").textContent =
+      `${(figures.kv_usage * 100).toFixed(1)}% of ${figures.kv_cache_blocks} blocks`;
     $("live-kv-meter").value = figures.kv_usage;
     $("live-restarts").textContent = figures.restarts +
       (figures.resubmitted_requests ? ` (${figures.resubmitted_requests} resubmitted)` : "");
