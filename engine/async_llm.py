@@ -13,17 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Collection, Mapping
 from typing import Any
 
 import msgspec
 
-from engine.actors.roles import Role, holds_requests
 from engine.actors.runtime.events import (
-    ChildDied,
-    ChildRestarted,
-    Escalated,
-    ReplicaFailed,
     actor_cpu,
     actor_rows,
     ring_traffic,
@@ -31,26 +26,21 @@ from engine.actors.runtime.events import (
 from engine.actors.runtime.ring import RingClosed
 from engine.actors.runtime.shm_space import require_shm_space
 from engine.actors.runtime.supervision import Supervision
-from engine.gateway.crashes import drain_restarts, is_crash
 from engine.gateway.kv_params import KvParams, instance_kv_params
 from engine.gateway.registry import Gateway, ToTokenizer
 from engine.gateway.replicas import Replicas, supervise
+from engine.gateway.restarts import SupervisorFollower
 from engine.messages.admin import ActorRow, EngineStats, Health, RequestRow
 from engine.messages.codec import too_large_for_one_frame
 from engine.messages.params import SamplingParams
 from engine.messages.reports import SchedulerReport
-from engine.messages.requests import ChatMessage, ChatOptions, GenerateRequest
+from engine.messages.requests import GenerateRequest
 from engine.messages.ring_catalogue import OUTPUTS_RING, REPORTS_RING, REQUESTS_RING, ring_of
 from engine.model_source import model_directory
 from engine.outputs import EngineError, RequestOutput, merge_outputs, snapshot
 from engine.plan import EnginePlan, plan_engine
-from engine.request.defaults import (
-    default_sampling_params,
-    load_chat_template,
-    load_generation_defaults,
-)
-from engine.request.limits import check_params, check_prompt_size, check_queue
-from engine.request.prompts import Prompt, chat_messages, split_prompt
+from engine.request.policy import RequestPolicy
+from engine.request.prompts import Prompt
 from engine.settings import Settings, resolve_home
 from engine.telemetry.tracer import open_request_tracer
 
@@ -71,10 +61,8 @@ class AsyncLLM:
         )
         self.model_name = ""
         self.model_path = ""  # the checkpoint directory, once started
-        # As vLLM: what a request that brings no sampling parameters (or a chat no template)
-        # gets: the model's generation_config.json defaults, model.chat_template (once started).
-        self.generation_defaults: dict[str, Any] = {}
-        self.chat_template: str | None = None
+        # Every request's defaults and limits (engine/request/), the model's once started.
+        self.policy = RequestPolicy()
         self.max_model_len = 0
         self.weight_bytes: dict[str, int] = {}  # per rank, by format (EnginePlan.weight_bytes)
         self._plan: EnginePlan | None = None
@@ -96,10 +84,9 @@ class AsyncLLM:
             model.path, resolve_home(self.settings), model.tokenizer
         )
         self.model_path = model_path
-        self.generation_defaults = load_generation_defaults(model.generation_config, model_path)
-        self.chat_template = load_chat_template(model.chat_template)
         self._kv_params = instance_kv_params(self.settings)  # reads the KV secret, if it needs one
         self._plan = plan_engine(self.settings, model_path)
+        self.policy = RequestPolicy.load(self.settings, model_path, self._plan.max_model_len)
         require_shm_space(self._plan.replica_specs, remedy=SHM_REMEDY)  # not a SIGBUS later
         # One-launch P/D: a prefill replica's handoff goes on to a decode replica here.
         self.gateway.hands_on_locally = "decode" in self._plan.replica_roles and (
@@ -191,6 +178,8 @@ class AsyncLLM:
         request_id: str | None = None,
         kv_transfer_params: Mapping[str, Any] | None = None,
         trace_headers: Mapping[str, str] | None = None,
+        defaulted_fields: Collection[str] | None = None,
+        field_names: Mapping[str, str] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Incremental outputs: each holds the new text / tokens of the samples that advanced.
 
@@ -198,24 +187,28 @@ class AsyncLLM:
         `messages`, rendered with `chat_template`, else model.chat_template, else the model's
         own (given `chat_template_kwargs`); without `params`, the model's generation defaults.
         `kv_transfer_params`: P/D across instances (engine/gateway/kv_params.py).
-        `trace_headers`: the W3C trace context (traceparent) its span continues."""
-        params = params or default_sampling_params(self.generation_defaults)
+        `trace_headers`: the W3C trace context (traceparent) its span continues.
+        `defaulted_fields`, `field_names`: for front ends (RequestPolicy.prepare)."""
+        self._check_running()
         kv_handoff, kv_source = self._kv_params.directives(kv_transfer_params)
-        if kv_handoff == "hold":  # a prefill instance computes the prompt and one token
-            params = msgspec.structs.replace(params, max_tokens=1)
-        text, token_ids = split_prompt(prompt)
-        chat = chat_messages(messages) if messages is not None else None
-        options = None
-        if chat is not None:
-            template = chat_template or self.chat_template
-            options = ChatOptions(template, dict(chat_template_kwargs or {}), add_generation_prompt)
-        self._check_can_accept(params, text, token_ids, chat)
-        record, submission = self.gateway.register(
+        accepted = self.policy.prepare(
+            prompt,
             params,
-            prompt=text,
-            prompt_token_ids=token_ids,
-            messages=chat,
-            chat=options,
+            messages=messages,
+            chat_template=chat_template,
+            chat_template_kwargs=chat_template_kwargs,
+            add_generation_prompt=add_generation_prompt,
+            defaulted_fields=defaulted_fields,
+            field_names=field_names,
+            waiting_samples=self._waiting_samples(),
+            one_token=kv_handoff == "hold",  # a prefill instance: the prompt and one token
+        )
+        record, submission = self.gateway.register(
+            accepted.params,
+            prompt=accepted.prompt,
+            prompt_token_ids=accepted.prompt_token_ids,
+            messages=accepted.messages,
+            chat=accepted.chat,
             request_id=request_id,
             kv_handoff=kv_handoff,
             kv_source=kv_source,
@@ -276,6 +269,16 @@ class AsyncLLM:
         self._send_owed()
         return True
 
+    @property
+    def generation_defaults(self) -> dict[str, Any]:
+        """The model's generation_config.json defaults (model.generation_config)."""
+        return self.policy.generation_defaults
+
+    @property
+    def chat_template(self) -> str | None:
+        """model.chat_template's text, for chats that bring no template of their own."""
+        return self.policy.chat_template
+
     # ---- what the admin socket, /health and /metrics show --------------------------------------
 
     def health(self) -> Health:
@@ -318,23 +321,15 @@ class AsyncLLM:
 
     # ---- internals -----------------------------------------------------------------------------
 
-    def _check_can_accept(
-        self,
-        params: SamplingParams,
-        prompt: str | None,
-        prompt_token_ids: list[int] | None,
-        messages: list[ChatMessage] | None,
-    ) -> None:
+    def _check_running(self) -> None:
         if self._failure is not None:
             raise EngineError(f"the engine cannot serve: {self._failure}", 503)
         if self._supervisor is None or self._closed:
             raise EngineError("the engine is not running", 503)
-        limits = self.settings.limits
-        check_params(params, limits, self.max_model_len, self.settings.model.max_logprobs)
-        contents = (message.content for message in messages or ())
-        check_prompt_size(prompt, prompt_token_ids, contents, limits, self.max_model_len)
-        waiting = sum(r.params.n for r in self.gateway.records() if r.first_token_at is None)
-        check_queue(waiting, params.n, self.settings.scheduler.max_queued_samples)
+
+    def _waiting_samples(self) -> int:
+        """Samples of the requests that have no first token yet (the queue's limit counts them)."""
+        return sum(r.params.n for r in self.gateway.records() if r.first_token_at is None)
 
     async def _submit(self, submissions: list[ToTokenizer]) -> None:
         frames = []
@@ -384,55 +379,15 @@ class AsyncLLM:
             self._send_owed()
 
     async def _follow_supervisor(self, events: asyncio.Queue[Any]) -> None:
-        while True:
-            event = await events.get()
-            if isinstance(event, ChildDied):
-                log.warning("actor %s died (%s); restarting it", event.name, event.reason)
-                if is_crash(event) and self._holds_requests(event.name):
-                    tokenizer = self._role(event.name) == Role.TOKENIZER
-                    self.gateway.record_crash(event.name, event.reason, tokenizer=tokenizer)
-            elif isinstance(event, ChildRestarted):
-                # Every actor is on the request path: whatever was in flight through it is gone
-                # (for a tokenizer, only what it had not passed on yet). A group restart reports
-                # each member: resubmit once for all of them.
-                restarted = [event.name, *drain_restarts(events)]
-                if not any(self._holds_requests(name) for name in restarted):
-                    continue
-                # With replicas, only those of the restarted actors: the others run on.
-                assert self._replicas is not None
-                only = self._replicas.requests_concerned(restarted)
-                if all(self._role(name) == Role.TOKENIZER for name in restarted):
-                    lost = self.gateway.not_past_tokenizer()
-                    only = lost if only is None else only & lost
-                submissions = self.gateway.resubmit_all(only)
-                log.warning(
-                    "%s restarted (%s): resubmitting %d unfinished request(s)",
-                    ", ".join(restarted),
-                    event.reason,
-                    len(submissions),
-                )
-                if submissions:
-                    await self._submit(submissions)
-            elif isinstance(event, ReplicaFailed):
-                assert self._replicas is not None
-                submissions = self.gateway.resubmit_all(
-                    self._replicas.requests_of_failed(event.replica)
-                )
-                log.warning(
-                    "replica %d gave up (%s): resubmitting its %d unfinished request(s) to the "
-                    "others",
-                    event.replica,
-                    event.reason,
-                    len(submissions),
-                )
-                if submissions:
-                    await self._submit(submissions)
-            elif isinstance(event, Escalated):
-                self._failure = event.reason
-                self.gateway.fail_all(EngineError(f"the engine failed: {event.reason}", 503))
+        assert self._replicas is not None
+        follower = SupervisorFollower(
+            self.gateway, self._replicas, self._role, self._submit, self._escalated
+        )
+        await follower.follow(events)
 
-    def _holds_requests(self, name: str) -> bool:
-        return holds_requests(self._role(name))
+    def _escalated(self, reason: str) -> None:
+        self._failure = reason
+        self.gateway.fail_all(EngineError(f"the engine failed: {reason}", 503))
 
     def _role(self, name: str) -> str:
         rows = self._supervisor.status() if self._supervisor is not None else []

@@ -21,9 +21,6 @@ from engine.hf_cache import with_resolved_model
 from engine.messages.admin import EngineStats
 from engine.messages.params import SamplingParams
 from engine.outputs import RequestOutput
-from engine.request.defaults import (
-    default_sampling_params,
-)
 from engine.request.prompts import Prompt
 from engine.settings import Settings
 from engine.settings.schema import cross_field_problems
@@ -153,7 +150,7 @@ class LLM:
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The model's generation_config.json defaults (model.generation_config), as vLLM's."""
-        return default_sampling_params(self.engine.generation_defaults)
+        return self.engine.policy.default_params()
 
     def get_tokenizer(self) -> Any:
         """The model's tokenizer (a transformers tokenizer, loaded without torch)."""
@@ -181,8 +178,9 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
     ) -> list[RequestOutput]:
+        per_request: list[SamplingParams | None]
         if params is None or isinstance(params, SamplingParams):
-            per_request = [params or self.get_default_sampling_params()] * len(requests)
+            per_request = [params] * len(requests)  # None: the engine's defaults
         else:
             per_request = list(params)
             if len(per_request) != len(requests):
@@ -192,7 +190,7 @@ class LLM:
                 )
         with tqdm(total=len(requests), desc="requests", unit="req", disable=not use_tqdm) as bar:
 
-            async def run(request: dict[str, Any], params: SamplingParams) -> RequestOutput:
+            async def run(request: dict[str, Any], params: SamplingParams | None) -> RequestOutput:
                 output = await self.engine.complete(params=params, **request)
                 bar.update(1)
                 return output

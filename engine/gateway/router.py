@@ -15,6 +15,9 @@ added to the cached sum once; the next recount includes it from the records inst
 A prompt given as text is counted at about four characters per token until the tokenizer's
 count comes back with the first output batch; which replica is least loaded does not depend on
 the new request's own size, only on the others'.
+
+The router reads the frames the root has just encoded as RoutingViews: their prompt ids, chat
+and resume points are never decoded (a prompt's length is read off its array's header).
 """
 
 from __future__ import annotations
@@ -25,19 +28,26 @@ import msgspec
 
 from engine.gateway.records import RequestRecord
 from engine.gateway.registry import Gateway
-from engine.messages.requests import GenerateRequest
+from engine.messages.requests import ROUTING, RoutingView
 from engine.messages.ring_catalogue import REQUESTS_RING
 
 CHARS_PER_TOKEN = 4  # a rough count for text not yet tokenized
 
 
-def prompt_tokens(request: RequestRecord | GenerateRequest) -> int:
+def prompt_tokens(request: RequestRecord | RoutingView) -> int:
     """The prompt's token count, estimated from its text until the tokenizer's is known."""
-    if request.prompt_token_ids is not None:
-        return len(request.prompt_token_ids)
+    if isinstance(request, RoutingView):
+        count, messages = request.num_prompt_token_ids(), None
+        if count is None:
+            messages = request.chat_messages()
+    else:
+        ids, messages = request.prompt_token_ids, request.messages
+        count = None if ids is None else len(ids)
+    if count is not None:
+        return count
     text = request.prompt or ""
-    if request.messages is not None:
-        text = "".join(message.content for message in request.messages)
+    if messages is not None:
+        text = "".join(message.content for message in messages)
     return len(text) // CHARS_PER_TOKEN + 1
 
 
@@ -51,16 +61,16 @@ def pending_tokens(record: RequestRecord, max_model_len: int) -> int:
     return outputs + (prompt if record.first_token_at is None else 0)
 
 
-def submitted_tokens(request: GenerateRequest, max_model_len: int) -> int:
+def submitted_tokens(request: RoutingView, max_model_len: int) -> int:
     """Pending tokens of a request as it is submitted (nothing of it computed yet)."""
     prompt = prompt_tokens(request)
     budget = _output_budget(request.params.max_tokens, prompt, max_model_len)
     return prompt + budget * request.params.n
 
 
-def _has_output(request: GenerateRequest) -> bool:
+def _has_output(request: RoutingView) -> bool:
     """Some sample of it already has tokens (a resubmission past its first token)."""
-    return any(sample.delivered_token_ids for sample in request.resume or [])
+    return any(sample.delivered_token_ids for sample in request.resumed_samples() or [])
 
 
 def _output_budget(max_tokens: int | None, prompt: int, max_model_len: int) -> int:
@@ -124,7 +134,7 @@ class LeastPendingRouter:
 
     # ---- decisions -----------------------------------------------------------------------------
 
-    def choose(self, request: GenerateRequest) -> int:
+    def choose(self, request: RoutingView) -> int:
         """The replica for `request`: where it already is, else the least loaded live one (of
         the role its stage needs, with P/D: see `candidates`)."""
         candidates = self.candidates(request)
@@ -145,7 +155,7 @@ class LeastPendingRouter:
         self._requests[replica] += 1
         return replica
 
-    def candidates(self, request: GenerateRequest) -> list[int]:
+    def candidates(self, request: RoutingView) -> list[int]:
         """Live replicas that may serve `request` now. With P/D, a request that has no token
         yet goes to a prefill replica, one that has (or whose KV was handed off) to a decode
         replica; when no replica of that role is left, any live one serves it colocated."""
@@ -158,8 +168,8 @@ class LeastPendingRouter:
         """Gateway -> tokenizer frames, split by the replica each must go to."""
         out: dict[int, list[bytes]] = {}
         for frame in frames:
-            message = REQUESTS_RING.decode(frame)
-            if isinstance(message, GenerateRequest):
+            message = ROUTING.decode(frame)
+            if isinstance(message, RoutingView):
                 chosen = self.choose(message)
                 if self.disaggregated:
                     frame = self._with_kv_directives(message, chosen, frame)
@@ -177,7 +187,7 @@ class LeastPendingRouter:
                 out.setdefault(replica, []).append(REQUESTS_RING.encode(abort))
         return out
 
-    def _with_kv_directives(self, request: GenerateRequest, replica: int, frame: bytes) -> bytes:
+    def _with_kv_directives(self, request: RoutingView, replica: int, frame: bytes) -> bytes:
         """P/D: a prefill replica hands a request of one sample on after its first token (while a
         decode replica is left to take it); a KV source is only for a decode replica (on a
         prefill replica serving colocated, the held blocks are in its own prefix cache)."""
@@ -191,7 +201,7 @@ class LeastPendingRouter:
         if handoff == request.kv_handoff and source is request.kv_source:
             return frame
         changed = msgspec.structs.replace(request, kv_handoff=handoff, kv_source=source)
-        return REQUESTS_RING.encode(changed)
+        return ROUTING.encode(changed)  # the same GenerateRequest, but for these two fields
 
     def requests_on(self, replicas: Collection[int]) -> set[str]:
         """Unfinished requests routed to any of `replicas`, and those routed nowhere now (a dead

@@ -24,12 +24,10 @@ from starlette.routing import Route
 from engine.http.chat_page import chat_page_routes
 from engine.http.decoding import decode_request
 from engine.http.errors import ApiError, outcome_of
-from engine.http.generation_config import apply_generation_defaults
 from engine.http.metrics import CONTENT_TYPE
 from engine.http.operations import (
     AbortRequest,
     abort_request,
-    check_max_logprobs,
     cors_middleware,
     take_client_request_id,
 )
@@ -165,8 +163,6 @@ async def _generate(request: Request, state: ServerState, parse: Parser, endpoin
         _check_auth(request, state)
         body = await _read_body(request, state.settings.server.max_request_bytes)
         prepared = _parse(parse, body, state.served_names, request.url.path)
-        apply_generation_defaults(prepared, body, state.generation_defaults)
-        check_max_logprobs(prepared, state.settings.model.max_logprobs)
         take_client_request_id(prepared, request.headers.get("x-request-id"), state.runs)
     except ApiError as e:
         state.metrics.count_request(endpoint, outcome_of(e.status))

@@ -70,16 +70,3 @@ def cors_middleware(settings: Settings) -> list[Middleware]:
             allow_credentials=server.allow_credentials,
         )
     ]
-
-
-def check_max_logprobs(prepared: PreparedRequest, max_logprobs: int) -> None:
-    """model.max_logprobs (vLLM's --max-logprobs): the most top logprobs a request may ask for."""
-    asked = prepared.params.logprobs
-    if asked is None or asked <= max_logprobs:
-        return
-    field = "logprobs" if prepared.kind == "completion" else "top_logprobs"
-    raise ApiError(
-        400,
-        f"'{field}' is {asked}, more than this server allows ({max_logprobs}, --max-logprobs)",
-        param=field,
-    )

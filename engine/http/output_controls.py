@@ -1,32 +1,28 @@
 """Request fields that constrain the output → SamplingParams' structured_outputs, logit_bias,
 allowed_token_ids and bad_words; and the fields this server does not implement, refused.
 
-Every constraint is checked here, before any compute, with the API's own field name in the
-error (`response_format.json_schema.schema`, `structured_outputs.regex`, `guided_json`, ...).
+Only the API's forms are checked here (one constraint at most, logit_bias keys); what a
+constraint may be is the engine's rule (engine/request/), whose refusal names the API's field
+(`response_format.json_schema.schema`, `guided_json`, ...).
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
-import msgspec
-
 from engine.http.errors import ApiError
-from engine.http.protocol import ChatCompletionRequest, CompletionRequest
-from engine.messages.params import MAX_LOGIT_BIAS, StructuredOutputsParams
-from engine.structured.spec import check_structured_outputs
-
-log = logging.getLogger(__name__)
+from engine.http.protocol import UNIMPLEMENTED_FIELDS, ChatCompletionRequest, CompletionRequest
+from engine.messages.params import StructuredOutputsParams
 
 Request = CompletionRequest | ChatCompletionRequest
 
 
 def output_controls(
     req: Request, tool_constraint: StructuredOutputsParams | None = None
-) -> dict[str, Any]:
-    """SamplingParams fields for the request's output controls (checked; ApiError naming the
-    field). `tool_constraint`: what tool_choice required / a named function asks for."""
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """SamplingParams fields for the request's output controls, and the API's name of each
+    (the engine's refusal of a bad constraint names the field the client used).
+    `tool_constraint`: what tool_choice required / a named function asks for."""
     sources = _constraints(req)
     if tool_constraint is not None:
         sources.append(("tool_choice", tool_constraint))
@@ -36,23 +32,17 @@ def output_controls(
             400, f"at most one output constraint may be given, got {names}", param=sources[1][0]
         )
     controls: dict[str, Any] = {}
+    field_names: dict[str, str] = {}
     if sources:
-        field, spec = sources[0]
-        try:
-            check_structured_outputs(spec)
-        except ValueError as exc:
-            message = str(exc)
-            if field != "structured_outputs":
-                message = message.replace("structured_outputs", field, 1)
-            raise ApiError(400, message, param=field) from None
-        controls["structured_outputs"] = spec
+        field, controls["structured_outputs"] = sources[0]
+        field_names["structured_outputs"] = field
     if req.logit_bias:
         controls["logit_bias"] = _logit_bias(req.logit_bias)
     if req.allowed_token_ids is not None:
         controls["allowed_token_ids"] = list(req.allowed_token_ids)
     if req.bad_words:
         controls["bad_words"] = list(req.bad_words)
-    return controls
+    return controls, field_names
 
 
 def _constraints(req: Request) -> list[tuple[str, StructuredOutputsParams]]:
@@ -96,62 +86,21 @@ def _json(schema: dict[str, Any]) -> StructuredOutputsParams:
 
 
 def _logit_bias(raw: dict[str, float]) -> dict[int, float]:
+    """The JSON object's keys (strings) as token ids; the values' range is the engine's rule."""
     bias: dict[int, float] = {}
     for key, value in raw.items():
         try:
             token_id = int(key)
         except ValueError:
-            token_id = -1
-        if token_id < 0:
             raise ApiError(
                 400, f"logit_bias keys must be token ids (integers >= 0), got {key!r}",
                 param="logit_bias",
-            )  # fmt: skip
-        # One rule with the library's (SamplingParams.validate): a value outside OpenAI's range
-        # is refused, naming the field, rather than changed behind the client's back.
-        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
-            raise ApiError(
-                400,
-                f"logit_bias must be values in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
-                f"got {value!r}",
-                param="logit_bias",
-            )
+            ) from None  # fmt: skip
         bias[token_id] = value
     return bias
 
 
 # ---- fields this server does not implement -----------------------------------------------------
-
-
-class _Unimplemented(msgspec.Struct, kw_only=True):
-    """Fields of OpenAI's or vLLM's API that change the output and that this server does not
-    implement: a request setting one (to anything but its neutral value) is refused, never
-    silently served as if it had not asked."""
-
-    suffix: Any = None
-    best_of: Any = None
-    use_beam_search: Any = None
-    length_penalty: Any = None
-    functions: Any = None
-    function_call: Any = None
-    audio: Any = None
-    modalities: Any = None
-    prediction: Any = None
-    web_search_options: Any = None
-    reasoning_effort: Any = None
-    chat_template: Any = None
-    continue_final_message: Any = None
-    add_generation_prompt: Any = None
-    documents: Any = None
-    logits_processors: Any = None
-    truncate_prompt_tokens: Any = None
-    guided_whitespace_pattern: Any = None
-    mm_processor_kwargs: Any = None
-    verbosity: Any = None
-    spaces_between_special_tokens: Any = None
-    return_tokens_as_token_ids: Any = None
-    vllm_xargs: Any = None
-
 
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "suffix": ("",),
@@ -166,28 +115,13 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "spaces_between_special_tokens": (True,),
     "return_tokens_as_token_ids": (False,),
 }
-_UNIMPLEMENTED_DECODER = msgspec.json.Decoder(_Unimplemented)
-_KNOWN_FIELDS = frozenset(
-    CompletionRequest.__struct_fields__
-    + ChatCompletionRequest.__struct_fields__
-    + _Unimplemented.__struct_fields__
-    # handled elsewhere (the API's own fields: echo, prompt_logprobs, ids, stream options)
-    + ("echo", "prompt_logprobs", "return_token_ids", "request_id", "user", "stream_options")
-)
 
 
-def refuse_unimplemented(body: bytes) -> None:
-    """400 naming the first field set that would change the output and is not implemented;
-    other unknown fields are accepted (OpenAI clients send fields a server may not know) and
-    logged at debug level."""
-    found = _UNIMPLEMENTED_DECODER.decode(body)  # the body already decoded once: valid JSON
-    for name in _Unimplemented.__struct_fields__:
-        value = getattr(found, name)
+def refuse_unimplemented(req: Request) -> None:
+    """400 naming the first field set that would change the output and is not implemented
+    (protocol._UnimplementedFields); other unknown fields are accepted, as OpenAI clients send
+    fields a server may not know."""
+    for name in UNIMPLEMENTED_FIELDS:
+        value = getattr(req, name)
         if value is not None and value not in _NEUTRAL.get(name, ()):
             raise ApiError(400, f"'{name}' is not supported by this server", param=name)
-    if log.isEnabledFor(logging.DEBUG):
-        fields = msgspec.json.decode(body)
-        if isinstance(fields, dict):
-            unknown = sorted(set(fields) - _KNOWN_FIELDS)
-            if unknown:
-                log.debug("request fields ignored (unknown to this server): %s", unknown)

@@ -1,7 +1,10 @@
 """Request bodies → what the engine needs: prompts or messages, `SamplingParams`, output options.
 
-Pure functions, no I/O: every bad input raises `ApiError` (400) naming the field, so the whole
-input contract is testable without a server.
+Pure functions, no I/O. The body is decoded once, into the typed request; what is checked here
+is the API's own form (prompt shapes, roles, fields that need each other), each bad input an
+`ApiError` (400) naming the field. What a request may ask for (ranges, limits) and what it gets
+when it leaves a field unset (the model's defaults) is the engine's policy (engine/request/),
+the same for the library: the engine's refusal names the API's field (`field_names`).
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ import json
 import secrets
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import msgspec
@@ -23,8 +26,16 @@ from engine.http.tool_calls import ToolPlan, plan_tools, template_tools
 from engine.messages.params import SamplingParams
 
 CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
-MAX_TOP_LOGPROBS = 20
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# The sampling fields a body may leave null, and the model's defaults for each, by API name(s).
+_DEFAULTABLE = {
+    "temperature": ("temperature",),
+    "top_p": ("top_p",),
+    "top_k": ("top_k",),
+    "min_p": ("min_p",),
+    "repetition_penalty": ("repetition_penalty",),
+    "max_tokens": ("max_tokens", "max_completion_tokens"),
+}
+_OPTIONAL = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 _COMPLETION_DECODER = msgspec.json.Decoder(CompletionRequest)
 _CHAT_DECODER = msgspec.json.Decoder(ChatCompletionRequest)
@@ -55,6 +66,10 @@ class PreparedRequest:
     tool_plan: ToolPlan | None = None  # chat: how the answer becomes tool calls
     chat_template_kwargs: dict[str, Any] | None = None  # chat: variables for the template
     kv_transfer_params: dict[str, Any] | None = None  # P/D across instances
+    # For the engine's policy: the sampling fields the body left unset (they take the model's
+    # defaults), and the API's name of each field whose name differs from SamplingParams'.
+    defaulted_fields: frozenset[str] = frozenset()
+    field_names: dict[str, str] = field(default_factory=dict)
 
     @property
     def n(self) -> int:
@@ -75,7 +90,7 @@ class PreparedRequest:
 
 def parse_completion(body: bytes, served_model: str | Sequence[str]) -> PreparedRequest:
     req = decode_request(_COMPLETION_DECODER, body)
-    refuse_unimplemented(body)
+    refuse_unimplemented(req)
     model = _check_model(req.model, served_model)
     prompts = _prompts_of(req.prompt)
     if req.max_tokens == 0 and not req.echo:
@@ -84,23 +99,22 @@ def parse_completion(body: bytes, served_model: str | Sequence[str]) -> Prepared
             "'max_tokens' must be >= 1 (0 only scores the prompt, with 'echo': true)",
             param="max_tokens",
         )
-    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
-        raise ApiError(
-            400,
-            f"'logprobs' must be an integer in [0, {MAX_TOP_LOGPROBS}], got {req.logprobs}",
-            param="logprobs",
-        )
     # max_tokens 0 with echo (scoring, as lm-eval's loglikelihood asks): one token is
     # generated, since a request ends with a sampled token, and left out of the response.
     echo_only = req.echo and req.max_tokens == 0
-    max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-    params = _sampling_params(req, max_tokens=1 if echo_only else max_tokens, logprobs=req.logprobs)
-    params = msgspec.structs.replace(params, **output_controls(req))
+    controls, field_names = output_controls(req)
     # Echoed logprobs cover the prompt's tokens too: ask for theirs with as many alternatives.
     echoed = req.logprobs if req.echo else None
     asked = [k for k in (req.prompt_logprobs, echoed) if k is not None]
-    params.prompt_logprobs = max(asked) if asked else None
-    _validate(params, renames={})
+    # Without max_tokens, SamplingParams' default: OpenAI's for completions (16).
+    length = {} if req.max_tokens is None else {"max_tokens": 1 if echo_only else req.max_tokens}
+    params = _sampling_params(
+        req,
+        **length,
+        logprobs=req.logprobs,
+        prompt_logprobs=max(asked) if asked else None,
+        **controls,
+    )
     return PreparedRequest(
         kind="completion",
         request_id="cmpl-" + secrets.token_hex(12),
@@ -118,36 +132,35 @@ def parse_completion(body: bytes, served_model: str | Sequence[str]) -> Prepared
         echo_only=echo_only,
         want_prompt_logprobs=req.prompt_logprobs is not None,
         kv_transfer_params=req.kv_transfer_params,
+        defaulted_fields=_defaulted(req),
+        field_names=field_names,
     )
 
 
 def parse_chat(body: bytes, served_model: str | Sequence[str]) -> PreparedRequest:
     req = decode_request(_CHAT_DECODER, body)
-    refuse_unimplemented(body)
+    refuse_unimplemented(req)
     model = _check_model(req.model, served_model)
     messages = chat_message_dicts(req.messages)
     if not messages:
         raise ApiError(400, "'messages' must hold at least one message", param="messages")
     top = req.top_logprobs
-    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
-        raise ApiError(
-            400,
-            f"'top_logprobs' must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top}",
-            param="top_logprobs",
-        )
     if top is not None and not req.logprobs:
         raise ApiError(400, "'top_logprobs' requires 'logprobs': true", param="top_logprobs")
     length_field = "max_completion_tokens" if req.max_completion_tokens is not None else None
     max_tokens = req.max_completion_tokens
     if max_tokens is None:
         max_tokens, length_field = req.max_tokens, "max_tokens"
-    logprobs = (top or 0) if req.logprobs else None
-    params = _sampling_params(req, max_tokens=max_tokens, logprobs=logprobs)
-    params.prompt_logprobs = req.prompt_logprobs
     tool_plan, tool_constraint = plan_tools(req, parser=None)  # the parser: the server's
-    params = msgspec.structs.replace(params, **output_controls(req, tool_constraint))
-    _validate(
-        params, renames={"max_tokens": length_field or "max_tokens", "logprobs": "top_logprobs"}
+    controls, field_names = output_controls(req, tool_constraint)
+    field_names |= {"max_tokens": length_field or "max_tokens", "logprobs": "top_logprobs"}
+    params = _sampling_params(
+        req,
+        # OpenAI's chat API: without a limit, a reply may run to the end of the context.
+        max_tokens=max_tokens,
+        logprobs=(top or 0) if req.logprobs else None,
+        prompt_logprobs=req.prompt_logprobs,
+        **controls,
     )
     template_kwargs = dict(req.chat_template_kwargs or {})
     tools = template_tools(req)
@@ -170,6 +183,8 @@ def parse_chat(body: bytes, served_model: str | Sequence[str]) -> PreparedReques
         tool_plan=tool_plan,
         chat_template_kwargs=template_kwargs or None,
         kv_transfer_params=req.kv_transfer_params,
+        defaulted_fields=_defaulted(req),
+        field_names=field_names,
     )
 
 
@@ -276,19 +291,27 @@ def _include_usage(req: CompletionRequest | ChatCompletionRequest) -> bool:
     return req.stream_options is not None and req.stream_options.include_usage
 
 
+def _defaulted(req: CompletionRequest | ChatCompletionRequest) -> frozenset[str]:
+    """The SamplingParams fields whose API fields the body left unset (or null)."""
+    return frozenset(
+        name
+        for name, api_names in _DEFAULTABLE.items()
+        if all(getattr(req, api_name, None) is None for api_name in api_names)
+    )
+
+
 def _sampling_params(
-    req: CompletionRequest | ChatCompletionRequest, *, max_tokens: int | None, logprobs: int | None
+    req: CompletionRequest | ChatCompletionRequest, **fields: Any
 ) -> SamplingParams:
+    """SamplingParams of the body's fields (and `fields`); those the body left unset keep
+    SamplingParams' defaults, which the engine replaces with the model's where it has some."""
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    sampling = {name: getattr(req, name) for name in _OPTIONAL if getattr(req, name) is not None}
     return SamplingParams(
+        **sampling,
+        **fields,
         n=req.n,
-        max_tokens=max_tokens,
         min_tokens=req.min_tokens,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=0 if req.top_k is None else req.top_k,
-        min_p=0.0 if req.min_p is None else req.min_p,
-        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty,
         seed=req.seed,
@@ -296,24 +319,5 @@ def _sampling_params(
         stop_token_ids=list(req.stop_token_ids or []),
         include_stop_str_in_output=req.include_stop_str_in_output,
         ignore_eos=req.ignore_eos,
-        logprobs=logprobs,
         skip_special_tokens=req.skip_special_tokens,
     )
-
-
-def _validate(params: SamplingParams, renames: dict[str, str]) -> None:
-    """Range checks live on SamplingParams; report them under the API's field name."""
-    try:
-        params.validate()
-    except ValueError as e:
-        message = str(e)
-        field = message.split(" ", 1)[0]
-        api_field = renames.get(field, field)
-        if api_field != field:
-            message = api_field + message[len(field) :]
-        raise ApiError(
-            400, f"invalid value for '{api_field}': {message}", param=api_field
-        ) from None
-    for i, stop in enumerate(params.stop):
-        if not stop:
-            raise ApiError(400, f"'stop[{i}]' must not be empty", param="stop")

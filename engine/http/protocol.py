@@ -84,7 +84,41 @@ class NamedToolChoice(msgspec.Struct, kw_only=True):
     function: NamedFunction
 
 
-class _SamplingFields(msgspec.Struct, kw_only=True):
+class _UnimplementedFields(msgspec.Struct, kw_only=True):
+    """Fields of OpenAI's or vLLM's API that change the output and that this server does not
+    implement: decoded with the rest of the body (once) so that a request setting one to
+    anything but its neutral value is refused (output_controls.refuse_unimplemented), never
+    silently served as if it had not asked."""
+
+    suffix: Any = None
+    best_of: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    reasoning_effort: Any = None
+    chat_template: Any = None
+    continue_final_message: Any = None
+    add_generation_prompt: Any = None
+    documents: Any = None
+    logits_processors: Any = None
+    truncate_prompt_tokens: Any = None
+    guided_whitespace_pattern: Any = None
+    mm_processor_kwargs: Any = None
+    verbosity: Any = None
+    spaces_between_special_tokens: Any = None
+    return_tokens_as_token_ids: Any = None
+    vllm_xargs: Any = None
+
+
+UNIMPLEMENTED_FIELDS = _UnimplementedFields.__struct_fields__
+
+
+class _SamplingFields(_UnimplementedFields, kw_only=True):
     """Fields both endpoints share."""
 
     model: str | None = None

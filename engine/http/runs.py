@@ -81,6 +81,8 @@ class RequestRun:
                 chat_template_kwargs=p.chat_template_kwargs,
                 kv_transfer_params=p.kv_transfer_params,
                 trace_headers=self.trace_headers,
+                defaulted_fields=p.defaulted_fields,
+                field_names=p.field_names,
             )
             self._streams.append(aiter(stream))
         results = await asyncio.gather(

@@ -157,6 +157,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 self.allowed_token_ids,
                 "a non-empty list of token ids >= 0",
             )
+        for stop in self.stop:  # an empty stop string would end every sample at once
+            _check(bool(stop), "stop", stop, "strings that are not empty")
         for word in self.bad_words or []:
             _check(bool(word.strip()), "bad_words", word, "words that are not blank")
 

@@ -63,6 +63,51 @@ class GenerateRequest(msgspec.Struct, tag=True, array_like=True):
     kv_source: KvSource | None = None
 
 
+NIL = msgspec.Raw(b"\xc0")  # msgpack's nil: a field left unset
+
+
+class RoutingView(msgspec.Struct, tag="GenerateRequest", array_like=True):
+    """A GenerateRequest frame as the data-parallel router reads it (engine/gateway/router.py),
+    field for field: what grows with the input (prompt ids, chat, resume points) stays raw
+    msgpack, never built into objects, and the view encodes back to the same frame. The root
+    encodes each request once; the router only peeks at it."""
+
+    request_id: str
+    epoch: int
+    params: SamplingParams
+    seed: int
+    prompt: str | None = None
+    prompt_token_ids: msgspec.Raw = NIL
+    messages: msgspec.Raw = NIL
+    resume: msgspec.Raw = NIL
+    chat: msgspec.Raw = NIL
+    kv_handoff: KvHandoff = ""
+    kv_source: KvSource | None = None
+
+    def num_prompt_token_ids(self) -> int | None:
+        """The prompt's length in tokens, read off its array's header; None: not tokenized."""
+        header = memoryview(self.prompt_token_ids)
+        first = header[0]
+        if first == 0xC0:
+            return None
+        if 0x90 <= first <= 0x9F:  # fixarray: up to 15 items
+            return first & 0x0F
+        if first not in (0xDC, 0xDD):
+            raise ValueError(f"prompt_token_ids is no msgpack array (first byte {first:#x})")
+        width = 2 if first == 0xDC else 4  # array 16, array 32
+        return int.from_bytes(header[1 : 1 + width], "big")
+
+    def chat_messages(self) -> list[ChatMessage] | None:
+        return msgspec.msgpack.decode(self.messages, type=list[ChatMessage] | None)
+
+    def resumed_samples(self) -> list[SampleResume] | None:
+        return msgspec.msgpack.decode(self.resume, type=list[SampleResume] | None)
+
+
 GATEWAY_TO_TOKENIZER: Channel[GenerateRequest | AbortRequests] = Channel(
     "gateway-to-tokenizer", GenerateRequest | AbortRequests
+)
+# The router's reading of the same frames (RoutingView: the prompt left undecoded).
+ROUTING: Channel[RoutingView | AbortRequests] = Channel(
+    "gateway-to-tokenizer (routing)", RoutingView | AbortRequests
 )

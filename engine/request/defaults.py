@@ -6,6 +6,7 @@ a directory path reads that directory's file instead of the model's.
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,8 @@ _FIELDS = {
     "repetition_penalty": "repetition_penalty",
     "max_new_tokens": "max_tokens",
 }
+# The SamplingParams fields a model's defaults may set.
+DEFAULTABLE_FIELDS = frozenset(_FIELDS.values())
 
 
 def load_generation_defaults(mode: str, model_path: str) -> dict[str, Any]:
@@ -40,20 +43,21 @@ def load_generation_defaults(mode: str, model_path: str) -> dict[str, Any]:
         raise ValueError(f"model.generation_config: cannot read {path}: {e}") from None
     if not isinstance(data, dict):
         raise ValueError(f"model.generation_config: {path} does not hold a JSON object")
-    return {field: data[key] for key, field in _FIELDS.items() if data.get(key) is not None}
+    defaults = {field: data[key] for key, field in _FIELDS.items() if data.get(key) is not None}
+    try:  # checked once here: a request cannot be blamed for its model's defaults
+        msgspec.convert(defaults, SamplingParams).validate()
+    except (msgspec.ValidationError, ValueError) as e:
+        raise ValueError(f"model.generation_config: {path} holds an invalid default: {e}") from None
+    return defaults
 
 
 def with_defaults(
-    params: SamplingParams, defaults: dict[str, Any], explicit: set[str]
+    params: SamplingParams, defaults: dict[str, Any], defaulted: Collection[str]
 ) -> SamplingParams:
-    """`params` with each default the request did not set itself (`explicit`)."""
-    changes = {field: value for field, value in defaults.items() if field not in explicit}
+    """`params` with the model's default for each field in `defaulted` (those its client left
+    unset) that the model has one for."""
+    changes = {field: value for field, value in defaults.items() if field in defaulted}
     return msgspec.structs.replace(params, **changes) if changes else params
-
-
-def default_sampling_params(defaults: dict[str, Any]) -> SamplingParams:
-    """What a library call without SamplingParams samples with (vLLM's LLM does the same)."""
-    return with_defaults(SamplingParams(), defaults, set())
 
 
 def load_chat_template(value: str | None) -> str | None:

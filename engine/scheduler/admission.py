@@ -1,7 +1,9 @@
 """Requests the scheduler refuses before they reach a queue, and why (in the client's terms).
 
-The root and the tokenizer refuse what they can first (engine/request/); this re-checks what
-the scheduler relies on, with the same rules and words, since a submission may come from either.
+The root's request policy (engine/request/) has checked the sampling parameters and limits of
+every request, and the tokenizer its prompt; this checks what the scheduler alone relies on (the
+prompt's length against the KV a sequence may hold, what one message may carry, the samples a
+resubmission resumes), with the same rules and words.
 """
 
 from __future__ import annotations
@@ -32,10 +34,9 @@ def rejection_reason(
                 f"would take about {size} bytes, more than one message may carry "
                 f"({max_message_bytes}): ask for fewer alternatives or score a shorter prompt"
             )
-    try:
+    try:  # the KV a request needs: its prompt must leave room for output
         check_prompt_length(len(submit.prompt_token_ids), None, max_model_len)
-        submit.params.validate()
-    except (EngineError, ValueError) as exc:
+    except EngineError as exc:
         return str(exc)
     if min(submit.prompt_token_ids) < 0:
         return f"prompt token ids must be >= 0, got {min(submit.prompt_token_ids)}"

@@ -11,18 +11,39 @@ import pytest
 from engine.http.errors import ApiError
 from engine.http.parsing import PreparedRequest, parse_chat, parse_completion
 from engine.http.responses import SSE_DONE, ResponseBuilder
-from engine.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprob
+from engine.http.runs import api_error_from
+from engine.outputs import CompletionOutput, EngineError, Logprob, RequestOutput, TokenLogprob
+from engine.request.policy import RequestPolicy
 
 MODEL = "tiny"
+POLICY = RequestPolicy(max_model_len=1024, max_queued_samples=64)
 
 
 def body(**fields: Any) -> bytes:
     return json.dumps(fields).encode()
 
 
+def admitted(parse: Any, raw: bytes) -> PreparedRequest:
+    """A body as the server takes it before any actor: parsed, then each prompt through the
+    engine's request policy (whose refusal the server answers as api_error_from does)."""
+    prepared: PreparedRequest = parse(raw, MODEL)
+    for prompt in prepared.prompts:
+        try:
+            POLICY.prepare(
+                prompt,
+                prepared.params,
+                messages=prepared.messages,
+                defaulted_fields=prepared.defaulted_fields,
+                field_names=prepared.field_names,
+            )
+        except EngineError as refusal:
+            raise api_error_from(refusal) from None
+    return prepared
+
+
 def error_of(parse: Any, raw: bytes) -> ApiError:
     with pytest.raises(ApiError) as info:
-        parse(raw, MODEL)
+        admitted(parse, raw)
     error = info.value
     shape = msgspec.json.decode(error.encoded())
     assert set(shape) == {"error"}
@@ -158,7 +179,7 @@ def test_unknown_request_fields_are_ignored() -> None:
         (body(prompt="x", presence_penalty=3), "presence_penalty", "[-2, 2]"),
         (body(prompt="x", frequency_penalty=-3), "frequency_penalty", "[-2, 2]"),
         (body(prompt="x", logprobs=21), "logprobs", "[0, 20]"),
-        (body(prompt="x", stop=["a", ""]), "stop", "stop[1]"),
+        (body(prompt="x", stop=["a", ""]), "stop", "strings that are not empty"),
         (body(prompt="x", stop=5), "stop", "Expected `str | array | null`"),
         (body(prompt="x", seed="s"), "seed", "Expected `int | null`"),
         (body(prompt="x", stream="yes"), "stream", "Expected `bool`"),
@@ -208,6 +229,16 @@ def test_bad_completion_requests_name_the_field(
             ">= 1",
         ),
         ({"messages": [{"role": "user", "content": "x"}], "max_tokens": -1}, "max_tokens", ">= 1"),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"7": 150}},
+            "logit_bias",
+            "logit_bias must be values in [-100, 100], got 150.0",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "guided_json": "{"},
+            "guided_json",
+            "guided_json.json is not valid JSON",
+        ),
     ],
 )
 def test_bad_chat_requests_name_the_field(

@@ -235,13 +235,6 @@ def test_a_prompt_without_room_to_generate_is_rejected_naming_both_numbers(
     assert scheduler.schedule() is None
 
 
-def test_invalid_sampling_params_are_rejected_with_the_field_named() -> None:
-    scheduler, _ = make()
-    rejected = scheduler.add(submit("bad", [1, 2], top_p=0.0))
-    assert isinstance(rejected, RequestFailed)
-    assert "top_p" in rejected.message
-
-
 def test_prompt_logprobs_that_could_not_travel_in_one_message_are_rejected() -> None:
     # Prompt logprobs go to the client in one message with the first token: a client must not
     # be able to make one that no ring could carry (it would fail an actor, not the request).
