@@ -50,22 +50,25 @@ from engine.messages.ring_catalogue import (
     SUBMIT_RING,
     TOKENS_RING,
 )
-from engine.model.capacity import available_cpu_memory, kv_block_bytes
+from engine.model.capacity import kv_block_bytes
 from engine.model.config import ModelConfig, load_model_config
 from engine.model.parallel.config import Placement, TensorParallelConfig
-from engine.model.parallel.layout import check_tensor_parallel
 from engine.model.placement import (
-    ThreadPolicy,
-    available_cores,
     device_type,
-    resident_weight_bytes,
     resolve_device,
     resolve_dtype,
-    thread_policy,
     weight_bytes_by_format,
 )
-from engine.model.placement import kv_cache_bytes as placement_kv_cache_bytes
-from engine.model.quantized_formats import WeightFormat, quantized_formats
+from engine.model.quantized_formats import quantized_formats
+from engine.plan_sizing import (
+    check_parallel,
+    kernel_backend_of,
+    kv_cache_bytes,
+    log_memory,
+    max_model_len_of,
+    thread_fields,
+    threads_per_rank,
+)
 from engine.scheduler.config import SchedulerConfig
 from engine.settings import Settings, resolve_home
 
@@ -97,103 +100,15 @@ class EnginePlan:
             object.__setattr__(self, "replica_roles", ("both",) * len(self.replica_specs))
 
 
-def check_parallel(settings: Settings, config: ModelConfig) -> Placement:
-    """The topology's placement; ValueError naming the setting, its value and what fits."""
-    parallel = settings.parallel
-    replicas = len(replica_roles(settings))  # P/D's prefill + decode replicas, else dp
-    placement = Placement(
-        parallel.tensor_parallel_size,
-        replicas,
-        parallel.nnodes,
-        parallel.node_rank,
-    )
-    placement.validate()
-    check_tensor_parallel(config, parallel.tensor_parallel_size)
-    if parallel.nnodes > 1:
-        if parallel.master_port == 0:
-            raise ValueError(
-                f"parallel.master_port must be set (1..65535) when parallel.nnodes is "
-                f"{parallel.nnodes}: the ranks of every host meet rank 0's TCP store there"
-            )
-        last = parallel.master_port + replicas - 1
-        if last > 65535:
-            raise ValueError(
-                f"parallel.master_port {parallel.master_port} leaves no port for replica "
-                f"{replicas - 1} (it uses master_port + replica index, {last})"
-            )
-    return placement
-
-
-def threads_per_rank(settings: Settings, device: str, placement: Placement) -> ThreadPolicy | None:
-    """torch threads of each worker rank, per step; None on a GPU (torch's own default)."""
-    if device_type(device) != "cpu":
-        return None
-    return thread_policy(
-        settings.runtime.worker_threads,
-        available_cores(),
-        placement.local_ranks,
-        batch_invariant=settings.model.deterministic,
-    )
-
-
-class ThreadFields(TypedDict):
-    num_threads: int | None
-    busy_threads: int | None
-
-
 class ChildTiming(TypedDict):
     heartbeat_interval: float
     heartbeat_timeout: float
     ready_timeout: float
 
 
-def thread_fields(policy: ThreadPolicy | None) -> ThreadFields:
-    """WorkerConfig's thread fields for a policy (None: the device's default)."""
-    if policy is None:
-        return {"num_threads": None, "busy_threads": None}
-    return {"num_threads": policy.light, "busy_threads": policy.busy}
-
-
-def kv_cache_bytes(
-    settings: Settings,
-    config: ModelConfig,
-    device: str,
-    dtype: str,
-    ranks: int,
-    quantized: dict[str, WeightFormat] | None = None,
-) -> int:
-    """One rank's KV cache budget (see placement.kv_cache_bytes); `quantized`: the weights
-    served quantized (engine/model/quantized_formats.py), counted by their packed bytes."""
-    tp = settings.parallel.tensor_parallel_size
-    if settings.cache.kv_cache_memory is None and device_type(device) != "cpu":
-        # The root cannot see a GPU's free memory; the workers will (issue: GPU sizing).
-        raise ValueError("cache.kv_cache_memory must be set when running on a GPU")
-    return placement_kv_cache_bytes(
-        kv_cache_memory=settings.cache.kv_cache_memory,
-        memory_fraction=settings.cache.kv_cache_fraction,
-        available_memory=available_cpu_memory() if device_type(device) == "cpu" else 0,
-        weights_per_rank=resident_weight_bytes(
-            config, dtype, tp, device, {name: f.bits for name, f in (quantized or {}).items()}
-        ),
-        ranks_on_device=ranks,
-        device=device,
-    )
-
-
 def replica_suffix(replica: int, data_parallel_size: int) -> str:
     """What tells replica i's actors apart ("-r1"); none with a single replica."""
     return f"-r{replica}" if data_parallel_size > 1 else ""
-
-
-def max_model_len_of(settings: Settings, config: ModelConfig) -> int:
-    """model.max_model_len, checked against the model's positions; else the model's."""
-    requested_len = settings.model.max_model_len
-    if requested_len is not None and requested_len > config.max_position_embeddings:
-        raise ValueError(
-            f"model.max_model_len {requested_len} exceeds the model's "
-            f"max_position_embeddings {config.max_position_embeddings}"
-        )
-    return requested_len or config.max_position_embeddings
 
 
 def _scheduler_config(
@@ -239,7 +154,7 @@ def plan_engine(settings: Settings, model_path: str) -> EnginePlan:
     weights = weight_bytes_by_format(
         config, dtype, tp, device, {n: (f.source, f.bits) for n, f in quantized.items()}
     )
-    _log_memory(settings, placement, weights, num_blocks, block_bytes, dtype)
+    log_memory(settings, placement, weights, num_blocks, block_bytes, dtype)
     worker = WorkerConfig(
         model_path=model_path,
         rank=0,
@@ -276,40 +191,6 @@ def plan_engine(settings: Settings, model_path: str) -> EnginePlan:
         roles,
         weights,
     )
-
-
-def _log_memory(
-    settings: Settings,
-    placement: Placement,
-    weights: dict[str, int],
-    num_blocks: int,
-    block_bytes: int,
-    dtype: str,
-) -> None:
-    """What one rank's weights and KV cache take, as the start log shows it."""
-    log.info(
-        "weights: %.1f MiB per rank (%s)",
-        sum(weights.values()) / 2**20,
-        ", ".join(f"{kind} {size / 2**20:.1f} MiB" for kind, size in sorted(weights.items())),
-    )
-    block_size = settings.cache.block_size
-    log.info(
-        "KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB per rank, %s)%s",
-        num_blocks,
-        block_size,
-        num_blocks * block_size,
-        num_blocks * block_bytes / 2**20,
-        dtype,
-        f"; {len(replica_roles(settings))} replicas x "
-        f"{settings.parallel.tensor_parallel_size} ranks"
-        if placement.local_ranks > 1 or placement.nnodes > 1
-        else "",
-    )
-
-
-def kernel_backend_of(settings: Settings) -> str:
-    """The kernel backend the workers load: deterministic mode has its own (batch-invariant)."""
-    return "batch_invariant" if settings.model.deterministic else settings.model.kernel_backend
 
 
 def plan_worker_node(settings: Settings, model_path: str) -> tuple[SupervisorSpec, ...]:
