@@ -74,11 +74,20 @@ class WorkerActor(Actor):
             quantization=config.quantization,
             tensor_parallel=group,
             kv_cache_buffer=cache_buffer,
+            # Our restarts map the weights this start read (the root is our parent).
+            weights_of_run=os.getppid(),
         )
+        self.weight_slot = runner.weight_slot
         self.executor = StepExecutor(runner, config.rank, faults if faults.rules else None)
         self._scheduler_generation = 0  # bumped when the scheduler restarts (fresh plan ring)
         self.sequences_generation = 0  # the scheduler generation our sequences belong to
         return {"num_blocks": runner.num_blocks}
+
+    async def on_stop(self) -> None:
+        # Stopped in order: at shutdown, or with its group; the next start reads the checkpoint.
+        # A killed worker leaves the segment to its successor (or the next run's sweep).
+        if self.weight_slot is not None:
+            self.weight_slot.remove()
 
     async def handle(self, ring: str, frames: list[bytes]) -> None:
         generation = self._scheduler_generation

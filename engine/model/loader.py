@@ -28,6 +28,7 @@ from engine.model.parallel.group import TensorParallelGroup
 from engine.model.parallel.sharding import read_shard
 from engine.model.quantized_formats import WeightFormat, quantized_formats, scheme_of
 from engine.model.weight_names import expected_weight_keys, map_weight_name, matrix_shapes
+from engine.model.weight_store import LoadedWeights, StoreSlot
 from engine.quantization.codes import BlockCodes, concatenate
 
 if TYPE_CHECKING:
@@ -61,12 +62,33 @@ def load_model(
     ops: KernelBackend,
     group: TensorParallelGroup | None = None,
     quantization: str = "auto",
+    store: StoreSlot | None = None,
 ) -> DecoderForCausalLM:
     """The model (this rank's shard of it) with every parameter filled from the checkpoint (no
     random init is spent). Weights served quantized (`quantization`, the model.quantization
-    setting) are packed for the CPU kernel and never held as floats."""
+    setting) are packed for the CPU kernel and never held as floats. With a `store`, the
+    weights come from it when a predecessor stored them (the checkpoint is not read), and are
+    stored there for the successors otherwise."""
     with torch.device("meta"):
         model = DecoderForCausalLM(config, ops, group)
+    weights = store.load() if store is not None else None
+    if weights is None:
+        weights = read_weights(model, model_path, config, dtype, device, quantization)
+        if store is not None:
+            weights = store.save(weights)
+    _install(model, weights)
+    return model
+
+
+def read_weights(
+    model: DecoderForCausalLM,
+    model_path: str | Path,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    quantization: str,
+) -> LoadedWeights:
+    """Fill `model`'s parameters from the checkpoint; its tensors as `_install` takes them."""
     formats = _quantized_formats(model_path, config, quantization, device, model.shape.size)
     _materialize(model, dtype, device, empty=set(formats))
     shape = model.shape
@@ -106,10 +128,19 @@ def load_model(
     if ignored:
         log.warning("ignored %d checkpoint tensors: %s", len(ignored), ", ".join(ignored[:8]))
     _zero_vocab_padding(model)
-    model.fuse_weights(packed)
-    model.weight_formats = formats
+    return LoadedWeights({name: p.data for name, p in params.items()}, packed, formats)
+
+
+def _install(model: DecoderForCausalLM, weights: LoadedWeights) -> None:
+    """Make `weights` the model's parameters (no copy) and prepare its matmuls."""
+    modules = dict(model.named_modules())
+    for full_name, _ in list(model.named_parameters()):
+        module_name, _, name = full_name.rpartition(".")
+        tensor = weights.params[full_name]
+        setattr(modules[module_name], name, torch.nn.Parameter(tensor, requires_grad=False))
+    model.fuse_weights(weights.packed)
+    model.weight_formats = weights.formats
     model.eval()
-    return model
 
 
 def _quantized_formats(

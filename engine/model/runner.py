@@ -29,6 +29,7 @@ from engine.model.loader import load_model, resolve_dtype
 from engine.model.parallel.group import TensorParallelGroup
 from engine.model.quantized_formats import describe_formats
 from engine.model.step_inputs import SeqChunk
+from engine.model.weight_store import StoreSlot
 from engine.settings.schema import CacheSettings
 
 __all__ = ["ModelRunner", "kv_cache_blocks"]
@@ -65,9 +66,12 @@ class ModelRunner:
         quantization: str = "auto",
         tensor_parallel: TensorParallelGroup | None = None,
         kv_cache_buffer: Any = None,
+        weights_of_run: int | None = None,
     ) -> None:
         """`kv_cache_buffer`: memory the KV cache must live in (a shared-memory segment its
-        kv_transfer actor maps too); None: the cache allocates its own."""
+        kv_transfer actor maps too); None: the cache allocates its own. `weights_of_run`: the
+        root pid of the run whose restarts of this rank map its weights rather than read the
+        checkpoint again (engine/model/weight_store.py; CPU only); None: no store."""
         if block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size}")
         self.model_path = str(Path(model_path))
@@ -83,9 +87,20 @@ class ModelRunner:
         self.backend = select_backend(self.device, kernel_backend)
         if self.threads is not None and self.backend.set_max_threads is not None:
             self.backend.set_max_threads(self.threads.busy)
+        self.weight_slot: StoreSlot | None = None
+        if weights_of_run is not None and self.device.type == "cpu":
+            self.weight_slot = StoreSlot(weights_of_run, self._weights_identity(quantization))
         self._load_weights(quantization)
         self.block_size = block_size
         self._allocate_kv_cache(kv_cache_memory, kv_cache_fraction, kv_cache_buffer)
+
+    def _weights_identity(self, quantization: str) -> str:
+        """Everything this rank's loaded weights depend on, in words."""
+        return (
+            f"{self.model_path} dtype={str(self.dtype).removeprefix('torch.')} "
+            f"quantization={quantization} kernels={self.backend.name} device={self.device} "
+            f"rank={self.group.rank}/{self.group.size}"
+        )
 
     def _load_weights(self, quantization: str) -> None:
         self.model = load_model(
@@ -96,6 +111,7 @@ class ModelRunner:
             ops=self.backend,
             group=self.group,
             quantization=quantization,
+            store=self.weight_slot,
         )
         self.shape = self.model.shape  # this rank's heads, KV heads, columns, vocabulary rows
         if self.device.type == "cpu":

@@ -1,0 +1,210 @@
+"""A rank's loaded weights kept in one read-only shared-memory segment, for its successors.
+
+Reading a checkpoint is most of a worker's start: a GGUF file's tensors are dequantized or
+repacked for the CPU kernel, a safetensors file's converted to the serving dtype. A worker that
+dies mid-run is restarted with the same settings, so what its predecessor built is still right:
+the first worker of a run writes its final tensors (the float parameters and the packed
+quantized weights, exactly as the model uses them) into a segment, and every later start of the
+same rank maps it instead of reading the checkpoint. The first worker maps it too, and drops its
+own copies, so the segment costs no memory over the weights themselves, and every start runs the
+model on the same bytes.
+
+The segment is `engine-<root pid>-weights-<digest of what the weights depend on>` in /dev/shm,
+owner-only: the next start of the engine sweeps it when a crash left it (its root is dead), and
+the worker unlinks it when it is stopped in order (engine/actors/worker.py). It is written under
+a temporary name and renamed into place whole, so a writer killed halfway leaves nothing a
+successor would map. Its index is msgpack of plain values (never pickle); a successor maps the
+data copy-on-write, so nothing it does can change what the next one maps.
+
+Layout: 8 bytes magic, 8 bytes index length, the index (msgpack, `StoreIndex`), then the
+tensors, each at a 64-byte aligned offset (the packed kernel's alignment).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import logging
+import mmap
+import os
+import struct
+from typing import TYPE_CHECKING
+
+import msgspec
+import torch
+
+from engine.model.quantized_formats import WeightFormat
+
+if TYPE_CHECKING:
+    from engine.kernels.cpu.quantized import PackedWeight
+
+log = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+MAGIC = b"engwts01"
+ALIGNMENT = 64
+_HEADER = struct.Struct("<8sQ")
+_DTYPES: dict[str, torch.dtype] = {
+    str(dtype).removeprefix("torch."): dtype
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.uint8)
+}
+
+
+@dataclasses.dataclass
+class LoadedWeights:
+    """What reading a checkpoint gives a rank: its float parameters by name (the quantized ones
+    as their empty placeholders), its packed quantized weights, and their formats."""
+
+    params: dict[str, torch.Tensor]
+    packed: dict[str, PackedWeight]
+    formats: dict[str, WeightFormat]
+
+
+class StoredTensor(msgspec.Struct, frozen=True):
+    name: str
+    dtype: str
+    shape: list[int]
+    offset: int  # from the start of the segment
+    packed: WeightFormat | None = None  # set for a packed quantized weight
+    rows: int = 0
+    k: int = 0
+    origin: str = ""  # PackedWeight.source
+
+
+class StoreIndex(msgspec.Struct, frozen=True):
+    identity: str  # what the weights were built from, in words: a mismatch is refused
+    tensors: list[StoredTensor]
+    formats: dict[str, WeightFormat]
+
+
+class StoreSlot:
+    """One rank's weights segment: `identity` says, in words, what the weights depend on (the
+    checkpoint, dtype, quantization, kernels, tensor-parallel rank); its digest names the
+    segment, and a segment holding other weights is refused."""
+
+    def __init__(self, root_pid: int, identity: str, directory: str = SHM_DIR) -> None:
+        digest = hashlib.sha256(identity.encode()).hexdigest()[:20]
+        self.path = os.path.join(directory, f"engine-{root_pid}-weights-{digest}")
+        self.identity = identity
+
+    def load(self) -> LoadedWeights | None:
+        """The weights a predecessor stored, mapped; None when there are none."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        try:
+            size = os.fstat(fd).st_size
+            # Copy-on-write: pages are shared with every other mapping until written, which the
+            # model never does; a stray write would stay this process's own.
+            memory = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE)
+        finally:
+            os.close(fd)
+        weights = _read(memory, self.identity)
+        log.info(
+            "weights mapped from %s (%.1f MiB): the checkpoint is not read", self.path, size / 2**20
+        )
+        return weights
+
+    def save(self, weights: LoadedWeights) -> LoadedWeights:
+        """Store `weights` for the successors (unless a peer stored the same already) and
+        return them mapped from the segment, so the caller can drop its own copies."""
+        if not os.path.exists(self.path):
+            _write(self.path, self.identity, weights)
+        return self.load() or weights  # None: unlinked meanwhile, keep our own
+
+    def remove(self) -> None:
+        """Unlink the segment (mappings stay valid) and what a killed writer left of it."""
+        directory, name = os.path.split(self.path)
+        for entry in os.listdir(directory):
+            if entry == name or (entry.startswith(name + ".") and entry.endswith(".tmp")):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(directory, entry))
+
+
+def _write(path: str, identity: str, weights: LoadedWeights) -> None:
+    tensors: list[tuple[StoredTensor, torch.Tensor]] = []
+    for name, tensor in weights.params.items():
+        tensors.append((_entry(name, tensor), tensor))
+    for name, packed in weights.packed.items():
+        entry = _entry(name, packed.data)
+        fields = {"packed": weights.formats[name], "rows": packed.rows, "k": packed.k}
+        entry = msgspec.structs.replace(entry, origin=packed.source, **fields)
+        tensors.append((entry, packed.data))
+    index_size = len(_encode_index(identity, [entry for entry, _ in tensors], weights.formats))
+    # Room for the offsets themselves: msgpack spends up to 8 more bytes on a large integer.
+    offset = _aligned(_HEADER.size + index_size + 8 * len(tensors))
+    placed: list[tuple[StoredTensor, torch.Tensor]] = []
+    for entry, tensor in tensors:
+        placed.append((msgspec.structs.replace(entry, offset=offset), tensor))
+        offset = _aligned(offset + tensor.numel() * tensor.element_size())
+    index = _encode_index(identity, [entry for entry, _ in placed], weights.formats)
+    temporary = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(temporary, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    try:
+        os.ftruncate(fd, offset)
+        with mmap.mmap(fd, offset) as memory:
+            memory[: _HEADER.size] = _HEADER.pack(MAGIC, len(index))
+            memory[_HEADER.size : _HEADER.size + len(index)] = index
+            target = torch.frombuffer(memory, dtype=torch.uint8)
+            for entry, tensor in placed:
+                flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+                target[entry.offset : entry.offset + flat.numel()].copy_(flat)
+            del target
+        os.rename(temporary, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary)
+        raise
+    finally:
+        os.close(fd)
+    log.info("weights stored for restarts in %s (%.1f MiB)", path, offset / 2**20)
+
+
+def _read(memory: mmap.mmap, identity: str) -> LoadedWeights:
+    from engine.kernels.cpu.quantized import PackedWeight
+
+    magic, index_size = _HEADER.unpack_from(memory)
+    if magic != MAGIC:
+        raise ValueError(f"not a weight segment (magic {magic!r})")
+    raw = memory[_HEADER.size : _HEADER.size + index_size]
+    index = msgspec.msgpack.decode(raw, type=StoreIndex)
+    if index.identity != identity:
+        raise ValueError(f"weight segment holds {index.identity!r}, expected {identity!r}")
+    params: dict[str, torch.Tensor] = {}
+    packed: dict[str, PackedWeight] = {}
+    for entry in index.tensors:
+        dtype = _DTYPES[entry.dtype]
+        count = 1
+        for size in entry.shape:
+            count *= size
+        if count:
+            flat = torch.frombuffer(memory, dtype=dtype, count=count, offset=entry.offset)
+        else:
+            flat = torch.empty(0, dtype=dtype)
+        tensor = flat.view(entry.shape)
+        if entry.packed is None:
+            params[entry.name] = tensor
+        else:
+            packed[entry.name] = PackedWeight(
+                bits=entry.packed.bits, rows=entry.rows, k=entry.k, data=tensor, source=entry.origin
+            )
+    return LoadedWeights(params, packed, dict(index.formats))
+
+
+def _entry(name: str, tensor: torch.Tensor) -> StoredTensor:
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    if dtype not in _DTYPES:
+        raise ValueError(f"{name}: cannot store a tensor of {tensor.dtype}")
+    return StoredTensor(name=name, dtype=dtype, shape=list(tensor.shape), offset=0)
+
+
+def _encode_index(
+    identity: str, tensors: list[StoredTensor], formats: dict[str, WeightFormat]
+) -> bytes:
+    return msgspec.msgpack.encode(StoreIndex(identity=identity, tensors=tensors, formats=formats))
+
+
+def _aligned(offset: int) -> int:
+    return -(-offset // ALIGNMENT) * ALIGNMENT
