@@ -66,6 +66,10 @@ async def test_a_crashed_child_is_restarted_with_fresh_rings_and_serves_again() 
         assert run.pid("first") == first_pid  # one_for_one: its peer only swapped rings
         assert run.supervisor.root.reader("out").spec.name != old_out
         assert "asked to crash" in run.row("second").last_restart_reason
+        # Its downtime, death seen to new generation ready, is /metrics' recovery time; its
+        # peer only swapped rings and was never down.
+        assert 0.0 < run.row("second").recovery_seconds < EVENT_TIMEOUT
+        assert run.row("first").recovery_seconds == 0.0
         assert await run.roundtrip("again") == "second:first:again"
         assert not pid_running(second_pid)
 

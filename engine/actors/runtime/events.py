@@ -84,17 +84,18 @@ class ChildStatus(msgspec.Struct, frozen=True):
 
 
 def ring_traffic(rows: list[ChildStatus]) -> list[RingTraffic]:
-    """What each child has written to each of its rings (for /metrics and admin stats)."""
+    """What each child has written to each of its rings and how full each is (for /metrics and
+    admin stats); a ring it has yet to finish a first send to is there with its fill."""
     return [
         RingTraffic(
             actor=row.name,
             ring=ring,
-            frames=frames,
+            frames=row.frames_sent.get(ring, 0),
             bytes=row.bytes_sent.get(ring, 0),
             fill=row.ring_fill.get(ring, 0.0),
         )
         for row in rows
-        for ring, frames in sorted(row.frames_sent.items())
+        for ring in sorted(row.frames_sent.keys() | row.ring_fill.keys())
     ]
 
 
