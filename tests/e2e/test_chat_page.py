@@ -24,6 +24,7 @@ pytestmark = pytest.mark.skipif(chromium_missing() is not None, reason=str(chrom
 SHORT_TOKENS = 24
 LONG_TOKENS = 960  # the shared server's max_model_len is 1024: the prompt fits beside it
 PHONE = (390, 844)
+SYSTEM = "You answer in one line."
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +57,9 @@ def test_chat_page_in_chromium(server: Server, page: ChatPage) -> None:
 
 
 def answer_streams_as_the_api_answers(server: Server, page: ChatPage) -> None:
-    page.set_settings(temperature="0", top_p="1", max_tokens=str(SHORT_TOKENS), extra="")
+    page.set_settings(
+        system=SYSTEM, temperature="0", top_p="1", max_tokens=str(SHORT_TOKENS), extra=""
+    )
     page.send("Hello there")
     answer = page.wait_answer_state("done", "error")
     assert answer.get_attribute("data-state") == "done", answer.text
@@ -65,7 +68,10 @@ def answer_streams_as_the_api_answers(server: Server, page: ChatPage) -> None:
     assert server.model in stats and "TTFT" in stats and "tok/s" in stats, stats
     request = {
         "model": server.model,
-        "messages": [{"role": "user", "content": "Hello there"}],
+        "messages": [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": "Hello there"},
+        ],
         "temperature": 0,
         "top_p": 1,
         "max_tokens": SHORT_TOKENS,
