@@ -46,16 +46,40 @@ class TokenizerActor(Actor):
 
     async def on_start(self) -> dict[str, Any] | None:
         config = msgspec.msgpack.decode(self.config, type=TokenizerConfig)
-        tokenizer = load_tokenizer_without_torch(config.model_path)
-        self.builder = PromptBuilder(
-            tokenizer, config.max_model_len, config.vocab_size, config.allow_special_tokens_in_chat
+        self._config = config
+        # Token-id prompts (every resubmission after a failure) need no tokenizer: this builder
+        # serves them while the real one loads.
+        self._ids_builder = PromptBuilder(
+            None, config.max_model_len, config.vocab_size, config.allow_special_tokens_in_chat
         )
+        self.builder: PromptBuilder | None = None
         # One thread: big prompts wait for each other, not for the model's cores.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self._on_thread: dict[str, int] = {}  # request id -> epoch being tokenized there
         self._tasks: set[asyncio.Task[None]] = set()
         self._max_frame_bytes = self.rings.writer(SUBMIT_RING.name).spec.max_frame_bytes
+        if self.generation == 0:  # the first start proves the tokenizer loads, or fails the start
+            self._load_builder()
+        else:
+            # A restart: the requests in flight come back as token ids and go on at once; the
+            # tokenizer (seconds: transformers' import) loads on the thread, ahead of the text
+            # requests queued there behind it.
+            loading = asyncio.get_running_loop().run_in_executor(self._executor, self._load_builder)
+            loading.add_done_callback(self._on_loaded)
         return None
+
+    def _load_builder(self) -> None:
+        config = self._config
+        tokenizer = load_tokenizer_without_torch(config.model_path)
+        self.builder = PromptBuilder(
+            tokenizer, config.max_model_len, config.vocab_size, config.allow_special_tokens_in_chat
+        )
+
+    def _on_loaded(self, loading: asyncio.Future[None]) -> None:
+        if loading.cancelled() or loading.exception() is None:
+            return
+        self.log.error("the tokenizer failed to load: %r", loading.exception())
+        self.stop(f"the tokenizer failed to load: {loading.exception()!r}")  # restarted
 
     async def on_stop(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -67,17 +91,22 @@ class TokenizerActor(Actor):
                 for request_id in message.request_ids:  # its thread's result will be dropped
                     self._on_thread.pop(request_id, None)
                 to_scheduler.append(SUBMIT_RING.encode(message))
-            elif _prompt_chars(message) > INLINE_CHARS:
+            elif message.prompt_token_ids is not None:
+                to_scheduler.append(self._tokenize(message, self._ids_builder))
+            elif self.builder is None or _prompt_chars(message) > INLINE_CHARS:
                 self._tokenize_on_thread(message)
             else:
                 to_scheduler.append(self._tokenize(message))
         if to_scheduler:
             await self.send_many(SUBMIT_RING, to_scheduler)
 
-    def _tokenize(self, message: GenerateRequest) -> bytes:
+    def _tokenize(self, message: GenerateRequest, builder: PromptBuilder | None = None) -> bytes:
         """The request's frame for the scheduler: its submission, or its failure."""
         try:
-            token_ids = self.builder.build(message)
+            builder = builder or self.builder
+            if builder is None:
+                raise RuntimeError("the tokenizer failed to load")
+            token_ids = builder.build(message)
         except Exception as exc:  # fails this request alone
             return SUBMIT_RING.encode(_failure(message, exc))
         frame = SUBMIT_RING.encode(_submission(message, token_ids))
