@@ -5,6 +5,10 @@ the engine, then serves and prints one line with the URL. SIGINT/SIGTERM (or the
 `shutdown` command) drains: new requests get 503, in-flight ones get `server.drain_timeout`
 seconds to finish, the rest are aborted, and everything the run created is removed. A second
 signal skips the wait.
+
+For a service manager: server.pidfile is held locked for the root's life (pidfile.py), and under
+systemd's Type=notify the root sends READY=1, WATCHDOG=1 pings from its event loop and STOPPING=1
+(service_notify.py; deploy/systemd/).
 """
 
 from __future__ import annotations
@@ -29,7 +33,9 @@ from engine.http.admin import AdminServer
 from engine.http.admin_paths import prepare_default_socket
 from engine.http.app import build_app
 from engine.http.connections import KEEP_ALIVE_S, guarded_http_protocol
+from engine.http.pidfile import PidFile
 from engine.http.request_log import log_stats_forever
+from engine.http.service_notify import ServiceNotifier, stop_keep_alive
 from engine.http.state import ServerState
 from engine.settings import Settings
 
@@ -144,6 +150,20 @@ class _Shutdown:
 
 
 async def _serve(settings: Settings) -> int:
+    """Serve while holding server.pidfile, if one is set (refused in one line if held)."""
+    try:
+        pidfile = PidFile.hold(settings.server.pidfile) if settings.server.pidfile else None
+    except OSError as e:
+        print(f"engine: {e}", file=sys.stderr)
+        return 1
+    try:
+        return await _serve_holding_pidfile(settings)
+    finally:
+        if pidfile is not None:
+            pidfile.release()
+
+
+async def _serve_holding_pidfile(settings: Settings) -> int:
     server_cfg = settings.server
     try:
         sock = (
@@ -196,6 +216,7 @@ async def _run(
     admin = AdminServer(state, admin_path, drain=drain, shutdown=shutdown.request)
     server = _http_server(state, settings)
     serve_task: asyncio.Task[None] | None = None
+    keep_alive: asyncio.Task[None] | None = None
     exit_status = 0
     try:
         try:
@@ -216,10 +237,15 @@ async def _run(
         print(
             f"engine ready: {url} (model {state.model_name}; admin socket {admin_path})", flush=True
         )
+        service = ServiceNotifier.from_environ(os.environ, os.getpid())  # systemd, if under it
+        service.ready(f"serving {url}")
+        keep_alive = service.start_keep_alive()
         exit_status = await _serve_until_stopped(llm, serve_task, shutdown)
+        service.stopping("draining in-flight requests")
         log.info("shutting down: draining in-flight requests")
         await _drain(state, shutdown)
     finally:
+        await stop_keep_alive(keep_alive)
         for task in stats_tasks:
             task.cancel()
         server.should_exit = True

@@ -83,6 +83,7 @@ FLAG_ALIASES: dict[str, str] = {
     "--enforce-eager": "model.enforce_eager",
     "--kv-cache-dtype": "cache.kv_cache_dtype",
     "--uds": "server.uds",
+    "--pidfile": "server.pidfile",
     "--root-path": "server.root_path",
     "--enable-log-requests": "server.enable_log_requests",
     "--max-log-len": "server.max_log_len",

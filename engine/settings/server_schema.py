@@ -90,6 +90,13 @@ class ServerSettings(Section, frozen=True):
     root_path: Annotated[
         str, Meta(description="ASGI root_path, for a server behind a path-based proxy")
     ] = ""
+    pidfile: Annotated[
+        str | None,
+        Meta(
+            description="write the root's pid here and hold it locked while it runs: a second "
+            "engine on the same file is refused (for a service manager such as systemd)"
+        ),
+    ] = None
     enable_log_requests: Annotated[
         bool,
         Meta(description="log one line per request: id, sizes, parameters, outcome, timings"),

@@ -1,0 +1,147 @@
+"""The root's own death, with the test acting as systemd: a fake $NOTIFY_SOCKET (a datagram socket
+read here) gets READY=1 and WATCHDOG=1 pings; the pidfile refuses a second root; a root SIGKILLed
+mid-stream is started again (Restart=on-failure) and takes over the pidfile its predecessor left,
+its actors died with it, the new run sweeps the shared memory the dead one left, and a client
+that retries with the same X-Request-Id is answered: the same greedy tokens, from the start.
+What the root held in memory is lost with it: the cut stream is not resumed."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import server_args
+from tests.e2e.harness import (
+    API_KEY,
+    REPO,
+    Server,
+    leftover_ipc,
+    start_server,
+    wait_until,
+)
+from tests.integration.test_fault_tolerance import alive, children_of
+
+WATCHDOG_USEC = 400_000  # pings every 0.2 s
+REQUEST_ID = "retry-after-root-death"
+MAX_TOKENS = 600  # long enough that the root dies before the engine has made them all
+
+
+@pytest.fixture
+def notify_socket(tmp_path: Path) -> Iterator[socket.socket]:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(tmp_path / "notify.sock"))
+    sock.settimeout(60.0)
+    try:
+        yield sock
+    finally:
+        sock.close()
+
+
+def next_message(sock: socket.socket, wanted: str) -> dict[str, str]:
+    """The next datagram that carries `wanted` (KEY=value lines as a dict)."""
+    deadline = time.monotonic() + 60.0
+    while time.monotonic() < deadline:
+        fields = dict(line.split("=", 1) for line in sock.recv(4096).decode().splitlines())
+        if wanted in fields:
+            return fields
+    raise AssertionError(f"no {wanted} within 60 s")
+
+
+def forget_messages(sock: socket.socket) -> None:
+    """Drop the datagrams queued so far (a dead root's pings), as systemd has read them."""
+    sock.setblocking(False)
+    try:
+        while True:
+            sock.recv(4096)
+    except BlockingIOError:
+        pass
+    finally:
+        sock.settimeout(60.0)
+
+
+def first_kill(server: Server) -> bool:
+    return server.proc.poll() is None
+
+
+def stream(server: Server, body: dict[str, object], kill_root_after: int = 0) -> list[str]:
+    """The streamed tokens; with `kill_root_after`, the root is SIGKILLed once that many have
+    come, and the tokens the cut stream delivered are returned."""
+    tokens: list[str] = []
+    headers = {"Authorization": f"Bearer {API_KEY}", "X-Request-Id": REQUEST_ID}
+    url = server.url + "/v1/completions"
+    finished = False
+    try:
+        with httpx.stream("POST", url, json=body, headers=headers, timeout=60.0) as reply:
+            assert reply.status_code == 200, reply.read()
+            assert reply.headers["x-request-id"] == REQUEST_ID
+            for line in reply.iter_lines():
+                finished = finished or line == "data: [DONE]"
+                if not line.startswith("data: {"):
+                    continue
+                event = json.loads(line[len("data: ") :])
+                assert event["id"] == f"cmpl-{REQUEST_ID}"
+                tokens += event["choices"][0]["logprobs"]["tokens"]
+                if kill_root_after and len(tokens) >= kill_root_after and first_kill(server):
+                    server.proc.send_signal(signal.SIGKILL)
+    except httpx.RemoteProtocolError:
+        assert kill_root_after, "only the root's death may cut the stream"
+    assert finished != bool(kill_root_after)
+    return tokens
+
+
+def test_a_root_killed_mid_stream_is_restarted_and_a_retry_with_its_id_is_answered(
+    model_args: list[str], tmp_path: Path, notify_socket: socket.socket
+) -> None:
+    pidfile = tmp_path / "engine.pid"
+    args = server_args(model_args, None, "--server.pidfile", str(pidfile))
+    env = {"NOTIFY_SOCKET": notify_socket.getsockname(), "WATCHDOG_USEC": str(WATCHDOG_USEC)}
+    body = {
+        "model": "m", "prompt": "the root dies while this streams", "max_tokens": MAX_TOKENS,
+        "temperature": 0.0, "ignore_eos": True, "stream": True, "logprobs": 0,
+    }  # fmt: skip
+    first = start_server(args, tmp_path, env, name="first")
+    try:
+        body["model"] = first.model
+        ready = next_message(notify_socket, "READY")
+        assert ready["MAINPID"] == str(first.pid) and ready["STATUS"].startswith("serving http")
+        next_message(notify_socket, "WATCHDOG")
+        assert pidfile.read_text().strip() == str(first.pid)
+        refused = subprocess.run(
+            [sys.executable, "-m", "engine", *args], cwd=REPO,
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert refused.returncode == 1
+        assert refused.stderr.strip() == (
+            f"engine: pidfile {pidfile} is held by another engine (pid {first.pid}); "
+            "stop it or choose another server.pidfile"
+        )
+        actors = children_of(first.pid)
+        assert actors
+        seen = stream(first, body, kill_root_after=4)
+        assert first.proc.wait(10) == -signal.SIGKILL
+    finally:
+        first.stop()
+    wait_until(lambda: not any(alive(pid) for pid in actors), timeout=30.0)
+
+    forget_messages(notify_socket)
+    second = start_server(args, tmp_path, env, name="second")  # Restart=on-failure
+    try:
+        assert next_message(notify_socket, "READY")["MAINPID"] == str(second.pid)
+        assert pidfile.read_text().strip() == str(second.pid)
+        assert leftover_ipc(first.pid) == []  # the dead run's segments: swept at a start
+        answer = stream(second, body)  # the client's retry, with the same X-Request-Id
+        assert len(seen) < len(answer) == MAX_TOKENS and answer[: len(seen)] == seen
+    finally:
+        status = second.stop()
+    assert status == 0, second.log()
+    assert next_message(notify_socket, "STOPPING")["STOPPING"] == "1"
+    assert not pidfile.exists(), second.log()  # an orderly exit removes it
