@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import secrets
 import socket
 import struct
@@ -268,3 +269,22 @@ async def test_a_peer_without_the_secret_is_refused_and_counted_and_the_pull_goe
 def attack(port: int, payload: bytes) -> list[object]:
     """Send one frame to a kv_transfer port as a peer without the secret; all it answers."""
     return everything_said(port, struct.pack(">I", len(payload)) + payload)
+
+
+async def test_a_thousand_unpulled_handoffs_leave_room_for_normal_requests(pair: Pair) -> None:
+    """Any client of a prefill instance may ask for handoffs it never pulls. Held blocks stop at
+    their share of the KV pool (engine/scheduler/kv_handoff.py), so normal requests sent among
+    1,000 of them are admitted and answered as if alone."""
+    rng = random.Random(0)
+    (before,) = pair.prefill.stats().replicas
+    # Prompts of three full blocks each, none sharing a block: unbounded, 1,000 holds would pin
+    # far more blocks than the pool has.
+    prompts = [[rng.randrange(3, 190) for _ in range(50)] for _ in range(1000)]
+    handoffs = [complete(pair.prefill, kv={"do_remote_decode": True}, prompt=p) for p in prompts]
+    normal = [complete(pair.prefill) for _ in range(8)]
+    results = await asyncio.wait_for(asyncio.gather(*handoffs, *normal), WAIT_S)
+    expected, _ = await complete(pair.decode)  # the same prompt on the other instance, alone
+    assert all(tokens == expected for tokens, _ in results[len(prompts) :])
+    assert all(len(tokens) == 1 for tokens, _ in results[: len(prompts)])
+    (after,) = pair.prefill.stats().replicas
+    assert after.kv_holds_refused > before.kv_holds_refused  # the cap was reached, and held
