@@ -52,6 +52,7 @@ def test_chat_page_in_chromium(server: Server, page: ChatPage) -> None:
     stop_aborts_the_request_on_the_server(server, page)
     reload_finds_the_history(page)
     live_panel_lists_the_actors(server, page)
+    refusals_are_shown(page)
     fits_a_phone(page)
     assert page.severe_log() == []
 
@@ -122,6 +123,27 @@ def live_panel_lists_the_actors(server: Server, page: ChatPage) -> None:
     assert page.element("#live-status").text == "ready"
     assert page.element("#live-in-flight").text == "0"
     assert "blocks" in page.element("#live-kv").text
+
+
+def refusals_are_shown(page: ChatPage) -> None:
+    """A bad setting is refused in the dialog; a request the server refuses shows its error."""
+    page.element("#open-settings").click()
+    box = page.element("#set-temperature")
+    box.clear()
+    box.send_keys("5")
+    page.element("#settings-save").click()
+    error = page.element("#settings-error").text
+    assert error == "Temperature must be a number from 0 to 2", error
+    assert page.js("return document.getElementById('settings').open")
+    page.element("#settings-cancel").click()
+    page.element("#new-chat").click()
+    page.set_settings(max_tokens="100000", extra="")  # past the server's max_model_len
+    page.send("Hello")
+    answer = page.wait_answer_state("error", "done", "stopped")
+    assert answer.get_attribute("data-state") == "error"
+    shown = answer.find_element("css selector", ".error").text
+    assert shown.startswith("HTTP 400: ") and "max_tokens" in shown, shown
+    page.severe_log()  # the console's line for the refused request: expected here
 
 
 def fits_a_phone(page: ChatPage) -> None:
