@@ -175,7 +175,7 @@ def test_generation_config_defaults_load_and_yield_to_the_request(tmp_path: Path
     assert defaults == {"temperature": 0.6, "top_k": 20, "max_tokens": 99}
     assert load_generation_defaults("vllm", str(tmp_path)) == {}
     assert load_generation_defaults(str(tmp_path), "/elsewhere") == defaults
-    params = with_defaults(SamplingParams(temperature=0.0), defaults, {"temperature"})
+    params = with_defaults(SamplingParams(temperature=0.0), defaults, {"top_k", "max_tokens"})
     assert (params.temperature, params.top_k, params.max_tokens) == (0.0, 20, 99)
     with pytest.raises(ValueError, match="generation_config"):
         load_generation_defaults(str(tmp_path / "missing"), "/elsewhere")
