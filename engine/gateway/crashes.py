@@ -7,6 +7,7 @@ import signal
 from typing import Any
 
 from engine.actors.runtime.events import ChildDied, ChildRestarted
+from engine.actors.runtime.stopped import STOPPED_FROM_OUTSIDE
 
 # Signals that only ever come from outside an actor: an operator, the OOM killer, a test.
 _EXTERNAL_SIGNALS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
@@ -15,8 +16,9 @@ _EXTERNAL_SIGNALS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, si
 def is_crash(event: ChildDied) -> bool:
     """Whether a death may be a request's doing: an exception that escaped (status != 0), a
     native crash (SIGSEGV, SIGABRT, ...) or a hang the supervisor killed. A kill from outside
-    the engine is not; the supervisor names its own kills in the reason, nobody else does."""
-    if event.exitcode == 0:
+    the engine is not, nor a child the supervisor killed because it had been stopped from
+    outside (SIGSTOP); the supervisor names its own kills in the reason, nobody else does."""
+    if event.exitcode == 0 or STOPPED_FROM_OUTSIDE in event.reason:
         return False
     if event.exitcode > 0:
         return True

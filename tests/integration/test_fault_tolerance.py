@@ -25,6 +25,7 @@ import pytest_asyncio
 
 from engine import AsyncLLM, EngineError, SamplingParams
 from engine.actors.runtime.doorbell import default_doorbell_dir
+from engine.actors.runtime.stopped import STOPPED_FROM_OUTSIDE
 from engine.llm import build_settings
 from engine.testing.fault_injection import FAULT_INJECTION_ENV
 from tests.checkpoints import tiny_checkpoint
@@ -257,8 +258,9 @@ async def test_a_hung_actor_is_found_by_missed_heartbeats_killed_and_restarted(
     assert outcomes == [*shared.reference, shared.reference[0]]
     after = actor(engine, "scheduler")
     assert after.pid != before.pid and "no heartbeat" in after.last_restart_reason
+    # Stopped by a signal, not hung by a request: its death makes no request a suspect.
+    assert STOPPED_FROM_OUTSIDE in after.last_restart_reason
     assert not alive(before.pid)
-    # A hang may be a request's doing: every stream was a suspect, retried alone, and cleared.
     assert engine.gateway.quarantined == 0
 
 

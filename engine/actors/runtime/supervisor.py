@@ -50,6 +50,7 @@ from engine.actors.runtime.ring import run_prefix, sweep_stale_segments
 from engine.actors.runtime.ring_ends import RingEnds
 from engine.actors.runtime.ring_table import RingTable
 from engine.actors.runtime.segments import create_segments, destroy_segments
+from engine.actors.runtime.stopped import STOPPED_FROM_OUTSIDE, is_stopped
 from engine.actors.runtime.supervised_child import SupervisedChild
 from engine.messages.control import LogLevel, Ready
 
@@ -354,9 +355,10 @@ class Supervisor:
                 silent = now - process.last_seen
                 if silent > child.spec.heartbeat_timeout:
                     timeout = child.spec.heartbeat_timeout
-                    process.kill(
-                        f"no heartbeat for {silent:.1f} s, heartbeat_timeout is {timeout:g} s"
-                    )
+                    why = f"no heartbeat for {silent:.1f} s, heartbeat_timeout is {timeout:g} s"
+                    if process.pid is not None and is_stopped(process.pid):
+                        why = f"{STOPPED_FROM_OUTSIDE}, {why}"
+                    process.kill(why)
 
     # Ending.
 
