@@ -10,9 +10,10 @@ request count and the time limit bound the run; whichever comes first ends it.
 
 Printed after a warm-up and at the end: each engine process's RSS and open fds (the server and
 every actor, from /proc), the server's /dev/shm segments, restarts per actor (admin socket),
-and counts: sent, ok, 4xx by status, 5xx, lost (no complete answer, no error status, and not
-dropped on purpose by the client). The summary checks the targets: RSS growth <= 5 % after
-warm-up, no leaked fd or segment, no restart, nothing lost; exit status 0 when all hold.
+and counts: sent, ok, 4xx by status, 5xx, lost (a valid request without a whole 200 answer, not
+dropped on purpose by its client: a 4xx loses it too; a bad input answered other than 4xx). The
+summary checks the targets: RSS growth <= 5 % after warm-up, no leaked fd or segment, no
+restart, nothing lost; exit status 0 when all hold.
 """
 
 from __future__ import annotations
@@ -181,19 +182,20 @@ async def one_request(
     body["stream"] = kind in ("stream", "disconnect", "slow") or (
         kind == "chat" and rng.random() < 0.5
     )
+    # Every request below is valid: an answer other than a whole 200 (a 4xx too) loses it.
     if not body["stream"]:
         resp = await client.post(path, json=body)
         tally.statuses[resp.status_code] += 1
         if resp.status_code == 200 and resp.json()["choices"][0].get("finish_reason"):
             tally.ok += 1
-        elif resp.status_code == 200 or resp.status_code >= 500:
+        else:
             tally.lost.append(f"{path} answered {resp.status_code}: {resp.text[:120]}")
         return
     async with client.stream("POST", path, json=body) as resp:
         tally.statuses[resp.status_code] += 1
         if resp.status_code != 200:
-            if resp.status_code >= 500:
-                tally.lost.append(f"{path} stream answered {resp.status_code}")
+            await resp.aread()
+            tally.lost.append(f"{path} stream answered {resp.status_code}: {resp.text[:120]}")
             return
         done = False
         async for line in resp.aiter_lines():

@@ -23,7 +23,7 @@ from starlette.routing import Route
 
 from engine.http.chat_page import chat_page_routes
 from engine.http.decoding import decode_request
-from engine.http.errors import ApiError, outcome_of
+from engine.http.errors import INTERNAL_ERROR_MESSAGE, ApiError, outcome_of
 from engine.http.metrics import CONTENT_TYPE
 from engine.http.operations import (
     AbortRequest,
@@ -37,6 +37,7 @@ from engine.http.runs import RequestRun
 from engine.http.state import ServerState
 from engine.http.streams import ReleasingStream
 from engine.telemetry.tracer import trace_headers
+from engine.testing.http_faults import HttpFaults
 
 log = logging.getLogger("engine.http")
 
@@ -50,6 +51,8 @@ T = TypeVar("T")
 
 
 def build_app(state: ServerState) -> Starlette:
+    if state.faults.rules:
+        log.warning("HTTP fault injection is on: %s", state.faults.rules)
     routes = [
         *_api_routes(state),
         *_probe_routes(state),
@@ -167,7 +170,9 @@ async def _generate(request: Request, state: ServerState, parse: Parser, endpoin
     except ApiError as e:
         state.metrics.count_request(endpoint, outcome_of(e.status))
         raise
-    run = RequestRun(state, prepared, endpoint, body)
+    faults = state.faults.actions(body)
+    HttpFaults.trip(faults, "raise")
+    run = RequestRun(state, prepared, endpoint, body, faults)
     run.trace_headers = trace_headers(request.headers)
     if prepared.stream:
         firsts = await _until_disconnect(request, run.open())
@@ -297,9 +302,13 @@ async def _http_exception_response(request: Request, exc: Exception) -> Response
 
 async def _internal_error_response(request: Request, exc: Exception) -> Response:
     # The details go to the server log (uvicorn logs the exception Starlette re-raises after
-    # this answer), not to the client: they may describe internals.
-    error = ApiError(500, "internal server error; the server log has the details")
-    return Response(error.encoded(), status_code=500, media_type=JSON)
+    # this answer), not to the client: they may describe internals. uvicorn closes the
+    # connection once that exception reaches it; without `Connection: close` the client would
+    # keep the connection in its pool and could send its next request on it as it closes.
+    error = ApiError(500, INTERNAL_ERROR_MESSAGE)
+    return Response(
+        error.encoded(), status_code=500, media_type=JSON, headers={"Connection": "close"}
+    )
 
 
 def engine_version() -> str:

@@ -36,6 +36,7 @@ import socket
 import time
 from http import HTTPStatus
 
+import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from engine.http.errors import ApiError
@@ -71,6 +72,10 @@ def guarded_http_protocol(
 # the server, ends an idle connection: a server closing one just as a client reuses it loses
 # that request (the client reads an empty reply). nginx's default is 75 s too.
 KEEP_ALIVE_S = 75
+# How long a refused connection (408, 503) is kept half-closed, dropping what its client still
+# sends, before it is closed: long enough for a request already on its way to arrive, short
+# enough that a flood of refused connections holds few descriptors.
+LINGER_S = 2.0
 
 
 class GuardedH11Protocol(H11Protocol):
@@ -80,7 +85,7 @@ class GuardedH11Protocol(H11Protocol):
     body_timeout: float = 60.0
     _head_timer: asyncio.TimerHandle | None = None
     _body_timer: asyncio.TimerHandle | None = None
-    _idle: bool = False  # between a response and the first byte of the next request
+    _linger_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)  # counts this connection in self.connections
@@ -90,19 +95,19 @@ class GuardedH11Protocol(H11Protocol):
                 f"the server has {self.max_connections} connections open "
                 "(server.max_connections); retry shortly"
             )
-            _answer_and_close(transport, ApiError(503, message, headers={"Retry-After": "1"}))
+            self._refuse(ApiError(503, message, headers={"Retry-After": "1"}))
             return
         _fix_send_buffer(transport, self.send_buffer)
         self._watch_head()
 
     def data_received(self, data: bytes) -> None:
-        self._idle = False
+        if self._linger_timer is not None:
+            return  # answered and refused: what the client still sends is dropped unread
         super().data_received(data)
         self._watch_head()
         self._watch_body()
 
     def on_response_complete(self) -> None:
-        self._idle = True
         super().on_response_complete()
         self._watch_head()
         self._watch_body()
@@ -110,12 +115,30 @@ class GuardedH11Protocol(H11Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_head_timer()
         self._stop_body_timer()
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
         super().connection_lost(exc)
+
+    def shutdown(self) -> None:
+        if self._linger_timer is not None:
+            self.transport.close()  # h11 has no request to end on a refused connection
+            return
+        super().shutdown()
+
+    def _owes_head(self) -> bool:
+        """Whether a request head is due now: on a new connection from its start; on a
+        kept-alive one only once the next head's first byte has come. Not while the body of a
+        request answered early (a 401 before its body was read) is still arriving: those bytes
+        are the body's, under the body deadline, and the connection is idle after them."""
+        if self.cycle is None:
+            return True
+        if not self.cycle.response_complete or self.conn.their_state is not h11.IDLE:
+            return False
+        return bool(self.conn.trailing_data[0])
 
     def _watch_head(self) -> None:
         """Run the head timer exactly while the connection owes us a request head."""
-        awaiting_head = self.cycle is None or self.cycle.response_complete
-        if not awaiting_head or self._idle or self.transport.is_closing():
+        if not self._owes_head() or self.transport.is_closing():
             self._stop_head_timer()
         elif self._head_timer is None:
             self._head_timer = self.loop.call_later(self.header_timeout, self._head_timed_out)
@@ -132,13 +155,12 @@ class GuardedH11Protocol(H11Protocol):
         message = (
             f"no complete request head within {self.header_timeout:g} s (server.header_timeout)"
         )
-        _answer_and_close(self.transport, ApiError(408, message))
+        self._refuse(ApiError(408, message))
 
     def _watch_body(self) -> None:
         """Run the body timer from the end of a request's head until its body has all come
-        (or the request is answered, or the connection closes)."""
-        cycle = self.cycle
-        receiving = cycle is not None and cycle.more_body and not cycle.response_complete
+        (whether or not the request was answered before it had), or the connection closes."""
+        receiving = self.cycle is not None and self.conn.their_state is h11.SEND_BODY
         if not receiving or self.transport.is_closing():
             self._stop_body_timer()
         elif self._body_timer is None:
@@ -151,16 +173,35 @@ class GuardedH11Protocol(H11Protocol):
 
     def _body_timed_out(self) -> None:
         self._body_timer = None
-        if self.transport.is_closing():
+        if self.transport.is_closing() or self._linger_timer is not None:
             return
         if self.cycle is not None and self.cycle.response_started:
-            self.transport.close()  # an answer has begun: it cannot become a 408
+            self.transport.close()  # an answer has begun (or ended): it cannot become a 408
             return
         message = (
             f"the request body did not arrive within {self.body_timeout:g} s of its head "
             "(server.body_timeout)"
         )
-        _answer_and_close(self.transport, ApiError(408, message))
+        self._refuse(ApiError(408, message))
+
+    def _refuse(self, error: ApiError) -> None:
+        """Answer `error` outside h11 (there is no request, or none it can still answer) and
+        end the connection without a reset. Closing a socket whose client is still sending makes
+        the kernel answer with a reset, which can destroy the answer before the client reads
+        it. So the server only ends its own side (FIN after the answer), drops what still comes
+        and closes when the client does, or after LINGER_S at most."""
+        self._stop_head_timer()
+        self._stop_body_timer()
+        self._unset_keepalive_if_required()
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            cycle.disconnected = True  # the handler reading this request sees the client gone
+            cycle.message_event.set()
+        self._linger_timer = self.loop.call_later(LINGER_S, self.transport.close)
+        self.transport.write(_error_response(error))
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.transport.resume_reading()
 
 
 def _fix_send_buffer(transport: asyncio.Transport, size: int) -> None:
@@ -174,9 +215,8 @@ def _fix_send_buffer(transport: asyncio.Transport, size: int) -> None:
             log.debug("cannot set SO_SNDBUF on %r: %s", sock, e)
 
 
-def _answer_and_close(transport: asyncio.Transport, error: ApiError) -> None:
-    """Write a whole response outside h11 (no request was read, so it has no cycle to answer
-    in) and close: the connection is not reused."""
+def _error_response(error: ApiError) -> bytes:
+    """A whole response that ends the connection, written outside h11."""
     body = error.encoded()
     head = [
         f"HTTP/1.1 {error.status} {HTTPStatus(error.status).phrase}",
@@ -185,8 +225,7 @@ def _answer_and_close(transport: asyncio.Transport, error: ApiError) -> None:
         "connection: close",
         *(f"{name}: {value}" for name, value in error.headers.items()),
     ]
-    transport.write("\r\n".join(head).encode() + b"\r\n\r\n" + body)
-    transport.close()
+    return "\r\n".join(head).encode() + b"\r\n\r\n" + body
 
 
 def _warn_refusal(max_connections: int) -> None:

@@ -15,6 +15,9 @@ _TYPE_BY_STATUS = {
     503: ("server_error", "service_unavailable"),
 }
 
+# What a client is told of a failure of the server's own: the details may describe internals.
+INTERNAL_ERROR_MESSAGE = "internal server error; the server log has the details"
+
 # The `outcome` label of engine_requests_total for each error status.
 _OUTCOME_BY_STATUS = {
     400: "bad_request",

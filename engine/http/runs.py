@@ -15,13 +15,14 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import TYPE_CHECKING
 
-from engine.http.errors import ApiError, outcome_of
+from engine.http.errors import INTERNAL_ERROR_MESSAGE, ApiError, outcome_of
 from engine.http.parsing import PreparedRequest
 from engine.http.protocol import Usage
 from engine.http.recording import RequestRecording
 from engine.http.responses import SSE_DONE, ResponseBuilder, sse_event
 from engine.messages.scheduling import FirstScheduled
 from engine.outputs import EngineError, RequestOutput
+from engine.testing.http_faults import HttpFaults
 
 if TYPE_CHECKING:
     from engine.http.metrics import ServerMetrics
@@ -40,9 +41,15 @@ def api_error_from(error: EngineError) -> ApiError:
 
 class RequestRun:
     def __init__(
-        self, state: ServerState, prepared: PreparedRequest, endpoint: str, body: bytes = b""
+        self,
+        state: ServerState,
+        prepared: PreparedRequest,
+        endpoint: str,
+        body: bytes = b"",
+        faults: frozenset[str] = frozenset(),
     ) -> None:
         self.state = state
+        self._faults = faults  # the injected faults this request trips (tests only)
         self.prepared = prepared
         self.endpoint = endpoint
         server = state.settings.server
@@ -215,10 +222,13 @@ class RequestRun:
         self.finish()
 
     async def sse(self, firsts: list[tuple[int, RequestOutput]]) -> AsyncGenerator[bytes, None]:
-        """The event stream; a client that goes away cancels it here and its requests abort."""
+        """The event stream; a client that goes away cancels it here and its requests abort.
+        However it fails, it ends with an error event and [DONE]: an exception let out would
+        make uvicorn cut the connection mid-body, which a client reads as a broken transfer."""
         try:
             for event in self.builder.opening_events():
                 yield event
+            HttpFaults.trip(self._faults, "raise-in-stream")
             async for i, out in self.outputs(firsts):
                 for event in self.builder.delta_events(i, out):
                     yield event
@@ -228,6 +238,10 @@ class RequestRun:
         except EngineError as e:
             self.outcome = "error"
             yield sse_event(api_error_from(e).encoded())
+        except Exception:
+            log.exception("request %s: its %s stream failed", self.key, self.endpoint)
+            self.outcome = "error"
+            yield sse_event(ApiError(500, INTERNAL_ERROR_MESSAGE).encoded())
         finally:
             self.abort_unfinished()
             self.finish()

@@ -3,6 +3,7 @@ the API requests in flight by id, the root's tokenizer, the model's sampling def
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -10,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from engine.http.metrics import ServerMetrics
 from engine.http.tokens import Tokens
 from engine.settings import Settings
+from engine.testing.http_faults import HttpFaults
 from engine.trace.recorder import TraceRecorder
 
 if TYPE_CHECKING:
@@ -32,6 +34,7 @@ class ServerState:
     trace: TraceRecorder | None = None
     # The API requests in flight by X-Request-Id: RequestRuns (runs.py imports this module)
     runs: dict[str, Any] = field(default_factory=dict)
+    faults: HttpFaults = field(default_factory=HttpFaults)  # tests' fault injection; off
 
     @classmethod
     def create(
@@ -61,4 +64,5 @@ class ServerState:
             generation_defaults=generation_defaults or {},
             chat_template=chat_template,
             trace=trace,
+            faults=HttpFaults.from_environment(os.environ),
         )

@@ -12,12 +12,17 @@ from typing import Any
 import openai
 import pytest
 
+from engine.testing.http_faults import HTTP_FAULT_INJECTION_ENV
 from tests.e2e.harness import API_KEY, Server, served
 
 MAX_MODEL_LEN = 1024  # long enough that a long request is still running when a test acts
 MAX_NUM_SEQS = 4
 MAX_QUEUED = 8  # samples: a request with n samples counts n
 MAX_REQUEST_BYTES = 64 * 1024
+# The shared server's HTTP fault injection (engine/testing/http_faults.py): a request body
+# holding one of these fails as a bug in the server would (tests/e2e/test_no_resets.py).
+FAULT_500 = "engine-test-fault-500"
+FAULT_IN_STREAM = "engine-test-fault-in-stream"
 
 
 @pytest.fixture(scope="session")
@@ -72,7 +77,7 @@ def server(
     work = tmp_path_factory.mktemp("server")
     trace = work / "trace.jsonl"
     args = server_args(model_args, work / "admin.sock", "--server.record_trace", str(trace))
-    env = {}
+    env = {HTTP_FAULT_INJECTION_ENV: f"raise:{FAULT_500},raise-in-stream:{FAULT_IN_STREAM}"}
     if otlp is not None:
         args += ["--otlp-traces-endpoint", otlp.url]
         env["OTEL_BSP_SCHEDULE_DELAY"] = "100"  # ms: export spans soon after each request
