@@ -10,11 +10,19 @@
 - A deadline for the request body (`server.body_timeout`), from the end of its head: a client
   that sends a head and then trickles its body (or none of it) would hold the request, and its
   connection, forever. Past the deadline the request is answered 408 and the connection closed;
-  the request's handler sees the client gone. Trickling does not extend it.
+  the request's handler sees the client gone. Trickling does not extend it. A request answered
+  before its body came (a 401) keeps this deadline for the rest of its body; those bytes are not
+  the start of a next head.
 - A cap on open connections (`server.max_connections`). uvicorn's `limit_concurrency` answers
   503 only once a head has arrived, and counts every open connection, so past the limit the next
   request of an existing client is refused too. Here a connection over the cap is answered 503
   and closed as it opens, and those already open keep working.
+- No resets. A connection answered 408 or 503 here is closed without reading what its client is
+  still sending, and closing a socket with unread bytes, or receiving bytes after the close, makes
+  the kernel answer with a reset: the client's next send fails, and over a network the reset can
+  destroy the answer before the client reads it. So the server half-closes after such an answer
+  and drops what still comes until the client closes, or LINGER_S (the lingering close of RFC 9112
+  section 9.6, as nginx and Apache do it).
 - A fixed kernel send buffer per connection (`server.send_buffer`). Left to the kernel, a TCP
   socket's send buffer autotunes up to net.ipv4.tcp_wmem's maximum (4 MiB on many hosts, more on
   tuned ones), on loopback within a second, and so holds megabytes of a stream its client
