@@ -3,7 +3,9 @@ endpoint is set: the engine runs without the SDK installed.
 
 Spans go through the SDK's BatchSpanProcessor: `record` only builds the span and queues it; a
 thread of the SDK's exports batches, so a slow or absent collector never holds up the root's
-event loop (a full queue drops spans, as the SDK does). The provider flushes at exit.
+event loop (a full queue drops spans, as the SDK does). The provider flushes at exit. Building
+and encoding spans is the SDK's Python, so the cost grows with spans per request; the SDK's
+sampler (OTEL_TRACES_SAMPLER, e.g. parentbased_traceidratio) is how an operator bounds it.
 """
 
 from __future__ import annotations
@@ -86,6 +88,9 @@ class RequestTracer:
             start_time=to_ns(span.start),
             attributes=span.attributes,
         )
+        if not root.is_recording():  # sampled out (OTEL_TRACES_SAMPLER): nothing to add
+            root.end(end_time=to_ns(span.end))
+            return
         inside = trace.set_span_in_context(root)
         for name, start, end in span.phases:
             child = self._tracer.start_span(name, context=inside, start_time=to_ns(start))
