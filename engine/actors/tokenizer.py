@@ -10,6 +10,8 @@ imports torch (see text/hf_tokenizer).
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -23,7 +25,12 @@ from engine.messages.ring_catalogue import REQUESTS_RING, SUBMIT_RING
 from engine.messages.roles import Role
 from engine.messages.scheduling import AbortRequests, SubmitRequest
 from engine.outputs import EngineError
-from engine.text.hf_tokenizer import load_tokenizer_without_torch
+from engine.text.hf_tokenizer import (
+    load_text_encoder,
+    load_tokenizer_without_torch,
+    remove_text_encoder,
+    save_text_encoder,
+)
 from engine.text.prompt import PromptBuilder
 
 
@@ -38,6 +45,8 @@ class TokenizerConfig(msgspec.Struct, frozen=True):
 # seconds, during which the loop must keep beating the heart and serving the other requests.
 # Below it, a thread's hand-off costs more than the tokenizing.
 INLINE_CHARS = 16_384
+SAVED_DIR = "/dev/shm"  # where the built tokenizer waits for a restart (see on_start)
+SAVE_WAIT_S = 10.0  # a stop waits this long for the first start's save to end
 
 
 class TokenizerActor(Actor):
@@ -47,35 +56,50 @@ class TokenizerActor(Actor):
     async def on_start(self) -> dict[str, Any] | None:
         config = msgspec.msgpack.decode(self.config, type=TokenizerConfig)
         self._config = config
-        # Token-id prompts (every resubmission after a failure) need no tokenizer: this builder
-        # serves them while the real one loads.
-        self._ids_builder = PromptBuilder(
-            None, config.max_model_len, config.vocab_size, config.allow_special_tokens_in_chat
-        )
+        # Token-id prompts (every resubmission of a request the gateway knows the tokens of)
+        # need no tokenizer: this builder serves them while the real one loads.
+        self._ids_builder = self._prompt_builder(None)
+        self._text_builder: PromptBuilder | None = None  # text prompts, while it loads
         self.builder: PromptBuilder | None = None
         # One thread: big prompts wait for each other, not for the model's cores.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self._on_thread: dict[str, int] = {}  # request id -> epoch being tokenized there
         self._tasks: set[asyncio.Task[None]] = set()
         self._max_frame_bytes = self.rings.writer(SUBMIT_RING.name).spec.max_frame_bytes
+        # Where this run's tokenizer actors keep the built tokenizer for their successors: the
+        # root (our parent) owns the name, so a crashed run's is swept like its segments.
+        digest = hashlib.sha256(config.model_path.encode()).hexdigest()[:20]
+        self._saved_path = os.path.join(SAVED_DIR, f"engine-{os.getppid()}-tokenizer-{digest}")
+        self._saving: asyncio.Future[bool] | None = None
+        loop = asyncio.get_running_loop()
         if self.generation == 0:  # the first start proves the tokenizer loads, or fails the start
-            self._load_builder()
+            tokenizer = self._load_builder()
+            self._saving = loop.run_in_executor(
+                None, save_text_encoder, tokenizer, self._saved_path
+            )
         else:
-            # A restart: the requests in flight come back as token ids and go on at once; the
-            # tokenizer (seconds: transformers' import) loads on the thread, ahead of the text
-            # requests queued there behind it.
-            loading = asyncio.get_running_loop().run_in_executor(self._executor, self._load_builder)
+            # A restart: text prompts are tokenized by what the predecessor saved, and the
+            # transformers tokenizer (seconds: its import and build) loads on the thread, ahead
+            # of the chats (and big prompts) queued there behind it.
+            encoder = load_text_encoder(self._saved_path)
+            if encoder is not None:
+                self._text_builder = self._prompt_builder(encoder)
+            loading = loop.run_in_executor(self._executor, self._load_builder)
             loading.add_done_callback(self._on_loaded)
         return None
 
-    def _load_builder(self) -> None:
+    def _prompt_builder(self, tokenizer: Any) -> PromptBuilder:
         config = self._config
-        tokenizer = load_tokenizer_without_torch(config.model_path)
-        self.builder = PromptBuilder(
+        return PromptBuilder(
             tokenizer, config.max_model_len, config.vocab_size, config.allow_special_tokens_in_chat
         )
 
-    def _on_loaded(self, loading: asyncio.Future[None]) -> None:
+    def _load_builder(self) -> Any:
+        tokenizer = load_tokenizer_without_torch(self._config.model_path)
+        self.builder = self._prompt_builder(tokenizer)
+        return tokenizer
+
+    def _on_loaded(self, loading: asyncio.Future[Any]) -> None:
         if loading.cancelled() or loading.exception() is None:
             return
         self.log.error("the tokenizer failed to load: %r", loading.exception())
@@ -83,6 +107,9 @@ class TokenizerActor(Actor):
 
     async def on_stop(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._saving is not None:  # else it could land after the removal below
+            await asyncio.wait((self._saving,), timeout=SAVE_WAIT_S)
+        remove_text_encoder(self._saved_path)  # a killed actor leaves it to its successor
 
     async def handle(self, ring: str, frames: list[bytes]) -> None:
         to_scheduler: list[bytes] = []
@@ -91,14 +118,22 @@ class TokenizerActor(Actor):
                 for request_id in message.request_ids:  # its thread's result will be dropped
                     self._on_thread.pop(request_id, None)
                 to_scheduler.append(SUBMIT_RING.encode(message))
-            elif message.prompt_token_ids is not None:
-                to_scheduler.append(self._tokenize(message, self._ids_builder))
-            elif self.builder is None or _prompt_chars(message) > INLINE_CHARS:
-                self._tokenize_on_thread(message)
+            elif (builder := self._inline_builder(message)) is not None:
+                to_scheduler.append(self._tokenize(message, builder))
             else:
-                to_scheduler.append(self._tokenize(message))
+                self._tokenize_on_thread(message)
         if to_scheduler:
             await self.send_many(SUBMIT_RING, to_scheduler)
+
+    def _inline_builder(self, message: GenerateRequest) -> PromptBuilder | None:
+        """The builder to tokenize `message` with on the loop; None: on the thread."""
+        if message.prompt_token_ids is not None:
+            return self._ids_builder
+        if _prompt_chars(message) > INLINE_CHARS:
+            return None
+        if self.builder is None and message.messages is None:
+            return self._text_builder  # None too while there is none: after the load
+        return self.builder
 
     def _tokenize(self, message: GenerateRequest, builder: PromptBuilder | None = None) -> bytes:
         """The request's frame for the scheduler: its submission, or its failure."""

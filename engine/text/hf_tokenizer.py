@@ -5,15 +5,22 @@ imports torch whenever torch is installed, which costs a spawned process seconds
 MB; only the processes that run the model should pay that. Marking torch as absent in
 `sys.modules` before the first transformers import makes transformers take its torch-free path;
 only processes that never use torch call this.
-The detokenizer needs less still: `load_token_decoder` skips transformers when it can.
+The detokenizer needs less still: `load_token_decoder` skips transformers when it can. So does
+a restarted tokenizer actor for text prompts: `TextEncoder` is the built tokenizer its predecessor
+saved (`save_text_encoder`: the tokenizers library's own JSON of it, never pickle).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 from typing import Any
+
+# Text whose tokens the saved state must reproduce before a successor may use it: words, spaces,
+# digits, non-ASCII, and a special token written as text.
+_SAMPLE = " Hello  world\n\t42 ünïcödé 日本語 🙂 <|im_start|>user <s> </s> the end."
 
 
 def load_tokenizer_without_torch(model_path: str) -> Any:
@@ -56,3 +63,59 @@ def _declared_added_tokens(model_path: str) -> set[str]:
         return set()
     declared = config.get("added_tokens_decoder") or {}
     return {entry["content"] for entry in declared.values() if isinstance(entry, dict)}
+
+
+class TextEncoder:
+    """A text prompt's tokens without transformers: `encode` as the transformers tokenizer
+    that saved this state encodes (its backend, the `tokenizers` library, does the work)."""
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+
+
+def save_text_encoder(tokenizer: Any, path: str) -> bool:
+    """Write `tokenizer`'s built backend to `path` (owner-only, renamed into place whole) for a
+    successor's `load_text_encoder`; False, writing nothing, for a tokenizer whose encode is not
+    its backend's alone (a slow tokenizer, or Python-side processing that changes the tokens)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return False
+    for special in (True, False):
+        theirs = tokenizer.encode(_SAMPLE, add_special_tokens=special)
+        if TextEncoder(backend).encode(_SAMPLE, special) != list(theirs):
+            return False
+    temporary = f"{path}.{os.getpid()}.tmp"
+    try:
+        fd = os.open(temporary, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as file:
+            file.write(backend.to_str())
+        os.rename(temporary, path)
+    except OSError:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary)
+        return False
+    return True
+
+
+def load_text_encoder(path: str) -> TextEncoder | None:
+    """The encoder a predecessor saved at `path`; None when there is none."""
+    from tokenizers import Tokenizer
+
+    try:
+        with open(path, encoding="utf-8") as file:
+            state = file.read()
+    except FileNotFoundError:
+        return None
+    return TextEncoder(Tokenizer.from_str(state))
+
+
+def remove_text_encoder(path: str) -> None:
+    """Remove what `save_text_encoder` wrote at `path`, and what a writer killed halfway left."""
+    directory, name = os.path.split(path)
+    for entry in os.listdir(directory):
+        if entry == name or (entry.startswith(name + ".") and entry.endswith(".tmp")):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(directory, entry))
