@@ -218,20 +218,21 @@ class AsyncLLM:
         try:
             if submission is not None:  # None: held back while a suspect is on probation
                 await self._submit([submission])
-            while True:
+            while not finished:
                 item = await record.stream.get()
-                if isinstance(item, EngineError):
-                    finished = True
-                    raise item
-                finished = item.finished
-                if item.kv_transfer_params is not None:  # a prefill instance's word: signed
-                    item.kv_transfer_params = self._kv_params.signed(item.kv_transfer_params)
-                yield item
-                if finished:
-                    return
+                finished = isinstance(item, EngineError) or item.finished
+                yield self._delivered(item)
         finally:
             if not finished:  # the consumer went away (client disconnect, cancel): abort
                 await self.abort(record.request_id)
+
+    def _delivered(self, item: RequestOutput | EngineError) -> RequestOutput:
+        """An output as the caller gets it; an error is raised."""
+        if isinstance(item, EngineError):
+            raise item
+        if item.kv_transfer_params is not None:  # a prefill instance's word: signed
+            item.kv_transfer_params = self._kv_params.signed(item.kv_transfer_params)
+        return item
 
     async def complete(
         self,
