@@ -30,6 +30,7 @@ from engine.gateway.kv_params import KvParams, instance_kv_params
 from engine.gateway.registry import Gateway, ToTokenizer
 from engine.gateway.replicas import Replicas, supervise
 from engine.gateway.restarts import SupervisorFollower
+from engine.launch.plan import EnginePlan, plan_engine
 from engine.messages.admin import ActorRow, EngineStats, Health, RequestRow
 from engine.messages.codec import too_large_for_one_frame
 from engine.messages.params import SamplingParams
@@ -38,7 +39,6 @@ from engine.messages.requests import GenerateRequest
 from engine.messages.ring_catalogue import OUTPUTS_RING, REPORTS_RING, REQUESTS_RING, ring_of
 from engine.model_source import model_directory
 from engine.outputs import EngineError, RequestOutput, merge_outputs, snapshot
-from engine.plan import EnginePlan, plan_engine
 from engine.request.policy import RequestPolicy
 from engine.request.prompts import Prompt
 from engine.settings import Settings, resolve_home

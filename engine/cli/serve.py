@@ -13,7 +13,7 @@ def run_serve(argv: list[str], environ: Mapping[str, str]) -> int:
     settings, _ = load_settings(argv, environ)  # invalid settings fail here, before any import
     settings = with_resolved_model(settings, environ)  # a repo id: its HF cache snapshot
     if settings.parallel.node_rank > 0:  # a host of a multi-host topology that runs ranks only
-        from engine.worker_node import serve_worker_node
+        from engine.launch.worker_node import serve_worker_node
 
         return serve_worker_node(settings)
     from engine.http.launcher import serve_forever

@@ -1,7 +1,7 @@
 """Data-parallel replicas behind the one gateway: M supervisors presented to AsyncLLM as one.
 
 Each replica is a whole pipeline (tokenizer, scheduler, detokenizer, its TP group of worker
-ranks) with a supervisor of its own (engine/plan.py builds the specs), so:
+ranks) with a supervisor of its own (engine/launch/plan.py builds the specs), so:
 
 - the replicas start in parallel (every supervisor's start is awaited together);
 - a failing actor restarts within its replica; the others never stop (their supervisors are not

@@ -1,10 +1,10 @@
 """Every ring between the engine's parties, declared once: name, writer, readers, the channel
 (message types) it carries, and capacity.
 
-The plan (engine/plan.py, engine/kv_plan.py) declares a replica's rings from these entries, with
-the names of the children that hold the roles; actors send through them (`Actor.send_to`) and
-decode what they receive by the entry of the ring it came on (`ring_of`). The root's own control
-and status rings of each child are the runtime's, not listed here.
+The plan (engine/launch/plan.py, engine/launch/pd_plan.py) declares a replica's rings from
+these entries, with the names of the children that hold the roles; actors send through them
+(`Actor.send_to`) and decode what they receive by the entry of the ring it came on (`ring_of`).
+The root's own control and status rings of each child are the runtime's, not listed here.
 
     requests         root -> tokenizer           GenerateRequest, AbortRequests
     submit           tokenizer -> scheduler      SubmitRequest, AbortRequests, RequestFailed

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.kv_plan import kv_layout
+from engine.launch.pd_plan import kv_layout
 from engine.messages.admin import EngineStats, ReplicaRow
 from engine.model.config import load_model_config
 from tests.checkpoints import tiny_checkpoint

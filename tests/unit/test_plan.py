@@ -12,13 +12,13 @@ import pytest
 
 from engine.actors.kv_transfer_config import KvTransferConfig
 from engine.actors.worker_config import WorkerConfig
+from engine.launch.plan import plan_engine, plan_worker_node
+from engine.launch.sizing import check_parallel
 from engine.llm import build_settings
 from engine.messages.ring_catalogue import KV_EVENTS_RING, KV_ORDERS_RING
 from engine.model.config import ModelConfig, load_model_config
 from engine.model.parallel.config import Placement
 from engine.model.parallel.layout import check_tensor_parallel, rank_shape
-from engine.plan import plan_engine, plan_worker_node
-from engine.plan_sizing import check_parallel
 from engine.settings import Settings
 from tests.checkpoints import tiny_checkpoint
 

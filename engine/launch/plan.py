@@ -38,7 +38,16 @@ from engine.actors.runtime.child_spec import (
 )
 from engine.actors.tokenizer import TokenizerConfig
 from engine.actors.worker_config import WorkerConfig
-from engine.kv_plan import cache_segment, kv_transfer_parts, replica_roles
+from engine.launch.pd_plan import cache_segment, kv_transfer_parts, replica_roles
+from engine.launch.sizing import (
+    check_parallel,
+    kernel_backend_of,
+    kv_cache_bytes,
+    log_memory,
+    max_model_len_of,
+    thread_fields,
+    threads_per_rank,
+)
 from engine.messages.ring_catalogue import (
     OUTPUTS_RING,
     PLAN_RING,
@@ -60,15 +69,6 @@ from engine.model.placement import (
     weight_bytes_by_format,
 )
 from engine.model.quantized_formats import quantized_formats
-from engine.plan_sizing import (
-    check_parallel,
-    kernel_backend_of,
-    kv_cache_bytes,
-    log_memory,
-    max_model_len_of,
-    thread_fields,
-    threads_per_rank,
-)
 from engine.scheduler.config import SchedulerConfig
 from engine.settings import Settings, resolve_home
 

@@ -1,6 +1,6 @@
 """How big the engine's parts are, from Settings and the model's config: the placement of ranks,
 each rank's threads, one rank's KV cache budget, the context length, the kernel backend.
-engine/plan.py turns these figures into children, rings and segments.
+engine/launch/plan.py turns these figures into children, rings and segments.
 
 This module never imports torch: the root process only reads config.json.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import TypedDict
 
-from engine.kv_plan import replica_roles
+from engine.launch.pd_plan import replica_roles
 from engine.model.capacity import available_cpu_memory
 from engine.model.config import ModelConfig
 from engine.model.parallel.config import Placement
@@ -26,7 +26,7 @@ from engine.model.placement import kv_cache_bytes as placement_kv_cache_bytes
 from engine.model.quantized_formats import WeightFormat
 from engine.settings import Settings
 
-log = logging.getLogger("engine.plan")
+log = logging.getLogger("engine.launch.plan")
 
 
 def check_parallel(settings: Settings, config: ModelConfig) -> Placement:
