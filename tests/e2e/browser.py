@@ -93,8 +93,12 @@ class ChatPage:
         self.wait(lambda: not self.js("return document.getElementById('settings').open"))
 
     def send(self, text: str) -> None:
+        """Type and send a message; return once its answer is on the page (a quick answer,
+        or a refusal, may already have ended by then)."""
+        answers = "return document.querySelectorAll('.msg.assistant').length"
+        before = self.js(answers)
         self.element("#prompt").send_keys(text + "\n")
-        self.wait(lambda: self.js("return document.body.dataset.busy === 'true'"))
+        self.wait(lambda: self.js(answers) > before)
 
     def last_answer(self) -> Any:
         return self.driver.find_elements("css selector", ".msg.assistant")[-1]

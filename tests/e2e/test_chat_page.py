@@ -154,7 +154,8 @@ def fits_a_phone(page: ChatPage) -> None:
     sidebar_right = "return document.getElementById('sidebar').getBoundingClientRect().right"
     page.wait(lambda: page.js(sidebar_right) <= 0)  # folded away
     page.element("#toggle-sidebar").click()
-    page.wait(lambda: page.js(sidebar_right) > 0)
+    sidebar_left = "return document.getElementById('sidebar').getBoundingClientRect().left"
+    page.wait(lambda: page.js(sidebar_left) >= 0)  # all in view, its transition over
     page.driver.find_elements("css selector", "#history .open-chat")[0].click()
     page.wait(lambda: page.js(sidebar_right) <= 0)  # choosing a chat folds it again
 
@@ -214,7 +215,8 @@ def test_markdown_rendering_in_chromium(page: ChatPage) -> None:
 
 
 def test_reasoning_is_folded_and_code_copies(page: ChatPage) -> None:
-    """A stored answer with <think> reasoning and a code block, as the page shows it."""
+    """A stored answer with <think> reasoning and a code block, as the page shows it; an
+    answer left streaming when the page closed shows as stopped."""
     chat = {
         "id": "folded",
         "title": "Reasoning",
@@ -230,6 +232,9 @@ def test_reasoning_is_folded_and_code_copies(page: ChatPage) -> None:
                 "tokens": 9,
                 "ttft_ms": 12.5,
             },
+            {"role": "user", "content": "And?"},
+            # the page was closed while this one streamed
+            {"role": "assistant", "content": "Part", "reasoning": "", "state": "streaming"},
         ],
     }
     page.js(
@@ -239,6 +244,8 @@ def test_reasoning_is_folded_and_code_copies(page: ChatPage) -> None:
     )
     page.driver.refresh()
     page.wait_ready()
+    interrupted = page.last_answer()
+    assert interrupted.get_attribute("data-state") == "stopped"  # not streaming forever
     details = page.element(".msg.assistant details.reasoning")
     assert details.get_attribute("open") is None  # folded away
     assert details.find_element("css selector", "summary").text == "Reasoning"

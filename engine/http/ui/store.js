@@ -24,10 +24,20 @@
     }
   }
 
+  // An answer still streaming when the page was closed ended there: its request was aborted.
+  function endInterrupted(chats) {
+    for (const chat of chats) {
+      for (const message of chat.messages) {
+        if (message.state === "streaming") message.state = "stopped";
+      }
+    }
+    return chats;
+  }
+
   const newId = () => Date.now().toString(36) + Math.random().toString(36).slice(2, 8);
 
   const store = {
-    chats: read("chats", []),
+    chats: endInterrupted(read("chats", [])),
     currentId: read("current", null),
     settings: { ...DEFAULT_SETTINGS, ...read("settings", {}) },
 
