@@ -5,8 +5,9 @@ continued, the attributes of a served request) is tests/e2e/test_otel_traces.py.
 
 from __future__ import annotations
 
-import subprocess
+import ast
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -16,11 +17,17 @@ from engine.messages.params import SamplingParams
 from engine.messages.scheduling import FirstScheduled
 from engine.outputs import EngineError
 from engine.telemetry import attributes as attr
-from engine.telemetry.tracer import RequestTracer, TracingUnavailable, traces_url
+from engine.telemetry.tracer import (
+    RequestTracer,
+    TracingUnavailable,
+    open_request_tracer,
+    traces_url,
+)
 from tests.otlp_receiver import otlp_receiver
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _delta(epoch: int, tokens: list[int], finish: str | None = None, first=None):
@@ -74,19 +81,34 @@ def test_an_endpoint_that_is_not_an_http_url_is_refused(endpoint: str) -> None:
         traces_url(endpoint)
 
 
-def test_without_the_sdk_the_engine_imports_and_the_flag_says_what_to_install() -> None:
-    # A fresh interpreter in which the SDK's package cannot be imported.
-    script = (
-        "import sys; sys.modules['opentelemetry'] = None\n"
-        "import engine.async_llm, engine.http.app\n"
-        "from engine.telemetry.tracer import open_request_tracer\n"
-        "assert open_request_tracer(None, 'm') is None\n"
-        "open_request_tracer('http://127.0.0.1:4318', 'm')\n"
+def test_without_the_sdk_the_flag_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in [n for n in sys.modules if n.partition(".")[0] == "opentelemetry"]:
+        monkeypatch.setitem(sys.modules, name, None)  # as if the SDK were not installed
+    monkeypatch.setitem(sys.modules, "opentelemetry", None)
+    assert open_request_tracer(None, "m") is None  # no flag: the SDK is not looked for
+    with pytest.raises(TracingUnavailable) as refused:
+        open_request_tracer("http://127.0.0.1:4318", "m")
+    assert str(refused.value) == (
+        "--otlp-traces-endpoint needs the OpenTelemetry SDK (opentelemetry is missing): "
+        "pip install 'engine[otel]'"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
-    )
-    assert result.returncode == 1
-    last = result.stderr.strip().splitlines()[-1]
-    assert "TracingUnavailable: --otlp-traces-endpoint needs the OpenTelemetry SDK" in last
-    assert "pip install 'engine[otel]'" in last
+
+
+def test_the_engine_imports_opentelemetry_only_inside_the_tracer() -> None:
+    """So the engine imports and runs without the SDK: no module imports it at load time."""
+    found = []
+    for path in sorted((REPO / "engine").rglob("*.py")):
+        text = path.read_text()
+        if "opentelemetry" not in text:
+            continue
+        tree = ast.parse(text, str(path))
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            if any(name.partition(".")[0] == "opentelemetry" for name in names):
+                found.append((str(path.relative_to(REPO)), node.col_offset > 0))
+    assert found and all(indented for _, indented in found), found
+    assert {path for path, _ in found} == {"engine/telemetry/tracer.py"}
