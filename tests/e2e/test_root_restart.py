@@ -8,10 +8,12 @@ What the root held in memory is lost with it: the cut stream is not resumed."""
 from __future__ import annotations
 
 import json
+import queue
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,37 +37,57 @@ REQUEST_ID = "retry-after-root-death"
 MAX_TOKENS = 600  # long enough that the root dies before the engine has made them all
 
 
+class FakeSystemd:
+    """A $NOTIFY_SOCKET read all along, as systemd reads it (its queue never fills)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._sock.bind(str(path))
+        self._sock.settimeout(0.1)
+        self._messages: queue.Queue[dict[str, str]] = queue.Queue()
+        self._stop = threading.Event()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        while not self._stop.is_set():
+            try:
+                data = self._sock.recv(4096)
+            except TimeoutError:
+                continue
+            self._messages.put(dict(line.split("=", 1) for line in data.decode().splitlines()))
+
+    def next_message(self, wanted: str) -> dict[str, str]:
+        """The next message that carries `wanted` (KEY=value lines as a dict)."""
+        deadline = time.monotonic() + 60.0
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                fields = self._messages.get(timeout=left)
+            except queue.Empty:
+                break
+            if wanted in fields:
+                return fields
+        raise AssertionError(f"no {wanted} within 60 s")
+
+    def forget_messages(self) -> None:
+        """Drop what came so far (a dead root's pings)."""
+        while not self._messages.empty():
+            self._messages.get_nowait()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._reader.join(10)
+        self._sock.close()
+
+
 @pytest.fixture
-def notify_socket(tmp_path: Path) -> Iterator[socket.socket]:
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    sock.bind(str(tmp_path / "notify.sock"))
-    sock.settimeout(60.0)
+def systemd(tmp_path: Path) -> Iterator[FakeSystemd]:
+    fake = FakeSystemd(tmp_path / "notify.sock")
     try:
-        yield sock
+        yield fake
     finally:
-        sock.close()
-
-
-def next_message(sock: socket.socket, wanted: str) -> dict[str, str]:
-    """The next datagram that carries `wanted` (KEY=value lines as a dict)."""
-    deadline = time.monotonic() + 60.0
-    while time.monotonic() < deadline:
-        fields = dict(line.split("=", 1) for line in sock.recv(4096).decode().splitlines())
-        if wanted in fields:
-            return fields
-    raise AssertionError(f"no {wanted} within 60 s")
-
-
-def forget_messages(sock: socket.socket) -> None:
-    """Drop the datagrams queued so far (a dead root's pings), as systemd has read them."""
-    sock.setblocking(False)
-    try:
-        while True:
-            sock.recv(4096)
-    except BlockingIOError:
-        pass
-    finally:
-        sock.settimeout(60.0)
+        fake.close()
 
 
 def first_kill(server: Server) -> bool:
@@ -99,11 +121,11 @@ def stream(server: Server, body: dict[str, object], kill_root_after: int = 0) ->
 
 
 def test_a_root_killed_mid_stream_is_restarted_and_a_retry_with_its_id_is_answered(
-    model_args: list[str], tmp_path: Path, notify_socket: socket.socket
+    model_args: list[str], tmp_path: Path, systemd: FakeSystemd
 ) -> None:
     pidfile = tmp_path / "engine.pid"
     args = server_args(model_args, None, "--server.pidfile", str(pidfile))
-    env = {"NOTIFY_SOCKET": notify_socket.getsockname(), "WATCHDOG_USEC": str(WATCHDOG_USEC)}
+    env = {"NOTIFY_SOCKET": str(systemd.path), "WATCHDOG_USEC": str(WATCHDOG_USEC)}
     body = {
         "model": "m", "prompt": "the root dies while this streams", "max_tokens": MAX_TOKENS,
         "temperature": 0.0, "ignore_eos": True, "stream": True, "logprobs": 0,
@@ -111,9 +133,9 @@ def test_a_root_killed_mid_stream_is_restarted_and_a_retry_with_its_id_is_answer
     first = start_server(args, tmp_path, env, name="first")
     try:
         body["model"] = first.model
-        ready = next_message(notify_socket, "READY")
+        ready = systemd.next_message("READY")
         assert ready["MAINPID"] == str(first.pid) and ready["STATUS"].startswith("serving http")
-        next_message(notify_socket, "WATCHDOG")
+        systemd.next_message("WATCHDOG")
         assert pidfile.read_text().strip() == str(first.pid)
         refused = subprocess.run(
             [sys.executable, "-m", "engine", *args], cwd=REPO,
@@ -132,10 +154,10 @@ def test_a_root_killed_mid_stream_is_restarted_and_a_retry_with_its_id_is_answer
         first.stop()
     wait_until(lambda: not any(alive(pid) for pid in actors), timeout=30.0)
 
-    forget_messages(notify_socket)
+    systemd.forget_messages()
     second = start_server(args, tmp_path, env, name="second")  # Restart=on-failure
     try:
-        assert next_message(notify_socket, "READY")["MAINPID"] == str(second.pid)
+        assert systemd.next_message("READY")["MAINPID"] == str(second.pid)
         assert pidfile.read_text().strip() == str(second.pid)
         assert leftover_ipc(first.pid) == []  # the dead run's segments: swept at a start
         answer = stream(second, body)  # the client's retry, with the same X-Request-Id
@@ -143,5 +165,5 @@ def test_a_root_killed_mid_stream_is_restarted_and_a_retry_with_its_id_is_answer
     finally:
         status = second.stop()
     assert status == 0, second.log()
-    assert next_message(notify_socket, "STOPPING")["STOPPING"] == "1"
+    assert systemd.next_message("STOPPING")["STOPPING"] == "1"
     assert not pidfile.exists(), second.log()  # an orderly exit removes it
