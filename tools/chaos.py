@@ -50,6 +50,7 @@ from chaos_faults import (
     Fault,
     FaultPlan,
     all_actors,
+    all_running,
     faults_by,
     inject_faults,
     still_stopped,
@@ -92,7 +93,8 @@ async def main_async(args: argparse.Namespace) -> int:
     if args.heartbeat_timeout:
         extra += ["--runtime.heartbeat_timeout", str(args.heartbeat_timeout)]
     print(f"chaos: starting {args.launch} (logs in {logs})", flush=True)
-    with launched(args.launch, args.model, extra, logs, args.start_timeout) as servers:
+    proxy_extra = tuple(shlex.split(args.proxy_args))
+    with launched(args.launch, args.model, extra, logs, args.start_timeout, proxy_extra) as servers:
         args.url = servers.url
         return await run_chaos(args, servers.sockets)
 
@@ -111,6 +113,8 @@ async def run_chaos(args: argparse.Namespace, sockets: dict[str, str | None]) ->
     chaos_s = time.monotonic() - started
     await asyncio.sleep(args.settle)  # the last restart may still be under way
     never_replaced = await still_stopped(plan, args.hang_deadline)
+    if not await all_running(plan, args.hang_deadline):
+        print("warning: some actors were still not running when the undisturbed run began")
     after = await all_actors(plan)
     print("reference: the same workload, undisturbed", flush=True)
     started = time.monotonic()
@@ -169,6 +173,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--launch", choices=("single", "pd"), help="start the server(s) here")
     p.add_argument("--model", help="with --launch: the model (default: the engine's default)")
     p.add_argument("--engine-args", default="", help="with --launch: more flags for instances")
+    p.add_argument("--proxy-args", default="", help="with --launch pd: more flags for the proxy")
     p.add_argument("--heartbeat-timeout", type=float, default=6.0,
                    help="with --launch: the instances' runtime.heartbeat_timeout (a hang is "
                    "found after it); 0 = the engine's default")  # fmt: skip

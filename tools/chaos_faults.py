@@ -150,6 +150,17 @@ async def still_stopped(plan: FaultPlan, deadline_s: float) -> list[Fault]:
     return left
 
 
+async def all_running(plan: FaultPlan, deadline_s: float) -> bool:
+    """Wait until every actor of every instance runs again (the undisturbed run must start on
+    a whole engine); False if some still do not after `deadline_s`."""
+    until = time.monotonic() + deadline_s
+    while time.monotonic() < until:
+        if all(row["state"] == "running" for row in await all_actors(plan)):
+            return True
+        await asyncio.sleep(0.5)
+    return False
+
+
 def _state_of(pid: int) -> str:
     """The process's state letter from /proc (T: stopped), '' once it is gone."""
     try:

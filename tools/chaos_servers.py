@@ -67,7 +67,12 @@ def _instance_args(model: str | None, socket: Path, extra: list[str]) -> list[st
 
 @contextlib.contextmanager
 def launched(
-    mode: str, model: str | None, extra: list[str], logs: Path, timeout: float
+    mode: str,
+    model: str | None,
+    extra: list[str],
+    logs: Path,
+    timeout: float,
+    proxy_extra: tuple[str, ...] = (),
 ) -> Iterator[Launched]:
     if mode == "single":
         socket = logs / "admin.sock"
@@ -88,5 +93,6 @@ def launched(
             for role, socket in sockets.items()
         }
         proxy = ["proxy", "--prefill", urls["prefill"], "--decode", urls["decode"], "--port", "0"]
+        proxy += proxy_extra
         url = stack.enter_context(_started(proxy, logs / "proxy.log", timeout))
         yield Launched(url, {role: str(path) for role, path in sockets.items()}, logs)
