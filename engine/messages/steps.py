@@ -5,8 +5,9 @@ more than once: a request's prompt and sampling parameters arrive once in `new_r
 (whatever its number of samples); a sequence arrives once in `new_seqs`, naming its request by
 key, with the tokens generated so far (so a resumed sequence samples exactly as it would have);
 afterwards a sequence is named only by its integer id, and each chunk carries only the KV blocks
-appended to its table since its previous chunk. The ranks keep the rest
-(engine/model/step_inputs.py) until the plan says to forget it.
+appended to its table since its previous chunk, and of its tokens only those past the prompt
+(the ranks have the prompt: a prefill chunk says how many of its tokens to take from it). The
+ranks keep the rest (engine/model/step_inputs.py) until the plan says to forget it.
 """
 
 from __future__ import annotations
@@ -35,15 +36,23 @@ class NewSeq(msgspec.Struct, array_like=True):
 
 
 class PlannedChunk(msgspec.Struct, array_like=True):
-    """Tokens of one sequence to run through the model this step."""
+    """Tokens of one sequence to run through the model this step: the prompt's
+    [start_pos, start_pos + prompt_tokens), then `token_ids`."""
 
     seq_id: int
-    token_ids: list[int]  # the new tokens (a prefill chunk, or the one decode token)
-    start_pos: int  # position of token_ids[0]: tokens before it are already in the KV cache
+    # The chunk's tokens past the prompt: the one decode token, or generated tokens recomputed
+    # after a preemption. The prompt's own are never sent twice (NewRequest has them).
+    token_ids: list[int]
+    start_pos: int  # position of the chunk's first token: those before it are in the KV cache
     # Blocks appended to the sequence's block table since its previous chunk; the whole table
     # in its first chunk after an announcement (a NewSeq starts the table afresh).
     new_block_ids: list[int]
     sample: bool  # True when this chunk reaches the sequence's end: sample one token after it
+    prompt_tokens: int = 0  # how many of the chunk's tokens, from start_pos on, are the prompt's
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prompt_tokens + len(self.token_ids)
 
 
 class StepPlan(msgspec.Struct, tag=True, array_like=True):

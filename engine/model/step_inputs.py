@@ -20,7 +20,7 @@ LONG_STEP_TOKENS = 512
 
 
 def is_long(plan: StepPlan) -> bool:
-    return sum(len(chunk.token_ids) for chunk in plan.chunks) > LONG_STEP_TOKENS
+    return sum(chunk.num_tokens for chunk in plan.chunks) > LONG_STEP_TOKENS
 
 
 class SeqChunk(msgspec.Struct, array_like=True):
@@ -47,6 +47,7 @@ class KnownSequences:
     def __init__(self) -> None:
         self.requests: dict[int, NewRequest] = {}
         self.block_tables: dict[int, list[int]] = {}
+        self.request_of: dict[int, NewRequest] = {}  # seq id -> its request (for its prompt)
 
     def apply(self, plan: StepPlan) -> tuple[list[SequenceStart], list[SeqChunk]]:
         """Take in `plan`: the sequences it starts, and its chunks with whole block tables.
@@ -54,6 +55,7 @@ class KnownSequences:
         KeyError names a sequence or request the plan uses without having announced it."""
         for seq_id in plan.finished_seq_ids:
             self.block_tables.pop(seq_id, None)
+            self.request_of.pop(seq_id, None)
         for key in plan.finished_request_keys:
             self.requests.pop(key, None)
         for request in plan.new_requests:
@@ -62,6 +64,7 @@ class KnownSequences:
         for seq in plan.new_seqs:
             request = self._request(seq.request_key, seq.seq_id)
             self.block_tables[seq.seq_id] = []  # announced afresh: its first chunk sends all
+            self.request_of[seq.seq_id] = request
             starts.append(
                 SequenceStart(
                     seq.seq_id,
@@ -77,9 +80,12 @@ class KnownSequences:
             if table is None:
                 raise KeyError(f"step {plan.step_id}: chunk of unknown sequence {chunk.seq_id}")
             table += chunk.new_block_ids
-            chunks.append(
-                SeqChunk(chunk.seq_id, chunk.token_ids, chunk.start_pos, table, chunk.sample)
-            )
+            token_ids = chunk.token_ids
+            if chunk.prompt_tokens:  # named in the prompt, which the plan sent once
+                prompt = self.request_of[chunk.seq_id].prompt_token_ids
+                start = chunk.start_pos
+                token_ids = prompt[start : start + chunk.prompt_tokens] + token_ids
+            chunks.append(SeqChunk(chunk.seq_id, token_ids, chunk.start_pos, table, chunk.sample))
         return starts, chunks
 
     def _request(self, key: int, seq_id: int) -> NewRequest:

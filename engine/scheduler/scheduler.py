@@ -254,13 +254,16 @@ class Scheduler:
             if sample:
                 sampled.add(seq.seq_id)
             block_ids = seq.block_table.block_ids
+            # The ranks have the prompt (NewRequest): its tokens are named, not sent again.
+            from_prompt = max(min(end, seq.num_prompt_tokens) - chunk.start, 0)
             planned.append(
                 PlannedChunk(
                     seq.seq_id,
-                    seq.token_ids[chunk.start : end],
+                    seq.token_ids[chunk.start + from_prompt : end],
                     chunk.start,
                     block_ids[seq.blocks_sent :],
                     sample,
+                    from_prompt,
                 )
             )
             seq.blocks_sent = len(block_ids)

@@ -128,7 +128,7 @@ def step(scheduler: Scheduler, worker: ReferenceWorker, outputs: Outputs) -> Ste
     if plan is not None:
         config = scheduler.config
         result = worker.run(plan)
-        assert sum(len(c.token_ids) for c in plan.chunks) <= config.max_num_batched_tokens
+        assert sum(c.num_tokens for c in plan.chunks) <= config.max_num_batched_tokens
         assert len(plan.chunks) <= config.max_num_seqs
         assert len(STEP_PLANS.encode(plan)) <= config.max_plan_bytes
         if plan.chunks:
@@ -268,7 +268,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_within_the_token_budget() -> None:
     outputs = Outputs()
     chunks = []
     while (plan := step(scheduler, worker, outputs)) is not None:
-        chunks.extend((c.start_pos, len(c.token_ids), c.sample) for c in plan.chunks)
+        chunks.extend((c.start_pos, c.num_tokens, c.sample) for c in plan.chunks)
     assert chunks[:4] == [(0, 8, False), (8, 8, False), (16, 8, False), (24, 6, True)]
     assert chunks[4:] == [(30, 1, True), (31, 1, True)]
     assert outputs.tokens["r", 0] == expected(prompt, 1, 3)
@@ -283,11 +283,11 @@ def test_decodes_run_before_new_prefills_which_take_the_rest_of_the_budget() -> 
     scheduler.add(submit("long", list(range(1, 40)), max_tokens=2))
     plan = step(scheduler, worker, outputs)
     assert plan is not None
-    sizes = [(c.seq_id, len(c.token_ids)) for c in plan.chunks]
+    sizes = [(c.seq_id, c.num_tokens) for c in plan.chunks]
     assert sizes == [(0, 1), (1, 1), (2, 8)]
     plan = step(scheduler, worker, outputs)  # the long prefill continues, decodes still first
     assert plan is not None
-    assert [(c.seq_id, len(c.token_ids), c.start_pos) for c in plan.chunks] == [
+    assert [(c.seq_id, c.num_tokens, c.start_pos) for c in plan.chunks] == [
         (0, 1, 4),
         (1, 1, 4),
         (2, 8, 8),
@@ -359,7 +359,8 @@ def test_a_full_prefix_hit_still_computes_at_least_one_token() -> None:
     plan = scheduler.schedule()
     assert plan is not None
     [chunk] = plan.chunks
-    assert (chunk.start_pos, chunk.token_ids, chunk.sample) == (4, prompt[4:], True)
+    # The prompt's last 4 tokens, named (the ranks have the prompt), not sent again.
+    assert (chunk.start_pos, chunk.prompt_tokens, chunk.token_ids, chunk.sample) == (4, 4, [], True)
     assert scheduler.stats().prefix_cache_hit_rate == pytest.approx(4 / 16)
     scheduler.update(worker.run(plan))
     run_to_end(scheduler, worker)
@@ -374,7 +375,7 @@ def test_a_request_sharing_a_cached_prefix_skips_its_computed_blocks() -> None:
     scheduler.add(submit("second", [*system, 60], max_tokens=3))
     plan = scheduler.schedule()
     assert plan is not None
-    assert [(c.start_pos, len(c.token_ids)) for c in plan.chunks] == [(12, 1)]
+    assert [(c.start_pos, c.num_tokens) for c in plan.chunks] == [(12, 1)]
     outputs = Outputs()
     outputs.add(scheduler.update(worker.run(plan)))
     while step(scheduler, worker, outputs) is not None:
@@ -397,7 +398,7 @@ def test_samples_of_one_request_share_the_prompt_blocks(caching: bool) -> None:
     # Each of these is its sequence's first chunk: it carries the whole block table.
     leader_table = first.chunks[0].new_block_ids
     followers = [c for c in second.chunks if c.seq_id != 0]
-    assert [(c.start_pos, c.token_ids) for c in followers] == [(8, [9, 10]), (8, [9, 10])]
+    assert [(c.start_pos, c.prompt_tokens) for c in followers] == [(8, 2), (8, 2)]  # 9, 10
     for chunk in followers:
         assert chunk.new_block_ids[:2] == leader_table[:2]  # shared, not recomputed
         assert chunk.new_block_ids[2] != leader_table[2]  # the partial block is their own
