@@ -115,8 +115,9 @@ def test_the_image_command_drains_on_sigterm(model_args: list[str], tmp_path: Pa
         container.send_signal(signal.SIGTERM)
         with httpx.Client(base_url=url, timeout=30) as http:
             wait_until(lambda: http.get("/ready").status_code == 503, timeout=30)
+            assert http.get("/health").status_code == 200  # alive while it drains
             refused = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
-        assert refused.status_code == 503
+        assert refused.status_code == 503 and refused.json()["error"]["type"] == "server_error"
         thread.join(60)
         assert container.wait(60) == 0, (tmp_path / "container.log").read_text()
     finally:
@@ -125,6 +126,7 @@ def test_the_image_command_drains_on_sigterm(model_args: list[str], tmp_path: Pa
     usage = json.loads(out["events"][-2])["usage"]
     assert out["events"][-1] == "[DONE]" and usage["completion_tokens"] == STREAMED_TOKENS
     assert leftover_ipc(pid) == []
+    assert not (tmp_path / "admin.sock").exists()
     down = healthcheck(url)
     assert down.returncode == 1 and len(down.stderr.splitlines()) == 1, down.stderr
     assert down.stderr.startswith(f"engine healthcheck: {url}/health: ")
