@@ -29,6 +29,9 @@ def _parser() -> _Parser:
     p = _Parser(
         prog="engine proxy",
         description="OpenAI-compatible front for prefill and decode instances (P/D).",
+        # A flag renamed in a new version must fail in old scripts and manifests, not be taken
+        # as the abbreviation of another one.
+        allow_abbrev=False,
     )
     for role in ("prefill", "decode"):
         p.add_argument(
