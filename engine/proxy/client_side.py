@@ -16,7 +16,7 @@ from engine.proxy.pd import error_body
 
 JSON = "application/json"
 # Request headers the instances see; the rest (hop-by-hop, host, lengths) are the proxy's own.
-FORWARDED_HEADERS = ("authorization", "content-type", "accept")
+FORWARDED_HEADERS = ("authorization", "content-type", "accept", "traceparent", "tracestate")
 CLIENT_CLOSED_REQUEST = 499
 
 

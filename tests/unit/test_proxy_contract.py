@@ -8,8 +8,10 @@ import subprocess
 import sys
 
 import pytest
+from starlette.requests import Request
 
 from engine.cli.proxy_cmd import ProxyUsageError, parse_proxy_args
+from engine.proxy.client_side import upstream_headers
 from engine.proxy.pd import decode_body, kv_transfer_params_of, prefill_body
 from tests.e2e.harness import REPO
 from tests.fresh_process import imported_after
@@ -154,3 +156,22 @@ def test_a_busy_port_is_one_line_and_status_1() -> None:
         status, line = run_proxy("--prefill", nowhere, "--decode", nowhere, "--port", str(port))
     assert status == 1
     assert "cannot listen on" in line and f"127.0.0.1:{port}" in line
+
+
+def test_the_instances_see_the_clients_trace_context_and_key_but_not_its_hop_headers() -> None:
+    """A W3C trace context crosses the proxy, so an instance's request span continues the
+    client's trace; host, lengths and hop-by-hop headers are the proxy's own."""
+    sent = {
+        "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+        "tracestate": "vendor=1",
+        "authorization": "Bearer k",
+        "host": "proxy:8000",
+        "content-length": "12",
+        "connection": "keep-alive",
+    }
+    scope = {"type": "http", "headers": [(k.encode(), v.encode()) for k, v in sent.items()]}
+    passed = upstream_headers(Request(scope))
+    for name in ("traceparent", "tracestate", "authorization"):
+        assert passed[name] == sent[name]
+    assert not {"host", "content-length", "connection"} & set(passed)
+    assert passed["x-request-id"]  # one id for the prefill and the decode instance
