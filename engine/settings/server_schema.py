@@ -127,6 +127,14 @@ class ServerSettings(Section, frozen=True):
     allow_credentials: Annotated[
         bool, Meta(description="CORS: allow cookies and credentials (with allowed_origins)")
     ] = False
+    responses_store_size: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description="finished /v1/responses answers kept in memory for previous_response_id "
+            "(least recently used dropped first); 0 = none kept",
+        ),
+    ] = 1000
     tool_call_parser: Annotated[
         Literal["hermes", "llama3_json"] | None,
         Meta(
