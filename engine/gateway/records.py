@@ -102,6 +102,14 @@ class RequestRecord:
             age_s=round(now - self.arrival, 3),
         )
 
+    def next_epoch(self, *, resubmitted: bool = False) -> None:
+        """A new attempt: outputs of the old epoch are dropped from now on, and the tokenizer
+        has yet to pass this one on. `resubmitted`: after a restart (timed for the trace)."""
+        self.epoch += 1
+        self.acknowledged = False
+        if resubmitted:
+            self.resubmitted_at.append(time.monotonic())
+
     def submission(self, kv_source: KvSource | None = None) -> GenerateRequest:
         """The request as (re)submitted under its current epoch; `kv_source`: where its prompt's
         KV lies (P/D handoff)."""

@@ -40,6 +40,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 
 import msgspec
 
+from engine.gateway.deltas import join_deltas
 from engine.gateway.output_stream import OutputStream
 from engine.gateway.records import RequestRecord, SampleRecord
 from engine.messages.admin import RequestRow
@@ -238,16 +239,12 @@ class Gateway:
         if only is not None and not self._in_probation_or_owed():
             records = [record for record in self._records.values() if record.request_id in only]
             for record in records:
-                record.epoch += 1
-                record.acknowledged = False
-                record.resubmitted_at.append(time.monotonic())
+                record.next_epoch(resubmitted=True)
             self.resubmissions += len(records)
             return [record.submission() for record in records]
         self._outbox.clear()  # whatever was owed goes in this resubmission, or stays held
         for record in self._records.values():
-            record.epoch += 1
-            record.acknowledged = False
-            record.resubmitted_at.append(time.monotonic())
+            record.next_epoch(resubmitted=True)
         if self._probationer is None:
             self._next_probationer()
         if not self.on_probation:
@@ -291,9 +288,7 @@ class Gateway:
 
     def _current(self, request_id: str, epoch: int) -> RequestRecord | None:
         record = self._records.get(request_id)
-        if record is None or record.epoch != epoch:
-            return None
-        return record
+        return record if record is not None and record.epoch == epoch else None
 
     # ---- probation -----------------------------------------------------------------------------
 
@@ -322,16 +317,12 @@ class Gateway:
         """Take a running request out of the engine until probation ends; it resumes then from
         what its client has (its running epoch's late outputs are dropped)."""
         record.held = True
-        record.epoch += 1
-        record.acknowledged = False
+        record.next_epoch()
         self._outbox.append(AbortRequests([record.request_id]))
 
     def _in_probation_or_owed(self) -> bool:
-        return (
-            self.on_probation
-            or bool(self._outbox)
-            or any(record.held for record in self._records.values())
-        )
+        held = any(record.held for record in self._records.values())
+        return self.on_probation or bool(self._outbox) or held
 
     def _is_suspect(self, request_id: str) -> bool:
         record = self._records.get(request_id)
@@ -367,47 +358,13 @@ class Gateway:
                 self._outbox.append(record.submission())
 
     def _apply(self, record: RequestRecord, deltas: list[SampleDeltaText]) -> None:
-        # One CompletionOutput per sample: deltas of several steps that arrive together (a busy
-        # root reads several frames at once) are joined, as a reader expects of one output.
-        outputs: dict[int, CompletionOutput] = {}
-        handoff = None
-        for delta in deltas:
-            sample = record.samples[delta.index]
-            if sample.finished:
-                continue
-            sample.token_ids.extend(delta.token_ids)
-            sample.text_parts.append(delta.text)
-            sample.finish_reason = delta.finish_reason
-            output = outputs.get(delta.index)
-            if output is None:
-                outputs[delta.index] = CompletionOutput(
-                    delta.index,
-                    delta.text,
-                    list(delta.token_ids),
-                    delta.finish_reason,
-                    None if delta.logprobs is None else list(delta.logprobs),
-                    delta.stop_reason,
-                )
-            else:
-                output.text += delta.text
-                output.token_ids.extend(delta.token_ids)
-                output.finish_reason = delta.finish_reason
-                output.stop_reason = delta.stop_reason
-                if delta.logprobs is not None:
-                    output.logprobs = (output.logprobs or []) + list(delta.logprobs)
-            if record.first is None:
-                record.first = delta.first
-            if record.prompt_logprobs is None and delta.prompt_logprobs is not None:
-                record.prompt_logprobs = [None, *delta.prompt_logprobs]
-            handoff = delta.handoff or handoff
+        outputs, handoff = join_deltas(record, deltas)
         if handoff is not None and self.hands_on_locally and not record.finished:
             self._hand_on(record, handoff)
         elif handoff is not None and not self.hands_on_locally:  # for a decode instance
             record.kv_transfer_params = msgspec.to_builtins(handoff)
         if not outputs:
             return
-        if record.first_token_at is None:
-            record.first_token_at = time.monotonic()
         finished = record.finished
         if finished:
             del self._records[record.request_id]
@@ -422,8 +379,7 @@ class Gateway:
     def _hand_on(self, record: RequestRecord, source: KvSource) -> None:
         """P/D: the prefill replica is done with the request; it goes on (next epoch) wherever
         the router sends a request past its first token, a decode replica, to pull its KV."""
-        record.epoch += 1
-        record.acknowledged = False
+        record.next_epoch()
         self.handoffs += 1
         self._outbox.append(record.submission(kv_source=source))
 
