@@ -125,6 +125,7 @@ def _scheduler_config(
         enable_prefix_caching=settings.cache.enable_prefix_caching,
         eos_token_ids=list(config.eos_token_ids),
         max_plan_bytes=PLAN_RING.capacity // 2,  # a plan frame leaves half the plan ring free
+        speculative_config=settings.scheduler.speculative_config,
     )
     scheduler.validate()
     return scheduler

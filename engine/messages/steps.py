@@ -49,6 +49,9 @@ class PlannedChunk(msgspec.Struct, array_like=True):
     new_block_ids: list[int]
     sample: bool  # True when this chunk reaches the sequence's end: sample one token after it
     prompt_tokens: int = 0  # how many of the chunk's tokens, from start_pos on, are the prompt's
+    # Speculative decoding: the last `num_proposed` of token_ids are proposed tokens, to be
+    # verified (engine/model/spec_verify.py); the result may then name the sequence repeatedly.
+    num_proposed: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -81,7 +84,9 @@ class PromptLogprobs(msgspec.Struct, array_like=True):
 
 class StepResult(msgspec.Struct, tag=True, array_like=True):
     step_id: int
-    seq_ids: list[int]  # one entry per chunk with sample=True, in plan order
+    # One entry per token sampled, in plan order: one per chunk with sample=True, and one
+    # more per accepted proposal (a sequence's entries are consecutive).
+    seq_ids: list[int]
     token_ids: list[int]
     logprobs: list[TokenLogprobs] | None = None  # present when any sequence asked for logprobs
     prompt_logprobs: list[PromptLogprobs] | None = None  # chunks of sequences that asked

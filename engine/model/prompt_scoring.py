@@ -52,7 +52,8 @@ class PromptScoring:
         self, chunks: Sequence[SeqChunk], every_row: set[int], logits: torch.Tensor
     ) -> tuple[torch.Tensor, list[PromptLogprobs]]:
         """From a step's logits (rows as ModelRunner.prepare listed them): the rows to sample
-        (one per chunk with sample=True, in plan order) and the prompt logprobs."""
+        (one per chunk with sample=True, and one per proposal, in plan order) and the prompt
+        logprobs."""
         if not every_row:
             return logits, []
         sampled: list[int] = []
@@ -60,9 +61,10 @@ class PromptScoring:
         row = 0
         for chunk in chunks:
             if chunk.seq_id not in every_row:
-                if chunk.sample:
-                    sampled.append(row)
-                    row += 1
+                if chunk.sample:  # its last token's row and one per proposal
+                    rows = 1 + chunk.num_proposed
+                    sampled += range(row, row + rows)
+                    row += rows
                 continue
             count = len(chunk.token_ids)
             prompt, top = self._prompts[chunk.seq_id]

@@ -199,8 +199,8 @@ class ModelRunner:
             token_ids += chunk.token_ids
             if chunk.seq_id in every_row:
                 logit_rows += range(first, len(token_ids))
-            elif chunk.sample:
-                logit_rows.append(len(token_ids) - 1)
+            elif chunk.sample:  # the last token's row, and one per proposal to verify
+                logit_rows += range(len(token_ids) - 1 - chunk.num_proposed, len(token_ids))
         if min(token_ids) < 0 or max(token_ids) >= vocab:
             bad = next(t for t in token_ids if not 0 <= t < vocab)
             raise ValueError(f"token id {bad} is out of range; expected 0 <= id < {vocab}")

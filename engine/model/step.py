@@ -31,6 +31,7 @@ from engine.model.parallel.group import CollectiveError
 from engine.model.prompt_scoring import PromptScoring
 from engine.model.runner import ModelRunner
 from engine.model.sampler import Sampler
+from engine.model.spec_verify import verify_proposals
 from engine.model.step_inputs import KnownSequences, SeqChunk, SequenceStart
 from engine.structured.grammars import GrammarService
 
@@ -182,10 +183,14 @@ class StepExecutor:
             return StepResult(step_id, [], [], None)
         self.faults.trip_late(chunks)
         logits, scored = self.scoring.split(chunks, every_row, logits)
-        seq_ids = [chunk.seq_id for chunk in chunks if chunk.sample]
-        if not seq_ids:
+        sampled = [chunk for chunk in chunks if chunk.sample]
+        if not sampled:
             return StepResult(step_id, [], [], None, scored or None)
-        token_ids, logprobs = self.sampler.sample(seq_ids, logits)
+        if any(chunk.num_proposed for chunk in sampled):
+            seq_ids, token_ids, logprobs = verify_proposals(self.sampler, sampled, logits)
+        else:
+            seq_ids = [chunk.seq_id for chunk in sampled]
+            token_ids, logprobs = self.sampler.sample(seq_ids, logits)
         return StepResult(step_id, seq_ids, token_ids, logprobs, scored or None)
 
     def _agree(self, error: Exception | None) -> None:

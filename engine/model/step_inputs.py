@@ -31,6 +31,7 @@ class SeqChunk(msgspec.Struct, array_like=True):
     start_pos: int  # position of token_ids[0]: tokens before it are already in the KV cache
     block_table: list[int]  # physical KV blocks covering start_pos + len(token_ids)
     sample: bool  # True when this chunk reaches the sequence's end: sample one token after it
+    num_proposed: int = 0  # the last num_proposed of token_ids are proposals to verify
 
 
 class SequenceStart(msgspec.Struct, array_like=True):
@@ -85,7 +86,16 @@ class KnownSequences:
                 prompt = self.request_of[chunk.seq_id].prompt_token_ids
                 start = chunk.start_pos
                 token_ids = prompt[start : start + chunk.prompt_tokens] + token_ids
-            chunks.append(SeqChunk(chunk.seq_id, token_ids, chunk.start_pos, table, chunk.sample))
+            chunks.append(
+                SeqChunk(
+                    chunk.seq_id,
+                    token_ids,
+                    chunk.start_pos,
+                    table,
+                    chunk.sample,
+                    chunk.num_proposed,
+                )
+            )
         return starts, chunks
 
     def _request(self, key: int, seq_id: int) -> NewRequest:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
+from engine.scheduler.speculation import parse_speculative_config
+
 
 class SchedulerConfig(msgspec.Struct, kw_only=True):
     num_blocks: int  # KV blocks in the pool (what the workers allocated)
@@ -19,9 +21,11 @@ class SchedulerConfig(msgspec.Struct, kw_only=True):
     # moves), and how long a handed-off request's blocks are held for the puller.
     kv_transfer_ranks: int = 0
     kv_hold_timeout: float = 30.0
+    speculative_config: str = ""  # vLLM's --speculative-config JSON (speculation.py); "": off
 
     def validate(self) -> None:
         """Raise ValueError naming the offending setting, its value and the allowed range."""
+        parse_speculative_config(self.speculative_config)
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

@@ -34,6 +34,7 @@ from engine.scheduler.kv_handoff import KvTransfer
 from engine.scheduler.policy import BatchPlanner, ScheduledChunk
 from engine.scheduler.reporting import request_statuses, scheduler_stats
 from engine.scheduler.requests import Request, SequenceState
+from engine.scheduler.speculation import NgramSpeculator, parse_speculative_config
 from engine.scheduler.stopping import finish_reason
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ class _InFlight(NamedTuple):
     step_id: int
     chunks: list[ScheduledChunk]
     sampled_seq_ids: set[int]
+    proposed: dict[int, int]  # seq id -> tokens proposed after its decode token (speculation)
 
 
 class Scheduler:
@@ -78,6 +80,12 @@ class Scheduler:
             KvTransfer(self.kv, config.kv_transfer_ranks, config.kv_hold_timeout, clock)
             if config.kv_transfer_ranks
             else None
+        )
+        speculative = parse_speculative_config(config.speculative_config)
+        self.speculator = (
+            None
+            if speculative is None
+            else NgramSpeculator(speculative, self.kv, config.max_model_len)
         )
 
     # ---- inbound -------------------------------------------------------------------------------
@@ -230,6 +238,7 @@ class Scheduler:
         chunks = self.planner.plan()
         if not chunks and not self._retired_seq_ids and not self._retired_request_keys:
             return None
+        proposals = self._proposals(chunks)
         step_id = self._next_step_id
         self._next_step_id += 1
         new_requests: list[NewRequest] = []
@@ -256,14 +265,16 @@ class Scheduler:
             block_ids = seq.block_table.block_ids
             # The ranks have the prompt (NewRequest): its tokens are named, not sent again.
             from_prompt = max(min(end, seq.num_prompt_tokens) - chunk.start, 0)
+            extra = proposals.get(seq.seq_id, [])
             planned.append(
                 PlannedChunk(
                     seq.seq_id,
-                    seq.token_ids[chunk.start + from_prompt : end],
+                    seq.token_ids[chunk.start + from_prompt : end] + extra,
                     chunk.start,
                     block_ids[seq.blocks_sent :],
                     sample,
                     from_prompt,
+                    len(extra),
                 )
             )
             seq.blocks_sent = len(block_ids)
@@ -278,8 +289,30 @@ class Scheduler:
         self._retired_seq_ids = []
         self._retired_request_keys = []
         if chunks:
-            self._in_flight = _InFlight(step_id, chunks, sampled)
+            proposed = {seq_id: len(tokens) for seq_id, tokens in proposals.items()}
+            self._in_flight = _InFlight(step_id, chunks, sampled, proposed)
         return plan
+
+    def _record_computed(self, step: _InFlight, sampled_seq_ids: list[int]) -> None:
+        """The step's chunks have KV now, and so have the proposals accepted (the rejected
+        ones' slots are written again later); the blocks of accepted tokens are indexed by the
+        next step's commit, once the tokens are in token_ids."""
+        accepted = {}
+        if step.proposed and self.speculator is not None:
+            accepted = self.speculator.accepted(step.proposed, sampled_seq_ids)
+        for chunk in step.chunks:
+            seq = chunk.seq
+            if self._seqs.get(seq.seq_id) is seq:  # not dropped while the step ran
+                end = chunk.start + chunk.num_tokens
+                seq.num_computed_tokens = end + accepted.get(seq.seq_id, 0)
+                self.kv.commit(seq.block_table, seq.hash_chain, seq.token_ids, end)
+
+    def _proposals(self, chunks: list[ScheduledChunk]) -> dict[int, list[int]]:
+        """Speculative decoding's proposals for the step's decode chunks, by sequence id."""
+        if self.speculator is None:
+            return {}
+        budget = self.config.max_num_batched_tokens - sum(chunk.num_tokens for chunk in chunks)
+        return self.speculator.plan(chunks, budget)
 
     def update(self, result: StepResult) -> TokenBatch:
         """Apply a step's sampled tokens; returns every sample's new tokens and finishes."""
@@ -300,13 +333,7 @@ class Scheduler:
             )
         self._in_flight = None
         self.num_steps += 1
-        for chunk in step.chunks:
-            seq = chunk.seq
-            if self._seqs.get(seq.seq_id) is seq:  # not dropped while the step ran
-                seq.num_computed_tokens = chunk.start + chunk.num_tokens
-                self.kv.commit(
-                    seq.block_table, seq.hash_chain, seq.token_ids, seq.num_computed_tokens
-                )
+        self._record_computed(step, result.seq_ids)
         for scores in result.prompt_logprobs or []:
             scored = self._seqs.get(scores.seq_id)
             if scored is not None:

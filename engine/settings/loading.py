@@ -46,6 +46,7 @@ FLAG_ALIASES: dict[str, str] = {
     "--max-num-seqs": "scheduler.max_num_seqs",
     "--max-num-batched-tokens": "scheduler.max_num_batched_tokens",
     "--max-queued-samples": "scheduler.max_queued_samples",
+    "--speculative-config": "scheduler.speculative_config",
     "--tensor-parallel-size": "parallel.tensor_parallel_size",
     "--tp": "parallel.tensor_parallel_size",
     "-tp": "parallel.tensor_parallel_size",

@@ -173,6 +173,14 @@ class SchedulerSettings(_Section, frozen=True):
             "requests get 429",
         ),
     ] = 1024
+    speculative_config: Annotated[
+        str,
+        Meta(
+            description="speculative decoding, vLLM's JSON: n-gram (prompt-lookup) proposals, "
+            'e.g. {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+            '"prompt_lookup_min": 2}; empty: off'
+        ),
+    ] = ""
 
 
 class LimitsSettings(_Section, frozen=True):

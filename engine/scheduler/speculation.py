@@ -1,0 +1,168 @@
+"""Speculative decoding's scheduler side: n-gram (prompt-lookup) proposals and their tally.
+
+A decoding sequence whose last tokens occurred earlier in its prompt or output gets the tokens
+that followed that occurrence as proposals. The step then runs the sequence's decode token and
+the k proposals as one chunk of 1 + k tokens; worker rank 0 samples every position
+(engine/model/spec_verify.py) and returns the proposals it accepted plus one token of its own.
+The KV of rejected positions was written but is never read: the sequence's computed length is
+rolled back to what was accepted, and those slots are written again by later steps.
+
+Proposals never change which tokens come out, only how many come per step: a sequence's output
+is the one it would have produced without speculation.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import msgspec
+
+from engine.kv.block_manager import BlockManager
+from engine.scheduler.policy import ScheduledChunk
+from engine.scheduler.requests import SequenceState
+
+METHODS = ("ngram",)
+
+
+class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """vLLM's --speculative-config, the n-gram method's fields."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+
+    def validate(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(
+                f"speculative_config method must be one of {list(METHODS)}, got {self.method!r}"
+            )
+        if self.num_speculative_tokens < 1:
+            raise ValueError(
+                "speculative_config num_speculative_tokens must be an integer >= 1, got "
+                f"{self.num_speculative_tokens!r}"
+            )
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                "speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                f"prompt_lookup_min={self.prompt_lookup_min!r}, "
+                f"prompt_lookup_max={self.prompt_lookup_max!r}"
+            )
+
+
+def parse_speculative_config(text: str) -> SpeculativeConfig | None:
+    """The JSON text of --speculative-config; None for an empty text (speculation off).
+
+    ValueError names what was wrong (not JSON, an unknown field, a value out of range)."""
+    if not text.strip():
+        return None
+    try:
+        fields = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"speculative_config is not JSON ({exc}): {text!r}") from None
+    if not isinstance(fields, dict):
+        raise ValueError(f"speculative_config must be a JSON object, got {text!r}")
+    try:
+        config = msgspec.convert(fields, SpeculativeConfig)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"speculative_config: {exc}") from None
+    config.validate()
+    return config
+
+
+def propose_ngram(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """Up to k tokens that followed the latest earlier occurrence of the longest suffix of
+    `tokens` of length in [min_n, max_n]; [] when no such suffix occurred before."""
+    length = len(tokens)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        suffix = tokens[length - n :]
+        last = suffix[-1]
+        # Candidate ends: earlier positions holding the suffix's last token, latest first.
+        end = length - 2
+        while end >= n - 1:
+            if tokens[end] == last and tokens[end - n + 1 : end + 1] == suffix:
+                return tokens[end + 1 : end + 1 + k]
+            end -= 1
+    return []
+
+
+class SpeculationTally:
+    """vLLM's spec_decode counters, since start."""
+
+    def __init__(self, num_speculative_tokens: int) -> None:
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_position = [0] * num_speculative_tokens
+
+    def record(self, num_proposed: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_proposed
+        self.num_accepted_tokens += num_accepted
+        for position in range(num_accepted):
+            self.accepted_per_position[position] += 1
+
+
+class NgramSpeculator:
+    """Proposes tokens for a step's decode chunks and reserves KV blocks for them."""
+
+    def __init__(self, config: SpeculativeConfig, kv: BlockManager, max_model_len: int) -> None:
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.tally = SpeculationTally(config.num_speculative_tokens)
+
+    def plan(self, chunks: list[ScheduledChunk], token_budget: int) -> dict[int, list[int]]:
+        """Proposals for the decode chunks among a step's `chunks`, by sequence id, within
+        the step's `token_budget` left."""
+        proposals: dict[int, list[int]] = {}
+        for chunk in chunks:
+            seq = chunk.seq
+            if token_budget < 1:
+                break
+            if chunk.num_tokens != 1 or chunk.start + 1 != seq.num_tokens:
+                continue  # a prefill chunk, or one that does not end the sequence
+            proposed = self.propose(seq, chunk.start, token_budget)
+            if proposed:
+                proposals[seq.seq_id] = proposed
+                token_budget -= len(proposed)
+        return proposals
+
+    def accepted(self, proposed: dict[int, int], seq_ids: list[int]) -> dict[int, int]:
+        """Accepted proposals by sequence id, from a step's result (a sequence's tokens are
+        its accepted proposals and one more); tallied."""
+        emitted = Counter(seq_ids)
+        accepted = {}
+        for seq_id, count in proposed.items():
+            accepted[seq_id] = min(max(emitted[seq_id] - 1, 0), count)
+            if emitted[seq_id]:
+                self.tally.record(count, accepted[seq_id])
+        return accepted
+
+    def propose(self, seq: SequenceState, start: int, budget: int) -> list[int]:
+        """Proposals for `seq`'s decode chunk at `start` (its last token), within `budget`
+        extra tokens; their KV blocks are reserved. [] when none fit or none are found."""
+        limit = min(budget, self._room(seq))
+        if limit < 1 or not _speculable(seq):
+            return []
+        config = self.config
+        proposals = propose_ngram(
+            seq.token_ids, config.prompt_lookup_min, config.prompt_lookup_max, limit
+        )
+        if proposals and not self.kv.grow(seq.block_table, start + 1 + len(proposals)):
+            return []  # no free block: this step runs without them, no one is preempted
+        return proposals
+
+    def _room(self, seq: SequenceState) -> int:
+        """Proposals that fit before max_tokens or max_model_len (the step adds one more)."""
+        room = min(self.config.num_speculative_tokens, self.max_model_len - seq.num_tokens - 1)
+        max_tokens = seq.params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - seq.num_output_tokens - 1)
+        return room
+
+
+def _speculable(seq: SequenceState) -> bool:
+    """A request a P/D prefill instance hands off after its first token: nothing to speculate."""
+    return not seq.request.kv_handoff

@@ -1,0 +1,149 @@
+"""Speculative decoding with n-gram proposals: the proposer, the verification's distribution,
+and the scheduler with a real worker step on a tiny checkpoint producing exactly the tokens it
+produces without speculation, in fewer steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.messages.params import SamplingParams
+from engine.messages.scheduling import SubmitRequest
+from engine.model.runner import ModelRunner
+from engine.model.sampler import Sampler
+from engine.model.spec_verify import residual_distribution, verify_proposals
+from engine.model.step import StepExecutor
+from engine.model.step_inputs import SeqChunk, SequenceStart
+from engine.scheduler.config import SchedulerConfig
+from engine.scheduler.scheduler import Scheduler
+from engine.scheduler.speculation import parse_speculative_config, propose_ngram
+from tests.checkpoints import tiny_checkpoint
+
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'  # noqa: E501
+
+
+# ---- proposals -----------------------------------------------------------------------------------
+
+
+def test_the_longest_suffix_proposes_what_followed_its_latest_occurrence() -> None:
+    tokens = [1, 2, 3, 9, 9, 7, 2, 3, 4, 5, 6, 1, 2, 3]
+    # [1, 2, 3] occurred at 0 (then 9, 9, 7, 2); [2, 3] alone later at 6 (then 4, 5): longest wins.
+    assert propose_ngram(tokens, 2, 3, 4) == [9, 9, 7, 2]
+    assert propose_ngram(tokens, 2, 2, 4) == [4, 5, 6, 1]  # the latest [2, 3]
+    assert propose_ngram(tokens, 2, 3, 2) == [9, 9]
+    assert propose_ngram([5, 6, 7, 8], 1, 3, 4) == []  # nothing repeats
+    assert propose_ngram([4, 4, 4], 2, 2, 3) == [4]  # what follows may reach the suffix
+
+
+def test_a_bad_speculative_config_is_refused_naming_the_field() -> None:
+    assert parse_speculative_config("") is None
+    config = parse_speculative_config(NGRAM)
+    assert config is not None and config.num_speculative_tokens == 4
+    for text, words in (
+        ("{nope", "not JSON"),
+        ('{"method": "eagle"}', "method must be one of ['ngram']"),
+        ('{"num_speculative_tokens": 0}', "num_speculative_tokens must be an integer >= 1"),
+        ('{"prompt_lookup_min": 5, "prompt_lookup_max": 2}', "prompt_lookup_min <="),
+        ('{"lookahead": 3}', "lookahead"),
+    ):
+        with pytest.raises(ValueError, match=None) as caught:
+            parse_speculative_config(text)
+        assert words in str(caught.value), (text, str(caught.value))
+
+
+# ---- verification keeps the target distribution -------------------------------------------------
+
+
+def test_verification_samples_the_target_distribution_and_accepts_with_its_probability() -> None:
+    """Rows of one fixed distribution p, proposal t = token 2, many seeds: the first token out
+    is distributed as p (chi-square), t is accepted about p[t] of the time, a rejection draws
+    from p without t, and every token equals what the plain sampler draws for that seed."""
+    vocab, draws, proposal = 6, 4000, 2
+    logits_row = torch.tensor([1.0, 0.2, 0.7, -0.5, 0.0, -1.2])
+    p = torch.softmax(logits_row, dim=0)
+    params = SamplingParams(temperature=1.0, max_tokens=100)
+
+    def sampler_for(seeds: range) -> Sampler:
+        sampler = Sampler(vocab, [])
+        for seed in seeds:
+            sampler.add(SequenceStart(seed, [0, 1], [], params, seed * 7919 + 13))
+        return sampler
+
+    seeds = range(draws)
+    chunks = [SeqChunk(seed, [1, proposal], 1, [0], True, 1) for seed in seeds]
+    logits = logits_row.repeat(2 * draws, 1)  # two rows per chunk: decode token, proposal
+    seq_ids, tokens, _ = verify_proposals(sampler_for(seeds), chunks, logits)
+    first: dict[int, int] = {}
+    for seq_id, token in zip(seq_ids, tokens, strict=True):
+        first.setdefault(seq_id, token)
+    plain, _ = sampler_for(seeds).sample(list(seeds), logits_row.repeat(draws, 1))
+    assert [first[seed] for seed in seeds] == plain  # the non-speculative tokens themselves
+
+    counts = torch.bincount(torch.tensor(plain), minlength=vocab).double()
+    expected = p.double() * draws
+    chi_square = float(((counts - expected) ** 2 / expected).sum())
+    assert chi_square < 20.5  # 5 degrees of freedom: p < 0.001 of failing by chance
+    accepted = sum(1 for token in plain if token == proposal) / draws
+    assert abs(accepted - float(p[proposal])) < 4 * (float(p[proposal]) / draws) ** 0.5
+    rejected = torch.tensor([token for token in plain if token != proposal])
+    residual = residual_distribution(p.double(), proposal)
+    seen = torch.bincount(rejected, minlength=vocab).double() / len(rejected)
+    assert float((seen - residual).abs().max()) < 0.03
+    assert seen[proposal] == 0.0
+
+
+# ---- the scheduler and a real step ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def runner() -> ModelRunner:
+    return ModelRunner(str(tiny_checkpoint("qwen3")), kv_cache_memory=1 << 21, block_size=4)
+
+
+def generate(
+    runner: ModelRunner, requests: dict[str, tuple[list[int], SamplingParams]], speculative: str
+) -> tuple[dict[str, list[int]], Scheduler]:
+    config = SchedulerConfig(
+        num_blocks=runner.num_blocks,
+        block_size=runner.block_size,
+        max_model_len=256,
+        speculative_config=speculative,
+    )
+    scheduler = Scheduler(config)
+    executor = StepExecutor(runner, rank=0)
+    for seed, (request_id, (prompt, params)) in enumerate(requests.items()):
+        assert scheduler.add(SubmitRequest(request_id, 0, prompt, params, seed + 5)) is None
+    tokens: dict[str, list[int]] = {request_id: [] for request_id in requests}
+    for _ in range(400):
+        plan = scheduler.schedule()
+        if plan is None:
+            if not scheduler.has_unfinished_requests:
+                return tokens, scheduler
+            continue
+        for message in executor.run(plan):
+            for item in scheduler.update(message).items:  # type: ignore[arg-type]
+                tokens[item.request_id] += item.new_token_ids
+    raise AssertionError("not done after 400 steps")
+
+
+def test_speculative_output_is_the_plain_output_token_for_token_in_fewer_steps(
+    runner: ModelRunner,
+) -> None:
+    """A batch mixing a repetitive greedy prompt, a sampled one with a seed, one with logprobs
+    and one whose prompt never repeats: the same tokens as without speculation, and the
+    speculating sequences accept proposals."""
+    phrase = [11, 42, 97, 5, 300, 17, 64, 23]
+    requests = {
+        "repeat": (phrase * 4, SamplingParams(temperature=0.0, max_tokens=40)),
+        "sampled": (phrase * 3, SamplingParams(temperature=0.7, max_tokens=30)),
+        "logprobs": (phrase * 2, SamplingParams(temperature=0.0, max_tokens=20, logprobs=2)),
+        "plain": (list(range(100, 140)), SamplingParams(temperature=0.0, max_tokens=20)),
+    }
+    plain, off = generate(runner, requests, "")
+    spec, on = generate(runner, requests, NGRAM)
+    assert spec == plain
+    assert off.speculator is None and on.speculator is not None
+    tally = on.speculator.tally
+    assert tally.num_drafts > 0 and tally.num_accepted_tokens > 0
+    assert on.num_steps < off.num_steps
+    assert sum(tally.accepted_per_position) == tally.num_accepted_tokens
