@@ -298,7 +298,7 @@ def merge_reports(reports: Sequence[SchedulerReport]) -> SchedulerReport:
     merged: dict[str, Any] = {}
     for report in reports:
         for name, value in msgspec.structs.asdict(report.stats).items():
-            merged[name] = merged.get(name, 0) + value
+            merged[name] = _summed(merged.get(name), value)
     if reports:
         merged["kv_usage"] /= len(reports)
         queried = merged["prefix_cache_queried_tokens"]
@@ -307,6 +307,15 @@ def merge_reports(reports: Sequence[SchedulerReport]) -> SchedulerReport:
         )
     stats = msgspec.convert(merged, SchedulerStats)
     return SchedulerReport(stats, [status for report in reports for status in report.requests])
+
+
+def _summed(total: Any, value: Any) -> Any:
+    """A count summed over replicas; a list of counts (by position) summed item by item."""
+    if not isinstance(value, list):
+        return (total or 0) + value
+    total = list(total or [])
+    total += [0] * (len(value) - len(total))
+    return [count + (value[i] if i < len(value) else 0) for i, count in enumerate(total)]
 
 
 def supervise(

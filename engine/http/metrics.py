@@ -4,7 +4,8 @@ Every metric carries vLLM's `model_name` label, so a vLLM dashboard or autoscale
 `vllm:` prefix reads `engine:`. Request-level figures (TTFT, inter-token latency, end-to-end,
 queue, prefill and decode times, token counts, successes by finish reason) are observed by the
 HTTP layer as requests run; engine-level figures (running / waiting requests, KV usage,
-prefix-cache queries and hits, preemptions, actor restarts, resubmissions) are read from
+prefix-cache queries and hits, preemptions, actor restarts, resubmissions, speculative
+decoding's drafts, draft tokens and accepted tokens, also by position) are read from
 `llm.stats()` at scrape time. Ours beside vLLM's: `engine:http_requests_total` (by endpoint and
 outcome), `engine:actor_restarts_total`, `engine:request_resubmissions_total`,
 `engine:stalled_stream_aborts_total`, `engine:model_weight_bytes` (by format: what the weights
@@ -64,6 +65,11 @@ _ENGINE_COUNTERS = (
     ("stalled_stream_aborts", "Requests aborted because their client stopped reading",
      "stalled_stream_aborts"),
     ("steps", "Model steps run", "num_steps"),
+    ("spec_decode_num_drafts", "Decode steps of a sequence that verified proposed tokens",
+     "spec_decode_num_drafts"),
+    ("spec_decode_num_draft_tokens", "Proposed tokens verified", "spec_decode_num_draft_tokens"),
+    ("spec_decode_num_accepted_tokens", "Proposed tokens accepted",
+     "spec_decode_num_accepted_tokens"),
     ("step_compute_seconds",
      "Seconds rank 0 spent computing steps (plan taken in to result ready)",
      "step_compute_seconds"),
@@ -213,6 +219,14 @@ class _EngineStatsCollector(Collector):
             counter = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
             counter.add_metric(model, float(getattr(stats, field)))
             yield counter
+        per_position = CounterMetricFamily(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Proposed tokens accepted, by their position among a step's proposals",
+            labels=["model_name", "position"],
+        )
+        for position, count in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
+            per_position.add_metric([self._model_name, str(position)], float(count))
+        yield per_position
         yield from self._per_actor(stats)
         yield from self._recovery_and_rings(stats)
         yield from kv_transfer_metrics(stats, self._model_name)

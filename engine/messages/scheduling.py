@@ -185,6 +185,12 @@ class SchedulerFigures(msgspec.Struct, kw_only=True):
     kv_fallbacks: int = 0  # requests that computed their prompt: their KV did not arrive
     kv_blocks_from_cache: int = 0  # source blocks the prefix cache had (not pulled)
     kv_refused_connections: int = 0  # KV connections refused: no proof of the deployment secret
+    # Speculative decoding (engine/scheduler/speculation.py), since start; vLLM's spec_decode_*.
+    spec_decode_num_drafts: int = 0  # decode chunks that carried proposals
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    # accepted_per_pos[i]: drafts whose proposal i (from 0) was accepted
+    spec_decode_num_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)
 
 
 class SchedulerStats(SchedulerFigures, tag=True, kw_only=True):

@@ -410,8 +410,11 @@ class Scheduler:
         return list(self._requests)
 
     def stats(self) -> SchedulerStats:
-        return scheduler_stats(self.kv, self.planner, len(self._requests), self.num_steps,
-                               self.kv_transfer)  # fmt: skip
+        stats = scheduler_stats(self.kv, self.planner, len(self._requests), self.num_steps,
+                                self.kv_transfer)  # fmt: skip
+        if self.speculator is not None:
+            stats = msgspec.structs.replace(stats, **self.speculator.tally.figures())
+        return stats
 
     def request_statuses(self) -> list[RequestStatus]:
         return request_statuses(self._requests.values(), self.clock())

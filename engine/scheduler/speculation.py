@@ -96,6 +96,15 @@ class SpeculationTally:
         self.num_accepted_tokens = 0
         self.accepted_per_position = [0] * num_speculative_tokens
 
+    def figures(self) -> dict[str, int | list[int]]:
+        """SchedulerFigures' spec_decode_* fields."""
+        return {
+            "spec_decode_num_drafts": self.num_drafts,
+            "spec_decode_num_draft_tokens": self.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+            "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_position),
+        }
+
     def record(self, num_proposed: int, num_accepted: int) -> None:
         self.num_drafts += 1
         self.num_draft_tokens += num_proposed

@@ -4,6 +4,7 @@ produces without speculation, in fewer steps."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import torch
 
@@ -147,3 +148,34 @@ def test_speculative_output_is_the_plain_output_token_for_token_in_fewer_steps(
     assert tally.num_drafts > 0 and tally.num_accepted_tokens > 0
     assert on.num_steps < off.num_steps
     assert sum(tally.accepted_per_position) == tally.num_accepted_tokens
+
+
+def test_spec_decode_counts_sum_over_replicas_and_reach_metrics_with_vllms_names() -> None:
+    from engine.gateway.replicas import merge_reports
+    from engine.http.metrics import ServerMetrics
+    from engine.messages.admin import EngineStats
+    from engine.messages.reports import SchedulerReport
+    from engine.messages.scheduling import SchedulerStats
+
+    def report(drafts: int, per_position: list[int]) -> SchedulerReport:
+        stats = SchedulerStats(
+            spec_decode_num_drafts=drafts,
+            spec_decode_num_draft_tokens=4 * drafts,
+            spec_decode_num_accepted_tokens=sum(per_position),
+            spec_decode_num_accepted_tokens_per_pos=per_position,
+        )
+        return SchedulerReport(stats, [])
+
+    merged = merge_reports([report(3, [3, 1]), report(2, [2, 1, 1])]).stats
+    assert merged.spec_decode_num_drafts == 5 and merged.spec_decode_num_draft_tokens == 20
+    assert merged.spec_decode_num_accepted_tokens_per_pos == [5, 2, 1]
+    root = dict(in_flight=0, resubmitted_requests=0, stalled_stream_aborts=0, restarts={},
+                kv_cache_blocks=1, replicas=[])  # fmt: skip
+    stats = EngineStats(**msgspec.structs.asdict(merged), **root)  # type: ignore[arg-type]
+    text = ServerMetrics(lambda: stats, "m").render().decode()
+    assert 'engine:spec_decode_num_drafts_total{model_name="m"} 5.0' in text
+    assert 'engine:spec_decode_num_accepted_tokens_total{model_name="m"} 8.0' in text
+    assert (
+        'engine:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="2"} 1.0'
+        in text
+    )
