@@ -17,10 +17,12 @@ import uvloop
 from tqdm import tqdm
 
 from engine.async_llm import AsyncLLM
+from engine.embeddings import embed
 from engine.hf_cache import with_resolved_model
 from engine.messages.admin import EngineStats
 from engine.messages.params import SamplingParams
-from engine.outputs import RequestOutput
+from engine.outputs import EmbeddingRequestOutput, RequestOutput
+from engine.request.embeddings import pooling_for
 from engine.request.prompts import Prompt
 from engine.settings import Settings
 from engine.settings.schema import cross_field_problems
@@ -147,6 +149,23 @@ class LLM:
         }
         requests = [{"messages": list(conversation), **options} for conversation in batch]
         return self._run(self._gather(requests, sampling_params, use_tqdm))
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling: str | None = None,
+        normalize: bool | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt, in order (vLLM's LLM.embed): the final hidden states of the
+        prompt pooled by `pooling`, "last" (the last token's) or "mean"; None: the engine's
+        model.pooler_config. `normalize`: to unit length (None: as configured)."""
+        chosen = pooling_for(self.engine.policy.pooling, pooling, normalize)
+        batch = _as_prompt_list(prompts)
+
+        async def embed_all() -> list[EmbeddingRequestOutput]:
+            return list(await asyncio.gather(*(embed(self.engine, p, chosen) for p in batch)))
+
+        return self._run(embed_all())
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The model's generation_config.json defaults (model.generation_config), as vLLM's."""

@@ -16,7 +16,15 @@ from engine.messages.scheduling import FirstScheduled
 if TYPE_CHECKING:
     from engine.messages.failures import RequestFailed
 
-__all__ = ["CompletionOutput", "EngineError", "Logprob", "RequestOutput", "TokenLogprob"]
+__all__ = [
+    "CompletionOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
+    "EngineError",
+    "Logprob",
+    "RequestOutput",
+    "TokenLogprob",
+]
 
 
 @dataclass
@@ -28,6 +36,8 @@ class CompletionOutput:
     logprobs: list[Logprob] | None = None  # one per token in token_ids, when asked for
     # vLLM's: the stop string matched or the stop token id that ended a "stop"; None for EOS
     stop_reason: str | int | None = None
+    # An embedding request's (SamplingParams.pooling) vector, on its finished output.
+    embedding: list[float] | None = None
 
 
 @dataclass
@@ -45,6 +55,21 @@ class RequestOutput:
     # P/D across instances: on a prefill instance, where a decode instance pulls this
     # request's KV from (pass it as the decode request's kv_transfer_params).
     kv_transfer_params: dict[str, Any] | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """As vLLM's: one prompt's embedding (`outputs.embedding`), from LLM.embed."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
 
 
 class EngineError(Exception):
@@ -78,6 +103,7 @@ def snapshot(total: RequestOutput) -> RequestOutput:
             o.finish_reason,
             None if o.logprobs is None else list(o.logprobs),
             o.stop_reason,
+            o.embedding,
         )
         for o in sorted(total.outputs, key=lambda output: output.index)
     ]
@@ -122,3 +148,4 @@ def merge_into(total: RequestOutput, later: RequestOutput) -> None:
         output.stop_reason = part.stop_reason if part.finish_reason else output.stop_reason
         if part.logprobs is not None:
             output.logprobs = (output.logprobs or []) + part.logprobs
+        output.embedding = part.embedding or output.embedding

@@ -39,6 +39,7 @@ class SampleDeltaText(msgspec.Struct, array_like=True):
     # Logprobs of prompt tokens 1.., once per epoch when asked for (the scheduler's, named).
     prompt_logprobs: list[SampleLogprobs] | None = None
     handoff: KvSource | None = None  # passed on from the scheduler's SampleDelta
+    embedding: bytes | None = None  # passed on from the scheduler's SampleDelta
 
 
 class PromptInfo(msgspec.Struct, array_like=True):

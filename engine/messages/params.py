@@ -50,6 +50,18 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         return [name for name, is_set in present.items() if is_set]
 
 
+POOLING_TYPES = ("LAST", "MEAN")
+
+
+class PoolingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """An embedding request (vLLM's pooling runner): the prompt is prefilled and its final
+    hidden states (after the final norm) are pooled into one vector instead of sampling.
+    LAST takes the last prompt token's, MEAN averages every prompt position's."""
+
+    pooling_type: str = "LAST"
+    normalize: bool = True  # scaled to unit length (L2), as vLLM's default for embeddings
+
+
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     """How to sample one request's completions (names and meanings as vLLM's)."""
 
@@ -77,6 +89,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     allowed_token_ids: list[int] | None = None  # only these may be sampled
     bad_words: list[str] | None = None  # never completed (tokenized by the worker, as vLLM)
+    # Set: an embedding request. Its one sample runs one step (max_tokens 1), and its output
+    # carries the pooled vector; the token sampled beside it is not the answer.
+    pooling: PoolingParams | None = None
 
     def validate(self) -> None:
         """Raise ValueError naming the offending field and its allowed range."""
@@ -161,6 +176,13 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             _check(bool(stop), "stop", stop, "strings that are not empty")
         for word in self.bad_words or []:
             _check(bool(word.strip()), "bad_words", word, "words that are not blank")
+        if self.pooling is not None:
+            kind = self.pooling.pooling_type
+            _check(kind in POOLING_TYPES, "pooling_type", kind, f"one of {list(POOLING_TYPES)}")
+            _check(self.n == 1, "n", self.n, "1 for an embedding request")
+            _check(
+                self.max_tokens == 1, "max_tokens", self.max_tokens, "1 for an embedding request"
+            )
 
     def max_token_id(self) -> int:
         """The largest token id the request's controls name (-1: none); checked against the

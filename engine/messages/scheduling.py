@@ -135,6 +135,8 @@ class SampleDelta(msgspec.Struct, array_like=True):
     # Set on the first token of a request asked to hand off: the sample did not finish, but
     # this instance is done with it; it continues on a decode instance, its KV pulled from here.
     handoff: KvSource | None = None
+    # An embedding request's vector (messages/steps.PooledVector's bytes), with its one token.
+    embedding: bytes | None = None
 
 
 class TokenBatch(msgspec.Struct, tag=True, array_like=True):

@@ -82,6 +82,14 @@ class PromptLogprobs(msgspec.Struct, array_like=True):
     entries: list[TokenLogprobs]
 
 
+class PooledVector(msgspec.Struct, array_like=True):
+    """An embedding request's answer: its prompt's pooled hidden state, little-endian float32
+    (four bytes a value; msgpack writes a float as nine)."""
+
+    seq_id: int
+    values: bytes
+
+
 class StepResult(msgspec.Struct, tag=True, array_like=True):
     step_id: int
     # One entry per token sampled, in plan order: one per chunk with sample=True, and one
@@ -95,6 +103,7 @@ class StepResult(msgspec.Struct, tag=True, array_like=True):
     # them with these (StepTimes).
     started_at: float = 0.0
     finished_at: float = 0.0
+    embeddings: list[PooledVector] | None = None  # sequences of embedding requests that ended
 
 
 class WorkerFailed(msgspec.Struct, tag=True, array_like=True):

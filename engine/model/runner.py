@@ -215,18 +215,33 @@ class ModelRunner:
         keys = sum(len(c.token_ids) * (c.start_pos + len(c.token_ids)) for c in chunks)
         return PreparedStep(long_tensor(token_ids).to(self.device), attention, logit_rows, keys)
 
-    @torch.inference_mode()
     def execute(self, step: PreparedStep) -> torch.Tensor:
         """The model on a prepared step (the collectives of tensor parallelism happen here)."""
+        return self.execute_pooled(step, [])[0]
+
+    @torch.inference_mode()
+    def execute_pooled(
+        self, step: PreparedStep, pool_rows: Sequence[int]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`execute`, and the final-normed hidden states of the step's token rows `pool_rows`
+        (embeddings: engine/model/pooling.py); None when none are asked for."""
         vocab = self.config.vocab_size
         empty = torch.empty(0, vocab, dtype=torch.float32, device=self.device)
         if step.token_ids is None or step.attention is None:
-            return empty
+            return empty, None
         if self.threads is not None:
             threads = self.threads.threads_for(len(step.token_ids), step.keys)
             if threads != torch.get_num_threads():
                 torch.set_num_threads(threads)
         hidden = self.model(step.token_ids, step.attention, self.kv_cache)
+        pooled = None
+        if pool_rows:
+            pooled = self.model.norm(hidden[long_tensor(list(pool_rows)).to(self.device)])
+        return self._logits(step, hidden, empty), pooled
+
+    def _logits(
+        self, step: PreparedStep, hidden: torch.Tensor, empty: torch.Tensor
+    ) -> torch.Tensor:
         if not step.logit_rows:
             return empty
         if len(step.logit_rows) < hidden.shape[0]:

@@ -28,6 +28,7 @@ import torch
 
 from engine.messages.steps import StepPlan, StepResult, TokenLogprobs, WorkerFailed
 from engine.model.parallel.group import CollectiveError
+from engine.model.pooling import Pooling, PoolingStep
 from engine.model.prompt_scoring import PromptScoring
 from engine.model.runner import ModelRunner
 from engine.model.sampler import Sampler
@@ -103,6 +104,7 @@ class StepExecutor:
             self.runner.backend.argmax_rows,
         )
         self.scoring = PromptScoring()
+        self.pooling = Pooling()
         self.known = KnownSequences()
         self.faults.reset()
 
@@ -111,6 +113,7 @@ class StepExecutor:
         computed (if any), then the StepResult (none for a plan that only retires sequences)."""
         self.sampler.remove(plan.finished_seq_ids)
         self.scoring.forget(plan.finished_seq_ids)
+        self.pooling.forget(plan.finished_seq_ids)
         self.faults.forget(plan.finished_seq_ids)
         starts, whole_chunks = self.known.apply(plan)
         failed: dict[int, str] = {}
@@ -118,6 +121,7 @@ class StepExecutor:
             try:
                 self.sampler.add(new_seq)
                 self.scoring.watch(new_seq)
+                self.pooling.watch(new_seq)
                 self.faults.watch(new_seq)
             except Exception as exc:  # this sequence's parameters, not the step's
                 failed[new_seq.seq_id] = _describe(exc)
@@ -146,6 +150,8 @@ class StepExecutor:
 
     def _compute(self, step_id: int, chunks: Sequence[SeqChunk]) -> StepResult:
         every_row = self.scoring.every_row(chunks)
+        # Only rank 0 answers, so only it reads hidden states to pool.
+        pooling = self.pooling.plan(chunks) if self.rank == 0 else PoolingStep([], [])
         try:
             self.faults.trip(chunks)
             prepared = self.runner.prepare(chunks, every_row)
@@ -154,7 +160,7 @@ class StepExecutor:
             raise
         self._agree(None)
         try:
-            logits = self.runner.execute(prepared)
+            logits, hidden = self.runner.execute_pooled(prepared, pooling.rows)
         except CollectiveError:
             raise
         except Exception as exc:
@@ -165,11 +171,14 @@ class StepExecutor:
                 f"collective: {_describe(exc)}"
             ) from exc
         try:  # only rank 0 has work here; the sampler records a token only once it succeeded
+            embeddings = self.pooling.pool(pooling, hidden)
             result = self._sample(step_id, chunks, every_row, logits)
+            result.embeddings = embeddings or None
         except Exception as exc:
             self._agree(exc)
             raise
         self._agree(None)
+        self.pooling.commit()
         return result
 
     def _sample(
@@ -232,13 +241,14 @@ def _merge(step_id: int, parts: list[StepResult]) -> StepResult:
     seq_ids = [seq_id for part in parts for seq_id in part.seq_ids]
     token_ids = [token_id for part in parts for token_id in part.token_ids]
     scored = [scores for part in parts for scores in part.prompt_logprobs or []]
+    pooled = [vector for part in parts for vector in part.embeddings or []] or None
     if all(part.logprobs is None for part in parts):
-        return StepResult(step_id, seq_ids, token_ids, None, scored or None)
+        return StepResult(step_id, seq_ids, token_ids, None, scored or None, embeddings=pooled)
     logprobs: list[TokenLogprobs] = []
     for part in parts:
         # Rows of sequences that did not ask for logprobs are never read: placeholders do.
         logprobs += part.logprobs or [TokenLogprobs(0.0, [], []) for _ in part.seq_ids]
-    return StepResult(step_id, seq_ids, token_ids, logprobs, scored or None)
+    return StepResult(step_id, seq_ids, token_ids, logprobs, scored or None, embeddings=pooled)
 
 
 def _describe(exc: BaseException) -> str:

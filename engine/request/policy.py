@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from engine.messages.params import SamplingParams
+from engine.messages.params import PoolingParams, SamplingParams
 from engine.messages.requests import ChatMessage, ChatOptions
 from engine.outputs import EngineError
 from engine.request.defaults import (
@@ -27,6 +27,7 @@ from engine.request.defaults import (
     load_generation_defaults,
     with_defaults,
 )
+from engine.request.embeddings import parse_pooler_config
 from engine.request.limits import check_params, check_prompt_size, check_queue
 from engine.request.prompts import Prompt, chat_messages, split_prompt
 from engine.settings import Settings
@@ -54,6 +55,7 @@ class RequestPolicy:
     # generation_config.json), and for a chat without a template of its own.
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     chat_template: str | None = None
+    pooling: PoolingParams = field(default_factory=PoolingParams)  # embeddings' default
 
     @classmethod
     def load(cls, settings: Settings, model_path: str, max_model_len: int) -> RequestPolicy:
@@ -66,6 +68,7 @@ class RequestPolicy:
             max_queued_samples=settings.scheduler.max_queued_samples,
             generation_defaults=load_generation_defaults(model.generation_config, model_path),
             chat_template=load_chat_template(model.chat_template),
+            pooling=parse_pooler_config(model.pooler_config),
         )
 
     def default_params(self) -> SamplingParams:

@@ -89,9 +89,12 @@ class Request:
 
     @property
     def scores_prompt(self) -> bool:
-        """Its prompt logprobs are still to come: its prefill may not skip any prompt token
-        (no prefix-cache hits)."""
-        return self.prompt_scores is not None
+        """Its prompt logprobs are still to come, or its embedding is a MEAN over the prompt:
+        its prefill may not skip any prompt token (no prefix-cache hits)."""
+        pooling = self.params.pooling
+        return self.prompt_scores is not None or (
+            pooling is not None and pooling.pooling_type == "MEAN"
+        )
 
     def add_prompt_scores(self, scores: PromptLogprobs) -> None:
         if self.prompt_scores is not None:

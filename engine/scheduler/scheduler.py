@@ -363,6 +363,7 @@ class Scheduler:
                     self._first_report(seq.request),
                     seq.request.take_prompt_scores(),
                     handoff,
+                    _pooled(result, seq_id),
                 )
             )
             if reason is not None or handoff is not None:
@@ -444,6 +445,11 @@ class Scheduler:
         if request.known_to_workers:
             request.known_to_workers = False
             self._retired_request_keys.append(request.key)
+
+
+def _pooled(result: StepResult, seq_id: int) -> bytes | None:
+    """An embedding request's vector, from the step that ended its prompt."""
+    return next((v.values for v in result.embeddings or () if v.seq_id == seq_id), None)
 
 
 def failed(request_id: str, epoch: int, status: int, message: str, actor: str) -> RequestFailed:

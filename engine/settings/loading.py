@@ -81,6 +81,8 @@ FLAG_ALIASES: dict[str, str] = {
     "--chat-template": "model.chat_template",
     "--generation-config": "model.generation_config",
     "--max-logprobs": "model.max_logprobs",
+    "--pooler-config": "model.pooler_config",
+    "--override-pooler-config": "model.pooler_config",
     "--enforce-eager": "model.enforce_eager",
     "--kv-cache-dtype": "cache.kv_cache_dtype",
     "--uds": "server.uds",

@@ -68,6 +68,13 @@ class ModelSettings(_Section, frozen=True):
     max_logprobs: Annotated[
         int, Meta(ge=0, le=20, description="most logprobs / top_logprobs a request may ask for")
     ] = 20
+    pooler_config: Annotated[
+        str,
+        Meta(
+            description="embeddings' default pooling, vLLM's JSON: "
+            '{"pooling_type": "LAST" or "MEAN", "normalize": true}; unset = LAST, normalized'
+        ),
+    ] = ""
     enforce_eager: Annotated[
         bool,
         Meta(

@@ -194,6 +194,7 @@ class Detokenizer:
                 # A stop string that ended the sample here makes a handoff to continue moot (a
                 # hold, made whatever the first token, comes with the scheduler's finish).
                 item.handoff if finish_reason is None or item.finish_reason is not None else None,
+                item.embedding,
             )
         )
         if finish_reason is None and item.handoff is None:

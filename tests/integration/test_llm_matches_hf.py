@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.messages.admin import EngineStats
 from tests.checkpoints import tiny_checkpoint
-from tests.hf_reference import assert_greedy_matches_hf, hf_log_softmax
+from tests.hf_reference import assert_greedy_matches_hf, hf_embedding, hf_log_softmax
 
 ARCHS = {
     "llama": {"arch": "llama"},
@@ -112,3 +113,25 @@ def _bytes_for_blocks(path: str, blocks: int, block_size: int) -> int:
 
 async def _stats(engine: LLM) -> EngineStats:
     return engine.engine.stats()
+
+
+def test_embeddings_match_transformers_beside_generation(llm: LLM, model_path: str) -> None:
+    """Embedding requests (last-token pooling normalized, mean pooling raw) batched with
+    generation traffic in the same engine; the 65-token prompt is prefilled in three chunks
+    (32 tokens a step), so its mean spans them."""
+    prompts = _prompts(200, [1, 9, 40, 65], seed=5)
+    generating = _prompts(200, [30, 12], seed=6)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    with ThreadPoolExecutor(2) as pool:
+        generated = pool.submit(llm.generate, generating, params, use_tqdm=False)
+        means = pool.submit(llm.embed, prompts, pooling="mean", normalize=False)
+        lasts = llm.embed(prompts, pooling="last")
+        for prompt, out in zip(generating, generated.result(timeout=120), strict=True):
+            assert_greedy_matches_hf(model_path, prompt, out.outputs[0].token_ids)
+        embedded = {("last", True): lasts, ("mean", False): means.result(timeout=120)}
+    for (pooling, normalize), outputs in embedded.items():
+        for prompt, out in zip(prompts, outputs, strict=True):
+            assert out.prompt_token_ids == prompt and out.finished
+            reference = hf_embedding(model_path, prompt, pooling, normalize)
+            ours = torch.tensor(out.outputs.embedding)
+            torch.testing.assert_close(ours, reference, atol=1e-4, rtol=1e-4)
