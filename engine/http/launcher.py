@@ -205,7 +205,7 @@ async def _run(
     defaults, chat_template = llm.generation_defaults, llm.chat_template
     if defaults:
         log.info("sampling defaults from generation_config.json: %s", defaults)
-    state = ServerState.create(llm, settings, defaults, chat_template)
+    state = ServerState.create(llm, settings, chat_template)
     background = [] if settings.server.disable_log_stats else [log_stats_forever(state)]
     stats_tasks = [asyncio.create_task(work) for work in background]
 

@@ -27,7 +27,6 @@ class ServerState:
     max_model_len: int
     tokens: Tokens
     served_names: tuple[str, ...] = ()  # every name a request may use; the first is shown
-    generation_defaults: dict[str, Any] = field(default_factory=dict)
     chat_template: str | None = None  # model.chat_template's text, for chats that bring none
     started_at: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
@@ -41,7 +40,6 @@ class ServerState:
         cls,
         llm: AsyncLLM,
         settings: Settings,
-        generation_defaults: dict[str, Any] | None = None,
         chat_template: str | None = None,
     ) -> ServerState:
         trace = (
@@ -61,7 +59,6 @@ class ServerState:
                 settings.server.allow_special_tokens_in_chat,
                 chat_template,
             ),
-            generation_defaults=generation_defaults or {},
             chat_template=chat_template,
             trace=trace,
             faults=HttpFaults.from_environment(os.environ),
