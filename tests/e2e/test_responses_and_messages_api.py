@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import anthropic
+import httpx
 import openai
 import pytest
 from transformers import AutoTokenizer
@@ -38,13 +39,13 @@ COLOUR_SCHEMA: dict[str, Any] = {
 }
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def client(server: Server) -> Iterator[openai.OpenAI]:
     with openai_client(server, timeout=60.0) as c:
         yield c
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def claude(server: Server) -> Iterator[anthropic.Anthropic]:
     """The `anthropic` client, authenticating with its own x-api-key header."""
     with anthropic.Anthropic(
@@ -53,15 +54,30 @@ def claude(server: Server) -> Iterator[anthropic.Anthropic]:
         yield c
 
 
+def forced_tool_use(model: str) -> dict[str, Any]:
+    """A /v1/messages request whose answer is a call of get_weather with valid arguments."""
+    tool = {"name": "get_weather", "description": "Weather", "input_schema": WEATHER_PARAMS}
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": "Weather?"}],
+        "tools": [tool],
+        "tool_choice": {"type": "tool", "name": "get_weather"},
+        "max_tokens": 60,
+        "extra_body": {"temperature": 0.0},  # this client has no field for it
+    }
+
+
 @functools.cache
 def tokenizer(model: str) -> Any:
     return AutoTokenizer.from_pretrained(model)
 
 
-def template_tokens(model: str, messages: list[dict[str, Any]]) -> int:
+def template_tokens(
+    model: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+) -> int:
     """The prompt's size as transformers lays the conversation out with the chat template."""
     text = tokenizer(model).apply_chat_template(
-        messages, add_generation_prompt=True, tokenize=False
+        messages, tools=tools, add_generation_prompt=True, tokenize=False
     )
     return len(tokenizer(model)(text, add_special_tokens=False)["input_ids"])
 
@@ -96,34 +112,6 @@ def test_responses_text_streamed_and_not(client: openai.OpenAI, server: Server) 
     assert "".join(deltas) == streamed.output_text == whole.output_text
     assert streamed.usage is not None and streamed.usage.output_tokens == whole.usage.output_tokens
     assert streamed.status == whole.status
-
-
-def test_responses_forced_tool_call_and_json_schema(client: openai.OpenAI, server: Server) -> None:
-    tool = {"type": "function", "name": "get_weather", "parameters": WEATHER_PARAMS}
-    called = client.responses.create(
-        model=server.model, input="Weather?", tools=[tool], max_output_tokens=60,  # type: ignore[list-item]
-        tool_choice={"type": "function", "name": "get_weather"}, temperature=0.0,
-    )  # fmt: skip
-    (call,) = called.output
-    assert call.type == "function_call" and call.name == "get_weather"
-    arguments = json.loads(call.arguments)
-    assert set(arguments) == {"city", "unit"} and arguments["unit"] in ("celsius", "fahrenheit")
-
-    # The call's result continues the conversation stored under the first response's id.
-    answered = client.responses.create(
-        model=server.model, previous_response_id=called.id, max_output_tokens=2, tools=[tool],  # type: ignore[list-item]
-        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}],
-    )  # fmt: skip
-    assert answered.previous_response_id == called.id
-    assert answered.usage is not None and called.usage is not None
-    assert answered.usage.input_tokens > called.usage.input_tokens
-
-    fmt = {"type": "json_schema", "name": "colour", "schema": COLOUR_SCHEMA, "strict": True}
-    with client.responses.stream(
-        model=server.model, input="A colour?", text={"format": fmt}, max_output_tokens=30,  # type: ignore[typeddict-item]
-    ) as stream:  # fmt: skip
-        final = stream.get_final_response()
-    assert json.loads(final.output_text)["colour"] in ("red", "green", "blue")
 
 
 def test_responses_previous_response_id_continues_the_conversation(
@@ -194,43 +182,6 @@ def test_messages_text_streamed_and_not(claude: anthropic.Anthropic, server: Ser
     assert streamed.usage.output_tokens == whole.usage.output_tokens
 
 
-def test_messages_forced_tool_use_streamed_and_not(
-    claude: anthropic.Anthropic, server: Server
-) -> None:
-    tool = {"name": "get_weather", "description": "Weather", "input_schema": WEATHER_PARAMS}
-    request: dict[str, Any] = {
-        "model": server.model,
-        "messages": [{"role": "user", "content": "Weather?"}],
-        "tools": [tool],
-        "tool_choice": {"type": "tool", "name": "get_weather"},
-        "max_tokens": 60,
-        "extra_body": {"temperature": 0.0},  # this client has no field for it
-    }
-    whole = claude.messages.create(**request)
-    assert whole.stop_reason == "tool_use"
-    (use,) = whole.content
-    assert use.type == "tool_use" and use.name == "get_weather"
-    assert set(use.input) == {"city", "unit"} and use.input["unit"] in ("celsius", "fahrenheit")  # type: ignore[index, arg-type]
-    with claude.messages.stream(**request) as stream:
-        streamed = stream.get_final_message()
-    (streamed_use,) = streamed.content
-    assert streamed_use.type == "tool_use" and streamed_use.input == use.input
-    assert streamed.stop_reason == "tool_use"
-
-    # The tool's result, answered in a user turn, goes into the next prompt.
-    follow_up = claude.messages.create(
-        model=server.model, max_tokens=2, tools=[tool],  # type: ignore[list-item]
-        messages=[
-            {"role": "user", "content": "Weather?"},
-            {"role": "assistant", "content": [use.model_dump()]},  # type: ignore[list-item]
-            {"role": "user", "content": [
-                {"type": "tool_result", "tool_use_id": use.id, "content": "sunny"},
-            ]},
-        ],
-    )  # fmt: skip
-    assert follow_up.usage.input_tokens > whole.usage.input_tokens
-
-
 def test_messages_errors_have_anthropics_shape(claude: anthropic.Anthropic, server: Server) -> None:
     with pytest.raises(anthropic.BadRequestError) as bad:
         claude.messages.create(
@@ -249,6 +200,97 @@ def test_messages_errors_have_anthropics_shape(claude: anthropic.Anthropic, serv
             model=server.model, max_tokens=4, messages=[{"role": "user", "content": "x"}]
         )
     assert denied.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
+
+    # Anthropic's API takes the key as x-api-key, as its older clients send it (the client
+    # installed here sends a bearer token).
+    body = {"model": server.model, "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]}
+    for key, status in (("wrong", 401), (API_KEY, 200)):
+        answer = httpx.post(
+            server.url + "/v1/messages", json=body, headers={"x-api-key": key}, timeout=60.0
+        )
+        assert answer.status_code == status, answer.text
+    assert answer.json()["type"] == "message"
+
+
+def check_messages_forced_tool_use(claude: anthropic.Anthropic, model: str) -> None:
+    """Run by tests/e2e/test_structured_outputs.py, on its server, whose grammar backend is
+    warm by then (the first grammar of a server loads its tokenizer: about 10 s here)."""
+    request = forced_tool_use(model)
+    tool = request["tools"][0]
+    whole = claude.messages.create(**request)
+    assert whole.stop_reason == "tool_use"
+    (use,) = whole.content
+    assert use.type == "tool_use" and use.name == "get_weather"
+    assert set(use.input) == {"city", "unit"} and use.input["unit"] in ("celsius", "fahrenheit")  # type: ignore[index, arg-type]
+    with claude.messages.stream(**request) as stream:
+        streamed = stream.get_final_message()
+    (streamed_use,) = streamed.content
+    assert streamed_use.type == "tool_use" and streamed_use.input == use.input
+    assert streamed.stop_reason == "tool_use"
+
+    # The tool's result, answered in a user turn, goes into the next prompt.
+    follow_up = claude.messages.create(
+        model=model, max_tokens=2, tools=[tool],  # type: ignore[list-item]
+        messages=[
+            {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": [use.model_dump()]},  # type: ignore[list-item]
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": use.id, "content": "sunny"},
+            ]},
+        ],
+    )  # fmt: skip
+    call = {
+        "id": use.id,
+        "type": "function",
+        "function": {"name": use.name, "arguments": use.input},
+    }
+    conversation = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": use.id, "content": "sunny"},
+    ]
+    function = {"name": "get_weather", "description": "Weather", "parameters": WEATHER_PARAMS}
+    tools = [{"type": "function", "function": function}]
+    assert follow_up.usage.input_tokens == template_tokens(model, conversation, tools)
+
+
+def check_responses_forced_tool_call_and_json_schema(client: openai.OpenAI, model: str) -> None:
+    """Run by tests/e2e/test_structured_outputs.py, as check_messages_forced_tool_use."""
+    tool = {"type": "function", "name": "get_weather", "parameters": WEATHER_PARAMS}
+    called = client.responses.create(
+        model=model, input="Weather?", tools=[tool], max_output_tokens=60,  # type: ignore[list-item]
+        tool_choice={"type": "function", "name": "get_weather"}, temperature=0.0,
+    )  # fmt: skip
+    (call,) = called.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    arguments = json.loads(call.arguments)
+    assert set(arguments) == {"city", "unit"} and arguments["unit"] in ("celsius", "fahrenheit")
+
+    # The call's result continues the conversation stored under the first response's id.
+    answered = client.responses.create(
+        model=model, previous_response_id=called.id, max_output_tokens=2, tools=[tool],  # type: ignore[list-item]
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}],
+    )  # fmt: skip
+    assert answered.previous_response_id == called.id
+    arguments_object = {"name": "get_weather", "arguments": arguments}
+    conversation = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": call.call_id, "type": "function", "function": arguments_object},
+        ]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "sunny"},
+    ]  # fmt: skip
+    function = {"name": "get_weather", "parameters": WEATHER_PARAMS}
+    tools = [{"type": "function", "function": function}]
+    assert answered.usage is not None
+    assert answered.usage.input_tokens == template_tokens(model, conversation, tools)
+
+    fmt = {"type": "json_schema", "name": "colour", "schema": COLOUR_SCHEMA, "strict": True}
+    with client.responses.stream(
+        model=model, input="A colour?", text={"format": fmt}, max_output_tokens=30,  # type: ignore[typeddict-item]
+    ) as stream:  # fmt: skip
+        final = stream.get_final_response()
+    assert json.loads(final.output_text)["colour"] in ("red", "green", "blue")
 
 
 def test_a_streamed_message_survives_a_detokenizer_kill(

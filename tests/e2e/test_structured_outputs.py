@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -18,6 +19,10 @@ from transformers import AutoTokenizer
 
 from tests.e2e.conftest import openai_client, server_args
 from tests.e2e.harness import API_KEY, Server, served
+from tests.e2e.test_responses_and_messages_api import (
+    check_messages_forced_tool_use,
+    check_responses_forced_tool_call_and_json_schema,
+)
 
 
 class Pet(BaseModel):
@@ -369,3 +374,15 @@ def test_chat_template_kwargs_reach_the_template(client: openai.OpenAI, model: s
 
     # enable_thinking=False opens the answer with an empty <think></think>, as Qwen3's does.
     assert prompt_tokens(chat_template_kwargs={"enable_thinking": False}) > prompt_tokens()
+
+
+def test_forced_tool_calls_of_the_responses_and_messages_apis(
+    client: openai.OpenAI, server: Server, model: str
+) -> None:
+    """tests/e2e/test_responses_and_messages_api.py's checks that need a grammar, run here, where
+    this module's tests have loaded the grammar backend already (seconds on a server's first)."""
+    with anthropic.Anthropic(
+        base_url=server.url, api_key=API_KEY, timeout=120.0, max_retries=0
+    ) as claude:
+        check_messages_forced_tool_use(claude, model)
+    check_responses_forced_tool_call_and_json_schema(client, model)
