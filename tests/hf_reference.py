@@ -63,19 +63,15 @@ def hf_log_softmax(path: str | Path, prompt_ids: list[int], ours: list[int]) -> 
     return torch.log_softmax(rows, dim=-1)
 
 
-@lru_cache(maxsize=4)
-def hf_base_model(path: str):  # type: ignore[no-untyped-def]
-    from transformers import AutoModel
-
-    return AutoModel.from_pretrained(path, dtype=torch.float32).eval()
-
-
 @torch.inference_mode()
 def hf_embedding(
     path: str | Path, token_ids: list[int], pooling: str, normalize: bool
 ) -> torch.Tensor:
-    """vLLM's pooling of transformers' last_hidden_state (after the final norm): the last
-    token's ("last") or the mean over the prompt ("mean"), L2-normalized if asked."""
-    hidden = hf_base_model(str(path))(torch.tensor([token_ids])).last_hidden_state[0].float()
+    """vLLM's pooling of transformers' last_hidden_state (the base model's output, after the
+    final norm): the last token's ("last") or the mean over the prompt ("mean"), L2-normalized
+    if asked. The base model is the causal LM's own (`.model`, what AutoModel loads), so a
+    checkpoint loaded for logits is not loaded again."""
+    base = hf_model(str(path)).model
+    hidden = base(torch.tensor([token_ids])).last_hidden_state[0].float()
     vector = hidden[-1] if pooling == "last" else hidden.mean(dim=0)
     return torch.nn.functional.normalize(vector, dim=0) if normalize else vector

@@ -24,6 +24,7 @@ from starlette.routing import Route
 from engine.http.adapted_routes import HttpSteps, adapted_api_routes
 from engine.http.chat_page import chat_page_routes
 from engine.http.decoding import decode_request
+from engine.http.embeddings import embedding_routes
 from engine.http.errors import INTERNAL_ERROR_MESSAGE, ApiError, outcome_of
 from engine.http.metrics import CONTENT_TYPE
 from engine.http.operations import (
@@ -58,6 +59,7 @@ def build_app(state: ServerState) -> Starlette:
         *_api_routes(state),
         # /v1/responses and /v1/messages, run as chat requests
         *adapted_api_routes(state, HttpSteps(_check_auth, _read_body, _until_disconnect)),
+        *embedding_routes(state, HttpSteps(_check_auth, _read_body, _until_disconnect)),
         *_probe_routes(state),
         *_token_routes(state),
         *chat_page_routes(state, _check_auth),  # GET /: the chat page, unless --no-ui
