@@ -425,6 +425,8 @@ class Scheduler:
     def _retire(self, seq: SequenceState) -> None:
         """Forget a finished or dropped sample; its request goes when its last sample does."""
         self.planner.remove(seq)
+        if self.speculator is not None:
+            self.speculator.forget(seq.seq_id)
         del self._seqs[seq.seq_id]
         if seq.known_to_workers:
             self._retired_seq_ids.append(seq.seq_id)

@@ -113,6 +113,12 @@ class SpeculationTally:
             self.accepted_per_position[position] += 1
 
 
+# A sequence whose proposals were all rejected proposes nothing for 2, 4, ... up to this many
+# steps: a step verifying k proposals costs more than a plain decode step, so text where lookup
+# keeps missing must not pay that price at every step.
+MAX_PAUSE_STEPS = 32
+
+
 class NgramSpeculator:
     """Proposes tokens for a step's decode chunks and reserves KV blocks for them."""
 
@@ -121,10 +127,18 @@ class NgramSpeculator:
         self.kv = kv
         self.max_model_len = max_model_len
         self.tally = SpeculationTally(config.num_speculative_tokens)
+        self._step = 0
+        self._misses: dict[int, int] = {}  # seq id -> drafts rejected whole in a row
+        self._paused_until: dict[int, int] = {}  # seq id -> the step it may propose again
+
+    def forget(self, seq_id: int) -> None:
+        self._misses.pop(seq_id, None)
+        self._paused_until.pop(seq_id, None)
 
     def plan(self, chunks: list[ScheduledChunk], token_budget: int) -> dict[int, list[int]]:
         """Proposals for the decode chunks among a step's `chunks`, by sequence id, within
         the step's `token_budget` left."""
+        self._step += 1
         proposals: dict[int, list[int]] = {}
         for chunk in chunks:
             seq = chunk.seq
@@ -132,6 +146,8 @@ class NgramSpeculator:
                 break
             if chunk.num_tokens != 1 or chunk.start + 1 != seq.num_tokens:
                 continue  # a prefill chunk, or one that does not end the sequence
+            if self._paused_until.get(seq.seq_id, 0) > self._step:
+                continue
             proposed = self.propose(seq, chunk.start, token_budget)
             if proposed:
                 proposals[seq.seq_id] = proposed
@@ -147,7 +163,16 @@ class NgramSpeculator:
             accepted[seq_id] = min(max(emitted[seq_id] - 1, 0), count)
             if emitted[seq_id]:
                 self.tally.record(count, accepted[seq_id])
+                self._pause_on_miss(seq_id, accepted[seq_id])
         return accepted
+
+    def _pause_on_miss(self, seq_id: int, accepted: int) -> None:
+        if accepted:
+            self._misses.pop(seq_id, None)
+            return
+        misses = self._misses.get(seq_id, 0) + 1
+        self._misses[seq_id] = misses
+        self._paused_until[seq_id] = self._step + min(2**misses, MAX_PAUSE_STEPS)
 
     def propose(self, seq: SequenceState, start: int, budget: int) -> list[int]:
         """Proposals for `seq`'s decode chunk at `start` (its last token), within `budget`

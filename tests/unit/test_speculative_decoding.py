@@ -8,8 +8,8 @@ import msgspec
 import pytest
 import torch
 
-from engine.messages.params import SamplingParams
-from engine.messages.scheduling import SubmitRequest
+from engine.messages.params import SamplingParams, StructuredOutputsParams
+from engine.messages.scheduling import SampleResume, SubmitRequest
 from engine.model.runner import ModelRunner
 from engine.model.sampler import Sampler
 from engine.model.spec_verify import residual_distribution, verify_proposals
@@ -59,7 +59,7 @@ def test_verification_samples_the_target_distribution_and_accepts_with_its_proba
     """Rows of one fixed distribution p, proposal t = token 2, many seeds: the first token out
     is distributed as p (chi-square), t is accepted about p[t] of the time, a rejection draws
     from p without t, and every token equals what the plain sampler draws for that seed."""
-    vocab, draws, proposal = 6, 4000, 2
+    vocab, draws, proposal = 6, 2000, 2
     logits_row = torch.tensor([1.0, 0.2, 0.7, -0.5, 0.0, -1.2])
     p = torch.softmax(logits_row, dim=0)
     params = SamplingParams(temperature=1.0, max_tokens=100)
@@ -102,8 +102,13 @@ def runner() -> ModelRunner:
 
 
 def generate(
-    runner: ModelRunner, requests: dict[str, tuple[list[int], SamplingParams]], speculative: str
+    runner: ModelRunner,
+    requests: dict[str, tuple[list[int], SamplingParams]],
+    speculative: str,
+    resubmit: tuple[str, int] | None = None,
 ) -> tuple[dict[str, list[int]], Scheduler]:
+    """Every request's tokens, run to the end; `resubmit` (request, step): that request comes
+    again in a new epoch after that step, with its tokens so far, as after an actor restart."""
     config = SchedulerConfig(
         num_blocks=runner.num_blocks,
         block_size=runner.block_size,
@@ -115,7 +120,16 @@ def generate(
     for seed, (request_id, (prompt, params)) in enumerate(requests.items()):
         assert scheduler.add(SubmitRequest(request_id, 0, prompt, params, seed + 5)) is None
     tokens: dict[str, list[int]] = {request_id: [] for request_id in requests}
-    for _ in range(400):
+    seeds = {request_id: seed + 5 for seed, request_id in enumerate(requests)}
+    epochs = dict.fromkeys(requests, 0)
+    for step in range(400):
+        if resubmit is not None and step == resubmit[1]:
+            request_id = resubmit[0]
+            prompt, params = requests[request_id]
+            resume = [SampleResume(0, list(tokens[request_id]))]
+            again = SubmitRequest(request_id, 1, prompt, params, seeds[request_id], resume)
+            assert scheduler.add(again) is None
+            epochs[request_id] = 1
         plan = scheduler.schedule()
         if plan is None:
             if not scheduler.has_unfinished_requests:
@@ -123,25 +137,29 @@ def generate(
             continue
         for message in executor.run(plan):
             for item in scheduler.update(message).items:  # type: ignore[arg-type]
-                tokens[item.request_id] += item.new_token_ids
+                if item.epoch == epochs[item.request_id]:
+                    tokens[item.request_id] += item.new_token_ids
     raise AssertionError("not done after 400 steps")
 
 
 def test_speculative_output_is_the_plain_output_token_for_token_in_fewer_steps(
     runner: ModelRunner,
 ) -> None:
-    """A batch mixing a repetitive greedy prompt, a sampled one with a seed, one with logprobs
-    and one whose prompt never repeats: the same tokens as without speculation, and the
-    speculating sequences accept proposals."""
+    """A batch mixing a repetitive greedy prompt, a sampled one with a seed (resubmitted
+    mid-stream, as after a restart), one with logprobs, one held to a regex and one whose
+    prompt never repeats: the same tokens as without speculation, and the speculating
+    sequences accept proposals."""
     phrase = [11, 42, 97, 5, 300, 17, 64, 23]
     requests = {
-        "repeat": (phrase * 4, SamplingParams(temperature=0.0, max_tokens=40)),
-        "sampled": (phrase * 3, SamplingParams(temperature=0.7, max_tokens=30)),
-        "logprobs": (phrase * 2, SamplingParams(temperature=0.0, max_tokens=20, logprobs=2)),
-        "plain": (list(range(100, 140)), SamplingParams(temperature=0.0, max_tokens=20)),
-    }
+        "repeat": (phrase * 4, SamplingParams(temperature=0.0, max_tokens=32)),
+        "sampled": (phrase * 3, SamplingParams(temperature=0.7, max_tokens=20)),
+        "logprobs": (phrase * 2, SamplingParams(temperature=0.0, max_tokens=12, logprobs=2)),
+        "plain": (list(range(100, 140)), SamplingParams(temperature=0.0, max_tokens=12)),
+        "regex": (phrase * 2, SamplingParams(temperature=0.0, max_tokens=16, structured_outputs=(
+            StructuredOutputsParams(regex=r"(cat|dog|bird)( (cat|dog|bird)){30}")))),
+    }  # fmt: skip
     plain, off = generate(runner, requests, "")
-    spec, on = generate(runner, requests, NGRAM)
+    spec, on = generate(runner, requests, NGRAM, resubmit=("sampled", 6))
     assert spec == plain
     assert off.speculator is None and on.speculator is not None
     tally = on.speculator.tally
