@@ -47,7 +47,7 @@ class ToolChoice(msgspec.Struct, kw_only=True):
 
 
 class MessagesRequest(msgspec.Struct, kw_only=True):
-    model: str | None = None
+    model: str  # required, as in Anthropic's API
     messages: list[MessageIn]
     max_tokens: Count
     system: str | list[TextBlock] | None = None
