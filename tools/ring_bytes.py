@@ -44,18 +44,30 @@ def _traffic(engine: AsyncLLM) -> dict[str, int]:
     return totals
 
 
+async def _settled_traffic(engine: AsyncLLM) -> dict[str, int]:
+    """The counts once every actor has reported all it wrote: each reports them with its
+    heartbeat (runtime.heartbeat_interval), so they are read until two heartbeats add nothing."""
+    interval = engine.settings.runtime.heartbeat_interval
+    last = _traffic(engine)
+    for _ in range(20):
+        await asyncio.sleep(2 * interval)
+        now = _traffic(engine)
+        if now == last:
+            return now
+        last = now
+    raise RuntimeError("the ring counts kept changing: is something else using the engine?")
+
+
 async def _per_request(
     engine: AsyncLLM, prompts: list[list[int]] | list[str], params: SamplingParams
 ) -> tuple[dict[str, float], int]:
     """Bytes per request by ring for these prompts, and the mean prompt length in tokens."""
-    await asyncio.sleep(0.5)  # let the last report of the previous kind go out
-    before = _traffic(engine)
+    before = await _settled_traffic(engine)
     prompt_tokens = 0
     for prompt in prompts:
         output = await engine.complete(prompt, params)
         prompt_tokens += len(output.prompt_token_ids)
-    await asyncio.sleep(0.5)
-    after = _traffic(engine)
+    after = await _settled_traffic(engine)
     count = len(prompts)
     per_ring = {ring: (after[ring] - before.get(ring, 0)) / count for ring in sorted(after)}
     per_ring["requests"] = sum(map(_request_bytes, prompts)) / count
