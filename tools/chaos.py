@@ -23,6 +23,11 @@ undisturbed count), faults by kind and victim, hung actors never replaced, resta
 and recovery time per fault: from the fault until every stream then in flight has received its
 next token (p50 / p99 over faults, and by kind of fault and actor).
 
+Equality with the undisturbed run holds only where outputs do not depend on batching: the real
+default model's do, and it mismatches between two undisturbed runs too (`--faults 0`
+shows that baseline), so serve it with --deterministic (batch-invariant kernels) to judge
+faults by mismatches.
+
 The server's restart intensity (runtime.restart_intensity restarts within
 runtime.restart_period seconds, default 5 in 60 s) must allow the fault rate, as above (--launch
 sets it); the backoff between restarts grows with restarts inside the period, so a short period
