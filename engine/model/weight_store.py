@@ -44,6 +44,9 @@ log = logging.getLogger(__name__)
 SHM_DIR = "/dev/shm"
 MAGIC = b"engwts01"
 ALIGNMENT = 64
+# The store takes at most this share of the free space (less the engine segments' untouched
+# claims): what the store takes, nothing else of the run or of other runs can have.
+MAX_FREE_SHARE = 0.5
 _HEADER = struct.Struct("<8sQ")
 _DTYPES: dict[str, torch.dtype] = {
     str(dtype).removeprefix("torch."): dtype
@@ -111,6 +114,17 @@ class StoreSlot:
         """Store `weights` for the successors (unless a peer stored the same already) and
         return them mapped from the segment, so the caller can drop its own copies."""
         if not os.path.exists(self.path):
+            size = _stored_bytes(weights)
+            free = _free_bytes(os.path.dirname(self.path))
+            if size > free * MAX_FREE_SHARE:
+                log.warning(
+                    "weights not stored for restarts: %.1f MiB would take over half of the "
+                    "%.1f MiB free in %s (less the untouched parts of engine segments)",
+                    size / 2**20,
+                    free / 2**20,
+                    os.path.dirname(self.path),
+                )
+                return weights
             try:
                 _write(self.path, self.identity, weights)
             except OSError as exc:  # no room in /dev/shm: restarts read the checkpoint again
@@ -125,6 +139,25 @@ class StoreSlot:
             if entry == name or (entry.startswith(name + ".") and entry.endswith(".tmp")):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(os.path.join(directory, entry))
+
+
+def _stored_bytes(weights: LoadedWeights) -> int:
+    tensors = [*weights.params.values(), *(packed.data for packed in weights.packed.values())]
+    return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+
+
+def _free_bytes(directory: str) -> int:
+    """Free space in `directory`, less what engine segments there have claimed and not yet
+    touched (sparse files: their pages take room only when written)."""
+    stats = os.statvfs(directory)
+    claimed = 0
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            if entry.name.startswith("engine-"):
+                with contextlib.suppress(OSError):
+                    info = entry.stat(follow_symlinks=False)
+                    claimed += max(0, info.st_size - info.st_blocks * 512)
+    return max(0, stats.f_bavail * stats.f_frsize - claimed)
 
 
 def _write(path: str, identity: str, weights: LoadedWeights) -> None:
