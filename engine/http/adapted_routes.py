@@ -24,6 +24,7 @@ from engine.http.errors import INTERNAL_ERROR_MESSAGE, ApiError, outcome_of
 from engine.http.messages_api import MessagesAdapter, messages_error_body
 from engine.http.operations import take_client_request_id
 from engine.http.parsing import PreparedRequest, parse_chat
+from engine.http.recording import RequestRecording
 from engine.http.response_store import ResponseStore
 from engine.http.responses_api import ResponsesAdapter
 from engine.http.runs import RequestRun
@@ -123,6 +124,8 @@ async def serve_adapted(
         raise
     api_id = adapter.id_prefix + prepared.request_id.partition("-")[2]
     run = RequestRun(state, prepared, endpoint, body)
+    if run.recording is not None:  # the trace holds the chat request it ran as: replayable
+        run.recording = RequestRecording("chat_completions", adapter.chat_body, run.arrival_wall)
     run.trace_headers = trace_headers(request.headers)
     headers = {"X-Request-Id": run.key}
     if adapter.stream:

@@ -181,6 +181,17 @@ def test_messages_text_streamed_and_not(claude: anthropic.Anthropic, server: Ser
     assert streamed.usage.input_tokens == whole.usage.input_tokens
     assert streamed.usage.output_tokens == whole.usage.output_tokens
 
+    # The recorded trace holds the chat request it ran as, which `engine replay` can send again.
+    request_id = "chatcmpl-" + whole.id.removeprefix("msg_")
+
+    def recorded() -> list[dict[str, Any]]:
+        lines = server.extra["trace"].read_text().split("\n")[:-1]  # whole lines only
+        return [r for r in map(json.loads, lines) if r["request_id"] == request_id]
+
+    (record,) = wait_until(recorded, timeout=10)
+    assert record["endpoint"] == "chat_completions"
+    assert record["body"]["messages"][-1] == {"role": "user", "content": "Say something."}
+
 
 def test_messages_errors_have_anthropics_shape(claude: anthropic.Anthropic, server: Server) -> None:
     with pytest.raises(anthropic.BadRequestError) as bad:
