@@ -26,7 +26,10 @@ import pytest_asyncio
 from engine import AsyncLLM, EngineError, SamplingParams
 from engine.actors.runtime.doorbell import default_doorbell_dir
 from engine.actors.runtime.stopped import STOPPED_FROM_OUTSIDE
+from engine.embeddings import embed
 from engine.llm import build_settings
+from engine.messages.params import PoolingParams
+from engine.outputs import EmbeddingRequestOutput
 from engine.testing.fault_injection import FAULT_INJECTION_ENV
 from tests.checkpoints import tiny_checkpoint
 
@@ -39,6 +42,10 @@ SLOW_STEP_S = 5.0  # longer than the heartbeat timeout below
 STREAMS = 8
 MAX_TOKENS = 300
 WAIT_S = 180.0  # any wait here; a restart takes seconds on a busy machine
+EMBEDDINGS = [  # a mean over a long prompt, the last token's hidden state of a short one
+    ([(7 * i) % 400 + 3 for i in range(450)], PoolingParams(pooling_type="MEAN")),
+    ([9, 4, 33, 120, 5], PoolingParams(pooling_type="LAST", normalize=False)),
+]
 
 
 @dataclass(frozen=True)
@@ -208,20 +215,32 @@ async def note_pids_all_along(state: Shared) -> None:
         await asyncio.sleep(0.02)
 
 
-async def disturb_under_load(shared: Shared, disturb) -> list[Outcome]:  # type: ignore[no-untyped-def]
+async def disturb_under_load(  # type: ignore[no-untyped-def]
+    shared: Shared, disturb, embedded: list[EmbeddingRequestOutput] | None = None
+) -> list[Outcome]:
     """Run the workload, call `disturb()` once every stream has tokens, then submit one more
-    request (it reaches whatever is down, or restarting); every outcome, the late one last."""
+    request (it reaches whatever is down, or restarting); every outcome, the late one last.
+    `embedded`: the EMBEDDINGS requests are also submitted, unanswered, as `disturb()` runs;
+    their outputs go there."""
     engine = shared.engine
     jobs = workload()
     progress = [0] * (STREAMS + 1)
     streams = asyncio.ensure_future(run_all(engine, jobs, progress))
+    embeddings = None
     try:
         await wait_for(lambda: min(progress[:STREAMS]) >= 20, "every stream under way")
+        if embedded is not None:
+            embeddings = asyncio.gather(*(embed(engine, *job) for job in EMBEDDINGS))
+            await asyncio.sleep(0)  # each registers and submits its request, then awaits
         disturb()
         late = await asyncio.wait_for(run_job(engine, jobs[0], progress, STREAMS), WAIT_S)
         outcomes = await streams
+        if embeddings is not None and embedded is not None:
+            embedded += await asyncio.wait_for(embeddings, WAIT_S)
     finally:
         streams.cancel()
+        if embeddings is not None:
+            embeddings.cancel()
     return [*outcomes, late]
 
 
@@ -236,10 +255,19 @@ async def test_sigkill_under_load_every_stream_completes_as_if_undisturbed(
     shared: Shared, victim: str
 ) -> None:
     engine = shared.engine
+    # Embeddings in flight when a worker dies recompute (a mean from the prompt's first token).
+    embedded: list[EmbeddingRequestOutput] | None = [] if victim == "worker0" else None
+    undisturbed = [await embed(engine, *job) for job in EMBEDDINGS] if embedded is not None else []
     before = actor(engine, victim)
     resubmitted = engine.gateway.resubmissions
-    outcomes = await disturb_under_load(shared, lambda: os.kill(before.pid, signal.SIGKILL))
+    outcomes = await disturb_under_load(
+        shared, lambda: os.kill(before.pid, signal.SIGKILL), embedded
+    )
     assert outcomes == [*shared.reference, shared.reference[0]]
+    for ours, reference in zip(embedded or [], undisturbed, strict=True):
+        assert ours.outputs.embedding == pytest.approx(reference.outputs.embedding, abs=1e-5)
+    if embedded is not None:  # the streams and the embeddings went again
+        assert engine.gateway.resubmissions >= resubmitted + STREAMS + len(EMBEDDINGS)
     after = actor(engine, victim)
     assert after.restarts > before.restarts and after.pid != before.pid
     assert "SIGKILL" in after.last_restart_reason
