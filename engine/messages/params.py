@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import msgspec
@@ -51,6 +52,7 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 POOLING_TYPES = ("LAST", "MEAN")
+POOLER_CONFIG_KEYS = ("pooling_type", "normalize")  # what model.pooler_config may set
 
 
 class PoolingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -60,6 +62,29 @@ class PoolingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     pooling_type: str = "LAST"
     normalize: bool = True  # scaled to unit length (L2), as vLLM's default for embeddings
+
+    @classmethod
+    def from_config(cls, text: str) -> PoolingParams:
+        """model.pooler_config: '' (LAST, normalized) or vLLM's JSON, e.g. '{"pooling_type":
+        "MEAN", "normalize": true}'; ValueError saying what is wrong."""
+        if not text.strip():
+            return cls()
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"must be a JSON object: {exc}") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"must be a JSON object, got {text!r}")
+        unknown = sorted(set(raw) - set(POOLER_CONFIG_KEYS))
+        if unknown:
+            raise ValueError(f"has unknown key(s) {unknown}; known: {list(POOLER_CONFIG_KEYS)}")
+        kind = raw.get("pooling_type", "LAST")
+        if not isinstance(kind, str) or kind.upper() not in POOLING_TYPES:
+            raise ValueError(f"pooling_type must be one of {list(POOLING_TYPES)}, got {kind!r}")
+        normalize = raw.get("normalize", True)
+        if not isinstance(normalize, bool):
+            raise ValueError(f"normalize must be true or false, got {normalize!r}")
+        return cls(pooling_type=kind.upper(), normalize=normalize)
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -27,7 +27,6 @@ from engine.request.defaults import (
     load_generation_defaults,
     with_defaults,
 )
-from engine.request.embeddings import parse_pooler_config
 from engine.request.limits import check_params, check_prompt_size, check_queue
 from engine.request.prompts import Prompt, chat_messages, split_prompt
 from engine.settings import Settings
@@ -68,7 +67,7 @@ class RequestPolicy:
             max_queued_samples=settings.scheduler.max_queued_samples,
             generation_defaults=load_generation_defaults(model.generation_config, model_path),
             chat_template=load_chat_template(model.chat_template),
-            pooling=parse_pooler_config(model.pooler_config),
+            pooling=PoolingParams.from_config(model.pooler_config),
         )
 
     def default_params(self) -> SamplingParams:

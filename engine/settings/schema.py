@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
+from engine.messages.params import PoolingParams
 from engine.settings.kv_transfer_schema import KvTransferSettings, kv_transfer_problems
 from engine.settings.section import BYTES_UNIT
 from engine.settings.section import Section as _Section
@@ -352,4 +353,8 @@ def cross_field_problems(settings: Settings) -> list[tuple[str, str]]:
             f"must be auto or torch with model.deterministic (its batch-invariant kernels are "
             f"torch's), got {model.kernel_backend}",
         ))  # fmt: skip
+    try:
+        PoolingParams.from_config(model.pooler_config)
+    except ValueError as exc:
+        problems.append(("model.pooler_config", str(exc)))
     return problems + kv_transfer_problems(settings)
