@@ -258,26 +258,9 @@ class Scheduler:
                 seq.needs_announce = False
                 seq.known_to_workers = True
                 seq.blocks_sent = 0
-            end = chunk.start + chunk.num_tokens
-            sample = end == seq.num_tokens
-            if sample:
+            planned.append(_planned_chunk(chunk, proposals.get(seq.seq_id, [])))
+            if planned[-1].sample:
                 sampled.add(seq.seq_id)
-            block_ids = seq.block_table.block_ids
-            # The ranks have the prompt (NewRequest): its tokens are named, not sent again.
-            from_prompt = max(min(end, seq.num_prompt_tokens) - chunk.start, 0)
-            extra = proposals.get(seq.seq_id, [])
-            planned.append(
-                PlannedChunk(
-                    seq.seq_id,
-                    seq.token_ids[chunk.start + from_prompt : end] + extra,
-                    chunk.start,
-                    block_ids[seq.blocks_sent :],
-                    sample,
-                    from_prompt,
-                    len(extra),
-                )
-            )
-            seq.blocks_sent = len(block_ids)
         plan = StepPlan(
             step_id,
             new_requests,
@@ -452,6 +435,27 @@ class Scheduler:
 def _pooled(result: StepResult, seq_id: int) -> bytes | None:
     """An embedding request's vector, from the step that ended its prompt."""
     return next((v.values for v in result.embeddings or () if v.seq_id == seq_id), None)
+
+
+def _planned_chunk(chunk: ScheduledChunk, proposed: list[int]) -> PlannedChunk:
+    """A chunk as the ranks get it (`proposed`: tokens to verify after it); the blocks it
+    names count as sent."""
+    seq = chunk.seq
+    end = chunk.start + chunk.num_tokens
+    block_ids = seq.block_table.block_ids
+    # The ranks have the prompt (NewRequest): its tokens are named, not sent again.
+    from_prompt = max(min(end, seq.num_prompt_tokens) - chunk.start, 0)
+    planned = PlannedChunk(
+        seq.seq_id,
+        seq.token_ids[chunk.start + from_prompt : end] + proposed,
+        chunk.start,
+        block_ids[seq.blocks_sent :],
+        end == seq.num_tokens,  # it reaches the sequence's end: sample
+        from_prompt,
+        len(proposed),
+    )
+    seq.blocks_sent = len(block_ids)
+    return planned
 
 
 def failed(request_id: str, epoch: int, status: int, message: str, actor: str) -> RequestFailed:
