@@ -188,6 +188,7 @@ def _submission(request: GenerateRequest, token_ids: list[int]) -> SubmitRequest
         resume=request.resume,
         kv_handoff=request.kv_handoff,
         kv_source=request.kv_source,
+        prompt_from_text=request.prompt_token_ids is None,
     )
 
 
@@ -217,7 +218,6 @@ def _input_error(exc: Exception) -> bool:
     messages (jinja2's errors, raised from the template itself)."""
     if isinstance(exc, ValueError | TypeError | LookupError):
         return True
-        prompt_from_text=request.prompt_token_ids is None,
     return any(cls.__module__.startswith("jinja2") for cls in type(exc).__mro__)
 
 
