@@ -94,14 +94,15 @@ async def bench_ours(args: argparse.Namespace) -> dict[str, dict[str, list[float
         )
         engines[name] = AsyncLLM(with_resolved_model(settings))
         await engines[name].start()
-    rates: dict[str, dict[str, list[float]]] = {p: {"plain": [], "ngram": []} for p in PROMPTS}
-    drafts = {p: {"drafts": 0, "proposed": 0, "accepted": 0} for p in PROMPTS}
-    steps = {p: {"plain": 0, "ngram": 0} for p in PROMPTS}
-    tokens = {p: {"plain": 0, "ngram": 0} for p in PROMPTS}
+    chosen = {name: PROMPTS[name] for name in args.prompts}
+    rates: dict[str, dict[str, list[float]]] = {p: {"plain": [], "ngram": []} for p in chosen}
+    drafts = {p: {"drafts": 0, "proposed": 0, "accepted": 0} for p in chosen}
+    steps = {p: {"plain": 0, "ngram": 0} for p in chosen}
+    tokens = {p: {"plain": 0, "ngram": 0} for p in chosen}
     try:
         for round_index in range(args.rounds + 1):  # round 0 warms up, not counted
             order = ["plain", "ngram"] if round_index % 2 == 0 else ["ngram", "plain"]
-            for prompt, (_, text) in PROMPTS.items():
+            for prompt, (_, text) in chosen.items():
                 outputs = {}
                 for name in order:
                     before = await _counts(engines[name])
@@ -166,12 +167,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--llama-server", action="store_true")
+    parser.add_argument("--prompts", nargs="+", choices=list(PROMPTS), default=list(PROMPTS))
     args = parser.parse_args()
     report(asyncio.run(bench_ours(args)))
     if args.llama_server:
         from tools.bench_speculative_llamacpp import bench_llama_server
 
-        bench_llama_server(args, PROMPTS, _llama_gguf(args.model))
+        chosen = {name: PROMPTS[name] for name in args.prompts}
+        bench_llama_server(args, chosen, _llama_gguf(args.model))
 
 
 def _llama_gguf(model: str | None) -> str:
