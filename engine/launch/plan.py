@@ -41,6 +41,7 @@ from engine.actors.worker_config import WorkerConfig
 from engine.launch.pd_plan import cache_segment, kv_transfer_parts, replica_roles
 from engine.launch.sizing import (
     check_parallel,
+    check_pd_device,
     kernel_backend_of,
     kv_cache_bytes,
     log_memory,
@@ -171,11 +172,7 @@ def plan_engine(settings: Settings, model_path: str) -> EnginePlan:
         engine_home=str(resolve_home(settings)),
     )
     roles = replica_roles(settings)
-    if any(role != "both" for role in roles) and device_type(device) != "cpu":
-        raise ValueError(
-            f"P/D disaggregation runs on the CPU only for now (its KV cache is shared with the "
-            f"kv_transfer actor through shared memory); model.device is {device}"
-        )
+    check_pd_device(roles, device)
     specs = tuple(
         _replica_spec(settings, placement, replica, worker, scheduler, config, role)
         for replica, role in enumerate(roles)

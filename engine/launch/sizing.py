@@ -56,6 +56,15 @@ def check_parallel(settings: Settings, config: ModelConfig) -> Placement:
     return placement
 
 
+def check_pd_device(roles: tuple[str, ...], device: str) -> None:
+    """P/D replicas (`roles` other than "both") only where they can run."""
+    if any(role != "both" for role in roles) and device_type(device) != "cpu":
+        raise ValueError(
+            f"P/D disaggregation runs on the CPU only for now (its KV cache is shared with the "
+            f"kv_transfer actor through shared memory); model.device is {device}"
+        )
+
+
 def threads_per_rank(settings: Settings, device: str, placement: Placement) -> ThreadPolicy | None:
     """torch threads of each worker rank, per step; None on a GPU (torch's own default)."""
     if device_type(device) != "cpu":
