@@ -52,8 +52,9 @@ from engine.messages.scheduling import (
     ToScheduler,
 )
 from engine.messages.steps import STEP_RESULTS, StepPlan, StepResult
+from engine.scheduler.admission import failed
 from engine.scheduler.config import SchedulerConfig
-from engine.scheduler.scheduler import Scheduler, failed
+from engine.scheduler.scheduler import Scheduler
 from engine.scheduler.step_times import StepTimes
 from engine.text.detokenizer import text_start
 

@@ -8,9 +8,11 @@ resubmission resumes), with the same rules and words.
 
 from __future__ import annotations
 
+from engine.messages.failures import RequestFailed
 from engine.messages.scheduling import SubmitRequest
 from engine.outputs import EngineError
 from engine.request.limits import check_prompt_length
+from engine.scheduler.requests import Request
 
 # What one prompt token's logprobs may take in a message, text included (a generous bound: id,
 # logprob and token text for the token and each alternative).
@@ -48,3 +50,21 @@ def rejection_reason(
         if len(set(indices)) != len(indices):
             return f"resume lists a sample index twice: {sorted(indices)}"
     return None
+
+
+def announcement_too_large(request: Request, room: int) -> str | None:
+    """Why `request` cannot be sent to the workers: a plan must carry it with a sequence's
+    history and block table beside it, in `room` bytes."""
+    if request.announcement_bytes <= room:
+        return None
+    return (
+        f"the request's prompt and sampling parameters take {request.announcement_bytes} "
+        f"bytes to send to the workers, more than a step may carry "
+        f"({room}): shorten the prompt or stop_token_ids"
+    )
+
+
+def failed(request_id: str, epoch: int, status: int, message: str, actor: str) -> RequestFailed:
+    return RequestFailed(
+        request_id=request_id, epoch=epoch, status=status, message=message, actor=actor
+    )

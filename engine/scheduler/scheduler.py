@@ -19,7 +19,6 @@ from engine.kv.block_manager import BlockManager
 from engine.messages.failures import RequestFailed
 from engine.messages.kv_transfer import KvSource
 from engine.messages.scheduling import (
-    FirstScheduled,
     RequestStatus,
     SampleDelta,
     SchedulerStats,
@@ -27,14 +26,15 @@ from engine.messages.scheduling import (
     SubmitRequest,
     TokenBatch,
 )
-from engine.messages.steps import NewRequest, NewSeq, PlannedChunk, StepPlan, StepResult
-from engine.scheduler.admission import rejection_reason
+from engine.messages.steps import NewRequest, NewSeq, StepPlan, StepResult
+from engine.scheduler.admission import announcement_too_large, failed, rejection_reason
 from engine.scheduler.config import SchedulerConfig
 from engine.scheduler.kv_handoff import KvTransfer
 from engine.scheduler.policy import BatchPlanner, ScheduledChunk
 from engine.scheduler.reporting import request_statuses, scheduler_stats
 from engine.scheduler.requests import Request, SequenceState
 from engine.scheduler.speculation import NgramSpeculator, parse_speculative_config
+from engine.scheduler.step_parts import planned_chunk, sample_delta
 from engine.scheduler.stopping import finish_reason
 
 log = logging.getLogger(__name__)
@@ -100,12 +100,8 @@ class Scheduler:
         existing = self._requests.get(submit.request_id)
         if existing is not None:
             if submit.epoch <= existing.epoch:
-                log.warning(
-                    "ignoring request %s epoch %d: epoch %d is already queued",
-                    submit.request_id,
-                    submit.epoch,
-                    existing.epoch,
-                )
+                log.warning("ignoring request %s epoch %d: epoch %d is already queued",
+                            submit.request_id, submit.epoch, existing.epoch)  # fmt: skip
                 return None
             self._drop_request(existing)
         reason = rejection_reason(
@@ -127,14 +123,8 @@ class Scheduler:
         )
         self._next_request_key += 1
         request.kv_handoff = submit.kv_handoff if submit.params.n == 1 else ""
-        # A plan must carry the request with a sequence's history and block table beside it.
-        room = self.config.max_plan_bytes // 2
-        if request.announcement_bytes > room:
-            reason = (
-                f"the request's prompt and sampling parameters take {request.announcement_bytes} "
-                f"bytes to send to the workers, more than a step may carry "
-                f"({room}): shorten the prompt or stop_token_ids"
-            )
+        reason = announcement_too_large(request, self.config.max_plan_bytes // 2)
+        if reason is not None:
             return failed(submit.request_id, submit.epoch, 400, reason, "scheduler")
         self._queue_samples(request, submit)
         return None
@@ -258,7 +248,7 @@ class Scheduler:
                 seq.needs_announce = False
                 seq.known_to_workers = True
                 seq.blocks_sent = 0
-            planned.append(_planned_chunk(chunk, proposals.get(seq.seq_id, [])))
+            planned.append(planned_chunk(chunk, proposals.get(seq.seq_id, [])))
             if planned[-1].sample:
                 sampled.add(seq.seq_id)
         plan = StepPlan(
@@ -334,20 +324,8 @@ class Scheduler:
             seq.token_ids.append(result.token_ids[position])
             reason = finish_reason(seq, self._eos_token_ids, self.config.max_model_len)
             handoff = self._hand_off(seq, reason) if seq.request.kv_handoff else None
-            wants_logprobs = logprobs is not None and seq.params.logprobs is not None
             items.append(
-                SampleDelta(
-                    seq.request.request_id,
-                    seq.request.epoch,
-                    seq.index,
-                    [result.token_ids[position]],
-                    [logprobs[position]] if wants_logprobs and logprobs is not None else None,
-                    reason,
-                    self._first_report(seq.request),
-                    seq.request.take_prompt_scores(),
-                    handoff,
-                    _pooled(result, seq_id),
-                )
+                sample_delta(seq, result, position, logprobs, reason, handoff, self.clock())
             )
             if reason is not None or handoff is not None:
                 self._retire(seq)
@@ -364,17 +342,6 @@ class Scheduler:
             request.request_id, request.epoch, seq.block_table.block_ids,
             request.prompt_token_ids,
         )  # fmt: skip
-
-    def _first_report(self, request: Request) -> FirstScheduled | None:
-        if request.first_reported or request.first_scheduled is None:
-            return None
-        request.first_reported = True
-        now = self.clock()
-        return FirstScheduled(
-            request.num_cached_tokens,
-            request.first_scheduled - request.arrival,
-            now - request.first_scheduled,
-        )
 
     def take_outputs(self) -> TokenBatch | None:
         """Finishes decided outside a step (by `add`), if any; `update` includes them too."""
@@ -430,35 +397,3 @@ class Scheduler:
         if request.known_to_workers:
             request.known_to_workers = False
             self._retired_request_keys.append(request.key)
-
-
-def _pooled(result: StepResult, seq_id: int) -> bytes | None:
-    """An embedding request's vector, from the step that ended its prompt."""
-    return next((v.values for v in result.embeddings or () if v.seq_id == seq_id), None)
-
-
-def _planned_chunk(chunk: ScheduledChunk, proposed: list[int]) -> PlannedChunk:
-    """A chunk as the ranks get it (`proposed`: tokens to verify after it); the blocks it
-    names count as sent."""
-    seq = chunk.seq
-    end = chunk.start + chunk.num_tokens
-    block_ids = seq.block_table.block_ids
-    # The ranks have the prompt (NewRequest): its tokens are named, not sent again.
-    from_prompt = max(min(end, seq.num_prompt_tokens) - chunk.start, 0)
-    planned = PlannedChunk(
-        seq.seq_id,
-        seq.token_ids[chunk.start + from_prompt : end] + proposed,
-        chunk.start,
-        block_ids[seq.blocks_sent :],
-        end == seq.num_tokens,  # it reaches the sequence's end: sample
-        from_prompt,
-        len(proposed),
-    )
-    seq.blocks_sent = len(block_ids)
-    return planned
-
-
-def failed(request_id: str, epoch: int, status: int, message: str, actor: str) -> RequestFailed:
-    return RequestFailed(
-        request_id=request_id, epoch=epoch, status=status, message=message, actor=actor
-    )
