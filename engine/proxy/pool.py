@@ -4,7 +4,8 @@ Plain state without I/O (the proxy's app and its prober drive it), so the choice
 are tested without servers. An instance goes down after `down_after` failures in a row (failed
 probes of its /ready, and requests it left without a first byte) or at once when nothing listens
 at its address; it is up again at the first probe that answers 200. A down instance is never
-chosen, and what waits on it is told (`watch_down`) so that it can move elsewhere.
+chosen, and what waits on it is told (`watch_down`) so that it can move elsewhere, unless it
+still answers probes (a 503 while draining or restarting an actor): then it finishes them.
 """
 
 from __future__ import annotations
@@ -88,27 +89,32 @@ class InstancePool:
         self._next[role] = chosen + 1
         return members[chosen]
 
-    def mark_down(self, instance: Instance, reason: str, now: float | None = None) -> bool:
+    def mark_down(
+        self, instance: Instance, reason: str, now: float | None = None, *, cut_waiting: bool = True
+    ) -> bool:
         """Mark `instance` down; True if it was up (its first failure since it came back).
-        Whatever watches it (`watch_down`) is told."""
+        Whatever watches it (`watch_down`) is told, unless not `cut_waiting` (it is alive and
+        finishes what it has; it only takes no new requests)."""
         instance.last_error = reason
         if not instance.up:
             return False
         instance.up = False
         instance.down_since = time.time() if now is None else now
         instance.failures += 1
-        for told in list(instance.down_watchers):
+        for told in list(instance.down_watchers) if cut_waiting else ():
             told()
         return True
 
-    def strike(self, instance: Instance, reason: str, now: float | None = None) -> bool:
+    def strike(
+        self, instance: Instance, reason: str, now: float | None = None, *, cut_waiting: bool = True
+    ) -> bool:
         """One failure that may be passing (a probe or a first byte that timed out): down at
         the `down_after`-th in a row. True if this one took it down."""
         instance.strikes += 1
         instance.last_error = reason
         if instance.strikes < self.down_after:
             return False
-        return self.mark_down(instance, reason, now)
+        return self.mark_down(instance, reason, now, cut_waiting=cut_waiting)
 
     def mark_up(self, instance: Instance) -> None:
         """A good probe: up (again), its strikes forgotten."""

@@ -192,33 +192,50 @@ async def relay_rest(
         yield chunk
 
 
-async def probe(client: httpx.AsyncClient, instance: Instance, timeout: float) -> str | None:
-    """None if the instance can take requests now, else why not. Our instances answer /ready
-    (503 while draining or restarting an actor, when /health still says 200: taken back then,
-    a draining instance would fail every request sent to it); others, /health."""
+@dataclass(frozen=True)
+class Verdict:
+    """A probe's finding: `why` the instance cannot take requests now (None: it can), and
+    whether it answered at all. An instance that answers 503 is alive (draining, or restarting
+    an actor): it finishes what it has, so only new requests must go elsewhere."""
+
+    why: str | None
+    answered: bool = True
+
+
+async def probe(client: httpx.AsyncClient, instance: Instance, timeout: float) -> Verdict:
+    """Whether the instance can take requests now. Our instances answer /ready (503 while
+    draining or restarting an actor, when /health still says 200: taken back then, a draining
+    instance would fail every request sent to it); others, /health."""
     try:
         async with asyncio.timeout(timeout):
             response = await client.get(instance.url + "/ready", timeout=timeout)
             if response.status_code == 404:
                 response = await client.get(instance.url + "/health", timeout=timeout)
     except TimeoutError:
-        return f"no answer to a probe within {timeout:g} s"
+        return Verdict(f"no answer to a probe within {timeout:g} s", answered=False)
     except httpx.HTTPError as e:
-        return _why(e)
+        return Verdict(_why(e), answered=False)
     if response.status_code == 200:
-        return None
-    return f"{response.url.path} answered {response.status_code}"
+        return Verdict(None)
+    return Verdict(f"{response.url.path} answered {response.status_code}")
 
 
-def judge(pool: InstancePool, instance: Instance, why: str | None, *, at_once: bool) -> None:
+def judge(pool: InstancePool, instance: Instance, verdict: Verdict, *, at_once: bool) -> None:
     """Mark `instance` by a probe's verdict: up at the first good one (a down instance is
-    always probed: half-open), down at once (`at_once`) or after `pool.down_after` in a row."""
+    always probed: half-open), down at once (`at_once`) or after `pool.down_after` in a row.
+    Requests waiting on it are cut (to move elsewhere) only if it did not answer: one that
+    answers finishes them, whatever happens to the actors inside it."""
+    why = verdict.why
     if why is None:
         if not instance.up:
             log.info("%s instance %s is up again", instance.role.value, instance.url)
         pool.mark_up(instance)
         return
-    went = pool.mark_down(instance, why) if at_once else pool.strike(instance, why)
+    cut = not verdict.answered
+    if at_once:
+        went = pool.mark_down(instance, why, cut_waiting=cut)
+    else:
+        went = pool.strike(instance, why, cut_waiting=cut)
     if went:
         log.warning("%s instance %s is down: %s", instance.role.value, instance.url, why)
 
@@ -229,8 +246,8 @@ async def probe_all(
     """Probe `instances` at once; mark each up or down by its answer (the check at start: an
     instance not ready yet is down until it is)."""
     verdicts = await asyncio.gather(*(probe(client, i, timeout) for i in instances))
-    for instance, why in zip(instances, verdicts, strict=True):
-        judge(pool, instance, why, at_once=True)
+    for instance, verdict in zip(instances, verdicts, strict=True):
+        judge(pool, instance, verdict, at_once=True)
 
 
 async def probe_forever(

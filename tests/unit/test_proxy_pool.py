@@ -9,6 +9,7 @@ from collections import Counter
 import pytest
 
 from engine.proxy.pool import InstancePool, NoInstanceUp, Role
+from engine.proxy.upstream import Verdict, judge
 
 P1, P2 = "http://p1:8000", "http://p2:8000"
 D1, D2, D3 = "http://d1:8000", "http://d2:8000", "http://d3:8000"
@@ -118,3 +119,28 @@ def test_what_waits_on_an_instance_is_told_when_it_goes_down() -> None:
     instances.mark_down(d1, "ConnectError")  # no longer watched
     assert told == ["down"]
     assert not d1.down_watchers
+
+
+@pytest.mark.parametrize(
+    ("verdict", "waiting_cut"),
+    [
+        (Verdict("/ready answered 503"), False),  # alive: draining or restarting an actor
+        (Verdict("no answer to a probe within 1 s", answered=False), True),  # hung, or gone
+    ],
+)
+def test_an_instance_that_still_answers_finishes_what_waits_on_it(
+    verdict: Verdict, waiting_cut: bool
+) -> None:
+    """Probes that fail take an instance out of rotation either way; the streams waiting on it
+    are cut (to go elsewhere) only when it stopped answering. An instance answering 503 while
+    one of its actors restarts resumes its requests itself: cutting them loses them."""
+    instances = pool()
+    d1 = instances.of_role(Role.DECODE)[0]
+    told: list[bool] = []
+    with instances.watch_down(d1, lambda: told.append(True)):
+        for _ in range(instances.down_after):
+            judge(instances, d1, verdict, at_once=False)
+    assert not d1.up and instances.choose(Role.DECODE) is not d1
+    assert told == ([True] if waiting_cut else [])
+    judge(instances, d1, Verdict(None), at_once=False)
+    assert d1.up
