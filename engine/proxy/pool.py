@@ -32,6 +32,9 @@ class Instance:
     outstanding: int = 0  # requests sent to it that have not finished yet
     failures: int = 0  # times it was marked down
     strikes: int = 0  # failures in a row since its last good probe
+    # Its last probe got an answer (a 503 while it drains or restarts an actor): alive, and the
+    # choice of last resort when no instance of its role is up.
+    answering: bool = True
     down_watchers: set[Callable[[], None]] = field(default_factory=set, repr=False)
 
     def describe(self) -> str:
@@ -75,11 +78,14 @@ class InstancePool:
 
     def choose(self, role: Role, exclude: Iterable[Instance] = ()) -> Instance:
         """The live instance of `role` with the fewest outstanding requests; among equals, the
-        first at or after the round-robin cursor, so equal instances take turns. Raises
-        NoInstanceUp when there is none (the excluded ones, already tried, do not count)."""
+        first at or after the round-robin cursor, so equal instances take turns. With none up,
+        one that still answers its probes. Raises NoInstanceUp when there is none (the
+        excluded ones, already tried, do not count)."""
         members = self.of_role(role)
         skipped = {id(i) for i in exclude}
         live = [n for n, i in enumerate(members) if i.up and id(i) not in skipped]
+        if not live:  # one restarting an actor queues the request and serves it once back
+            live = [n for n, i in enumerate(members) if i.answering and id(i) not in skipped]
         if not live:
             raise NoInstanceUp(role, members)
         fewest = min(members[n].outstanding for n in live)
@@ -96,6 +102,8 @@ class InstancePool:
         Whatever watches it (`watch_down`) is told, unless not `cut_waiting` (it is alive and
         finishes what it has; it only takes no new requests)."""
         instance.last_error = reason
+        if cut_waiting:
+            instance.answering = False  # not the choice of last resort either
         if not instance.up:
             return False
         instance.up = False
@@ -119,6 +127,7 @@ class InstancePool:
     def mark_up(self, instance: Instance) -> None:
         """A good probe: up (again), its strikes forgotten."""
         instance.up = True
+        instance.answering = True
         instance.down_since = None
         instance.last_error = ""
         instance.strikes = 0

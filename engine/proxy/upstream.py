@@ -232,6 +232,7 @@ def judge(pool: InstancePool, instance: Instance, verdict: Verdict, *, at_once: 
         pool.mark_up(instance)
         return
     cut = not verdict.answered
+    instance.answering = verdict.answered
     if at_once:
         went = pool.mark_down(instance, why, cut_waiting=cut)
     else:

@@ -144,3 +144,19 @@ def test_an_instance_that_still_answers_finishes_what_waits_on_it(
     assert told == ([True] if waiting_cut else [])
     judge(instances, d1, Verdict(None), at_once=False)
     assert d1.up
+
+
+def test_with_none_up_a_request_goes_to_an_instance_that_still_answers() -> None:
+    """The only decode instance restarting an actor (its /ready says 503) still takes new
+    requests: it queues them and serves them once back. One that stopped answering does not."""
+    instances = InstancePool.of([P1], [D1, D2])
+    d1, d2 = instances.of_role(Role.DECODE)
+    judge(instances, d1, Verdict("/ready answered 503"), at_once=True)
+    judge(instances, d2, Verdict("no answer", answered=False), at_once=True)
+    assert not d1.up and not d2.up
+    assert instances.choose(Role.DECODE) is d1
+    with pytest.raises(NoInstanceUp):
+        instances.choose(Role.DECODE, exclude=[d1])
+    instances.mark_down(d1, "connection refused")  # nothing listens there any more
+    with pytest.raises(NoInstanceUp):
+        instances.choose(Role.DECODE)
