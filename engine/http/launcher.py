@@ -224,11 +224,7 @@ async def _run(
         except OSError as e:
             print(f"engine: cannot create admin socket {admin_path}: {e}", file=sys.stderr)
             return 1
-        serve_task = asyncio.create_task(server.serve(sockets=[sock]))
-        while not server.started and not serve_task.done():
-            await asyncio.sleep(0.01)
-        if serve_task.done():
-            serve_task.result()  # raises what stopped uvicorn
+        serve_task = await _start_serving(server, sock)
         url = (
             f"unix:{settings.server.uds}"
             if settings.server.uds
@@ -258,6 +254,16 @@ async def _run(
         if state.trace is not None:
             state.trace.close()
     return exit_status
+
+
+async def _start_serving(server: _Server, sock: socket.socket) -> asyncio.Task[None]:
+    """uvicorn serving on `sock`, once it has started; raises what stopped it before that."""
+    serve_task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started and not serve_task.done():
+        await asyncio.sleep(0.01)
+    if serve_task.done():
+        serve_task.result()  # raises what stopped uvicorn
+    return serve_task
 
 
 def _http_server(state: ServerState, settings: Settings) -> _Server:
