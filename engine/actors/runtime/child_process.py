@@ -14,7 +14,7 @@ import multiprocessing
 import os
 import signal
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 
 from engine.actors.runtime.actor import child_main
 from engine.actors.runtime.child_spec import ChildSpec
@@ -279,3 +279,12 @@ class ChildProcess:
             self.describe_exit(),
         )
         self._on_exit(self)
+
+
+async def outcome(awaitable: Awaitable[None]) -> BaseException | None:
+    """The exception `awaitable` raised, if any (as gather(return_exceptions=True) gives it)."""
+    try:
+        await awaitable
+    except Exception as exc:
+        return exc
+    return None

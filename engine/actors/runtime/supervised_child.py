@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from engine.actors.runtime.child_process import ChildProcess
 from engine.actors.runtime.child_spec import ChildSpec
 from engine.actors.runtime.events import ChildStatus
+from engine.actors.runtime.stopped import STOPPED_FROM_OUTSIDE, is_stopped
 
 
 @dataclass
@@ -25,6 +28,22 @@ class SupervisedChild:
     # Ring traffic of its earlier generations, by ring: with the current one's, a monotonic total
     frames_before: dict[str, int] = field(default_factory=dict)
     bytes_before: dict[str, int] = field(default_factory=dict)
+
+    def kill_if_silent(self, now: float) -> None:
+        """A running child whose heartbeats stopped past its heartbeat_timeout is hung: kill it,
+        which makes the hang a death like any other. One stopped by a signal from outside
+        (SIGSTOP) is named so: its death is no evidence against the requests it held."""
+        process = self.process
+        if self.state != "running" or process is None or not process.alive:
+            return
+        process.read_status()  # what arrived while the watchdog was busy counts too
+        silent = now - process.last_seen
+        timeout = self.spec.heartbeat_timeout
+        if silent > timeout:
+            why = f"no heartbeat for {silent:.1f} s, heartbeat_timeout is {timeout:g} s"
+            if process.pid is not None and is_stopped(process.pid):
+                why = f"{STOPPED_FROM_OUTSIDE}, {why}"
+            process.kill(why)
 
     def replace_process(self, process: ChildProcess) -> None:
         """A new generation: the old one's traffic (as of its last heartbeat) is kept."""
@@ -77,3 +96,24 @@ class SupervisedChild:
 def _add(total: dict[str, int], more: dict[str, int]) -> None:
     for ring, count in more.items():
         total[ring] = total.get(ring, 0) + count
+
+
+REAP_WAIT_S = 1.0  # how long a death waits for a sibling that died with it to be reaped
+# How long a death waits for the sentinels of siblings that died with it to be seen at all: the
+# event loop may report one sentinel an iteration after another (seen in the full suite: two
+# children SIGKILLed together were restarted one after the other).
+SIBLING_SENTINEL_WAIT_S = 0.02
+
+
+async def wait_for_dying_siblings(children: Iterable[SupervisedChild]) -> None:
+    """Let the deaths that came with one be seen: a sibling that died too may not be reapable
+    yet (its sentinel fires a moment before the kernel lets the parent reap it), and it belongs
+    to the same failure."""
+    await asyncio.sleep(SIBLING_SENTINEL_WAIT_S)
+    unreaped = [
+        child.process.exited
+        for child in children
+        if child.process is not None and child.process.dying and not child.process.exited.done()
+    ]
+    if unreaped:
+        await asyncio.wait(unreaped, timeout=REAP_WAIT_S)

@@ -24,10 +24,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable
 from types import TracebackType
 
-from engine.actors.runtime.child_process import ChildProcess, ChildStartError
+from engine.actors.runtime.child_process import ChildProcess, ChildStartError, outcome
 from engine.actors.runtime.child_spec import (
     LOG_LEVELS,
     ROOT,
@@ -50,17 +49,10 @@ from engine.actors.runtime.ring import run_prefix, sweep_stale_segments
 from engine.actors.runtime.ring_ends import RingEnds
 from engine.actors.runtime.ring_table import RingTable
 from engine.actors.runtime.segments import create_segments, destroy_segments
-from engine.actors.runtime.stopped import STOPPED_FROM_OUTSIDE, is_stopped
-from engine.actors.runtime.supervised_child import SupervisedChild
+from engine.actors.runtime.supervised_child import SupervisedChild, wait_for_dying_siblings
 from engine.messages.control import LogLevel, Ready
 
 __all__ = ["ChildStartError", "Supervisor"]
-
-REAP_WAIT_S = 1.0  # how long a death waits for a sibling that died with it to be reaped
-# How long a death waits for the sentinels of siblings that died with it to be seen at all: the
-# event loop may report one sentinel an iteration after another (seen in the full suite: two
-# children SIGKILLed together were restarted one after the other).
-SIBLING_SENTINEL_WAIT_S = 0.02
 
 log = logging.getLogger(__name__)
 
@@ -224,16 +216,7 @@ class Supervisor:
         """The next death and every other one already queued, less the exits the supervisor
         caused itself (a stop, a process replaced meanwhile)."""
         exited = [await self._exits.get()]
-        await asyncio.sleep(SIBLING_SENTINEL_WAIT_S)
-        # A sibling that died too may not be reapable yet (its sentinel fires a moment before
-        # the kernel lets the parent reap it): it belongs to this failure, so wait for it.
-        unreaped = [
-            child.process.exited
-            for child in self._children.values()
-            if child.process is not None and child.process.dying and not child.process.exited.done()
-        ]
-        if unreaped:
-            await asyncio.wait(unreaped, timeout=REAP_WAIT_S)
+        await wait_for_dying_siblings(self._children.values())
         while not self._exits.empty():
             exited.append(self._exits.get_nowait())
         failures = []
@@ -311,7 +294,7 @@ class Supervisor:
                 results = await asyncio.gather(*starts, return_exceptions=True)
             else:  # later units may need the earlier ones running, as at start-up
                 results = [
-                    await _outcome(self._start_unit(members, restart_reason=reason))
+                    await outcome(self._start_unit(members, restart_reason=reason))
                     for members in units
                 ]
             for result in results:
@@ -348,17 +331,7 @@ class Supervisor:
             await asyncio.sleep(period)
             now = time.monotonic()
             for child in self._children.values():
-                process = child.process
-                if child.state != "running" or process is None or not process.alive:
-                    continue
-                process.read_status()  # what arrived while this loop was busy counts too
-                silent = now - process.last_seen
-                if silent > child.spec.heartbeat_timeout:
-                    timeout = child.spec.heartbeat_timeout
-                    why = f"no heartbeat for {silent:.1f} s, heartbeat_timeout is {timeout:g} s"
-                    if process.pid is not None and is_stopped(process.pid):
-                        why = f"{STOPPED_FROM_OUTSIDE}, {why}"
-                    process.kill(why)
+                child.kill_if_silent(now)
 
     # Ending.
 
@@ -414,12 +387,3 @@ class Supervisor:
         log.debug("event %r", event)
         for queue in self._subscribers:
             queue.put_nowait(event)
-
-
-async def _outcome(awaitable: Awaitable[None]) -> BaseException | None:
-    """The exception `awaitable` raised, if any (as gather(return_exceptions=True) gives it)."""
-    try:
-        await awaitable
-    except Exception as exc:
-        return exc
-    return None
