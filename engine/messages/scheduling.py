@@ -22,7 +22,7 @@ from engine.messages.codec import Channel
 from engine.messages.failures import RequestFailed
 from engine.messages.kv_transfer import KvHandoff, KvSource
 from engine.messages.params import SamplingParams
-from engine.messages.steps import TokenLogprobs
+from engine.messages.steps import SampledLogprobs
 
 
 class SampleResume(msgspec.Struct, array_like=True):
@@ -127,11 +127,11 @@ class SampleDelta(msgspec.Struct, array_like=True):
     epoch: int
     index: int
     new_token_ids: list[int]
-    logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked
+    logprobs: list[SampledLogprobs] | None = None  # one per new token, when the request asked
     finish_reason: str | None = None
     first: FirstScheduled | None = None  # on the request's first token of this epoch
     # With the same first token, when the request asked for them: prompt tokens 1.. logprobs.
-    prompt_logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[SampledLogprobs] | None = None
     # Set on the first token of a request asked to hand off: the sample did not finish, but
     # this instance is done with it; it continues on a decode instance, its KV pulled from here.
     handoff: KvSource | None = None

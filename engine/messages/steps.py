@@ -67,7 +67,10 @@ class StepPlan(msgspec.Struct, tag=True, array_like=True):
     finished_request_keys: list[int]  # ... and these requests (after their sequences)
 
 
-class TokenLogprobs(msgspec.Struct, array_like=True):
+class SampledLogprobs(msgspec.Struct, array_like=True):
+    """Rank 0's logprobs for one sampled token, by token id (the detokenizer turns them into
+    the client's TokenLogprob entries, with text)."""
+
     logprob: float  # of the sampled token
     top_token_ids: list[int]
     top_logprobs: list[float]
@@ -79,7 +82,7 @@ class PromptLogprobs(msgspec.Struct, array_like=True):
 
     seq_id: int
     first_position: int
-    entries: list[TokenLogprobs]
+    entries: list[SampledLogprobs]
 
 
 class PooledVector(msgspec.Struct, array_like=True):
@@ -96,7 +99,7 @@ class StepResult(msgspec.Struct, tag=True, array_like=True):
     # more per accepted proposal (a sequence's entries are consecutive).
     seq_ids: list[int]
     token_ids: list[int]
-    logprobs: list[TokenLogprobs] | None = None  # present when any sequence asked for logprobs
+    logprobs: list[SampledLogprobs] | None = None  # present when any sequence asked for logprobs
     prompt_logprobs: list[PromptLogprobs] | None = None  # chunks of sequences that asked
     # When rank 0 took the plan in and when its result was ready (time.monotonic(), one clock
     # for every process of the machine): the scheduler measures the steps and the gaps between

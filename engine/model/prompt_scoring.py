@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from engine.messages.steps import PromptLogprobs, TokenLogprobs
+from engine.messages.steps import PromptLogprobs, SampledLogprobs
 from engine.model.step_inputs import SeqChunk, SequenceStart
 
 
@@ -83,15 +83,15 @@ class PromptScoring:
         return logits[torch.tensor(sampled, dtype=torch.long, device=logits.device)], scored
 
 
-def _score(logits: torch.Tensor, targets: list[int], top: int) -> list[TokenLogprobs]:
+def _score(logits: torch.Tensor, targets: list[int], top: int) -> list[SampledLogprobs]:
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     ids = torch.tensor(targets, dtype=torch.long, device=logits.device)
     chosen = logprobs.gather(1, ids[:, None])[:, 0].tolist()
     if top == 0:
-        return [TokenLogprobs(value, [], []) for value in chosen]
+        return [SampledLogprobs(value, [], []) for value in chosen]
     best = logprobs.topk(min(top, logprobs.shape[-1]), dim=-1)
     best_ids, best_values = best.indices.tolist(), best.values.tolist()
     return [
-        TokenLogprobs(value, ids_, values)
+        SampledLogprobs(value, ids_, values)
         for value, ids_, values in zip(chosen, best_ids, best_values, strict=True)
     ]

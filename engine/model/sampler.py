@@ -24,7 +24,7 @@ import torch
 
 from engine.kernels import torch_ops
 from engine.messages.params import SamplingParams
-from engine.messages.steps import TokenLogprobs
+from engine.messages.steps import SampledLogprobs
 from engine.model.step_inputs import SequenceStart
 from engine.model.token_controls import (
     TokenControls,
@@ -124,7 +124,7 @@ class Sampler:
 
     def sample(
         self, seq_ids: list[int], logits: torch.Tensor
-    ) -> tuple[list[int], list[TokenLogprobs] | None]:
+    ) -> tuple[list[int], list[SampledLogprobs] | None]:
         """One token per row of `logits` ([len(seq_ids), >= vocab_size]), recorded in each
         sequence's history; logprobs for every row when any sequence asked for them."""
         states = self._states(seq_ids, logits)
@@ -288,7 +288,7 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
 
 def _gather_logprobs(
     raw_logprobs: torch.Tensor, chosen: torch.Tensor, states: list[_SeqState]
-) -> list[TokenLogprobs]:
+) -> list[SampledLogprobs]:
     sampled = raw_logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
     num_top = max(state.params.logprobs or 0 for state in states)
     if num_top:
@@ -298,9 +298,9 @@ def _gather_logprobs(
     for row, state in enumerate(states):
         count = state.params.logprobs or 0
         if count:
-            out.append(TokenLogprobs(sampled[row], ids[row][:count], values[row][:count]))
+            out.append(SampledLogprobs(sampled[row], ids[row][:count], values[row][:count]))
         else:
-            out.append(TokenLogprobs(sampled[row], [], []))
+            out.append(SampledLogprobs(sampled[row], [], []))
     return out
 
 

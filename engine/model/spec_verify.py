@@ -25,16 +25,16 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.messages.steps import TokenLogprobs
+from engine.messages.steps import SampledLogprobs
 from engine.model.sampler import Sampler
 from engine.model.step_inputs import SeqChunk
 
-_NO_LOGPROBS = TokenLogprobs(0.0, [], [])  # rows of sequences that did not ask are never read
+_NO_LOGPROBS = SampledLogprobs(0.0, [], [])  # rows of sequences that did not ask are never read
 
 
 def verify_proposals(
     sampler: Sampler, chunks: Sequence[SeqChunk], logits: torch.Tensor
-) -> tuple[list[int], list[int], list[TokenLogprobs] | None]:
+) -> tuple[list[int], list[int], list[SampledLogprobs] | None]:
     """Tokens for sampled `chunks` whose logits hold 1 + num_proposed rows each, in order.
 
     Returns (seq_ids, token_ids, logprobs): each sequence's accepted proposals and its own
@@ -47,7 +47,7 @@ def verify_proposals(
     if row != logits.shape[0]:
         raise ValueError(f"verify_proposals: {logits.shape[0]} logit rows for {row} positions")
     tokens: list[list[int]] = [[] for _ in chunks]
-    logprobs: list[list[TokenLogprobs]] = [[] for _ in chunks]
+    logprobs: list[list[SampledLogprobs]] = [[] for _ in chunks]
     any_logprobs = False
     accepting = list(range(len(chunks)))
     depth = 0

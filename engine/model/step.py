@@ -26,7 +26,7 @@ from typing import Protocol
 
 import torch
 
-from engine.messages.steps import StepPlan, StepResult, TokenLogprobs, WorkerFailed
+from engine.messages.steps import SampledLogprobs, StepPlan, StepResult, WorkerFailed
 from engine.model.parallel.group import CollectiveError
 from engine.model.pooling import Pooling, PoolingStep
 from engine.model.prompt_scoring import PromptScoring
@@ -244,10 +244,10 @@ def _merge(step_id: int, parts: list[StepResult]) -> StepResult:
     pooled = [vector for part in parts for vector in part.embeddings or []] or None
     if all(part.logprobs is None for part in parts):
         return StepResult(step_id, seq_ids, token_ids, None, scored or None, embeddings=pooled)
-    logprobs: list[TokenLogprobs] = []
+    logprobs: list[SampledLogprobs] = []
     for part in parts:
         # Rows of sequences that did not ask for logprobs are never read: placeholders do.
-        logprobs += part.logprobs or [TokenLogprobs(0.0, [], []) for _ in part.seq_ids]
+        logprobs += part.logprobs or [SampledLogprobs(0.0, [], []) for _ in part.seq_ids]
     return StepResult(step_id, seq_ids, token_ids, logprobs, scored or None, embeddings=pooled)
 
 

@@ -10,7 +10,7 @@ import msgspec
 from engine.kv.block_table import BlockTable
 from engine.kv.prefix_cache import BlockHashChain
 from engine.messages.params import SamplingParams
-from engine.messages.steps import NewRequest, NewSeq, PromptLogprobs, TokenLogprobs
+from engine.messages.steps import NewRequest, NewSeq, PromptLogprobs, SampledLogprobs
 
 _MASK64 = (1 << 64) - 1
 
@@ -74,7 +74,7 @@ class Request:
         self.samples: dict[int, SequenceState] = {}  # unfinished samples by index
         # Prompt logprobs by position, while they are to be computed and sent (with the first
         # token of the epoch); None when not asked for, or already sent in an earlier epoch.
-        self.prompt_scores: dict[int, TokenLogprobs] | None = None
+        self.prompt_scores: dict[int, SampledLogprobs] | None = None
         # Stop strings are matched by the detokenizer: the workers never get them.
         self.worker_params = msgspec.structs.replace(params, stop=[])
         self.known_to_workers = False  # a plan announced it and none has retired it since
@@ -101,7 +101,7 @@ class Request:
             for offset, entry in enumerate(scores.entries):
                 self.prompt_scores[scores.first_position + offset] = entry
 
-    def take_prompt_scores(self) -> list[TokenLogprobs] | None:
+    def take_prompt_scores(self) -> list[SampledLogprobs] | None:
         """Once, with the epoch's first token: the logprobs of prompt tokens 1.. (token 0 has
         none)."""
         scores = self.prompt_scores

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from engine.messages.kv_transfer import KvSource
 from engine.messages.scheduling import FirstScheduled, SampleDelta
-from engine.messages.steps import PlannedChunk, StepResult, TokenLogprobs
+from engine.messages.steps import PlannedChunk, SampledLogprobs, StepResult
 from engine.scheduler.policy import ScheduledChunk
 from engine.scheduler.requests import Request, SequenceState
 
@@ -51,7 +51,7 @@ def sample_delta(
     seq: SequenceState,
     result: StepResult,
     position: int,
-    logprobs: list[TokenLogprobs] | None,
+    logprobs: list[SampledLogprobs] | None,
     reason: str | None,
     handoff: KvSource | None,
     now: float,

@@ -33,7 +33,7 @@ from engine.messages.scheduling import (
     TextStart,
     TokenBatch,
 )
-from engine.messages.steps import TokenLogprobs
+from engine.messages.steps import SampledLogprobs
 from engine.text.incremental import PROMPT_CONTEXT_TOKENS, as_decoder
 from engine.text.stream import SampleTextStream
 
@@ -205,7 +205,7 @@ class Detokenizer:
         if not request.streams:
             del self._requests[item.request_id]
 
-    def _logprobs(self, logprobs: TokenLogprobs, token_id: int) -> SampleLogprobs:
+    def _logprobs(self, logprobs: SampledLogprobs, token_id: int) -> SampleLogprobs:
         top = [
             TokenLogprob(top_id, self.token_text(top_id), value)
             for top_id, value in zip(logprobs.top_token_ids, logprobs.top_logprobs, strict=True)

@@ -19,7 +19,7 @@ from engine.messages.scheduling import (
     TextStart,
     TokenBatch,
 )
-from engine.messages.steps import TokenLogprobs
+from engine.messages.steps import SampledLogprobs
 from engine.text import Detokenizer, IncrementalDetokenizer, SampleTextStream, StopStrings
 from engine.text.detokenizer import text_start
 from engine.text.incremental import PROMPT_CONTEXT_TOKENS
@@ -258,7 +258,7 @@ def test_aborts_rejections_and_logprobs(tokenizer: PreTrainedTokenizerFast) -> N
     detokenizer = Detokenizer(tokenizer)
     detokenizer.handle([_submit(tokenizer, logprobs=1)])
     [token] = encode(tokenizer, "fox")[:1]
-    entry = TokenLogprobs(-0.5, [token], [-0.5])
+    entry = SampledLogprobs(-0.5, [token], [-0.5])
     out = detokenizer.handle([TokenBatch([SampleDelta("r", 0, 0, [token], [entry])])])
     assert out.batch is not None
     [logprobs] = out.batch.samples[0].logprobs or []
@@ -304,7 +304,7 @@ def test_the_start_message_carries_the_prompt_only_where_it_is_needed(
     start = text_start(asked)
     assert start.prompt_token_ids == prompt[:3]
     detokenizer.handle([start])
-    entries = [TokenLogprobs(-1.0, [], []), TokenLogprobs(-2.0, [], [])]
+    entries = [SampledLogprobs(-1.0, [], []), SampledLogprobs(-2.0, [], [])]
     delta = SampleDelta("p", 0, 0, [prompt[0]], prompt_logprobs=entries)
     out = detokenizer.handle([TokenBatch([delta])])
     assert out.batch is not None

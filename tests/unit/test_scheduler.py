@@ -24,7 +24,7 @@ from engine.messages.scheduling import (
     SubmitRequest,
     TokenBatch,
 )
-from engine.messages.steps import STEP_PLANS, StepPlan, StepResult, TokenLogprobs
+from engine.messages.steps import STEP_PLANS, SampledLogprobs, StepPlan, StepResult
 from engine.model.step_inputs import KnownSequences
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.scheduler.requests import derive_seed
@@ -83,7 +83,7 @@ class ReferenceWorker:
                 token_ids.append(token)
         logprobs = None
         if any(self.wants_logprobs[seq_id] for seq_id in seq_ids):
-            logprobs = [TokenLogprobs(-float(t), [t], [-float(t)]) for t in token_ids]
+            logprobs = [SampledLogprobs(-float(t), [t], [-float(t)]) for t in token_ids]
         return StepResult(plan.step_id, seq_ids, token_ids, logprobs)
 
 
@@ -254,7 +254,7 @@ def test_logprobs_reach_only_the_samples_that_asked() -> None:
     batch = scheduler.update(worker.run(plan))
     by_id = {item.request_id: item for item in batch.items}
     [token] = by_id["with"].new_token_ids
-    assert by_id["with"].logprobs == [TokenLogprobs(-float(token), [token], [-float(token)])]
+    assert by_id["with"].logprobs == [SampledLogprobs(-float(token), [token], [-float(token)])]
     assert by_id["without"].logprobs is None
 
 
