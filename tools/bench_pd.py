@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pd_serving import add_arguments as add_serving_arguments
 from pd_serving import serving
 
-from engine.actors.kv_transfer_config import KvTransferConfig
+from engine.actors.configs import KvTransferConfig
 from engine.actors.roles import Role
 from engine.actors.runtime.child_spec import (
     ROOT,

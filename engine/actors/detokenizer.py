@@ -12,6 +12,7 @@ from typing import Any
 
 import msgspec
 
+from engine.actors.configs import DetokenizerConfig
 from engine.actors.runtime.actor import Actor
 from engine.messages.codec import encode_in_frames
 from engine.messages.outputs import OutputBatch
@@ -20,10 +21,6 @@ from engine.messages.roles import Role
 from engine.messages.scheduling import SCHEDULER_OUTPUTS, AbortRequests, ToScheduler
 from engine.text import Detokenizer
 from engine.text.hf_tokenizer import load_token_decoder
-
-
-class DetokenizerConfig(msgspec.Struct, frozen=True):
-    model_path: str
 
 
 class DetokenizerActor(Actor):

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from engine.actors.kv_transfer_config import KvTransferConfig
+from engine.actors.configs import KvTransferConfig
 from engine.actors.runtime.actor import Actor
 from engine.actors.runtime.segments import map_segment
 from engine.actors.runtime.shm import SEGMENT_PREFIX, SHM_DIR

@@ -17,6 +17,7 @@ from typing import Any
 
 import msgspec
 
+from engine.actors.configs import TokenizerConfig
 from engine.actors.runtime.actor import Actor
 from engine.messages.codec import too_large_for_one_frame
 from engine.messages.failures import RequestFailed
@@ -32,14 +33,6 @@ from engine.text.hf_tokenizer import (
     save_text_encoder,
 )
 from engine.text.prompt import PromptBuilder
-
-
-class TokenizerConfig(msgspec.Struct, frozen=True):
-    model_path: str
-    max_model_len: int
-    vocab_size: int
-    allow_special_tokens_in_chat: bool = False
-
 
 # Prompts with more characters than this are tokenized on a thread: a multi-megabyte prompt takes
 # seconds, during which the loop must keep beating the heart and serving the other requests.

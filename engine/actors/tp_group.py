@@ -13,8 +13,8 @@ from typing import Any
 
 import msgspec
 
+from engine.actors.configs import WorkerConfig
 from engine.actors.runtime.actor import Actor
-from engine.actors.worker_config import WorkerConfig
 from engine.messages.parallel import Rendezvous
 from engine.messages.ring_catalogue import RENDEZVOUS_RING
 from engine.model.parallel.config import TensorParallelConfig

@@ -19,8 +19,8 @@ from typing import Any
 import msgspec
 from tqdm import tqdm
 
+from engine.actors.configs import WorkerConfig
 from engine.actors.runtime.actor import Actor
-from engine.actors.worker_config import WorkerConfig
 from engine.messages.parallel import RENDEZVOUS
 from engine.messages.ring_catalogue import PLAN_RING, RESULTS_RING
 from engine.messages.roles import Role

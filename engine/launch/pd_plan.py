@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import msgspec
 
-from engine.actors.kv_transfer_config import KvTransferConfig
+from engine.actors.configs import KvTransferConfig
 from engine.actors.roles import Role
 from engine.actors.runtime.child_spec import ChildSpec, RingDecl, SegmentDecl, declare_ring
 from engine.kv_transfer.secret import instance_secret

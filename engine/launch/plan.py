@@ -25,7 +25,7 @@ from typing import TypedDict
 
 import msgspec
 
-from engine.actors.detokenizer import DetokenizerConfig
+from engine.actors.configs import DetokenizerConfig, TokenizerConfig, WorkerConfig
 from engine.actors.roles import Role
 from engine.actors.runtime.child_spec import (
     ROOT,
@@ -36,8 +36,6 @@ from engine.actors.runtime.child_spec import (
     SupervisorSpec,
     declare_ring,
 )
-from engine.actors.tokenizer import TokenizerConfig
-from engine.actors.worker_config import WorkerConfig
 from engine.launch.pd_plan import cache_segment, kv_transfer_parts, replica_roles
 from engine.launch.sizing import (
     check_parallel,

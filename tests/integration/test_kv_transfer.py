@@ -19,7 +19,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from engine.actors.kv_transfer_config import KvTransferConfig
+from engine.actors.configs import KvTransferConfig
 from engine.actors.roles import Role
 from engine.actors.runtime.child_spec import ROOT, ChildSpec, RingDecl, SegmentDecl
 from engine.actors.runtime.events import ChildReady, ChildRestarted

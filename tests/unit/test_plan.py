@@ -10,8 +10,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from engine.actors.kv_transfer_config import KvTransferConfig
-from engine.actors.worker_config import WorkerConfig
+from engine.actors.configs import KvTransferConfig, WorkerConfig
 from engine.launch.plan import plan_engine, plan_worker_node
 from engine.launch.sizing import check_parallel
 from engine.llm import build_settings
