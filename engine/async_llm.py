@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import AsyncIterator, Collection, Mapping
 from typing import Any
 
@@ -31,6 +32,7 @@ from engine.gateway.registry import Gateway, ToTokenizer
 from engine.gateway.replicas import Replicas, supervise
 from engine.gateway.restarts import SupervisorFollower
 from engine.launch.plan import EnginePlan, plan_engine
+from engine.launch.run_files import remove_run_files
 from engine.messages.admin import ActorRow, EngineStats, Health, RequestRow
 from engine.messages.codec import too_large_for_one_frame
 from engine.messages.params import SamplingParams
@@ -142,6 +144,7 @@ class AsyncLLM:
         await asyncio.gather(*self._tasks, *self._sends, return_exceptions=True)
         if self._supervisor is not None:
             await self._supervisor.shutdown(reason)
+        remove_run_files(os.getpid())
 
     async def wait_closed(self) -> str:
         """Wait until the actor system has shut down (asked to, or given up); the reason."""
