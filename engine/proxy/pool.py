@@ -31,6 +31,7 @@ class Instance:
     last_error: str = ""
     outstanding: int = 0  # requests sent to it that have not finished yet
     failures: int = 0  # times it was marked down
+    cuts: int = 0  # times what waited on it was told to move elsewhere (watch_down)
     strikes: int = 0  # failures in a row since its last good probe
     # Its last probe got an answer (a 503 while it drains or restarts an actor): alive, and the
     # choice of last resort when no instance of its role is up.
@@ -109,8 +110,10 @@ class InstancePool:
         instance.up = False
         instance.down_since = time.time() if now is None else now
         instance.failures += 1
-        for told in list(instance.down_watchers) if cut_waiting else ():
-            told()
+        if cut_waiting:
+            instance.cuts += 1
+            for told in list(instance.down_watchers):
+                told()
         return True
 
     def strike(

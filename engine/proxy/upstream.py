@@ -176,9 +176,9 @@ async def relay_rest(
 ) -> AsyncIterator[bytes]:
     """The stream's chunks after the first; InstanceFailed if it breaks before its end, stays
     idle `idle` seconds, or its instance is marked down."""
-    failures = instance.failures  # changes if it was marked down while a chunk was relayed
+    cuts = instance.cuts  # changes if it was marked down (and cut) while a chunk was relayed
     while True:
-        if instance.failures != failures:
+        if instance.cuts != cuts:
             why = f"marked down while streaming: {instance.last_error}"
             raise InstanceFailed(why, Fault.WENT_DOWN)
         try:

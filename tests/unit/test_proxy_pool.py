@@ -142,6 +142,7 @@ def test_an_instance_that_still_answers_finishes_what_waits_on_it(
             judge(instances, d1, verdict, at_once=False)
     assert not d1.up and instances.choose(Role.DECODE) is not d1
     assert told == ([True] if waiting_cut else [])
+    assert d1.cuts == (1 if waiting_cut else 0)  # what a relayed stream checks between chunks
     judge(instances, d1, Verdict(None), at_once=False)
     assert d1.up
 
