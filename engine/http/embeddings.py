@@ -26,12 +26,12 @@ from engine.http.adapted_routes import HttpSteps
 from engine.http.decoding import decode_request
 from engine.http.errors import ApiError, outcome_of
 from engine.http.parsing import _check_model as check_model
+from engine.http.parsing import prompts_of
 from engine.http.protocol import Count, TokenId
 from engine.http.state import ServerState
 from engine.messages.vectors import float32_bytes
 from engine.outputs import EmbeddingRequestOutput, EngineError
 from engine.request.embeddings import pooling_for
-from engine.request.prompts import Prompt
 
 JSON = "application/json"
 ENDPOINT = "embeddings"
@@ -39,7 +39,7 @@ ENDPOINT = "embeddings"
 
 class EmbeddingRequest(msgspec.Struct, kw_only=True):
     # str | list[str] | list[int] | list[list[int]]: msgspec allows one array type per union,
-    # so elements are typed here and their mix is checked in `inputs_of`.
+    # so elements are typed here and their mix is checked in `prompts_of`.
     input: str | list[str | TokenId | list[TokenId]]
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
@@ -89,7 +89,7 @@ async def _serve(request: Request, state: ServerState, steps: HttpSteps) -> Resp
     body = await steps.read_body(request, state.settings.server.max_request_bytes)
     req = decode_request(_DECODER, body)
     model = check_model(req.model, state.served_names)
-    inputs = inputs_of(req.input)
+    inputs = prompts_of(req.input, "input")
     pooling = pooling_for(state.llm.policy.pooling, normalize=req.normalize)
     request_id = f"embd-{time.time_ns():x}"
     runs = [
@@ -118,34 +118,6 @@ async def _serve(request: Request, state: ServerState, steps: HttpSteps) -> Resp
         created=int(time.time()),
     )
     return Response(msgspec.json.encode(response), media_type=JSON)
-
-
-def inputs_of(given: str | list[str | int | list[int]]) -> list[Prompt]:
-    """OpenAI's four input forms as a list of prompts (text or token ids); 400 for an empty
-    input or a mix of forms, naming it."""
-    inputs: list[Prompt]
-    if isinstance(given, str):
-        inputs = [given]
-    elif not given:
-        raise ApiError(400, "'input' must not be empty", param="input")
-    elif all(isinstance(item, int) for item in given):
-        inputs = [[item for item in given if isinstance(item, int)]]
-    elif all(isinstance(item, str) for item in given):
-        inputs = [item for item in given if isinstance(item, str)]
-    elif all(isinstance(item, list) for item in given):
-        inputs = [item for item in given if isinstance(item, list)]
-    else:
-        raise ApiError(
-            400,
-            "'input' must be a string, a list of strings, a list of token ids or a list of "
-            "token-id lists, not a mix",
-            param="input",
-        )
-    for index, item in enumerate(inputs):
-        where = "input" if len(inputs) == 1 else f"input[{index}]"
-        if not item:
-            raise ApiError(400, f"'{where}' must not be empty", param=where)
-    return inputs
 
 
 def _check_dimensions(asked: int | None, outputs: list[EmbeddingRequestOutput]) -> None:

@@ -61,5 +61,13 @@ class ApiError(Exception):
         return encode(self.body())
 
 
+def required(where: str, name: str, value: str | None) -> str:
+    """`value`, or a 400 naming `where.name` as required (fields an API's schema leaves optional
+    but one of its forms needs)."""
+    if value is None:
+        raise ApiError(400, f"'{where}.{name}' is required", param=f"{where}.{name}")
+    return value
+
+
 def outcome_of(status: int) -> str:
     return _OUTCOME_BY_STATUS.get(status, "error")

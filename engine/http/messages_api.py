@@ -16,7 +16,7 @@ import msgspec
 
 from engine.http.chat_relay import ChatResult, ChatStep, Failed, TextDelta
 from engine.http.decoding import decode_request
-from engine.http.errors import ApiError
+from engine.http.errors import ApiError, required
 from engine.http.messages_protocol import (
     ContentBlock,
     MessageIn,
@@ -231,7 +231,7 @@ def _chat_messages(index: int, message: MessageIn) -> list[dict[str, Any]]:
         elif block.type == "tool_use" and message.role == "assistant":
             calls.append(_chat_call(at, block))
         elif block.type == "tool_result" and message.role == "user":
-            call_id = _required(at, "tool_use_id", block.tool_use_id)
+            call_id = required(at, "tool_use_id", block.tool_use_id)
             content = "" if block.content is None else _text(block.content, f"{at}.content")
             out.append({"role": "tool", "tool_call_id": call_id, "content": content})
         else:
@@ -251,10 +251,10 @@ def _chat_messages(index: int, message: MessageIn) -> list[dict[str, Any]]:
 
 def _chat_call(at: str, block: ContentBlock) -> dict[str, Any]:
     function = {
-        "name": _required(at, "name", block.name),
+        "name": required(at, "name", block.name),
         "arguments": json.dumps(block.input or {}),
     }
-    return {"id": _required(at, "id", block.id), "type": "function", "function": function}
+    return {"id": required(at, "id", block.id), "type": "function", "function": function}
 
 
 def _text(content: str | list[TextBlock], where: str = "system") -> str:
@@ -273,12 +273,6 @@ def _text(content: str | list[TextBlock], where: str = "system") -> str:
     return "\n".join(texts)
 
 
-def _required(at: str, name: str, value: str | None) -> str:
-    if value is None:
-        raise ApiError(400, f"'{at}.{name}' is required", param=f"{at}.{name}")
-    return value
-
-
 def _chat_tool(index: int, tool: Tool) -> dict[str, Any]:
     if tool.type not in (None, "custom"):
         raise ApiError(
@@ -295,7 +289,7 @@ def _chat_tool(index: int, tool: Tool) -> dict[str, Any]:
 
 def _chat_tool_choice(choice: ToolChoice) -> Any:
     if choice.type == "tool":
-        name = _required("tool_choice", "name", choice.name)
+        name = required("tool_choice", "name", choice.name)
         return {"type": "function", "function": {"name": name}}
     if choice.type not in _TOOL_CHOICES:
         raise ApiError(

@@ -92,7 +92,7 @@ def parse_completion(body: bytes, served_model: str | Sequence[str]) -> Prepared
     req = decode_request(_COMPLETION_DECODER, body)
     refuse_unimplemented(req)
     model = _check_model(req.model, served_model)
-    prompts = _prompts_of(req.prompt)
+    prompts = prompts_of(req.prompt)
     if req.max_tokens == 0 and not req.echo:
         raise ApiError(
             400,
@@ -201,12 +201,13 @@ def _check_model(requested: str | None, served: str | Sequence[str]) -> str:
     )
 
 
-def _prompts_of(prompt: str | list[str | int | list[int]]) -> list[Prompt]:
-    """Normalise the four OpenAI prompt forms into a list of prompts (text or token ids)."""
+def prompts_of(prompt: str | list[str | int | list[int]], field: str = "prompt") -> list[Prompt]:
+    """Normalise the four OpenAI prompt forms into a list of prompts (text or token ids);
+    `field`: the request's name for them ("input" for embeddings), as an error names it."""
     if isinstance(prompt, str):
         prompts: list[Prompt] = [prompt]
     elif not prompt:
-        raise ApiError(400, "'prompt' must not be empty", param="prompt")
+        raise ApiError(400, f"'{field}' must not be empty", param=field)
     elif all(isinstance(p, int) for p in prompt):
         prompts = [[p for p in prompt if isinstance(p, int)]]
     elif all(isinstance(p, str) for p in prompt):
@@ -216,12 +217,12 @@ def _prompts_of(prompt: str | list[str | int | list[int]]) -> list[Prompt]:
     else:
         raise ApiError(
             400,
-            "'prompt' must be a string, a list of strings, a list of token ids or a list of "
+            f"'{field}' must be a string, a list of strings, a list of token ids or a list of "
             "token-id lists, not a mix",
-            param="prompt",
+            param=field,
         )
     for i, p in enumerate(prompts):
-        where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        where = field if len(prompts) == 1 else f"{field}[{i}]"
         if len(p) == 0:
             raise ApiError(400, f"'{where}' must not be empty", param=where)
     return prompts

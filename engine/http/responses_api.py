@@ -19,7 +19,7 @@ import msgspec
 
 from engine.http.chat_relay import ChatResult, ChatStep, Failed, TextDelta
 from engine.http.decoding import decode_request
-from engine.http.errors import ApiError
+from engine.http.errors import ApiError, required
 from engine.http.protocol import ToolCallOut
 from engine.http.response_store import Conversation, ResponseStore
 from engine.http.responses_protocol import (
@@ -277,11 +277,11 @@ def input_messages(items: str | list[InputItem]) -> Conversation:
             messages.append({"role": _role(where, item), "content": _text(where, item.content)})
         elif item.type == "function_call":
             call = {
-                "id": _required(where, "call_id", item.call_id),
+                "id": required(where, "call_id", item.call_id),
                 "type": "function",
                 "function": {
-                    "name": _required(where, "name", item.name),
-                    "arguments": _required(where, "arguments", item.arguments),
+                    "name": required(where, "name", item.name),
+                    "arguments": required(where, "arguments", item.arguments),
                 },
             }
             last = messages[-1] if messages else None
@@ -290,8 +290,8 @@ def input_messages(items: str | list[InputItem]) -> Conversation:
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif item.type == "function_call_output":
-            call_id = _required(where, "call_id", item.call_id)
-            output = _required(where, "output", item.output)
+            call_id = required(where, "call_id", item.call_id)
+            output = required(where, "output", item.output)
             messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
         else:
             raise ApiError(
@@ -331,12 +331,6 @@ def _text(where: str, content: str | list[Any] | None) -> str:
     return "\n".join(texts)
 
 
-def _required(where: str, name: str, value: str | None) -> str:
-    if value is None:
-        raise ApiError(400, f"'{where}.{name}' is required", param=f"{where}.{name}")
-    return value
-
-
 def _chat_tool(index: int, tool: FunctionTool) -> dict[str, Any]:
     where = f"tools[{index}]"
     if tool.type != "function":
@@ -346,7 +340,7 @@ def _chat_tool(index: int, tool: FunctionTool) -> dict[str, Any]:
             f"got {tool.type!r}",
             param=f"{where}.type",
         )
-    function: dict[str, Any] = {"name": _required(where, "name", tool.name)}
+    function: dict[str, Any] = {"name": required(where, "name", tool.name)}
     if tool.description is not None:
         function["description"] = tool.description
     function["parameters"] = tool.parameters or {"type": "object"}
