@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from tests.e2e.conftest import server_args
 from tests.e2e.harness import API_KEY, Server, served, wait_until
 from tests.e2e.test_bad_input import assert_still_serves, error_of
+from tests.raw_http import read_response
 
 HUGE = 2**70
 INT64 = (-(2**63), 2**63 - 1)
@@ -349,28 +350,6 @@ def test_a_kept_alive_connection_idle_past_the_head_deadline_still_serves(
         time.sleep(max(HEADER_TIMEOUT_S, 5) + 1.5)  # past the head deadline and httpx's expiry
         sock.sendall(request.encode())
         assert read_response(sock).startswith(b"HTTP/1.1 200 ")
-
-
-def read_response(sock: socket.socket) -> bytes:
-    """One whole response with a content-length body (b"" if the server closed instead)."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(65536)
-        if not chunk:
-            return data
-        data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    length = next(
-        int(line.split(b":", 1)[1])
-        for line in head.split(b"\r\n")
-        if line.lower().startswith(b"content-length:")
-    )
-    while len(body) < length:
-        chunk = sock.recv(65536)
-        if not chunk:
-            break
-        body += chunk
-    return head + b"\r\n\r\n" + body
 
 
 def test_requests_are_served_while_200_partial_heads_are_held(guarded_unharmed: Server) -> None:

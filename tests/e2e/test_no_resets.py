@@ -17,6 +17,7 @@ import httpx
 
 from tests.e2e.conftest import FAULT_500, FAULT_IN_STREAM
 from tests.e2e.harness import API_KEY, Server
+from tests.raw_http import read_head_and_body
 
 CYCLES = 1000
 
@@ -35,29 +36,6 @@ def raw_request(server: Server, method: str, path: str, body: bytes = b"") -> by
     return ("\r\n".join(head) + "\r\n\r\n").encode() + body
 
 
-def read_response(sock: socket.socket) -> tuple[bytes, bytes]:
-    """One whole response with a content-length body: (head, body); a short body if the server
-    closed first."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(65536)
-        if not chunk:
-            return data, b""
-        data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    length = next(
-        int(line.split(b":", 1)[1])
-        for line in head.lower().split(b"\r\n")
-        if line.startswith(b"content-length:")
-    )
-    while len(body) < length:
-        chunk = sock.recv(65536)
-        if not chunk:
-            break
-        body += chunk
-    return head, body
-
-
 def test_a_500_says_connection_close_and_a_pool_reusing_connections_loses_nothing(
     server: Server,
 ) -> None:
@@ -67,7 +45,7 @@ def test_a_500_says_connection_close_and_a_pool_reusing_connections_loses_nothin
     body = json.dumps({"prompt": FAULT_500, "max_tokens": 1}).encode()
     with connect(server) as sock:
         sock.sendall(raw_request(server, "POST", "/v1/completions", body))
-        head, error_body = read_response(sock)
+        head, error_body = read_head_and_body(sock)
         assert sock.recv(1) == b""  # and the server closed it
     assert head.startswith(b"HTTP/1.1 500 "), head
     assert b"connection: close" in head.lower(), head

@@ -20,6 +20,7 @@ from typing import Any
 import uvicorn
 
 from engine.http.connections import KEEP_ALIVE_S, guarded_http_protocol
+from tests.raw_http import read_response
 
 HEADER_TIMEOUT_S = 0.3
 BODY_TIMEOUT_S = 0.5
@@ -77,28 +78,6 @@ def head(method: str, path: str, content_length: int | None = None) -> bytes:
     if content_length is not None:
         lines.append(f"Content-Length: {content_length}")
     return ("\r\n".join(lines) + "\r\n\r\n").encode()
-
-
-def read_response(sock: socket.socket) -> bytes:
-    """One whole response with a content-length body (short if the server closed first)."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(65536)
-        if not chunk:
-            return data
-        data += chunk
-    first, _, body = data.partition(b"\r\n\r\n")
-    length = next(
-        int(line.split(b":", 1)[1])
-        for line in first.lower().split(b"\r\n")
-        if line.startswith(b"content-length:")
-    )
-    while len(body) < length:
-        chunk = sock.recv(65536)
-        if not chunk:
-            break
-        body += chunk
-    return first + b"\r\n\r\n" + body
 
 
 def test_a_connection_answered_before_its_body_is_not_answered_408_once_idle() -> None:
