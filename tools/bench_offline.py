@@ -95,6 +95,9 @@ def run_engine(
         "kv_cache_memory": args.kv_cache_memory,
         "scheduler__max_num_seqs": max(len(workloads[0][0]), 1),
         "model__deterministic": deterministic,
+        "device": args.device,
+        "dtype": args.dtype,
+        "model__kernel_backend": args.kernel_backend,
     }
     run = Run(name, [], [], [])
     with LLM(path, **options) as llm:
@@ -115,10 +118,14 @@ def run_hf(args: argparse.Namespace, path: str, workloads: list[Workload]) -> Ru
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    # float32 on the CPU (HF's fastest there); on a GPU the dtype we run in.
+    on_gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    dtype = torch.float32 if not on_gpu else getattr(torch, args.dtype, torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model = model.to("cuda" if on_gpu else "cpu").eval()
     pad = 0
     run = Run("hf", [], [], [])
-    warm = torch.tensor([workloads[0][0][0][:4]])
+    warm = torch.tensor([workloads[0][0][0][:4]], device=model.device)
     with torch.inference_mode():
         model.generate(warm, max_new_tokens=2, do_sample=False, pad_token_id=pad)
         for prompts, outs in workloads:
@@ -127,8 +134,12 @@ def run_hf(args: argparse.Namespace, path: str, workloads: list[Workload]) -> Ru
                 batch = prompts[first : first + args.hf_batch_size]
                 wanted = outs[first : first + args.hf_batch_size]
                 width = max(map(len, batch))
-                ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])  # left padding
-                mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+                ids = torch.tensor(  # left padding
+                    [[pad] * (width - len(p)) + p for p in batch], device=model.device
+                )
+                mask = torch.tensor(
+                    [[0] * (width - len(p)) + [1] * len(p) for p in batch], device=model.device
+                )
                 new = max(wanted)
                 out = model.generate(
                     ids,
@@ -255,6 +266,9 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per replica")
     parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
     parser.add_argument("--kv-cache-memory", type=int, default=512 * 2**20)
+    parser.add_argument("--device", default="auto", help="auto (cuda if present), cpu, cuda")
+    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    parser.add_argument("--kernel-backend", default="auto", help="auto, torch, triton, cpu")
     parser.add_argument(
         "--deterministic",
         action="store_true",

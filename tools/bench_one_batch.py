@@ -112,16 +112,17 @@ def hf_generate_seconds(
     from transformers import AutoModelForCausalLM
 
     model = hf_model or AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    ids = torch.tensor(prompts)
+    ids = torch.tensor(prompts, device=model.device)
     with torch.inference_mode():
         start = time.perf_counter()
-        model.generate(
+        out = model.generate(
             ids,
             attention_mask=torch.ones_like(ids),
             do_sample=False,
             max_new_tokens=output_len,
             min_new_tokens=output_len,
         )
+        out.tolist()  # waits for a GPU's queued work
         return time.perf_counter() - start
 
 
@@ -167,6 +168,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "q4_0, q4_1",
     )
     parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--kernel-backend", default="auto", help="auto, torch, triton (GPU), cpu, batch_invariant"
+    )
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-cache-memory", type=int, help="bytes (default: a fraction of free)")
     parser.add_argument("--num-threads", type=int, help="torch intra-op threads (per rank)")
@@ -216,6 +220,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         kv_cache_memory=args.kv_cache_memory,
         num_threads=args.num_threads,
         quantization=args.quantization,
+        kernel_backend=args.kernel_backend,
     )
     print(
         f"model {model}: {runner.config.architecture}, {runner.dtype}, "
@@ -251,7 +256,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     most = runner.threads.busy if runner.threads is not None else torch.get_num_threads()
     before = torch.get_num_threads()
     torch.set_num_threads(most)
-    rates = MachineRates.measure(runner.dtype)
+    rates = MachineRates.measure(runner.dtype, runner.device)
     torch.set_num_threads(before)
     print(f"limits: {rates.describe()}, {most} threads")
     print_table(results, runner, rates)
@@ -315,7 +320,9 @@ def print_engine_overhead(
     cases = sorted({(r.batch_size, r.input_len) for r in results})
     output_len = max(args.output_len)
     kv_bytes = runner.num_blocks * kv_block_bytes(runner.config, runner.block_size, runner.dtype)
-    engine = engine_decode_step_seconds(model, cases, output_len, kv_bytes, args.num_threads)
+    engine = engine_decode_step_seconds(
+        model, cases, output_len, kv_bytes, args.num_threads, runner_settings(runner, args)
+    )
     print(f"\n{'batch':>5} {'in':>5} | {'engine ms/step':>14} {'raw ms/step':>11} {'overhead':>8}")
     for batch, input_len in cases:
         raw = raw_decode_step_seconds(runner, batch, input_len + output_len // 2)
@@ -323,6 +330,16 @@ def print_engine_overhead(
         print(
             f"{batch:>5} {input_len:>5} | {step * 1e3:>14.3f} {raw * 1e3:>11.3f} {step / raw:>8.2f}"
         )
+
+
+def runner_settings(runner: ModelRunner, args: argparse.Namespace) -> dict[str, object]:
+    """The actor system's model settings for what the raw runner above ran."""
+    return {
+        "model.device": runner.device.type,
+        "model.dtype": str(runner.dtype).removeprefix("torch."),
+        "model.kernel_backend": args.kernel_backend,
+        "model.quantization": args.quantization,
+    }
 
 
 def run_llama_bench(model: str | None) -> dict[str, float]:
@@ -345,10 +362,15 @@ def compare_with_llama_bench(runner: ModelRunner, theirs: dict[str, float]) -> N
 
 
 def compare_with_hf(runner: ModelRunner, results: list[CaseResult]) -> None:
-    """Whole-batch throughput (prefill + decode) of ours and of HF generate, side by side."""
+    """Whole-batch throughput (prefill + decode) of ours and of HF generate, side by side: HF in
+    float32 on the CPU (its fastest there), in our dtype on a GPU."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(runner.model_path, dtype=torch.float32).eval()
+    on_gpu = runner.device.type == "cuda"
+    hf = AutoModelForCausalLM.from_pretrained(
+        runner.model_path, dtype=runner.dtype if on_gpu else torch.float32
+    )
+    hf = hf.to(runner.device).eval()
     hf_generate_seconds(runner.model_path, random_prompts(runner, 1, 16), 4, hf)  # warm-up
     print(f"\n{'batch':>5} {'in':>5} {'out':>5} | {'ours tok/s':>10} {'HF tok/s':>9} {'ratio':>6}")
     for r in results:

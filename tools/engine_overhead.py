@@ -38,8 +38,10 @@ def engine_decode_step_seconds(
     output_len: int,
     kv_cache_memory: int,
     num_threads: int | None,
+    model_settings: dict[str, object] | None = None,
 ) -> dict[tuple[int, int], float]:
-    """Seconds per decode step through the actor system for each (batch, input_len) case."""
+    """Seconds per decode step through the actor system for each (batch, input_len) case.
+    model_settings: more settings by dotted name (the raw run's device, dtype, kernels)."""
     from engine.model.config import load_model_config
 
     vocab = load_model_config(model).vocab_size
@@ -49,6 +51,7 @@ def engine_decode_step_seconds(
             "cache.kv_cache_memory": kv_cache_memory,
             "scheduler.max_num_seqs": max(batch for batch, _ in cases),
             "runtime.worker_threads": num_threads or 0,
+            **(model_settings or {}),
         }
     )
 

@@ -29,13 +29,18 @@ class MachineRates:
     flops_per_second: float  # a square matmul in the model's dtype
 
     @classmethod
-    def measure(cls, dtype: torch.dtype, repeats: int = 5) -> MachineRates:
-        source = torch.ones(COPY_BYTES // 4)
+    def measure(
+        cls, dtype: torch.dtype, device: torch.device | None = None, repeats: int = 5
+    ) -> MachineRates:
+        device = device or torch.device("cpu")
+        source = torch.ones(COPY_BYTES // 4, device=device)
         target = torch.empty_like(source)
-        copy_seconds = _median_seconds(lambda: target.copy_(source), repeats)
-        a = torch.randn(MATMUL_SIZE, MATMUL_SIZE).to(dtype)
-        matmul_seconds = _median_seconds(lambda: a @ a, repeats)
-        return cls(2 * COPY_BYTES / copy_seconds, 2 * MATMUL_SIZE**3 / matmul_seconds)
+        copy_seconds = _median_seconds(lambda: target.copy_(source), repeats, device)
+        # A GPU needs a larger square to reach its matmul rate than a CPU does.
+        size = MATMUL_SIZE * (8 if device.type == "cuda" else 1)
+        a = torch.randn(size, size, device=device).to(dtype)
+        matmul_seconds = _median_seconds(lambda: a @ a, repeats, device)
+        return cls(2 * COPY_BYTES / copy_seconds, 2 * size**3 / matmul_seconds)
 
     def describe(self) -> str:
         return (
@@ -110,11 +115,17 @@ class ModelCost:
         )
 
 
-def _median_seconds(work: Callable[[], object], repeats: int) -> float:
+def _median_seconds(work: Callable[[], object], repeats: int, device: torch.device) -> float:
+    def synchronize() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # a GPU's work is queued: wait for it to finish
+
     work()  # first touch of the pages, thread pool start
+    synchronize()
     seconds = []
     for _ in range(repeats):
         start = time.perf_counter()
         work()
+        synchronize()
         seconds.append(time.perf_counter() - start)
     return statistics.median(seconds)
