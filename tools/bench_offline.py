@@ -353,8 +353,22 @@ def report(args: argparse.Namespace, runs: list[Run], baseline: Run | None) -> N
 
 
 def _same(a: Run, b: Run) -> str:
-    same = sum(x == y for x, y in zip(a.outputs, b.outputs, strict=True))
-    return f"{same}/{len(a.outputs)}"
+    """Whole outputs equal; and, since half precision drifts apart after a near tie, how far
+    each pair agrees: the first token, and the median length of the agreeing prefix."""
+    pairs = list(zip(a.outputs, b.outputs, strict=True))
+    same = sum(x == y for x, y in pairs)
+    first = sum(x[:1] == y[:1] for x, y in pairs)
+    prefix = statistics.median(_agreeing_prefix(x, y) for x, y in pairs)
+    return (
+        f"{same}/{len(pairs)} (first token {first}/{len(pairs)}, "
+        f"median agreeing prefix {prefix:.0f} tokens)"
+    )
+
+
+def _agreeing_prefix(x: list[int], y: list[int]) -> int:
+    return next(
+        (i for i, (s, t) in enumerate(zip(x, y, strict=False)) if s != t), min(len(x), len(y))
+    )
 
 
 if __name__ == "__main__":

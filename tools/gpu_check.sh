@@ -11,8 +11,9 @@
 #   kernels: the Triton kernels against the torch backend (SDPA) compiled on the GPU, fp32/bf16/
 #            fp16, and the demo model through both backends against HF greedy
 #   model:   a random Llama of about 1.1B parameters (Llama-3.2-1B's shape, 32k vocabulary), bf16
-#   offline: the library API (the actor processes and rings) against HF generate, same GPU
-#   batch:   the raw model's static batches, Triton and torch kernels, beside HF generate, with
+#   offline: the library API (the actor processes and rings) against HF generate, same GPU,
+#            for each kernel backend in GPU_CHECK_BACKENDS (default "triton torch")
+#   batch:   the raw model's static batches for each backend; beside the first, HF generate and
 #            the decode step through the whole actor system
 set -u
 cd "$(dirname "$0")/.."
@@ -20,6 +21,7 @@ OUT=${OUT:-/tmp/gpu_check}
 MODEL=${GPU_CHECK_MODEL:-/tmp/llama-1b-random}
 KV_BYTES=$((8 << 30))
 STEPS=${*:-kernels model offline batch}
+BACKENDS=${GPU_CHECK_BACKENDS:-triton torch}  # kernel backends the benchmarks run, first in full
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 
@@ -53,17 +55,21 @@ for name in $STEPS; do
             --arch llama --layers 16 --hidden 2048 --heads 32 --kv-heads 8 --intermediate 8192 \
             --vocab 32000 --dtype bfloat16 ;;
     offline)
-        step offline 150 python3 tools/bench_offline.py --model "$MODEL" --device cuda \
-            --dtype bfloat16 --kernel-backend triton --num-requests 256 --input-len 256 \
-            --output-len 128 --range-ratio 0.5 --peer hf --hf-batch-size 64 \
-            --kv-cache-memory $KV_BYTES ;;
+        for backend in $BACKENDS; do
+            step "offline_$backend" 150 python3 tools/bench_offline.py --model "$MODEL" \
+                --device cuda --dtype bfloat16 --kernel-backend "$backend" --num-requests 256 \
+                --input-len 256 --output-len 128 --range-ratio 0.5 --peer hf --hf-batch-size 64 \
+                --kv-cache-memory $KV_BYTES
+        done ;;
     batch)
-        step batch_triton 180 python3 tools/bench_one_batch.py --model "$MODEL" --device cuda \
-            --dtype bfloat16 --kernel-backend triton --batch-size 1 32 128 --input-len 512 \
-            --output-len 128 --kv-cache-memory $KV_BYTES --compare-hf
-        step batch_torch 100 python3 tools/bench_one_batch.py --model "$MODEL" --device cuda \
-            --dtype bfloat16 --kernel-backend torch --batch-size 1 32 128 --input-len 512 \
-            --output-len 128 --kv-cache-memory $KV_BYTES --no-engine-overhead ;;
+        extra=(--compare-hf)  # HF and the actor system once, beside the first backend
+        for backend in $BACKENDS; do
+            step "batch_$backend" 180 python3 tools/bench_one_batch.py --model "$MODEL" \
+                --device cuda --dtype bfloat16 --kernel-backend "$backend" \
+                --batch-size 1 32 128 --input-len 512 --output-len 128 \
+                --kv-cache-memory $KV_BYTES "${extra[@]}"
+            extra=(--no-engine-overhead)
+        done ;;
     *) echo "unknown step $name (kernels, model, offline, batch)"; exit 2 ;;
     esac
 done

@@ -3,7 +3,8 @@
 The model calls only the functions bundled in a `KernelBackend`; `select_backend` decides which
 implementation that is for a device. On the CPU that is the compiled backend (engine/kernels/cpu:
 the torch backend with decode attention in a C++ kernel built on first use), or the torch
-backend where it cannot be built; on CUDA the torch backend (torch's own SDPA). By name: the
+backend where it cannot be built; on CUDA the Triton backend, or the torch backend where Triton
+is not installed. By name: the
 Triton backend (engine/kernels/triton: GPU, or its interpreter on the CPU), torch, cpu.
 FlashInfer will plug in here with the same signatures.
 """
@@ -69,11 +70,13 @@ def select_backend(device: torch.device | str, name: str = "auto") -> KernelBack
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"unsupported device {str(device)!r}; expected 'cpu' or 'cuda'")
     backend = TORCH_BACKEND
-    if device.type == "cpu":
-        reason = cpu_kernels.unavailable_reason(device)
-        if reason is None:
-            backend = cpu_kernels.backend()
-        else:
-            log.warning("%s: using kernel backend 'torch'", reason)
+    # Our own kernels where they run: the CPU's compiled ones, Triton's on a GPU (the torch
+    # backend's decode path there is sparse products and gathers; tools/gpu_check.sh compares).
+    own_kernels = cpu_kernels if device.type == "cpu" else triton_kernels
+    reason = own_kernels.unavailable_reason(device)
+    if reason is None:
+        backend = own_kernels.backend()
+    else:
+        log.warning("%s: using kernel backend 'torch'", reason)
     log.debug("kernel backend for %s: %s", device, backend.name)
     return backend

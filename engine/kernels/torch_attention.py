@@ -112,10 +112,11 @@ def _sampled_scores(
     pattern: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """scale * q[row] . keys[column] for every (row, column) of the pattern, in its order."""
-    if keys.device.type != "cpu" or keys.dtype in (torch.float32, torch.float64):
+    if keys.dtype in (torch.float32, torch.float64):
         scores = torch.sparse.sampled_addmm(pattern, q, keys.t(), beta=0.0, alpha=scale)
         return cast(torch.Tensor, scores.values())
-    # torch's CPU sampled_addmm has no half-precision kernel: gather the keys (a copy of K only).
+    # torch's sampled_addmm has no half-precision kernel, on the CPU or on CUDA (torch 2.11 on an
+    # H200 said so): gather the keys each row sees (a copy of K only) and accumulate in float32.
     rows = torch.repeat_interleave(pattern.crow_indices().diff())
     picked = keys.index_select(0, pattern.col_indices()).float()
     return (picked * q.float().index_select(0, rows)).sum(-1) * scale
