@@ -104,7 +104,7 @@ class ModelSettings(_Section, frozen=True):
             description="attention/norm kernels: torch; cpu (torch's, with decode attention "
             "in a C++ kernel built on first use); or triton (a GPU, or the CPU under "
             "TRITON_INTERPRET=1); auto = cpu on the CPU (torch where it cannot be built), "
-            "torch on a GPU"
+            "triton on a GPU (torch where triton is not installed)"
         ),
     ] = "auto"
     deterministic: Annotated[
