@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from engine.home import build_directory
+from engine.messages.params import LoRARequest
 from engine.model.checkpoint_maker import CheckpointSpec, make_checkpoint
 from engine.model.step_inputs import SeqChunk
 
@@ -97,6 +98,7 @@ def greedy_generate(
     chunk_size: int | None = None,
     allocator: BlockAllocator | None = None,
     cached_prefixes: Sequence[tuple[int, list[int]] | None] | None = None,
+    loras: Sequence[LoRARequest | None] | None = None,
 ) -> list[list[int]]:
     """Greedy tokens for every prompt, all sequences batched in each step.
 
@@ -104,6 +106,7 @@ def greedy_generate(
     mix prefill chunks of some sequences with decode tokens of others.
     cached_prefixes[i]: (tokens already in the cache, their blocks) for prompt i: its first
     chunk starts after them, reading K/V another sequence wrote (a prefix-cache hit).
+    loras[i]: the LoRA adapter prompt i runs with (None: the base model).
     """
     allocator = allocator or BlockAllocator(runner.num_blocks)
     block_size = runner.block_size
@@ -129,6 +132,7 @@ def greedy_generate(
                     s.computed,
                     s.block_table,
                     end == len(s.tokens),
+                    lora=loras[s.seq_id] if loras else None,
                 )
             )
         logits = runner.forward(chunks)

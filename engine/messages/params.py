@@ -87,6 +87,15 @@ class PoolingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         return cls(pooling_type=kind.upper(), normalize=normalize)
 
 
+class LoRARequest(msgspec.Struct, frozen=True):
+    """A LoRA adapter to generate with, as vLLM's: its served name, a number naming it (any
+    positive int, unique per adapter) and its PEFT directory (engine/lora/)."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str = ""
+
+
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     """How to sample one request's completions (names and meanings as vLLM's)."""
 
@@ -117,6 +126,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     # Set: an embedding request. Its one sample runs one step (max_tokens 1), and its output
     # carries the pooled vector; the token sampled beside it is not the answer.
     pooling: PoolingParams | None = None
+    # The LoRA adapter the request runs with (set by the engine from the request's model name
+    # or LLM.generate's lora_request); None: the base model.
+    lora_request: LoRARequest | None = None
 
     def validate(self) -> None:
         """Raise ValueError naming the offending field and its allowed range."""

@@ -29,6 +29,7 @@ from torch import nn
 from engine.kernels.attention_metadata import AttentionMetadata
 from engine.kernels.backend import KernelBackend, Linear
 from engine.kernels.kv_cache import PagedKVCache
+from engine.lora.weights import LoraStep
 from engine.model import quantized_weights
 from engine.model.config import ModelConfig
 from engine.model.fused_decode import FusedDecode
@@ -55,6 +56,7 @@ class StepContext:
     kv_cache: PagedKVCache
     cos: torch.Tensor  # [tokens, 1, head_dim / 2]
     sin: torch.Tensor
+    lora: LoraStep | None = None  # rows that run with LoRA adapters (engine/lora/weights.py)
 
 
 class RMSNorm(nn.Module):
@@ -113,6 +115,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, step: StepContext) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        if step.lora is not None:
+            step.lora.add(qkv, x, self.layer, "qkv")
         qk = qkv[:, : self.qk_size].view(num_tokens, -1, self.head_dim)
         v = qkv[:, self.qk_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm_weight is not None:
@@ -122,16 +126,25 @@ class Attention(nn.Module):
         out = self.ops.paged_attention(
             q, k, v, step.kv_cache, self.layer, step.attention, self.scale
         )
-        return cast(torch.Tensor, self.o_proj(out))
+        projected = cast(torch.Tensor, self.o_proj(out))
+        if step.lora is not None:
+            step.lora.add(projected, out.reshape(num_tokens, -1), self.layer, "o")
+        return projected
 
 
 class GatedMLP(nn.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
 
     def __init__(
-        self, config: ModelConfig, ops: KernelBackend, shape: RankShape, group: TensorParallelGroup
+        self,
+        config: ModelConfig,
+        layer: int,
+        ops: KernelBackend,
+        shape: RankShape,
+        group: TensorParallelGroup,
     ) -> None:
         super().__init__()
+        self.layer = layer
         self.ops = ops
         size, hidden = shape.intermediate_size, config.hidden_size
         self.gate_up_proj = nn.Linear(hidden, 2 * size, bias=config.mlp_bias)
@@ -142,9 +155,15 @@ class GatedMLP(nn.Module):
         self.gate_up_linear = prepared(self.gate_up_proj, self.gate_up_linear)
         self.down_proj.linear = prepared(self.down_proj, self.down_proj.linear)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoraStep | None = None) -> torch.Tensor:
         gate_up = self.gate_up_linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
-        return cast(torch.Tensor, self.down_proj(self.ops.silu_and_mul(gate_up)))
+        if lora is not None:
+            lora.add(gate_up, x, self.layer, "gate_up")
+        activated = self.ops.silu_and_mul(gate_up)
+        down = cast(torch.Tensor, self.down_proj(activated))
+        if lora is not None:
+            lora.add(down, activated, self.layer, "down")
+        return down
 
 
 class DecoderLayer(nn.Module):
@@ -160,11 +179,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.self_attn = Attention(config, layer, ops, shape, group)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.mlp = GatedMLP(config, ops, shape, group)
+        self.mlp = GatedMLP(config, layer, ops, shape, group)
 
     def forward(self, h: torch.Tensor, step: StepContext) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), step)
-        return cast(torch.Tensor, h + self.mlp(self.post_attention_layernorm(h)))
+        return cast(torch.Tensor, h + self.mlp(self.post_attention_layernorm(h), step.lora))
 
 
 class DecoderForCausalLM(nn.Module):
@@ -232,14 +251,20 @@ class DecoderForCausalLM(nn.Module):
         self.project_to_vocab = self.ops.output_projection(weight)
 
     def forward(
-        self, token_ids: torch.Tensor, attention: AttentionMetadata, kv_cache: PagedKVCache
+        self,
+        token_ids: torch.Tensor,
+        attention: AttentionMetadata,
+        kv_cache: PagedKVCache,
+        lora: LoraStep | None = None,
     ) -> torch.Tensor:
-        """Hidden states [tokens, hidden] after the last layer (before the final norm)."""
+        """Hidden states [tokens, hidden] after the last layer (before the final norm); the
+        rows `lora` names run with their adapters."""
         h = self.embed_tokens(token_ids)
         cos, sin = self.ops.rotary_cos_sin(attention.positions, self.inv_freq, h.dtype)
-        if self.fused_decode is not None and self.fused_decode.takes(h, attention):
-            return self.fused_decode.run(h, attention, kv_cache, cos, sin)
-        step = StepContext(attention, kv_cache, cos, sin)
+        fused = self.fused_decode
+        if lora is None and fused is not None and fused.takes(h, attention):
+            return fused.run(h, attention, kv_cache, cos, sin)
+        step = StepContext(attention, kv_cache, cos, sin, lora)
         for layer in self.layers:
             h = layer(h, step)
         return cast(torch.Tensor, h)

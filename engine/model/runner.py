@@ -21,6 +21,7 @@ import torch
 from engine.kernels.attention_metadata import AttentionMetadata, long_tensor
 from engine.kernels.kv_cache import PagedKVCache
 from engine.kernels.registry import select_backend
+from engine.lora.weights import AdapterCache, LoraStep
 from engine.model import placement
 from engine.model.capacity import available_cpu_memory, kv_block_bytes, kv_cache_blocks
 from engine.model.config import ModelConfig, load_model_config
@@ -47,6 +48,7 @@ class PreparedStep:
     # token, and every token of the chunks asked for in full (prompt logprobs).
     logit_rows: list[int]
     keys: int = 0  # at most this many keys read by its attention per layer (thread count)
+    lora: LoraStep | None = None  # the rows that run with LoRA adapters
 
 
 class ModelRunner:
@@ -67,11 +69,15 @@ class ModelRunner:
         tensor_parallel: TensorParallelGroup | None = None,
         kv_cache_buffer: Any = None,
         weights_of_run: int | None = None,
+        max_lora_rank: int = 0,
+        max_cpu_loras: int = 8,
     ) -> None:
         """`kv_cache_buffer`: memory the KV cache must live in (a shared-memory segment its
         kv_transfer actor maps too); None: the cache allocates its own. `weights_of_run`: the
         root pid of the run whose restarts of this rank map its weights rather than read the
-        checkpoint again (engine/model/weight_store.py; CPU only); None: no store."""
+        checkpoint again (engine/model/weight_store.py; CPU only); None: no store.
+        `max_lora_rank` > 0: chunks may name LoRA adapters of at most that rank, loaded on first
+        use and `max_cpu_loras` of them kept loaded."""
         if block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size}")
         self.model_path = str(Path(model_path))
@@ -91,6 +97,13 @@ class ModelRunner:
         if weights_of_run is not None and self.device.type == "cpu":
             self.weight_slot = StoreSlot(weights_of_run, self._weights_identity(quantization))
         self._load_weights(quantization)
+        self.loras: AdapterCache | None = None
+        if max_lora_rank > 0:
+            if self.group.size > 1:
+                raise ValueError("LoRA adapters are not supported with tensor parallelism")
+            self.loras = AdapterCache(
+                self.config, max_lora_rank, self.dtype, self.device, max_cpu_loras
+            )
         self.block_size = block_size
         self._allocate_kv_cache(kv_cache_memory, kv_cache_fraction, kv_cache_buffer)
 
@@ -213,7 +226,18 @@ class ModelRunner:
             device=self.device,
         )
         keys = sum(len(c.token_ids) * (c.start_pos + len(c.token_ids)) for c in chunks)
-        return PreparedStep(long_tensor(token_ids).to(self.device), attention, logit_rows, keys)
+        tokens = long_tensor(token_ids).to(self.device)
+        return PreparedStep(tokens, attention, logit_rows, keys, self._lora_step(chunks))
+
+    def _lora_step(self, chunks: Sequence[SeqChunk]) -> LoraStep | None:
+        """The step's rows by adapter, each adapter loaded (ValueError: one that cannot be)."""
+        if all(chunk.lora is None for chunk in chunks):
+            return None
+        if self.loras is None:
+            raise ValueError("a chunk names a LoRA adapter, but LoRA is not enabled")
+        loras = self.loras
+        adapters = [None if c.lora is None else loras.get(c.lora) for c in chunks]
+        return LoraStep.of([len(chunk.token_ids) for chunk in chunks], adapters)
 
     def execute(self, step: PreparedStep) -> torch.Tensor:
         """The model on a prepared step (the collectives of tensor parallelism happen here)."""
@@ -233,7 +257,7 @@ class ModelRunner:
             threads = self.threads.threads_for(len(step.token_ids), step.keys)
             if threads != torch.get_num_threads():
                 torch.set_num_threads(threads)
-        hidden = self.model(step.token_ids, step.attention, self.kv_cache)
+        hidden = self.model(step.token_ids, step.attention, self.kv_cache, step.lora)
         pooled = None
         if pool_rows:
             pooled = self.model.norm(hidden[long_tensor(list(pool_rows)).to(self.device)])

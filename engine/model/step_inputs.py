@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import msgspec
 
-from engine.messages.params import SamplingParams
+from engine.messages.params import LoRARequest, SamplingParams
 from engine.messages.steps import NewRequest, StepPlan
 
 # Steps computing more tokens than this run off the worker's event loop, so that heartbeats and
@@ -32,6 +32,7 @@ class SeqChunk(msgspec.Struct, array_like=True):
     block_table: list[int]  # physical KV blocks covering start_pos + len(token_ids)
     sample: bool  # True when this chunk reaches the sequence's end: sample one token after it
     num_proposed: int = 0  # the last num_proposed of token_ids are proposals to verify
+    lora: LoRARequest | None = None  # the adapter its request runs with; None: the base model
 
 
 class SequenceStart(msgspec.Struct, array_like=True):
@@ -94,6 +95,7 @@ class KnownSequences:
                     table,
                     chunk.sample,
                     chunk.num_proposed,
+                    self.request_of[chunk.seq_id].params.lora_request,
                 )
             )
         return starts, chunks
