@@ -24,12 +24,14 @@ def hash_block(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
 class BlockHashChain:
     """One sequence's block keys, extended lazily as its tokens fill more blocks.
 
-    A sequence's tokens only ever grow at the end, so keys computed once stay valid.
+    A sequence's tokens only ever grow at the end, so keys computed once stay valid. `salt`
+    names what else its KV depends on (a LoRA adapter): chains of different salts share no key.
     """
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, salt: bytes = b"") -> None:
         self.block_size = block_size
         self.hashes: list[bytes] = []
+        self.root = hashlib.blake2b(_ROOT + salt, digest_size=16).digest() if salt else None
 
     def first(self, token_ids: Sequence[int], num_blocks: int) -> list[bytes]:
         """Keys of the first `num_blocks` blocks of `token_ids` (which must all be full)."""
@@ -46,7 +48,7 @@ class BlockHashChain:
             )
         while len(self.hashes) <= index:
             start = len(self.hashes) * size
-            parent = self.hashes[-1] if self.hashes else None
+            parent = self.hashes[-1] if self.hashes else self.root
             self.hashes.append(hash_block(parent, token_ids[start : start + size]))
         return self.hashes[index]
 

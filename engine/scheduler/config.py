@@ -21,6 +21,7 @@ class SchedulerConfig(msgspec.Struct, kw_only=True):
     # moves), and how long a handed-off request's blocks are held for the puller.
     kv_transfer_ranks: int = 0
     kv_hold_timeout: float = 30.0
+    max_loras: int = 0  # distinct LoRA adapters in one step; 0: no limit (or LoRA off)
     speculative_config: str = ""  # vLLM's --speculative-config JSON (speculation.py); "": off
 
     def validate(self) -> None:

@@ -36,8 +36,10 @@ class BatchPlanner:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_plan_bytes: int,
+        max_loras: int = 0,
     ) -> None:
         self.kv = kv
+        self.max_loras = max_loras  # distinct LoRA adapters among the running; 0: no limit
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         # A plan is one frame on a ring: what it carries (announcements above all) must fit.
@@ -104,8 +106,8 @@ class BatchPlanner:
         for seq in list(self.waiting):
             if budget == 0 or len(self.running) >= self.max_num_seqs:
                 break
-            if self._waits_for_sibling(seq):
-                continue
+            if self._waits_for_sibling(seq) or not self._adapter_fits(seq):
+                continue  # a sequence of another adapter may go first
             # Cache hits are not known yet: count the whole table the sequence could need.
             size = seq.plan_bytes(min(seq.num_tokens, budget), seq.num_tokens)
             if size > room and chunks:
@@ -152,6 +154,14 @@ class BatchPlanner:
         self.waiting.remove(seq)
         self.running.append(seq)
         return ScheduledChunk(seq, num_computed, num_tokens)
+
+    def _adapter_fits(self, seq: SequenceState) -> bool:
+        """Running `seq` keeps the running sequences within max_loras distinct adapters."""
+        lora = seq.params.lora_request
+        if lora is None or self.max_loras == 0:
+            return True
+        running = {s.params.lora_request for s in self.running} - {None}
+        return lora in running or len(running) < self.max_loras
 
     def _shareable_blocks(self, seq: SequenceState) -> int:
         """Full blocks of the prompt `seq` could take from a sibling (its last token excluded)."""

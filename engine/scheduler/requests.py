@@ -143,7 +143,7 @@ class SequenceState:
         self.block_size = block_size
         self.block_table = BlockTable()
         self.blocks_sent = 0  # of block_table's ids, those the workers have
-        self.hash_chain = BlockHashChain(block_size)
+        self.hash_chain = BlockHashChain(block_size, adapter_salt(request.params))
         self.needs_announce = True  # the next plan must carry a NewSeq for it
         self.known_to_workers = False  # some plan announced it: it must be retired by name
 
@@ -188,3 +188,12 @@ class SequenceState:
             f"SequenceState(id={self.seq_id}, {self.request.request_id}#{self.index}, "
             f"{self.status.value}, tokens={self.num_tokens}, computed={self.num_computed_tokens})"
         )
+
+
+def adapter_salt(params: SamplingParams) -> bytes:
+    """What the prefix cache keys a sequence's KV by beside its tokens: its LoRA adapter, which
+    changes every layer's keys and values (b"": the base model)."""
+    lora = params.lora_request
+    if lora is None:
+        return b""
+    return f"lora\0{lora.lora_name}\0{lora.lora_int_id}\0{lora.lora_path}".encode()
