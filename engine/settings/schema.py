@@ -301,6 +301,13 @@ class RuntimeSettings(_Section, frozen=True):
         int,
         Meta(ge=1, description="crashes a request may be part of before it is failed, not retried"),
     ] = 2
+    spare_processes: Annotated[
+        bool,
+        Meta(
+            description="keep one started process per kind of actor, with its imports done, "
+            "for its next restart (faster recovery, for the spares' memory)"
+        ),
+    ] = True
 
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

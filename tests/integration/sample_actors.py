@@ -201,10 +201,15 @@ async def async_wait_until(condition: Callable[[], bool], timeout: float, what: 
 
 
 async def serve_as_root(info_path: str) -> None:
-    """A root process with two children; writes {"root": pid, "children": [pids]} when ready."""
-    spec = supervisor_spec(child("one"), child("two"), rings=echo_rings("one"))
+    """A root process with two children and a spare process; writes {"root": pid, "children":
+    [pids], "spares": [pids]} when ready."""
+    spec = supervisor_spec(child("one"), child("two"), rings=echo_rings("one"), spares=True)
     async with Supervisor(spec) as supervisor:
-        info = {"root": os.getpid(), "children": [row.pid for row in supervisor.status()]}
+        info = {
+            "root": os.getpid(),
+            "children": [row.pid for row in supervisor.status()],
+            "spares": list(supervisor.spare_pids().values()),
+        }
         Path(info_path + ".tmp").write_bytes(msgspec.json.encode(info))
         os.replace(info_path + ".tmp", info_path)
         await supervisor.wait_closed()

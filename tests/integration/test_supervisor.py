@@ -236,6 +236,8 @@ def test_killing_the_root_leaves_no_child_running_and_the_next_start_sweeps(
     try:
         wait_until(info_path.exists, EVENT_TIMEOUT, "the root to start its children")
         info = msgspec.json.decode(info_path.read_bytes())
+        assert info["spares"] and all(pid_running(pid) for pid in info["spares"])
+        info["children"] += info["spares"]  # a spare must die with its root as a child does
         assert all(pid_running(pid) for pid in info["children"])
         prefix = f"engine-{info['root']}-"
         assert any(name.startswith(prefix) for name in os.listdir("/dev/shm"))

@@ -86,6 +86,12 @@ class Actor:
 
     # Hooks.
 
+    @classmethod
+    def preload(cls) -> None:
+        """Import what on_start will need, in a spare process that does not yet know which
+        child it will be (engine/actors/runtime/spares.py): nothing that depends on the config,
+        and nothing held that a second copy would cost memory for."""
+
     async def on_start(self) -> dict[str, Any] | None:
         """Load resources. The returned info goes to the root in the Ready message."""
         return None
@@ -258,7 +264,7 @@ def _name(ring: Ring[Any] | str) -> str:
 def child_main(boot_frame: bytes) -> None:
     """Entry of a spawned child: an encoded ChildBoot in, the actor's exit status out."""
     boot = BOOT.decode(boot_frame)
-    _exit_with_root(boot.root_pid)
+    exit_with_root(boot.root_pid)
     # Ctrl-C reaches the whole process group; shutting down is the root's call, not ours.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(
@@ -284,7 +290,7 @@ async def _run_actor(actor_class: type[Actor], boot: ChildBoot) -> int:
     return await actor_class(boot).run()
 
 
-def _exit_with_root(root_pid: int) -> None:
+def exit_with_root(root_pid: int) -> None:
     """Make the kernel kill this process when the root dies, so no child outlives it.
 
     SIGKILL rather than SIGTERM: a hung child must go too; the next start sweeps its segments.

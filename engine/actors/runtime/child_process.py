@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from engine.actors.runtime.actor import child_main
 from engine.actors.runtime.child_spec import ChildSpec
 from engine.actors.runtime.ring import RingReader, RingSpec, RingWriter, create_ring, destroy_ring
+from engine.actors.runtime.spares import Spare
 from engine.messages.control import (
     BOOT,
     CONTROL,
@@ -104,7 +105,10 @@ class ChildProcess:
         outbound: Mapping[str, RingSpec],
         log_level: str,
         segments: Mapping[str, str] | None = None,
+        spare: Spare | None = None,
     ) -> None:
+        """Spawn the child, or hand its boot to `spare` (a process already started for its
+        entry, engine/actors/runtime/spares.py) when that one can take it."""
         boot = ChildBoot(
             name=self.name,
             entry=self.spec.entry,
@@ -119,18 +123,20 @@ class ChildProcess:
             log_level=log_level,
             segments=dict(segments or {}),
         )
-        # daemon: should the root exit without an orderly shutdown, multiprocessing's exit hook
-        # SIGTERMs the children instead of joining them forever. (A daemonic process may not
-        # start multiprocessing children of its own; actors have no need to.)
-        process = _SPAWN.Process(
-            target=child_main, args=(BOOT.encode(boot),), name=self.name, daemon=True
-        )
-        process.start()
+        frame = BOOT.encode(boot)
+        process = spare.hand_over(frame) if spare is not None else None
+        how = "in a spare process" if process is not None else "as a new process"
+        if process is None:
+            # daemon: should the root exit without an orderly shutdown, multiprocessing's exit
+            # hook SIGTERMs the children instead of joining them forever. (A daemonic process
+            # may not start multiprocessing children of its own; actors have no need to.)
+            process = _SPAWN.Process(target=child_main, args=(frame,), name=self.name, daemon=True)
+            process.start()
         self._process = process
         self._pid = process.pid
         self._loop.add_reader(process.sentinel, self._on_sentinel)
         self._status_task = self._loop.create_task(self._read_status())
-        log.info("started %s (generation %d) as pid %s", self.name, self.generation, process.pid)
+        log.info("started %s (generation %d) %s, pid %s", self.name, self.generation, how, self.pid)
 
     async def wait_ready(self) -> Ready:
         """The child's Ready message; ChildStartError naming the child if it dies or times out."""

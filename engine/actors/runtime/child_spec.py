@@ -102,6 +102,9 @@ class SupervisorSpec(msgspec.Struct, frozen=True, kw_only=True):
     backoff_initial: float = 0.1  # delay before a child's 2nd restart in the window; doubles after
     backoff_max: float = 5.0
     log_level: str = "INFO"
+    # Keep a started spare process per entry of the restartable children, which a restart hands
+    # its child to (engine/actors/runtime/spares.py): faster restarts for the spares' memory.
+    spares: bool = False
 
     def validate(self) -> None:
         """Raise ValueError naming the first thing wrong, its value and the form expected."""

@@ -15,7 +15,7 @@
   under one_for_one, starting side by side rather than one after the other.
 - restart: the children chosen are stopped (reverse start order), their rings get fresh
   segments, every live peer is told to swap (the root's own ends are swapped in place), and the
-  children are started again.
+  children are started again (in the spare processes kept for their entries: spares.py).
 - shutdown: every child in reverse start order (Stop, SIGTERM, SIGKILL), then every segment.
 """
 
@@ -49,6 +49,7 @@ from engine.actors.runtime.ring import run_prefix, sweep_stale_segments
 from engine.actors.runtime.ring_ends import RingEnds
 from engine.actors.runtime.ring_table import RingTable
 from engine.actors.runtime.segments import create_segments, destroy_segments
+from engine.actors.runtime.spares import Spares
 from engine.actors.runtime.supervised_child import SupervisedChild, wait_for_dying_siblings
 from engine.messages.control import LogLevel, Ready
 
@@ -67,6 +68,8 @@ class Supervisor:
         self._intensity = RestartIntensity(
             spec.max_restarts, spec.max_seconds, spec.backoff_initial, spec.backoff_max
         )
+        restartable = [c.entry for c in spec.children if c.restart is not Restart.TEMPORARY]
+        self._spares = Spares(restartable if spec.spares else ())
         self._exits: asyncio.Queue[ChildProcess] = asyncio.Queue()
         self._processes: set[ChildProcess] = set()  # spawned and not yet released
         self._subscribers: list[asyncio.Queue[SupervisorEvent]] = []
@@ -105,6 +108,7 @@ class Supervisor:
             spawned = [[self._spawn(name) for name in unit] for unit in self._units]
             for processes in spawned:
                 await self._await_ready(processes)
+            self._spares.refill()  # once the children are up: their start has the cores
         except BaseException as exc:
             await self.shutdown(f"start-up failed: {exc}")
             raise
@@ -136,6 +140,10 @@ class Supervisor:
 
     def status(self) -> list[ChildStatus]:
         return [child.status() for child in self._children.values()]
+
+    def spare_pids(self) -> dict[str, int | None]:
+        """Entry -> pid of the spare process kept for its next restart (spec.spares)."""
+        return self._spares.pids()
 
     def set_log_level(self, level: str, children: list[str] | None = None) -> None:
         """Change the log level of the named children (default: all) while they run."""
@@ -175,7 +183,8 @@ class Supervisor:
             for decl in self.spec.segments
             if name in decl.parties and decl.name in self._segments
         }
-        process.start(*self._rings.ends_of(name), self.spec.log_level, segments)
+        spare = self._spares.take(child.spec.entry)
+        process.start(*self._rings.ends_of(name), self.spec.log_level, segments, spare)
         return process
 
     async def _start_unit(self, names: list[str], restart_reason: str = "") -> None:
@@ -305,6 +314,7 @@ class Supervisor:
                     raise result
         finally:
             self._rings.destroy_retired()
+            self._spares.refill()  # after the restart: the new spare's imports wait for it
 
     async def _hand_out_rings(self, renewed: list[str], restarted: set[str], peer: str) -> None:
         """Move every live party with an end on a renewed ring to the fresh segment, and wait
@@ -353,6 +363,7 @@ class Supervisor:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._spares.close()
         for unit in reversed(self._units):
             await asyncio.gather(*(self._stop_child(name, reason) for name in reversed(unit)))
         for process in list(self._processes):

@@ -1,0 +1,149 @@
+"""Spare processes: what a restart would spend on becoming a process, spent before the failure.
+
+A restarted child's recovery is mostly its new process's start: the interpreter, the engine's
+modules, and what its actor imports to start (torch, for a worker). So a supervisor may keep one
+spare per entry ("module:Class") of its restartable children: a process spawned as a child is,
+that has imported its actor's module and run the class's `preload()`, and then waits, blocked in
+one read of a pipe (no polling: it uses no CPU), for the ChildBoot of the child it is to become.
+A restart writes the boot into that pipe (msgspec bytes, as a fresh child gets them: nothing is
+unpickled) and the spare goes on as `child_main` would, so the restart pays only the actor's own
+`on_start`. A boot may be handed to a spare still importing: it reads it once done, which is never
+later than a fresh process would have been.
+
+A spare holds nothing of the run (its rings, segments and weights come with the boot, or from
+/dev/shm), only imported modules. It dies with the root: the kernel's parent-death signal, armed
+first thing, and the end of its pipe, which only the root holds. The supervisor kills its spares
+when it shuts down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import signal
+from collections.abc import Iterable
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+
+from engine.actors.runtime.actor import child_main, exit_with_root, load_actor_class
+
+__all__ = ["Spare", "Spares", "spare_main"]
+
+log = logging.getLogger(__name__)
+
+_SPAWN = multiprocessing.get_context("spawn")
+# A boot frame waits in the pipe until the spare reads it: the root never blocks on the write as
+# long as the frame fits the pipe's buffer (64 KiB on Linux), with room for the length header.
+MAX_BOOT_BYTES = 60 * 1024
+_REAP_WAIT_S = 5.0  # after SIGKILL, for a spare to be gone
+
+
+class Spare:
+    """One spare process for children of `entry`, spawned on creation."""
+
+    def __init__(self, entry: str) -> None:
+        self.entry = entry
+        reader, self._writer = _SPAWN.Pipe(duplex=False)
+        self.process: BaseProcess = _SPAWN.Process(
+            target=spare_main,
+            args=(entry, os.getpid(), reader),
+            name=f"spare {entry}",
+            daemon=True,  # as children: multiprocessing's exit hook ends it with the root
+        )
+        self.process.start()
+        reader.close()  # only the spare holds the read end: it sees EOF when the root is gone
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
+
+    @property
+    def alive(self) -> bool:
+        return self.process.exitcode is None
+
+    def hand_over(self, boot_frame: bytes) -> BaseProcess | None:
+        """The spare's process, now becoming the child `boot_frame` describes; None when it
+        cannot (it died, or the frame does not fit the pipe's buffer): then spawn afresh."""
+        if not self.alive or len(boot_frame) > MAX_BOOT_BYTES:
+            self.discard()
+            return None
+        try:
+            self._writer.send_bytes(boot_frame)
+        except OSError as exc:  # it died meanwhile: its read end is closed
+            log.warning("spare %s (pid %s) could not take a boot: %s", self.entry, self.pid, exc)
+            self.discard()
+            return None
+        self._writer.close()
+        return self.process
+
+    def discard(self) -> None:
+        """Kill it, if it runs still (it holds nothing to clean up)."""
+        if not self._writer.closed:
+            self._writer.close()
+        if self.alive:
+            self.process.kill()
+
+
+class Spares:
+    """At most one spare per entry; `refill()` spawns the missing ones (call it on the loop
+    thread: the parent-death signal fires when the spawning thread ends)."""
+
+    def __init__(self, entries: Iterable[str]) -> None:
+        self._entries = sorted(set(entries))
+        self._spares: dict[str, Spare] = {}
+        self._closed = False
+
+    def refill(self) -> None:
+        if self._closed:
+            return
+        for entry in self._entries:
+            spare = self._spares.get(entry)
+            if spare is not None and not spare.alive:
+                log.warning("spare %s (pid %s) died: replacing it", entry, spare.pid)
+                self._retire(entry)
+                spare = None
+            if spare is None:
+                self._spares[entry] = spare = Spare(entry)
+                log.info("started a spare for %s as pid %s", entry, spare.pid)
+
+    def take(self, entry: str) -> Spare | None:
+        """The spare for `entry`, no longer kept (refill() replaces it), or None."""
+        return self._spares.pop(entry, None)
+
+    def pids(self) -> dict[str, int | None]:
+        """Entry -> pid of each spare kept now."""
+        return {entry: spare.pid for entry, spare in self._spares.items()}
+
+    async def close(self) -> None:
+        """Kill every spare kept and wait until each is gone; no refill() after this."""
+        self._closed = True
+        spares = list(self._spares.values())
+        self._spares.clear()
+        for spare in spares:
+            spare.discard()
+        await asyncio.gather(*(asyncio.to_thread(s.process.join, _REAP_WAIT_S) for s in spares))
+        for spare in spares:
+            if spare.process.exitcode is None:
+                log.error("spare %s (pid %s) survived SIGKILL", spare.entry, spare.pid)
+            else:
+                spare.process.close()
+
+    def _retire(self, entry: str) -> None:
+        spare = self._spares.pop(entry)
+        spare.discard()
+        spare.process.join(0)  # reaps it: it is dead already
+
+
+def spare_main(entry: str, root_pid: int, boot_reader: Connection) -> None:
+    """Entry of a spare process: import, wait for a boot, then run that child."""
+    exit_with_root(root_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a child: the root decides about Ctrl-C
+    load_actor_class(entry).preload()
+    try:
+        boot_frame = boot_reader.recv_bytes()
+    except EOFError:  # the root is gone, or let the spare go
+        os._exit(0)
+    boot_reader.close()
+    child_main(boot_frame)
