@@ -179,7 +179,10 @@ def _parse_int(text: str) -> int | None:
 
 
 def _parse_list(text: str) -> list[str] | None:
-    """A JSON list of strings ('["*"]', as vLLM's flags take it) or comma-separated words."""
+    """A JSON list of strings ('["*"]', as vLLM's flags take it) or comma-separated words; one
+    JSON object is one item (vLLM's --lora-modules '{"name": ..., "path": ...}')."""
+    if text.startswith("{"):
+        return [text]
     if text.startswith("["):
         try:
             value = json.loads(text)

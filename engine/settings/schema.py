@@ -14,12 +14,13 @@ from msgspec import Meta
 
 from engine.messages.params import PoolingParams
 from engine.settings.kv_transfer_schema import KvTransferSettings, kv_transfer_problems
+from engine.settings.lora_schema import LoraSettings, lora_problems
 from engine.settings.section import BYTES_UNIT
 from engine.settings.section import Section as _Section
 from engine.settings.server_schema import ServerSettings
 
 # re-exported: the schema's names live here
-__all__ = ["BYTES_UNIT", "KvTransferSettings", "ServerSettings"]
+__all__ = ["BYTES_UNIT", "KvTransferSettings", "LoraSettings", "ServerSettings"]
 
 
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]
@@ -320,6 +321,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     admin: AdminSettings = msgspec.field(default_factory=AdminSettings)
     runtime: RuntimeSettings = msgspec.field(default_factory=RuntimeSettings)
     kv_transfer: KvTransferSettings = msgspec.field(default_factory=KvTransferSettings)
+    lora: LoraSettings = msgspec.field(default_factory=LoraSettings)
 
 
 SECTIONS: dict[str, type[_Section]] = {
@@ -332,6 +334,7 @@ SECTIONS: dict[str, type[_Section]] = {
     "admin": AdminSettings,
     "runtime": RuntimeSettings,
     "kv_transfer": KvTransferSettings,
+    "lora": LoraSettings,
 }
 
 
@@ -364,4 +367,4 @@ def cross_field_problems(settings: Settings) -> list[tuple[str, str]]:
         PoolingParams.from_config(model.pooler_config)
     except ValueError as exc:
         problems.append(("model.pooler_config", str(exc)))
-    return problems + kv_transfer_problems(settings)
+    return problems + kv_transfer_problems(settings) + lora_problems(settings)
