@@ -21,6 +21,7 @@ from typing import Any
 
 import uvloop
 
+from engine.actors.runtime.shm_space import ShmSpaceError, require_shm_space
 from engine.actors.runtime.supervisor import Supervisor
 from engine.launch.plan import plan_worker_node
 from engine.model_source import model_directory
@@ -47,6 +48,11 @@ async def _serve(settings: Settings) -> int:
     except ValueError as exc:
         print(f"engine: {exc}", file=sys.stderr)
         return 2
+    try:
+        require_shm_space(specs)  # as a single-host start: a refusal now, not a SIGBUS later
+    except ShmSpaceError as exc:
+        print(f"engine: worker node did not start: {exc}", file=sys.stderr)
+        return 1
     supervisors = [Supervisor(spec) for spec in specs]
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

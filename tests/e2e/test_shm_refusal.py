@@ -4,11 +4,14 @@ first KV write past the free space)."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 
+import pytest
+
 from engine.actors.runtime.shm_space import shm_free
-from tests.e2e.harness import REPO, leftover_ipc
+from tests.e2e.harness import REPO, free_port, leftover_ipc
 
 GIB = 1 << 30
 
@@ -36,3 +39,33 @@ def test_a_kv_cache_larger_than_free_dev_shm_is_a_one_line_refusal(model_args: l
     assert " free but this run needs " in last and "lower cache.kv_cache_memory" in last, last
     assert "Traceback" not in stderr and "started worker" not in stderr
     assert leftover_ipc(proc.pid) == []
+
+
+def _can_mount_own_dev_shm() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    return subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not _can_mount_own_dev_shm(), reason="needs unprivileged user namespaces")
+def test_a_worker_node_is_refused_in_one_line_when_dev_shm_cannot_hold_its_run(
+    model_args: list[str],
+) -> None:
+    """Node k > 0 of a multi-host launch checks /dev/shm as a single-host start does. It runs in
+    a user and mount namespace of its own (util-linux unshare) whose /dev/shm is a 64 KiB tmpfs:
+    less than one rank's control rings."""
+    node = [
+        sys.executable, "-m", "engine", *model_args, "--device", "cpu", "--tp", "2",
+        "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
+        "--master-port", str(free_port()),
+    ]  # fmt: skip
+    small_shm = 'mount -t tmpfs -o size=64k tmpfs /dev/shm && exec "$@"'
+    done = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", small_shm, "sh", *node],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("engine: worker node did not start: /dev/shm has "), done.stderr
+    assert " free but this run needs " in last and "enlarge /dev/shm" in last, last
+    assert "Traceback" not in done.stderr and "started worker" not in done.stderr
