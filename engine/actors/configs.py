@@ -40,6 +40,9 @@ class WorkerConfig(msgspec.Struct, frozen=True):
     tensor_parallel: TensorParallelConfig | None = None  # None: a group of one
     # P/D: the SegmentDecl its KV cache lives in (its kv_transfer actor maps it too); "": none.
     kv_cache_segment: str = ""
+    # Speculative decoding's draft model, checked against the target (engine/launch/draft.py):
+    # rank 0 runs it (engine/model/drafter.py); "": none.
+    draft_model_path: str = ""
 
 
 class KvTransferConfig(msgspec.Struct, frozen=True, kw_only=True):

@@ -83,9 +83,12 @@ class WorkerActor(Actor):
             kv_cache_buffer=cache_buffer,
             # Our restarts map the weights this start read (the root is our parent).
             weights_of_run=os.getppid(),
+            max_lora_rank=config.max_lora_rank,
+            max_cpu_loras=config.max_cpu_loras,
         )
         self.weight_slot = runner.weight_slot
-        self.executor = StepExecutor(runner, config.rank, faults if faults.rules else None)
+        faults_hooks = faults if faults.rules else None
+        self.executor = StepExecutor(runner, config.rank, faults_hooks, _drafter(config, runner))
         self._scheduler_generation = 0  # bumped when the scheduler restarts (fresh plan ring)
         self.sequences_generation = 0  # the scheduler generation our sequences belong to
         return {"num_blocks": runner.num_blocks}
@@ -123,3 +126,20 @@ class WorkerActor(Actor):
     async def on_rings_swapped(self, peer: str, rings: list[str]) -> None:
         if PLAN_RING.name in rings:  # the scheduler restarted; a running step: handle() resets
             self._scheduler_generation += 1
+
+
+def _drafter(config: WorkerConfig, runner: Any) -> Any:
+    """Speculative decoding's draft model, on rank 0 (the launch allows it in groups of one)."""
+    if not config.draft_model_path or config.rank != 0:
+        return None
+    from engine.model.drafter import Drafter
+
+    return Drafter(
+        config.draft_model_path,
+        runner,
+        dtype=config.dtype,
+        kernel_backend=config.kernel_backend,
+        num_threads=config.num_threads,
+        busy_threads=config.busy_threads,
+        exact=config.kernel_backend == "batch_invariant",  # deterministic mode
+    )

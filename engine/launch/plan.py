@@ -36,6 +36,7 @@ from engine.actors.runtime.child_spec import (
     SupervisorSpec,
     declare_ring,
 )
+from engine.launch.draft import draft_model_path
 from engine.launch.pd_plan import cache_segment, kv_transfer_parts, replica_roles
 from engine.launch.sizing import (
     check_parallel,
@@ -168,6 +169,7 @@ def plan_engine(settings: Settings, model_path: str) -> EnginePlan:
         kernel_backend=kernel_backend_of(settings),
         quantization=settings.model.quantization,
         engine_home=str(resolve_home(settings)),
+        draft_model_path=draft_model_path(settings, model_path, config),
     )
     roles = replica_roles(settings)
     check_pd_device(roles, device)

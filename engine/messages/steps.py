@@ -52,6 +52,9 @@ class PlannedChunk(msgspec.Struct, array_like=True):
     # Speculative decoding: the last `num_proposed` of token_ids are proposed tokens, to be
     # verified (engine/model/spec_verify.py); the result may then name the sequence repeatedly.
     num_proposed: int = 0
+    # Speculative decoding with a draft model: rank 0's draft proposes this many tokens after
+    # the chunk (engine/model/drafter.py); its blocks are reserved.
+    num_draft: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -25,6 +25,7 @@ import torch
 from engine.kernels import torch_ops
 from engine.messages.params import SamplingParams
 from engine.messages.steps import SampledLogprobs
+from engine.model.randomness import gumbel_argmax, uniform_noise
 from engine.model.step_inputs import SequenceStart
 from engine.model.token_controls import (
     TokenControls,
@@ -33,9 +34,9 @@ from engine.model.token_controls import (
 )
 from engine.structured.grammars import GrammarService
 
-_M32 = 0xFFFFFFFF
+__all__ = ["RandomDraw", "Sampler", "final_logits", "gumbel_argmax", "is_greedy", "uniform_noise"]
+
 _MIN_TEMPERATURE = 1e-5  # below this, sampling is greedy (as vLLM)
-_GROUP = 256  # vocabulary entries per group in the two-level Gumbel draw
 
 
 class _SeqState:
@@ -122,11 +123,19 @@ class Sampler:
     def output_token_ids(self, seq_id: int) -> list[int]:
         return list(self._seqs[seq_id].output)
 
+    def params_and_seed(self, seq_id: int) -> tuple[SamplingParams, int]:
+        state = self._seqs[seq_id]
+        return state.params, state.seed
+
     def sample(
-        self, seq_ids: list[int], logits: torch.Tensor
+        self, seq_ids: list[int], logits: torch.Tensor, draw: RandomDraw | None = None
     ) -> tuple[list[int], list[SampledLogprobs] | None]:
         """One token per row of `logits` ([len(seq_ids), >= vocab_size]), recorded in each
-        sequence's history; logprobs for every row when any sequence asked for them."""
+        sequence's history; logprobs for every row when any sequence asked for them.
+
+        `draw` picks the random (non-greedy) rows' tokens from their final logits (after
+        temperature and truncation) instead of the plain Gumbel-max draw: speculative
+        decoding's rejection sampling (engine/model/spec_verify.py)."""
         states = self._states(seq_ids, logits)
         logits = logits[:, : self.vocab_size]
         want_logprobs = any(state.params.logprobs is not None for state in states)
@@ -156,13 +165,15 @@ class Sampler:
                 outputs = [state.output for state in states]
                 apply_grammars(logits, controls, outputs, self.grammars)
         random_rows = [row for row, state in enumerate(states) if not state.is_greedy]
+        draw = draw or _gumbel_draw
         if len(random_rows) == len(states):
-            chosen = _sample_random(logits, states)
+            chosen = _sample_random(logits, states, random_rows, draw)
         else:
             chosen = self.argmax_rows(logits)
             if random_rows:
                 rows = torch.tensor(random_rows, device=logits.device)
-                chosen[rows] = _sample_random(logits[rows], [states[row] for row in random_rows])
+                randoms = [states[row] for row in random_rows]
+                chosen[rows] = _sample_random(logits[rows], randoms, random_rows, draw)
         tokens = chosen.tolist()
         self._record(states, tokens)
         if raw_logprobs is None:
@@ -248,9 +259,30 @@ def _apply_min_tokens(logits: torch.Tensor, states: list[_SeqState], vocab_size:
         logits[rows, columns] = -math.inf
 
 
-def _sample_random(logits: torch.Tensor, states: list[_SeqState]) -> torch.Tensor:
+# (final logits of the random rows, their rows in the batch, seeds, positions) -> tokens
+RandomDraw = Callable[[torch.Tensor, list[int], list[int], list[int]], torch.Tensor]
+
+
+def _gumbel_draw(
+    logits: torch.Tensor, rows: list[int], seeds: list[int], positions: list[int]
+) -> torch.Tensor:
+    return gumbel_argmax(logits, seeds, positions)
+
+
+def is_greedy(params: SamplingParams) -> bool:
+    return params.temperature < _MIN_TEMPERATURE
+
+
+def _sample_random(
+    logits: torch.Tensor, states: list[_SeqState], rows: list[int], draw: RandomDraw
+) -> torch.Tensor:
+    final = final_logits(logits, [state.params for state in states])
+    return draw(final, rows, [s.seed for s in states], [s.position for s in states])
+
+
+def final_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Random rows' logits as sampled: / temperature, then min_p, top_k and top_p."""
     device = logits.device
-    params: list[SamplingParams] = [state.params for state in states]
     vocab_size = logits.shape[1]
     temperature = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
     logits = logits / temperature
@@ -263,7 +295,7 @@ def _sample_random(logits: torch.Tensor, states: list[_SeqState]) -> torch.Tenso
     top_p = [p.top_p for p in params]
     if any(k < vocab_size for k in top_k) or any(p < 1.0 for p in top_p):
         logits = _top_k_top_p(logits, top_k, top_p)
-    return gumbel_argmax(logits, [s.seed for s in states], [s.position for s in states])
+    return logits
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
@@ -302,83 +334,3 @@ def _gather_logprobs(
         else:
             out.append(SampledLogprobs(sampled[row], [], []))
     return out
-
-
-# ---- counter-based randomness ------------------------------------------------------------------
-
-
-def _mix32(x: int) -> int:
-    """MurmurHash3's 32-bit finalizer on a Python int."""
-    x ^= x >> 16
-    x = (x * 0x85EBCA6B) & _M32
-    x ^= x >> 13
-    x = (x * 0xC2B2AE35) & _M32
-    return x ^ (x >> 16)
-
-
-def _mul32_tensor(x: torch.Tensor, constant: int) -> torch.Tensor:
-    """(x * constant) mod 2**32 for int64 x in [0, 2**32), never overflowing int64."""
-    low, high = constant & 0xFFFF, constant >> 16
-    return (x * low + (((x * high) & 0xFFFF) << 16)) & _M32
-
-
-def _mix32_tensor(x: torch.Tensor) -> torch.Tensor:
-    x = x ^ (x >> 16)
-    x = _mul32_tensor(x, 0x85EBCA6B)
-    x = x ^ (x >> 13)
-    x = _mul32_tensor(x, 0xC2B2AE35)
-    return x ^ (x >> 16)
-
-
-def row_keys(seed: int, position: int) -> tuple[int, int]:
-    """Two 32-bit keys naming the random stream of one (seed, position)."""
-    spot = _mix32((position & _M32) ^ 0x9E3779B9) ^ _mix32((position >> 32) & _M32)
-    first = _mix32((seed & _M32) ^ spot)
-    second = _mix32(((seed >> 32) & _M32) ^ _mix32(first ^ 0x632BE5AB))
-    return first, second
-
-
-def uniform_noise(
-    seeds: list[int], positions: list[int], columns: torch.Tensor, salt: int = 0
-) -> torch.Tensor:
-    """float32 uniforms in (0, 1), one per entry of `columns` ([rows, n] or [1, n] int64 in
-    [0, 2**32)), each a hash of (seed, position, salt, column) for its row."""
-    keys = torch.tensor(
-        [
-            row_keys(seed, position ^ (salt << 48))
-            for seed, position in zip(seeds, positions, strict=True)
-        ],
-        dtype=torch.long,
-        device=columns.device,
-    )
-    hashed = _mix32_tensor(columns ^ keys[:, :1])
-    hashed = _mix32_tensor(hashed ^ keys[:, 1:])
-    return ((hashed >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
-
-
-def _gumbel(uniforms: torch.Tensor) -> torch.Tensor:
-    return -torch.log(-torch.log(uniforms))
-
-
-def gumbel_argmax(logits: torch.Tensor, seeds: list[int], positions: list[int]) -> torch.Tensor:
-    """One token per row, distributed as softmax(row): Gumbel-max in two levels.
-
-    Perturbing every vocabulary entry would hash rows x vocab numbers per step. Instead the
-    vocabulary is cut into groups of _GROUP: a group is drawn by Gumbel-max over the groups'
-    log-sum-exp masses, then a token within it by Gumbel-max over its logits. P(group) x
-    P(token | group) = p(token): exact, with rows x (groups + _GROUP) hashed numbers.
-    """
-    rows, vocab_size = logits.shape
-    device = logits.device
-    num_groups = -(-vocab_size // _GROUP)
-    padding = num_groups * _GROUP - vocab_size
-    if padding:
-        logits = torch.nn.functional.pad(logits, (0, padding), value=-math.inf)
-    grouped = logits.view(rows, num_groups, _GROUP)
-    group_ids = torch.arange(num_groups, dtype=torch.long, device=device).unsqueeze(0)
-    group_noise = _gumbel(uniform_noise(seeds, positions, group_ids, salt=1))
-    group = (torch.logsumexp(grouped, dim=-1) + group_noise).argmax(dim=-1)
-    inside = grouped[torch.arange(rows, device=device), group]
-    token_ids = group.unsqueeze(1) * _GROUP + torch.arange(_GROUP, device=device).unsqueeze(0)
-    token_noise = _gumbel(uniform_noise(seeds, positions, token_ids))
-    return group * _GROUP + (inside + token_noise).argmax(dim=-1)

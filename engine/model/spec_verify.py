@@ -17,25 +17,43 @@ sampling: the proposal is accepted with probability p_target(proposal) = min(1, 
 and on rejection the token comes from p_target with the proposal's mass removed, renormalised
 (`residual_distribution` states that form; the unit test checks the two agree).
 A rejected proposal never reaches the sampler's history, so a grammar never sees it.
+
+A draft model's proposal x of a sampled request was drawn from the draft's distribution q
+(engine/model/drafter.py), given with `draft_probs`: then it is vLLM's rejection sampling,
+accepted with probability min(1, p(x) / q(x)), and on rejection the token is drawn from
+max(0, p - q) renormalised, which leaves the output distributed as p whatever q is. The
+uniform and the residual draw are functions of (seed, position) too, with noise of their own.
+A rejection never draws x (its residual mass is 0), so "the token equals the proposal" still
+means accepted. Greedy rows (and every row without q) accept exactly the target's own token.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
 from engine.messages.steps import SampledLogprobs
-from engine.model.sampler import Sampler
+from engine.model.randomness import gumbel_argmax, uniform_noise
+from engine.model.sampler import RandomDraw, Sampler
 from engine.model.step_inputs import SeqChunk
 
 _NO_LOGPROBS = SampledLogprobs(0.0, [], [])  # rows of sequences that did not ask are never read
 
 
+_ACCEPT_SALT = 4  # the acceptance uniform's noise (uniform_noise salt)
+_RESIDUAL_SALT = 3  # the residual draw's (gumbel_argmax salt: uniform salts 6 and 7)
+
+
 def verify_proposals(
-    sampler: Sampler, chunks: Sequence[SeqChunk], logits: torch.Tensor
+    sampler: Sampler,
+    chunks: Sequence[SeqChunk],
+    logits: torch.Tensor,
+    draft_probs: Mapping[int, torch.Tensor] | None = None,
 ) -> tuple[list[int], list[int], list[SampledLogprobs] | None]:
-    """Tokens for sampled `chunks` whose logits hold 1 + num_proposed rows each, in order.
+    """Tokens for sampled `chunks` whose logits hold 1 + num_proposed rows each, in order;
+    `draft_probs`: by sequence id, the draft's distributions [num_proposed, vocab] its
+    proposals were drawn from (absent: proposals to accept only where the target drew them).
 
     Returns (seq_ids, token_ids, logprobs): each sequence's accepted proposals and its own
     final token, consecutive, in the chunks' order; a sequence id repeats once per token."""
@@ -53,7 +71,8 @@ def verify_proposals(
     depth = 0
     while accepting:
         rows = torch.tensor([first_rows[i] + depth for i in accepting], device=logits.device)
-        sampled, scores = sampler.sample([chunks[i].seq_id for i in accepting], logits[rows])
+        draw = _rejection(chunks, accepting, depth, draft_probs) if draft_probs else None
+        sampled, scores = sampler.sample([chunks[i].seq_id for i in accepting], logits[rows], draw)
         any_logprobs = any_logprobs or scores is not None
         still: list[int] = []
         for offset, index in enumerate(accepting):
@@ -69,6 +88,49 @@ def verify_proposals(
     flat_tokens = [token for own in tokens for token in own]
     flat_logprobs = [entry for own in logprobs for entry in own] if any_logprobs else None
     return seq_ids, flat_tokens, flat_logprobs
+
+
+def _rejection(
+    chunks: Sequence[SeqChunk],
+    accepting: list[int],
+    depth: int,
+    draft_probs: Mapping[int, torch.Tensor],
+) -> RandomDraw:
+    """The random rows' draw at `depth`: rejection sampling against q where a draft has q."""
+
+    def draw(
+        final: torch.Tensor, rows: list[int], seeds: list[int], positions: list[int]
+    ) -> torch.Tensor:
+        chosen = gumbel_argmax(final, seeds, positions)  # the bonus token, or no draft
+        drafted = []
+        for offset, row in enumerate(rows):
+            chunk = chunks[accepting[row]]
+            if depth < chunk.num_proposed and chunk.seq_id in draft_probs:
+                drafted.append(offset)
+        if not drafted:
+            return chosen
+        index = torch.tensor(drafted, device=final.device)
+        p = torch.softmax(final[index].float(), dim=-1)
+        q = torch.stack([draft_probs[chunks[accepting[rows[o]]].seq_id][depth] for o in drafted])
+        q = q.to(device=p.device, dtype=p.dtype)[:, : p.shape[1]]
+        proposed = torch.tensor(
+            [_proposal(chunks[accepting[rows[o]]], depth) for o in drafted], device=p.device
+        )
+        sub_seeds = [seeds[o] for o in drafted]
+        sub_positions = [positions[o] for o in drafted]
+        p_x = p.gather(1, proposed.unsqueeze(1)).squeeze(1)
+        q_x = q.gather(1, proposed.unsqueeze(1)).squeeze(1)
+        zeros = torch.zeros(len(drafted), 1, dtype=torch.long, device=p.device)
+        uniform = uniform_noise(sub_seeds, sub_positions, zeros, salt=_ACCEPT_SALT).squeeze(1)
+        accept = uniform * q_x < p_x  # u < p(x) / q(x), without dividing by a zero q(x)
+        residual = (p - q).clamp(min=0.0)
+        empty = residual.sum(dim=1, keepdim=True) <= 0.0  # p <= q everywhere: p == q
+        residual = torch.where(empty, p, residual)
+        redrawn = gumbel_argmax(residual.log(), sub_seeds, sub_positions, _RESIDUAL_SALT)
+        chosen[index] = torch.where(accept, proposed, redrawn.to(proposed.dtype)).to(chosen.dtype)
+        return chosen
+
+    return draw
 
 
 def _proposal(chunk: SeqChunk, depth: int) -> int:

@@ -27,6 +27,7 @@ from typing import Protocol
 import torch
 
 from engine.messages.steps import SampledLogprobs, StepPlan, StepResult, WorkerFailed
+from engine.model.drafter import Drafter
 from engine.model.parallel.group import CollectiveError
 from engine.model.pooling import Pooling, PoolingStep
 from engine.model.prompt_scoring import PromptScoring
@@ -79,10 +80,19 @@ class NoFaults:
 
 
 class StepExecutor:
-    def __init__(self, runner: ModelRunner, rank: int, faults: StepFaults | None = None) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        rank: int,
+        faults: StepFaults | None = None,
+        drafter: Drafter | None = None,
+    ) -> None:
+        """`drafter`: speculative decoding's draft model (rank 0 of a group of one)."""
         self.runner = runner
         self.rank = rank  # only rank 0 samples and reports
         self.faults = faults or NoFaults()
+        self.drafter = drafter
+        self._num_draft: dict[int, int] = {}  # this step's draft lengths by sequence id
         self._failed_steps = 0
         config = runner.config
         # Compiled grammars and the tokenizer outlive a scheduler restart (they depend only on
@@ -107,6 +117,8 @@ class StepExecutor:
         self.pooling = Pooling()
         self.known = KnownSequences()
         self.faults.reset()
+        if self.drafter is not None:
+            self.drafter.reset()
 
     def run(self, plan: StepPlan) -> list[StepResult | WorkerFailed]:
         """The step's messages for the scheduler: WorkerFailed for sequences that could not be
@@ -116,6 +128,9 @@ class StepExecutor:
         self.pooling.forget(plan.finished_seq_ids)
         self.faults.forget(plan.finished_seq_ids)
         starts, whole_chunks = self.known.apply(plan)
+        if self.drafter is not None:
+            self.drafter.forget([*plan.finished_seq_ids, *(s.seq_id for s in starts)])
+            self._num_draft = {c.seq_id: c.num_draft for c in plan.chunks if c.num_draft}
         failed: dict[int, str] = {}
         for new_seq in starts:
             try:
@@ -149,6 +164,8 @@ class StepExecutor:
         return messages
 
     def _compute(self, step_id: int, chunks: Sequence[SeqChunk]) -> StepResult:
+        if self.drafter is not None:  # first: the proposals move later chunks' token rows
+            chunks = self.drafter.propose(chunks, self._num_draft, self.sampler)
         every_row = self.scoring.every_row(chunks)
         # Only rank 0 answers, so only it reads hidden states to pool.
         pooling = self.pooling.plan(chunks) if self.rank == 0 else PoolingStep([], [])
@@ -179,6 +196,8 @@ class StepExecutor:
             raise
         self._agree(None)
         self.pooling.commit()
+        if self.drafter is not None:
+            self.drafter.settle(chunks, result.seq_ids)
         return result
 
     def _sample(
@@ -196,7 +215,10 @@ class StepExecutor:
         if not sampled:
             return StepResult(step_id, [], [], None, scored or None)
         if any(chunk.num_proposed for chunk in sampled):
-            seq_ids, token_ids, logprobs = verify_proposals(self.sampler, sampled, logits)
+            draft_probs = None if self.drafter is None else self.drafter.probs
+            seq_ids, token_ids, logprobs = verify_proposals(
+                self.sampler, sampled, logits, draft_probs
+            )
         else:
             seq_ids = [chunk.seq_id for chunk in sampled]
             token_ids, logprobs = self.sampler.sample(seq_ids, logits)

@@ -33,7 +33,7 @@ from engine.scheduler.kv_handoff import KvTransfer
 from engine.scheduler.policy import BatchPlanner, ScheduledChunk
 from engine.scheduler.reporting import request_statuses, scheduler_stats
 from engine.scheduler.requests import Request, SequenceState
-from engine.scheduler.speculation import NgramSpeculator, parse_speculative_config
+from engine.scheduler.speculation import Proposal, Speculator, parse_speculative_config
 from engine.scheduler.step_parts import planned_chunk, sample_delta
 from engine.scheduler.stopping import finish_reason
 
@@ -61,9 +61,8 @@ class Scheduler:
         self.config = config
         self.clock = clock
         self.kv = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.planner = BatchPlanner(
-            self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.max_plan_bytes
-        )
+        limits = (config.max_num_seqs, config.max_num_batched_tokens, config.max_plan_bytes)
+        self.planner = BatchPlanner(self.kv, *limits, config.max_loras)
         self._eos_token_ids = frozenset(config.eos_token_ids)
         self._requests: dict[str, Request] = {}
         self._seqs: dict[int, SequenceState] = {}
@@ -83,9 +82,7 @@ class Scheduler:
         )
         speculative = parse_speculative_config(config.speculative_config)
         self.speculator = (
-            None
-            if speculative is None
-            else NgramSpeculator(speculative, self.kv, config.max_model_len)
+            None if speculative is None else Speculator(speculative, self.kv, config.max_model_len)
         )
 
     # ---- inbound -------------------------------------------------------------------------------
@@ -248,7 +245,7 @@ class Scheduler:
                 seq.needs_announce = False
                 seq.known_to_workers = True
                 seq.blocks_sent = 0
-            planned.append(planned_chunk(chunk, proposals.get(seq.seq_id, [])))
+            planned.append(planned_chunk(chunk, proposals.get(seq.seq_id, Proposal([]))))
             if planned[-1].sample:
                 sampled.add(seq.seq_id)
         plan = StepPlan(
@@ -262,7 +259,7 @@ class Scheduler:
         self._retired_seq_ids = []
         self._retired_request_keys = []
         if chunks:
-            proposed = {seq_id: len(tokens) for seq_id, tokens in proposals.items()}
+            proposed = {seq_id: proposal.size for seq_id, proposal in proposals.items()}
             self._in_flight = _InFlight(step_id, chunks, sampled, proposed)
         return plan
 
@@ -280,7 +277,7 @@ class Scheduler:
                 seq.num_computed_tokens = end + accepted.get(seq.seq_id, 0)
                 self.kv.commit(seq.block_table, seq.hash_chain, seq.token_ids, end)
 
-    def _proposals(self, chunks: list[ScheduledChunk]) -> dict[int, list[int]]:
+    def _proposals(self, chunks: list[ScheduledChunk]) -> dict[int, Proposal]:
         """Speculative decoding's proposals for the step's decode chunks, by sequence id."""
         if self.speculator is None:
             return {}

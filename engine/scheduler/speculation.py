@@ -1,4 +1,5 @@
-"""Speculative decoding's scheduler side: n-gram (prompt-lookup) proposals and their tally.
+"""Speculative decoding's scheduler side: n-gram (prompt-lookup) proposals, draft-model
+proposals' reservations, and their tally.
 
 A decoding sequence whose last tokens occurred earlier in its prompt or output gets the tokens
 that followed that occurrence as proposals. The step then runs the sequence's decode token and
@@ -7,14 +8,21 @@ the k proposals as one chunk of 1 + k tokens; worker rank 0 samples every positi
 The KV of rejected positions was written but is never read: the sequence's computed length is
 rolled back to what was accepted, and those slots are written again by later steps.
 
-Proposals never change which tokens come out, only how many come per step: a sequence's output
-is the one it would have produced without speculation.
+With a draft model ("model" in the config) the scheduler proposes no tokens: it reserves the
+blocks of k more and asks worker rank 0 to draft them (PlannedChunk.num_draft), which it does
+before verifying them in the same step (engine/model/drafter.py). The rest is the same.
+
+Proposals never change which tokens come out under greedy decoding, nor under sampling with
+n-gram proposals or in deterministic mode, only how many come per step. A draft model's
+proposals of sampled requests are verified by rejection sampling: the same distribution, but
+not the same draws as without speculation.
 """
 
 from __future__ import annotations
 
 import json
 from collections import Counter
+from typing import NamedTuple
 
 import msgspec
 
@@ -22,21 +30,31 @@ from engine.kv.block_manager import BlockManager
 from engine.scheduler.policy import ScheduledChunk
 from engine.scheduler.requests import SequenceState
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 
 
 class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """vLLM's --speculative-config, the n-gram method's fields."""
+    """vLLM's --speculative-config: the n-gram and draft-model methods' fields."""
 
-    method: str = "ngram"
+    method: str = ""  # "": "draft_model" when a model is named, else "ngram" (as vLLM)
+    model: str = ""  # the draft model: a checkpoint directory or GGUF file, as model.path
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
 
+    @property
+    def kind(self) -> str:
+        return self.method or ("draft_model" if self.model else "ngram")
+
     def validate(self) -> None:
-        if self.method not in METHODS:
+        if self.kind not in METHODS:
             raise ValueError(
                 f"speculative_config method must be one of {list(METHODS)}, got {self.method!r}"
+            )
+        if (self.kind == "draft_model") != bool(self.model):
+            raise ValueError(
+                "speculative_config: a model is named with method draft_model, and only then; "
+                f"got method {self.kind!r}, model {self.model!r}"
             )
         if self.num_speculative_tokens < 1:
             raise ValueError(
@@ -119,7 +137,18 @@ class SpeculationTally:
 MAX_PAUSE_STEPS = 32
 
 
-class NgramSpeculator:
+class Proposal(NamedTuple):
+    """A decode chunk's proposals: n-gram tokens, or a number for the draft model to draw."""
+
+    tokens: list[int]
+    num_draft: int = 0
+
+    @property
+    def size(self) -> int:
+        return len(self.tokens) + self.num_draft
+
+
+class Speculator:
     """Proposes tokens for a step's decode chunks and reserves KV blocks for them."""
 
     def __init__(self, config: SpeculativeConfig, kv: BlockManager, max_model_len: int) -> None:
@@ -135,11 +164,11 @@ class NgramSpeculator:
         self._misses.pop(seq_id, None)
         self._paused_until.pop(seq_id, None)
 
-    def plan(self, chunks: list[ScheduledChunk], token_budget: int) -> dict[int, list[int]]:
+    def plan(self, chunks: list[ScheduledChunk], token_budget: int) -> dict[int, Proposal]:
         """Proposals for the decode chunks among a step's `chunks`, by sequence id, within
         the step's `token_budget` left."""
         self._step += 1
-        proposals: dict[int, list[int]] = {}
+        proposals: dict[int, Proposal] = {}
         for chunk in chunks:
             seq = chunk.seq
             if token_budget < 1:
@@ -149,9 +178,9 @@ class NgramSpeculator:
             if self._paused_until.get(seq.seq_id, 0) > self._step:
                 continue
             proposed = self.propose(seq, chunk.start, token_budget)
-            if proposed:
+            if proposed.size:
                 proposals[seq.seq_id] = proposed
-                token_budget -= len(proposed)
+                token_budget -= proposed.size
         return proposals
 
     def accepted(self, proposed: dict[int, int], seq_ids: list[int]) -> dict[int, int]:
@@ -174,19 +203,23 @@ class NgramSpeculator:
         self._misses[seq_id] = misses
         self._paused_until[seq_id] = self._step + min(2**misses, MAX_PAUSE_STEPS)
 
-    def propose(self, seq: SequenceState, start: int, budget: int) -> list[int]:
+    def propose(self, seq: SequenceState, start: int, budget: int) -> Proposal:
         """Proposals for `seq`'s decode chunk at `start` (its last token), within `budget`
-        extra tokens; their KV blocks are reserved. [] when none fit or none are found."""
+        extra tokens; their KV blocks are reserved. Empty when none fit or none are found."""
         limit = min(budget, self._room(seq))
         if limit < 1 or not _speculable(seq):
-            return []
+            return Proposal([])
         config = self.config
-        proposals = propose_ngram(
-            seq.token_ids, config.prompt_lookup_min, config.prompt_lookup_max, limit
-        )
-        if proposals and not self.kv.grow(seq.block_table, start + 1 + len(proposals)):
-            return []  # no free block: this step runs without them, no one is preempted
-        return proposals
+        if config.kind == "draft_model":
+            proposal = Proposal([], limit)
+        else:
+            found = propose_ngram(
+                seq.token_ids, config.prompt_lookup_min, config.prompt_lookup_max, limit
+            )
+            proposal = Proposal(found)
+        if proposal.size and not self.kv.grow(seq.block_table, start + 1 + proposal.size):
+            return Proposal([])  # no free block: this step runs without them, no one is preempted
+        return proposal
 
     def _room(self, seq: SequenceState) -> int:
         """Proposals that fit before max_tokens or max_model_len (the step adds one more)."""

@@ -7,11 +7,12 @@ from engine.messages.scheduling import FirstScheduled, SampleDelta
 from engine.messages.steps import PlannedChunk, SampledLogprobs, StepResult
 from engine.scheduler.policy import ScheduledChunk
 from engine.scheduler.requests import Request, SequenceState
+from engine.scheduler.speculation import Proposal
 
 
-def planned_chunk(chunk: ScheduledChunk, proposed: list[int]) -> PlannedChunk:
-    """A chunk as the ranks get it (`proposed`: tokens to verify after it); the blocks it
-    names count as sent."""
+def planned_chunk(chunk: ScheduledChunk, proposed: Proposal) -> PlannedChunk:
+    """A chunk as the ranks get it (`proposed`: tokens to verify after it, or to draft); the
+    blocks it names count as sent."""
     seq = chunk.seq
     end = chunk.start + chunk.num_tokens
     block_ids = seq.block_table.block_ids
@@ -19,12 +20,13 @@ def planned_chunk(chunk: ScheduledChunk, proposed: list[int]) -> PlannedChunk:
     from_prompt = max(min(end, seq.num_prompt_tokens) - chunk.start, 0)
     planned = PlannedChunk(
         seq.seq_id,
-        seq.token_ids[chunk.start + from_prompt : end] + proposed,
+        seq.token_ids[chunk.start + from_prompt : end] + proposed.tokens,
         chunk.start,
         block_ids[seq.blocks_sent :],
         end == seq.num_tokens,  # it reaches the sequence's end: sample
         from_prompt,
-        len(proposed),
+        len(proposed.tokens),
+        proposed.num_draft,
     )
     seq.blocks_sent = len(block_ids)
     return planned

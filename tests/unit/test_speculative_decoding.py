@@ -42,7 +42,9 @@ def test_a_bad_speculative_config_is_refused_naming_the_field() -> None:
     assert config is not None and config.num_speculative_tokens == 4
     for text, words in (
         ("{nope", "not JSON"),
-        ('{"method": "eagle"}', "method must be one of ['ngram']"),
+        ('{"method": "eagle"}', "method must be one of ['ngram', 'draft_model']"),
+        ('{"method": "draft_model"}', "a model is named with method draft_model"),
+        ('{"method": "ngram", "model": "m"}', "got method 'ngram', model 'm'"),
         ('{"num_speculative_tokens": 0}', "num_speculative_tokens must be an integer >= 1"),
         ('{"prompt_lookup_min": 5, "prompt_lookup_max": 2}', "prompt_lookup_min <="),
         ('{"lookahead": 3}', "lookahead"),

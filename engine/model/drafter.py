@@ -1,0 +1,188 @@
+"""Speculative decoding's draft model, on worker rank 0: proposals for the target to verify.
+
+The draft is a second ModelRunner with a KV cache of its own, as many blocks as the target's
+and of the same size, so the scheduler's block tables serve both (as vLLM v1 shares them). Every
+chunk of a step runs through the draft before the target sees it, prefill chunks included, so
+the draft's KV follows the target's. A decode chunk that the scheduler asks to draft for
+(`PlannedChunk.num_draft`, blocks reserved) then gets that many tokens, drawn one position at a
+time, batched over the sequences: the first from the logits of the chunk's own pass, each next
+one from a one-token pass of the previous draft token.
+
+A greedy request's draft token is the draft's argmax. A sampled request's is drawn from q, the
+draft's distribution under the request's temperature, min_p, top_k and top_p, with the noise the
+target's own draw uses at that position (engine/model/randomness.py): where the two models
+agree, the draft token is the token the target will draw. q goes with the proposals to the
+rejection sampler (engine/model/spec_verify.py), except in deterministic mode (`exact`), where a
+proposal stands only where it equals the target's own draw, so the output is the
+non-speculative output token for token.
+
+The draft never ran the last of a step's proposals (it only drew it), so when the target accepts
+all of them, that token is run through the draft at the sequence's next chunk (`_unseen`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+import msgspec
+import torch
+
+from engine.model.capacity import kv_block_bytes
+from engine.model.config import load_model_config
+from engine.model.loader import resolve_dtype
+from engine.model.randomness import gumbel_argmax
+from engine.model.runner import ModelRunner
+from engine.model.sampler import Sampler, final_logits, is_greedy
+from engine.model.step_inputs import SeqChunk
+
+
+class Drafter:
+    def __init__(
+        self,
+        model_path: str,
+        target: ModelRunner,
+        *,
+        dtype: str = "auto",
+        kernel_backend: str = "auto",
+        num_threads: int | None = None,
+        busy_threads: int | None = None,
+        exact: bool = False,
+    ) -> None:
+        """`exact`: deterministic mode, proposals verified against the target's own draws."""
+        config = load_model_config(model_path, target.config.max_model_len)
+        vocab = target.config.vocab_size
+        if config.vocab_size != vocab:
+            raise ValueError(
+                f"speculative_config model {model_path} has a vocabulary of "
+                f"{config.vocab_size} tokens, the target's has {vocab}: a draft model must "
+                "share the target's tokenizer"
+            )
+        block_bytes = kv_block_bytes(
+            config, target.block_size, resolve_dtype(dtype, config, target.device)
+        )
+        self.runner = ModelRunner(
+            model_path,
+            dtype=dtype,
+            device=str(target.device),
+            block_size=target.block_size,
+            kv_cache_memory=target.num_blocks * block_bytes,
+            max_model_len=target.config.max_model_len,
+            num_threads=num_threads,
+            busy_threads=busy_threads,
+            kernel_backend=kernel_backend,
+        )
+        if self.runner.num_blocks != target.num_blocks:
+            raise RuntimeError(
+                f"the draft's KV cache has {self.runner.num_blocks} blocks, the target's "
+                f"{target.num_blocks}: they share block tables"
+            )
+        self.vocab_size = vocab
+        self.exact = exact
+        self.probs: dict[int, torch.Tensor] = {}  # this step's q rows by sequence id
+        self._unseen: dict[int, tuple[int, int]] = {}  # seq id -> (position, token)
+
+    def forget(self, seq_ids: Iterable[int]) -> None:
+        for seq_id in seq_ids:
+            self._unseen.pop(seq_id, None)
+
+    def reset(self) -> None:
+        self._unseen.clear()
+        self.probs = {}
+
+    @torch.inference_mode()
+    def propose(
+        self, chunks: Sequence[SeqChunk], num_draft: Mapping[int, int], sampler: Sampler
+    ) -> list[SeqChunk]:
+        """`chunks` with their drafts (`num_draft` by sequence id) appended as proposals
+        (num_proposed); every chunk's tokens have run through the draft. `probs` then holds
+        the q rows of sampled requests' proposals."""
+        self.probs = {}
+        if not chunks:
+            return list(chunks)
+        wanted = {chunk.seq_id: num_draft.get(chunk.seq_id, 0) for chunk in chunks if chunk.sample}
+        drafting = [chunk for chunk in chunks if wanted.get(chunk.seq_id, 0) > 0]
+        logits = self.runner.forward([self._catch_up(chunk, chunk in drafting) for chunk in chunks])
+        drafts: dict[int, list[int]] = {chunk.seq_id: [] for chunk in drafting}
+        q_rows: dict[int, list[torch.Tensor]] = {}
+        depth = 0
+        live = drafting
+        while live:
+            tokens = self._draw(live, logits, depth, sampler, q_rows)
+            for chunk, token in zip(live, tokens, strict=True):
+                drafts[chunk.seq_id].append(token)
+            depth += 1
+            live = [chunk for chunk in live if wanted[chunk.seq_id] > depth]
+            if live:
+                logits = self.runner.forward(
+                    [
+                        SeqChunk(
+                            chunk.seq_id,
+                            [drafts[chunk.seq_id][-1]],
+                            _last_position(chunk) + depth,
+                            chunk.block_table,
+                            True,
+                        )
+                        for chunk in live
+                    ]
+                )
+        if not self.exact:
+            self.probs = {seq_id: torch.stack(rows) for seq_id, rows in q_rows.items()}
+        return [_with_proposals(chunk, drafts.get(chunk.seq_id, [])) for chunk in chunks]
+
+    def settle(self, chunks: Sequence[SeqChunk], seq_ids: Sequence[int]) -> None:
+        """After the target's verification (`seq_ids`: one per emitted token): a sequence that
+        accepted all its proposals owes the draft its last one."""
+        emitted: dict[int, int] = {}
+        for seq_id in seq_ids:
+            emitted[seq_id] = emitted.get(seq_id, 0) + 1
+        for chunk in chunks:
+            self._unseen.pop(chunk.seq_id, None)
+            if chunk.num_proposed and emitted.get(chunk.seq_id, 0) == chunk.num_proposed + 1:
+                position = chunk.start_pos + len(chunk.token_ids) - 1
+                self._unseen[chunk.seq_id] = (position, chunk.token_ids[-1])
+
+    def _catch_up(self, chunk: SeqChunk, drafts: bool) -> SeqChunk:
+        """The chunk as the draft runs it: after the token it still owes, if that comes right
+        before; logits only where it drafts."""
+        tokens, start = chunk.token_ids, chunk.start_pos
+        unseen = self._unseen.get(chunk.seq_id)
+        if unseen is not None and unseen[0] == start - 1:
+            tokens, start = [unseen[1], *tokens], start - 1
+        return SeqChunk(chunk.seq_id, tokens, start, chunk.block_table, drafts)
+
+    def _draw(
+        self,
+        live: list[SeqChunk],
+        logits: torch.Tensor,
+        depth: int,
+        sampler: Sampler,
+        q_rows: dict[int, list[torch.Tensor]],
+    ) -> list[int]:
+        """The draft's token at `depth` for each of `live` (logits rows in their order)."""
+        logits = logits[:, : self.vocab_size].float()
+        tokens = logits.argmax(dim=-1)
+        settings = [sampler.params_and_seed(chunk.seq_id) for chunk in live]
+        rows = [row for row, (params, _) in enumerate(settings) if not is_greedy(params)]
+        if rows:
+            index = torch.tensor(rows, device=logits.device)
+            final = final_logits(logits[index], [settings[row][0] for row in rows])
+            seeds = [settings[row][1] for row in rows]
+            # The position the drawn token takes: the target's draw there uses this noise.
+            positions = [_last_position(live[row]) + 1 + depth for row in rows]
+            tokens[index] = gumbel_argmax(final, seeds, positions).to(tokens.dtype)
+            probs = torch.softmax(final, dim=-1)
+            for offset, row in enumerate(rows):
+                q_rows.setdefault(live[row].seq_id, []).append(probs[offset])
+        return [int(token) for token in tokens.tolist()]
+
+
+def _last_position(chunk: SeqChunk) -> int:
+    return chunk.start_pos + len(chunk.token_ids) - 1
+
+
+def _with_proposals(chunk: SeqChunk, drafts: list[int]) -> SeqChunk:
+    if not drafts:
+        return chunk
+    return msgspec.structs.replace(
+        chunk, token_ids=chunk.token_ids + drafts, num_proposed=len(drafts)
+    )
