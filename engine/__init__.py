@@ -13,8 +13,8 @@ from engine.messages.params import SamplingParams, StructuredOutputsParams
 from engine.outputs import CompletionOutput, EngineError, Logprob, RequestOutput, TokenLogprob
 
 if TYPE_CHECKING:
-    from engine.async_llm import AsyncLLM
-    from engine.llm import LLM
+    from engine.api.async_llm import AsyncLLM
+    from engine.api.llm import LLM
 
 __all__ = [
     "LLM",
@@ -33,11 +33,11 @@ def __getattr__(name: str) -> Any:
     # Lazy: `python -m engine admin ...` and the actor children import this package and must
     # not pay for the engine client's imports.
     if name == "LLM":
-        from engine.llm import LLM
+        from engine.api.llm import LLM
 
         return LLM
     if name == "AsyncLLM":
-        from engine.async_llm import AsyncLLM
+        from engine.api.async_llm import AsyncLLM
 
         return AsyncLLM
     raise AttributeError(f"module 'engine' has no attribute {name!r}")

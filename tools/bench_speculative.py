@@ -29,9 +29,9 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make `engine` importable from the repo root
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.async_llm import AsyncLLM
+from engine.api.async_llm import AsyncLLM
+from engine.api.llm import engine_settings
 from engine.hf_cache import with_resolved_model
-from engine.llm import engine_settings
 from engine.messages.params import SamplingParams
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,

@@ -24,8 +24,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine import AsyncLLM, SamplingParams
+from engine.api.llm import build_settings
 from engine.home import default_engine_home
-from engine.llm import build_settings
 from engine.messages.requests import GenerateRequest
 from engine.messages.ring_catalogue import REQUESTS_RING
 from engine.model.config import load_model_config

@@ -16,6 +16,6 @@ def run_serve(argv: list[str], environ: Mapping[str, str]) -> int:
         from engine.launch.worker_node import serve_worker_node
 
         return serve_worker_node(settings)
-    from engine.http.launcher import serve_forever
+    from engine.server.launcher import serve_forever
 
     return serve_forever(settings)

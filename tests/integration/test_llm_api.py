@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import LLM, AsyncLLM, EngineError, RequestOutput, SamplingParams
-from engine.llm import build_settings
+from engine.api.llm import build_settings
 from engine.messages.admin import EngineStats
 from tests.checkpoints import tiny_checkpoint
 

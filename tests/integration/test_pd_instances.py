@@ -28,10 +28,10 @@ import pytest
 import pytest_asyncio
 
 from engine import AsyncLLM, SamplingParams
+from engine.api.llm import build_settings
 from engine.kv_transfer.host import host_id
 from engine.kv_transfer.secret import instance_secret
 from engine.kv_transfer.signing import sign
-from engine.llm import build_settings
 from engine.messages.kv_transfer import KvSource
 from engine.messages.kv_wire import Challenge, PullRequest, WireError
 from engine.outputs import EngineError

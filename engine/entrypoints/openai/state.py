@@ -1,0 +1,65 @@
+"""What the HTTP handlers and the admin socket share: the engine, settings, metrics, drain flag,
+the API requests in flight by id, the root's tokenizer, the model's sampling defaults."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from engine.entrypoints.openai.metrics import ServerMetrics
+from engine.entrypoints.openai.tokens import Tokens
+from engine.settings import Settings
+from engine.testing.http_faults import HttpFaults
+from engine.trace.recorder import TraceRecorder
+
+if TYPE_CHECKING:
+    from engine import AsyncLLM
+
+
+@dataclass
+class ServerState:
+    llm: AsyncLLM
+    settings: Settings
+    metrics: ServerMetrics
+    model_name: str
+    max_model_len: int
+    tokens: Tokens
+    served_names: tuple[str, ...] = ()  # every name a request may use; the first is shown
+    chat_template: str | None = None  # model.chat_template's text, for chats that bring none
+    started_at: int = field(default_factory=lambda: int(time.time()))
+    draining: bool = False
+    trace: TraceRecorder | None = None
+    # The API requests in flight by X-Request-Id: RequestRuns (runs.py imports this module)
+    runs: dict[str, Any] = field(default_factory=dict)
+    faults: HttpFaults = field(default_factory=HttpFaults)  # tests' fault injection; off
+
+    @classmethod
+    def create(
+        cls,
+        llm: AsyncLLM,
+        settings: Settings,
+        chat_template: str | None = None,
+    ) -> ServerState:
+        trace = (
+            TraceRecorder(settings.server.record_trace) if settings.server.record_trace else None
+        )
+        names = settings.model.served_name or (llm.model_name,)
+        return cls(
+            llm=llm,
+            settings=settings,
+            metrics=ServerMetrics(llm.stats, names[0], llm.weight_bytes),
+            model_name=names[0],
+            max_model_len=llm.max_model_len,
+            served_names=tuple(names),
+            tokens=Tokens(
+                llm.model_path,
+                llm.max_model_len,
+                settings.server.allow_special_tokens_in_chat,
+                chat_template,
+            ),
+            chat_template=chat_template,
+            trace=trace,
+            faults=HttpFaults.from_environment(os.environ),
+        )
