@@ -25,7 +25,7 @@ from engine.api.embeddings import embed
 from engine.entrypoints.adapted_routes import HttpSteps
 from engine.entrypoints.openai.decoding import decode_request
 from engine.entrypoints.openai.errors import ApiError, outcome_of
-from engine.entrypoints.openai.parsing import _check_model as check_model
+from engine.entrypoints.openai.parsing import check_model
 from engine.entrypoints.openai.parsing import prompts_of
 from engine.entrypoints.openai.protocol import Count, TokenId
 from engine.entrypoints.openai.state import ServerState

@@ -95,7 +95,7 @@ class PreparedRequest:
 def parse_completion(body: bytes, served_model: str | Sequence[str]) -> PreparedRequest:
     req = decode_request(_COMPLETION_DECODER, body)
     refuse_unimplemented(req)
-    model = _check_model(req.model, served_model)
+    model = check_model(req.model, served_model)
     prompts = prompts_of(req.prompt)
     if req.max_tokens == 0 and not req.echo:
         raise ApiError(
@@ -144,7 +144,7 @@ def parse_completion(body: bytes, served_model: str | Sequence[str]) -> Prepared
 def parse_chat(body: bytes, served_model: str | Sequence[str]) -> PreparedRequest:
     req = decode_request(_CHAT_DECODER, body)
     refuse_unimplemented(req)
-    model = _check_model(req.model, served_model)
+    model = check_model(req.model, served_model)
     messages = chat_message_dicts(req.messages)
     if not messages:
         raise ApiError(400, "'messages' must hold at least one message", param="messages")
@@ -192,7 +192,7 @@ def parse_chat(body: bytes, served_model: str | Sequence[str]) -> PreparedReques
     )
 
 
-def _check_model(requested: str | None, served: str | Sequence[str]) -> str:
+def check_model(requested: str | None, served: str | Sequence[str]) -> str:
     """The model name the response shows: the one asked for, any of the served names."""
     names = [served] if isinstance(served, str) else list(served)
     if requested is None:
