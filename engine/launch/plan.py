@@ -37,6 +37,7 @@ from engine.actors.runtime.child_spec import (
     declare_ring,
 )
 from engine.launch.draft import draft_model_path
+from engine.launch.lora import lora_worker_fields, max_loras_of
 from engine.launch.pd_plan import cache_segment, kv_transfer_parts, replica_roles
 from engine.launch.sizing import (
     check_parallel,
@@ -126,6 +127,7 @@ def _scheduler_config(
         eos_token_ids=list(config.eos_token_ids),
         max_plan_bytes=PLAN_RING.capacity // 2,  # a plan frame leaves half the plan ring free
         speculative_config=settings.scheduler.speculative_config,
+        max_loras=max_loras_of(settings),
     )
     scheduler.validate()
     return scheduler
@@ -170,6 +172,7 @@ def plan_engine(settings: Settings, model_path: str) -> EnginePlan:
         quantization=settings.model.quantization,
         engine_home=str(resolve_home(settings)),
         draft_model_path=draft_model_path(settings, model_path, config),
+        **lora_worker_fields(settings, config),
     )
     roles = replica_roles(settings)
     check_pd_device(roles, device)

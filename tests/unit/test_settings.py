@@ -103,7 +103,7 @@ def test_every_setting_is_reachable_as_section_dot_field() -> None:
             if key == "model.pooler_config":  # checked at load: vLLM's JSON
                 text = '{"pooling_type": "MEAN"}'
         elif spec.kind == "list":
-            text = "a,b"
+            text = "a=/adapters/a,b=/adapters/b" if key == "lora.lora_modules" else "a,b"
         elif spec.kind == "int":
             text = str(int(spec.le) if spec.le is not None and spec.le != spec.default else 7)
             if key == "scheduler.max_num_batched_tokens":  # must cover max_num_seqs (256)
@@ -114,6 +114,7 @@ def test_every_setting_is_reachable_as_section_dot_field() -> None:
         partner = {
             "kv_transfer.prefill_replicas": ["--kv_transfer.decode_replicas", "1"],
             "kv_transfer.decode_replicas": ["--kv_transfer.prefill_replicas", "1"],
+            "lora.lora_modules": ["--enable-lora"],  # adapters need LoRA on
         }.get(key, [])
         settings, sources = load_settings([f"--{key}", text, *partner], {})
         value = msgspec.to_builtins(settings)[spec.section][spec.name]
