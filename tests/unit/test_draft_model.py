@@ -1,0 +1,246 @@
+"""Speculative decoding with a draft model: the scheduler and real worker steps on tiny
+checkpoints give exactly the non-speculative greedy tokens (the same checkpoint as draft
+accepting every proposal, a different random one none), deterministic mode gives the
+non-speculative sampled tokens whatever the batch, and the first speculative token of sampled
+requests is distributed as transformers' softmax of the target, accepted as often as rejection
+sampling against the draft's (transformers') distribution accepts."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+
+from engine.launch.draft import draft_model_path
+from engine.messages.params import SamplingParams, StructuredOutputsParams
+from engine.messages.scheduling import SampleResume, SubmitRequest
+from engine.messages.steps import NewRequest, NewSeq, PlannedChunk, StepPlan, StepResult
+from engine.model.config import load_model_config
+from engine.model.drafter import Drafter
+from engine.model.runner import ModelRunner
+from engine.model.step import StepExecutor
+from engine.scheduler.config import SchedulerConfig
+from engine.scheduler.scheduler import Scheduler
+from engine.settings import Settings
+from tests.checkpoints import hf_logits, tiny_checkpoint
+
+K = 3  # num_speculative_tokens
+PHRASE = [11, 42, 97, 5, 300, 17, 64, 23]
+
+
+def draft_config(path: Path) -> str:
+    return json.dumps({"model": str(path), "num_speculative_tokens": K})
+
+
+@pytest.fixture(scope="module")
+def target() -> Path:
+    return tiny_checkpoint("qwen3")
+
+
+@pytest.fixture(scope="module")
+def other() -> Path:
+    """Another random model with the target's shapes and tokenizer."""
+    return tiny_checkpoint("qwen3", seed=1)
+
+
+@pytest.fixture(scope="module")
+def runner(target: Path) -> ModelRunner:
+    return ModelRunner(str(target), kv_cache_memory=1 << 21, block_size=4)
+
+
+def generate(
+    executor: StepExecutor,
+    requests: dict[str, tuple[list[int], SamplingParams]],
+    speculative: str,
+    resubmit: tuple[str, int] | None = None,
+) -> tuple[dict[str, list[int]], Scheduler]:
+    """Every request's tokens, run to the end; `resubmit` (request, step): that request comes
+    again in a new epoch after that step, with its tokens so far, as after an actor restart."""
+    runner = executor.runner
+    config = SchedulerConfig(
+        num_blocks=runner.num_blocks,
+        block_size=runner.block_size,
+        max_model_len=256,
+        speculative_config=speculative,
+    )
+    scheduler = Scheduler(config)
+    executor.reset_sequences()
+    seeds = {request_id: 100 + sum(map(ord, request_id)) for request_id in requests}
+    for request_id, (prompt, params) in requests.items():
+        submit = SubmitRequest(request_id, 0, prompt, params, seeds[request_id])
+        assert scheduler.add(submit) is None
+    tokens: dict[str, list[int]] = {request_id: [] for request_id in requests}
+    epochs = dict.fromkeys(requests, 0)
+    for step in range(300):
+        if resubmit is not None and step == resubmit[1]:
+            request_id = resubmit[0]
+            prompt, params = requests[request_id]
+            resume = [SampleResume(0, list(tokens[request_id]))]
+            again = SubmitRequest(request_id, 1, prompt, params, seeds[request_id], resume)
+            assert scheduler.add(again) is None
+            epochs[request_id] = 1
+        plan = scheduler.schedule()
+        if plan is None:
+            if not scheduler.has_unfinished_requests:
+                return tokens, scheduler
+            continue
+        for message in executor.run(plan):
+            for item in scheduler.update(message).items:  # type: ignore[arg-type]
+                if item.epoch == epochs[item.request_id]:
+                    tokens[item.request_id] += item.new_token_ids
+    raise AssertionError("not done after 300 steps")
+
+
+GREEDY = {
+    "repeat": (PHRASE * 3, SamplingParams(temperature=0.0, max_tokens=20)),
+    "logprobs": (PHRASE * 2, SamplingParams(temperature=0.0, max_tokens=12, logprobs=2)),
+    "long": (list(range(100, 160)), SamplingParams(temperature=0.0, max_tokens=14)),
+    "regex": (PHRASE, SamplingParams(temperature=0.0, max_tokens=12, structured_outputs=(
+        StructuredOutputsParams(regex=r"(cat|dog|bird)( (cat|dog|bird)){30}")))),
+}  # fmt: skip
+
+
+def test_greedy_output_is_the_plain_output_with_the_same_or_another_draft(
+    runner: ModelRunner, target: Path, other: Path
+) -> None:
+    """The same checkpoint as draft: every proposal accepted, fewer steps. Another random
+    model as draft: the same tokens still (with logprobs, a grammar, a long prompt drafted
+    after its prefill, and a request resubmitted mid-stream as after a restart)."""
+    plain, off = generate(StepExecutor(runner, 0), GREEDY, "")
+    unconstrained = {name: request for name, request in GREEDY.items() if name != "regex"}
+    same = StepExecutor(runner, 0, drafter=Drafter(str(target), runner))
+    spec, on = generate(same, unconstrained, draft_config(target))
+    assert spec == {name: plain[name] for name in unconstrained}
+    assert on.speculator is not None
+    tally = on.speculator.tally
+    assert tally.num_draft_tokens > 0
+    assert tally.num_accepted_tokens == tally.num_draft_tokens  # the draft is the target
+    assert on.num_steps < off.num_steps / 2  # (the grammar's request ran there too)
+
+    another = StepExecutor(runner, 0, drafter=Drafter(str(other), runner))
+    spec, on = generate(another, GREEDY, draft_config(other), resubmit=("repeat", 5))
+    assert spec == plain
+    assert on.speculator is not None and on.speculator.tally.num_drafts > 0
+
+
+def test_deterministic_mode_gives_the_plain_sampled_tokens_in_any_batch(
+    target: Path, other: Path
+) -> None:
+    """Batch-invariant kernels, sampled requests with seeds: with another model as draft, alone
+    or batched with others, resubmitted mid-stream or not, the tokens without speculation."""
+    runner = ModelRunner(
+        str(target), kv_cache_memory=1 << 20, block_size=4, kernel_backend="batch_invariant"
+    )
+    drafter = Drafter(str(other), runner, kernel_backend="batch_invariant", exact=True)
+    sampled = {
+        "a": (PHRASE * 2, SamplingParams(temperature=0.8, max_tokens=16)),
+        "b": (list(range(200, 230)), SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12)),
+        "c": (PHRASE, SamplingParams(temperature=0.0, max_tokens=10)),
+    }
+    plain, _ = generate(StepExecutor(runner, 0), sampled, "")
+    executor = StepExecutor(runner, 0, drafter=drafter)
+    batched, on = generate(executor, sampled, draft_config(other), resubmit=("a", 4))
+    alone, _ = generate(executor, {"a": sampled["a"]}, draft_config(other))
+    assert batched == plain
+    assert alone["a"] == plain["a"]
+    assert on.speculator is not None and on.speculator.tally.num_drafts > 0
+
+
+def test_the_first_speculative_token_keeps_the_target_distribution(
+    runner: ModelRunner, target: Path, other: Path
+) -> None:
+    """Many seeded sequences at the same context (prompt + one token), each drafting K tokens
+    with another random model: the first token out is distributed as transformers' softmax of
+    the target (chi-square), and the first proposal is accepted about sum(min(p, q)) of the
+    time, q the draft's softmax from transformers: rejection sampling, not the sum(p * q) of
+    accepting only the target's own draws."""
+    prompt, last, rounds, per_round = PHRASE, 7, 2, 500
+    executor = StepExecutor(runner, 0, drafter=Drafter(str(other), runner))
+    params = SamplingParams(temperature=1.0, max_tokens=50)
+    context = [*prompt, last]
+    p = torch.softmax(hf_logits(target, context)[-1].double(), dim=0)
+    q = torch.softmax(hf_logits(other, context)[-1].double(), dim=0)
+
+    prefill = StepPlan(
+        0,
+        [NewRequest(0, prompt, params)],
+        [NewSeq(0, 0, [last], 1)],
+        [PlannedChunk(0, [], 0, [0, 1], False, len(prompt))],
+        [],
+        [],
+    )
+    executor.run(prefill)  # the prompt's KV (blocks 0 and 1), in the target and the draft
+    firsts: list[int] = []
+    accepted = 0
+    previous: list[int] = [0]
+    for round_ in range(rounds):
+        ids = [1 + round_ * per_round + i for i in range(per_round)]
+        plan = StepPlan(
+            1 + round_,
+            [],
+            [NewSeq(seq_id, 0, [last], seq_id * 7919 + 13) for seq_id in ids],
+            [
+                PlannedChunk(s, [last], len(prompt), [0, 1, 2 + i], True, 0, 0, K)
+                for i, s in enumerate(ids)
+            ],  # noqa: E501
+            previous,
+            [],
+        )
+        (result,) = executor.run(plan)
+        assert isinstance(result, StepResult)
+        counts = {seq_id: result.seq_ids.count(seq_id) for seq_id in ids}
+        accepted += sum(1 for count in counts.values() if count > 1)
+        for seq_id in ids:
+            firsts.append(result.token_ids[result.seq_ids.index(seq_id)])
+        previous = ids
+    draws = rounds * per_round
+    assert chi_square_fits(torch.tensor(firsts), p, draws)
+    expected = float(torch.minimum(p, q).sum())
+    assert float((p * q).sum()) < expected - 0.05  # the two rules tell apart here
+    assert abs(accepted / draws - expected) < 4 * math.sqrt(expected * (1 - expected) / draws)
+
+
+def chi_square_fits(samples: torch.Tensor, p: torch.Tensor, draws: int) -> bool:
+    """Pearson's test at p < 0.001, tokens expected fewer than 5 times pooled into one bin."""
+    counts = torch.bincount(samples, minlength=len(p)).double()
+    expected = p * draws
+    big = expected >= 5
+    observed = torch.cat([counts[big], counts[~big].sum().unsqueeze(0)])
+    wanted = torch.cat([expected[big], expected[~big].sum().unsqueeze(0)])
+    statistic = float(((observed - wanted) ** 2 / wanted).sum())
+    freedom = len(observed) - 1
+    # Wilson-Hilferty: the chi-square quantile from the normal one (z = 3.09 for 0.001).
+    critical = freedom * (1 - 2 / (9 * freedom) + 3.09 * math.sqrt(2 / (9 * freedom))) ** 3
+    return statistic < critical
+
+
+def test_a_draft_with_another_vocabulary_or_tensor_parallelism_is_refused_in_one_line(
+    runner: ModelRunner, target: Path
+) -> None:
+    smaller = tiny_checkpoint("qwen3", vocab_size=384)
+    with pytest.raises(ValueError, match="vocabulary of 384 tokens, the target's has 512"):
+        Drafter(str(smaller), runner)
+    config = load_model_config(target)
+
+    def settings(speculative: str, tp: int = 1) -> Settings:
+        base = Settings()
+        return msgspec.structs.replace(
+            base,
+            scheduler=msgspec.structs.replace(base.scheduler, speculative_config=speculative),
+            parallel=msgspec.structs.replace(base.parallel, tensor_parallel_size=tp),
+        )
+
+    assert draft_model_path(settings(""), str(target), config) == ""
+    assert draft_model_path(settings(draft_config(target)), str(target), config) == str(target)
+    for speculative, tp, words in (
+        (draft_config(smaller), 1, "has a vocabulary of 384 tokens, the model's has 512"),
+        (draft_config(target), 2, "a draft model runs with tensor_parallel_size 1 only"),
+        (draft_config(target / "missing"), 1, "no such file or directory"),
+    ):
+        with pytest.raises(ValueError) as caught:
+            draft_model_path(settings(speculative, tp), str(target), config)
+        assert words in str(caught.value) and "\n" not in str(caught.value)
