@@ -25,6 +25,7 @@ from engine.entrypoints.adapted_routes import HttpSteps, adapted_api_routes
 from engine.entrypoints.openai.decoding import decode_request
 from engine.entrypoints.openai.embeddings import embedding_routes
 from engine.entrypoints.openai.errors import INTERNAL_ERROR_MESSAGE, ApiError, outcome_of
+from engine.entrypoints.openai.lora_routes import adapter_cards, lora_routes
 from engine.entrypoints.openai.metrics import CONTENT_TYPE
 from engine.entrypoints.openai.operations import (
     AbortRequest,
@@ -62,6 +63,7 @@ def build_app(state: ServerState) -> Starlette:
         *embedding_routes(state, HttpSteps(_check_auth, _read_body, _until_disconnect)),
         *_probe_routes(state),
         *_token_routes(state),
+        *lora_routes(state, _check_auth, _read_body),  # /v1/load_lora_adapter, unload
         *chat_page_routes(state, _check_auth),  # GET /: the chat page, unless --no-ui
     ]
     handlers: dict[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
@@ -87,8 +89,9 @@ def _api_routes(state: ServerState) -> list[Route]:
         _check_auth(request, state)
         cards = [
             ModelCard(id=name, created=state.started_at, max_model_len=state.max_model_len)
-            for name in state.served_names
+            for name in state.base_names
         ]
+        cards += adapter_cards(state)
         return Response(encode(ModelList(data=cards)), media_type=JSON)
 
     async def version_route(request: Request) -> Response:
@@ -172,11 +175,14 @@ async def _generate(request: Request, state: ServerState, parse: Parser, endpoin
         body = await _read_body(request, state.settings.server.max_request_bytes)
         prepared = _parse(parse, body, state.served_names, request.url.path)
         take_client_request_id(prepared, request.headers.get("x-request-id"), state.runs)
+        faults = state.faults.actions(body)
+        HttpFaults.trip(faults, "raise")
     except ApiError as e:
         state.metrics.count_request(endpoint, outcome_of(e.status))
         raise
-    faults = state.faults.actions(body)
-    HttpFaults.trip(faults, "raise")
+    except Exception:  # answered by the generic 500; the run below counts its own end
+        state.metrics.count_request(endpoint, outcome_of(500))
+        raise
     run = RequestRun(state, prepared, endpoint, body, faults)
     run.trace_headers = trace_headers(request.headers)
     if prepared.stream:

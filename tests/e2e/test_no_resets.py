@@ -14,6 +14,7 @@ import json
 import socket
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.conftest import FAULT_500, FAULT_IN_STREAM
 from tests.e2e.harness import API_KEY, Server
@@ -43,6 +44,7 @@ def test_a_500_says_connection_close_and_a_pool_reusing_connections_loses_nothin
     handler's 500 is sent; that 500 must say so, or the client pools the connection and may
     send its next request on it as it closes (read as a ReadError)."""
     body = json.dumps({"prompt": FAULT_500, "max_tokens": 1}).encode()
+    errors_before = error_count(server)
     with connect(server) as sock:
         sock.sendall(raw_request(server, "POST", "/v1/completions", body))
         head, error_body = read_head_and_body(sock)
@@ -65,6 +67,21 @@ def test_a_500_says_connection_close_and_a_pool_reusing_connections_loses_nothin
             except httpx.TransportError as e:
                 failures.append(f"{type(e).__name__}: {e}")
     assert failures == [], f"{len(failures)} of {CYCLES} cycles failed, e.g. {failures[:3]}"
+    # Each generic 500 is counted, as an error of its endpoint (the first one too).
+    assert error_count(server) - errors_before == CYCLES + 1
+
+
+def error_count(server: Server) -> float:
+    with server.http() as http:
+        text = http.get("/metrics").text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "engine:http_requests_total"
+        and sample.labels.get("endpoint") == "completions"
+        and sample.labels.get("outcome") == "error"
+    )
 
 
 def test_a_stream_that_fails_ends_with_an_error_event_and_done(server: Server) -> None:
