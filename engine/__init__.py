@@ -1,7 +1,8 @@
 """engine: an LLM serving engine built as supervised actors over shared-memory rings.
 
 Public library API: `LLM` (blocking), `AsyncLLM` (asyncio), `SamplingParams` (with
-`StructuredOutputsParams` for constrained outputs), and the result types `RequestOutput` /
+`StructuredOutputsParams` for constrained outputs), `LoRARequest` (an adapter to run with), and
+the result types `RequestOutput` /
 `CompletionOutput` / `Logprob` / `TokenLogprob`.
 """
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from engine.messages.params import SamplingParams, StructuredOutputsParams
+from engine.messages.params import LoRARequest, SamplingParams, StructuredOutputsParams
 from engine.outputs import CompletionOutput, EngineError, Logprob, RequestOutput, TokenLogprob
 
 if TYPE_CHECKING:
@@ -21,6 +22,7 @@ __all__ = [
     "AsyncLLM",
     "CompletionOutput",
     "EngineError",
+    "LoRARequest",
     "Logprob",
     "RequestOutput",
     "SamplingParams",

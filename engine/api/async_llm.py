@@ -33,9 +33,10 @@ from engine.gateway.replicas import Replicas, supervise
 from engine.gateway.restarts import SupervisorFollower
 from engine.launch.plan import EnginePlan, plan_engine
 from engine.launch.run_files import remove_run_files
+from engine.lora.registry import AdapterRegistry, start_registry, with_adapter
 from engine.messages.admin import ActorRow, EngineStats, Health, RequestRow
 from engine.messages.codec import too_large_for_one_frame
-from engine.messages.params import SamplingParams
+from engine.messages.params import LoRARequest, SamplingParams
 from engine.messages.reports import SchedulerReport
 from engine.messages.requests import GenerateRequest
 from engine.messages.ring_catalogue import OUTPUTS_RING, REPORTS_RING, REQUESTS_RING, ring_of
@@ -68,6 +69,7 @@ class AsyncLLM:
         self.max_model_len = 0
         self.weight_bytes: dict[str, int] = {}  # per rank, by format (EnginePlan.weight_bytes)
         self._plan: EnginePlan | None = None
+        self.adapters: AdapterRegistry | None = None  # LoRA adapters by name; None: LoRA off
         self._kv_params = KvParams("both")  # start() reads this instance's
         self._supervisor: Supervision | None = None
         self._replicas: Replicas | None = None
@@ -95,7 +97,9 @@ class AsyncLLM:
             "prefill" in self._plan.replica_roles
         )
         # As vLLM: the name clients use is the --model value as given, unless one is set.
-        self.model_name = (model.served_name or (default_name,))[0]
+        served = model.served_name or (default_name,)
+        self.model_name = served[0]
+        self.adapters = start_registry(self.settings.lora, self._plan.model_config, served)
         # --otlp-traces-endpoint: each request's span, made as it leaves the gateway
         tracer = open_request_tracer(self.settings.server.otlp_traces_endpoint, self.model_name)
         self.gateway.on_request_end = tracer.record if tracer is not None else None
@@ -183,6 +187,7 @@ class AsyncLLM:
         trace_headers: Mapping[str, str] | None = None,
         defaulted_fields: Collection[str] | None = None,
         field_names: Mapping[str, str] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Incremental outputs: each holds the new text / tokens of the samples that advanced.
 
@@ -191,7 +196,8 @@ class AsyncLLM:
         own (given `chat_template_kwargs`); without `params`, the model's generation defaults.
         `kv_transfer_params`: P/D across instances (engine/gateway/kv_params.py).
         `trace_headers`: the W3C trace context (traceparent) its span continues.
-        `defaulted_fields`, `field_names`: for front ends (RequestPolicy.prepare)."""
+        `defaulted_fields`, `field_names`: for front ends (RequestPolicy.prepare).
+        `lora_request`: the LoRA adapter to run with (vLLM's LoRARequest); None: the base model."""
         self._check_running()
         kv_handoff, kv_source = self._kv_params.directives(kv_transfer_params)
         accepted = self.policy.prepare(
@@ -207,7 +213,7 @@ class AsyncLLM:
             one_token=kv_handoff == "hold",  # a prefill instance: the prompt and one token
         )
         record, submission = self.gateway.register(
-            accepted.params,
+            with_adapter(accepted.params, self.adapters, lora_request),
             prompt=accepted.prompt,
             prompt_token_ids=accepted.prompt_token_ids,
             messages=accepted.messages,

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from engine.api.async_llm import AsyncLLM
-from engine.messages.params import PoolingParams
+from engine.messages.params import LoRARequest, PoolingParams
 from engine.outputs import EmbeddingOutput, EmbeddingRequestOutput, EngineError
 from engine.request.embeddings import embedding_params
 from engine.request.prompts import Prompt
@@ -15,10 +15,16 @@ async def embed(
     prompt: Prompt,
     pooling: PoolingParams,
     request_id: str | None = None,
+    lora_request: LoRARequest | None = None,
 ) -> EmbeddingRequestOutput:
-    """`prompt`'s embedding; EngineError as for any request (a 400 names what was wrong)."""
+    """`prompt`'s embedding (with the LoRA adapter `lora_request`, if any); EngineError as for
+    any request (a 400 names what was wrong)."""
     final = await engine.complete(
-        prompt, embedding_params(pooling), request_id=request_id, defaulted_fields=()
+        prompt,
+        embedding_params(pooling),
+        request_id=request_id,
+        defaulted_fields=(),
+        lora_request=lora_request,
     )
     vector = next((output.embedding for output in final.outputs if output.embedding), None)
     if vector is None:

@@ -20,7 +20,7 @@ from engine.api.async_llm import AsyncLLM
 from engine.api.embeddings import embed
 from engine.hf_cache import with_resolved_model
 from engine.messages.admin import EngineStats
-from engine.messages.params import SamplingParams
+from engine.messages.params import LoRARequest, SamplingParams
 from engine.outputs import EmbeddingRequestOutput, RequestOutput
 from engine.request.embeddings import pooling_for
 from engine.request.prompts import Prompt
@@ -55,6 +55,10 @@ ENGINE_ARGS = {
     "max_logprobs": "model.max_logprobs",
     "kv_cache_dtype": "cache.kv_cache_dtype",
     "quantization": "model.quantization",
+    "enable_lora": "lora.enable_lora",
+    "max_loras": "lora.max_loras",
+    "max_lora_rank": "lora.max_lora_rank",
+    "max_cpu_loras": "lora.max_cpu_loras",
 }
 # vLLM's engine arguments that change nothing here, accepted so that vLLM code runs unchanged.
 NO_OP_ENGINE_ARGS = {
@@ -121,11 +125,16 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in order; `sampling_params` may be one per prompt.
+        """One RequestOutput per prompt, in order; `sampling_params` may be one per prompt, and
+        so may `lora_request` (the LoRA adapter to run with; None: the base model).
         A prompt is text, token ids, {"prompt": text} or {"prompt_token_ids": ids}."""
         batch = _as_prompt_list(prompts)
-        requests = [{"prompt": prompt} for prompt in batch]
+        loras = _per_prompt(lora_request, len(batch))
+        requests = [
+            {"prompt": p, "lora_request": lora} for p, lora in zip(batch, loras, strict=True)
+        ]
         return self._run(self._gather(requests, sampling_params, use_tqdm))
 
     def chat(
@@ -137,15 +146,18 @@ class LLM:
         chat_template: str | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         add_generation_prompt: bool = True,
+        lora_request: LoRARequest | None = None,
     ) -> list[RequestOutput]:
         """One RequestOutput per conversation, rendered with the model's chat template (or
-        `chat_template`, with `chat_template_kwargs`, e.g. {"enable_thinking": False})."""
+        `chat_template`, with `chat_template_kwargs`, e.g. {"enable_thinking": False}), with
+        the LoRA adapter `lora_request` (None: the base model)."""
         one = bool(messages) and isinstance(messages[0], Mapping)
         batch: Sequence[Conversation] = [messages] if one else messages  # type: ignore[list-item,assignment]
         options = {
             "chat_template": chat_template,
             "chat_template_kwargs": chat_template_kwargs,
             "add_generation_prompt": add_generation_prompt,
+            "lora_request": lora_request,
         }
         requests = [{"messages": list(conversation), **options} for conversation in batch]
         return self._run(self._gather(requests, sampling_params, use_tqdm))
@@ -231,3 +243,15 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if prompts and all(isinstance(token, int) for token in prompts):
         return [list(prompts)]  # type: ignore[arg-type]  # one prompt of token ids
     return list(prompts)  # type: ignore[arg-type]
+
+
+def _per_prompt(
+    lora_request: LoRARequest | Sequence[LoRARequest | None] | None, count: int
+) -> list[LoRARequest | None]:
+    """One adapter per prompt: the one given for all, or the list given (one per prompt)."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * count
+    loras = list(lora_request)
+    if len(loras) != count:
+        raise ValueError(f"got {len(loras)} lora requests for {count} prompts; pass one per prompt")
+    return loras

@@ -25,8 +25,7 @@ from engine.api.embeddings import embed
 from engine.entrypoints.adapted_routes import HttpSteps
 from engine.entrypoints.openai.decoding import decode_request
 from engine.entrypoints.openai.errors import ApiError, outcome_of
-from engine.entrypoints.openai.parsing import check_model
-from engine.entrypoints.openai.parsing import prompts_of
+from engine.entrypoints.openai.parsing import check_model, prompts_of
 from engine.entrypoints.openai.protocol import Count, TokenId
 from engine.entrypoints.openai.state import ServerState
 from engine.messages.vectors import float32_bytes
@@ -93,7 +92,7 @@ async def _serve(request: Request, state: ServerState, steps: HttpSteps) -> Resp
     pooling = pooling_for(state.llm.policy.pooling, normalize=req.normalize)
     request_id = f"embd-{time.time_ns():x}"
     runs = [
-        embed(state.llm, prompt, pooling, f"{request_id}-{index}")
+        embed(state.llm, prompt, pooling, f"{request_id}-{index}", state.adapter_of(model))
         for index, prompt in enumerate(inputs)
     ]
     try:

@@ -341,6 +341,8 @@ class ModelCard(msgspec.Struct, kw_only=True):
     max_model_len: int
     object: str = "model"
     owned_by: str = "engine"
+    root: str | None = None  # a LoRA adapter's path
+    parent: str | None = None  # a LoRA adapter's base model (its served name)
 
 
 class ModelList(msgspec.Struct, kw_only=True):

@@ -90,6 +90,7 @@ class RequestRun:
                 trace_headers=self.trace_headers,
                 defaulted_fields=p.defaulted_fields,
                 field_names=p.field_names,
+                lora_request=self.state.adapter_of(p.model),
             )
             self._streams.append(aiter(stream))
         results = await asyncio.gather(

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.entrypoints.openai.metrics import ServerMetrics
 from engine.entrypoints.openai.tokens import Tokens
+from engine.messages.params import LoRARequest
 from engine.settings import Settings
 from engine.testing.http_faults import HttpFaults
 from engine.trace.recorder import TraceRecorder
@@ -26,7 +27,7 @@ class ServerState:
     model_name: str
     max_model_len: int
     tokens: Tokens
-    served_names: tuple[str, ...] = ()  # every name a request may use; the first is shown
+    base_names: tuple[str, ...] = ()  # the base model's names a request may use; first shown
     chat_template: str | None = None  # model.chat_template's text, for chats that bring none
     started_at: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
@@ -34,6 +35,17 @@ class ServerState:
     # The API requests in flight by X-Request-Id: RequestRuns (runs.py imports this module)
     runs: dict[str, Any] = field(default_factory=dict)
     faults: HttpFaults = field(default_factory=HttpFaults)  # tests' fault injection; off
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        """Every model name a request may use: the base model's, then each LoRA adapter's."""
+        adapters = self.llm.adapters
+        return self.base_names + (adapters.names() if adapters is not None else ())
+
+    def adapter_of(self, model: str) -> LoRARequest | None:
+        """The LoRA adapter a request's model name names; None: the base model."""
+        adapters = self.llm.adapters
+        return adapters.get(model) if adapters is not None else None
 
     @classmethod
     def create(
@@ -52,7 +64,7 @@ class ServerState:
             metrics=ServerMetrics(llm.stats, names[0], llm.weight_bytes),
             model_name=names[0],
             max_model_len=llm.max_model_len,
-            served_names=tuple(names),
+            base_names=tuple(names),
             tokens=Tokens(
                 llm.model_path,
                 llm.max_model_len,

@@ -1,0 +1,111 @@
+"""The root's LoRA adapters by served name: those of --lora-modules and those loaded at run time.
+
+A request names an adapter by its model name; the root turns it into a LoRARequest (name, id,
+path) that travels with the request's parameters, so every worker, including one restarted
+after a crash, loads the adapter from its path when a request first needs it. That is why
+nothing here talks to the workers: the registry is the truth, and it lives in the root, which
+outlives every actor.
+
+Unloading an adapter stops new requests from naming it; requests already admitted keep their
+LoRARequest and finish with the adapter (a worker still has it loaded, or loads it again from
+its path).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import msgspec
+
+from engine.lora.adapter_files import AdapterError, check_adapter
+from engine.messages.params import LoRARequest, SamplingParams
+from engine.model.config import ModelConfig
+from engine.outputs import EngineError
+from engine.settings.lora_schema import LoraSettings, parse_lora_module
+
+
+class AdapterRegistry:
+    def __init__(self, base: ModelConfig, max_rank: int, reserved_names: Iterable[str]) -> None:
+        """`reserved_names`: the base model's served names, which no adapter may take."""
+        self.base = base
+        self.max_rank = max_rank
+        self.reserved = frozenset(reserved_names)
+        self.adapters: dict[str, LoRARequest] = {}
+        self._next_id = 1
+        self._checked: set[tuple[str, str]] = set()  # (name, path) pairs known to fit
+
+    def load(self, name: str, path: str) -> LoRARequest:
+        """Serve the adapter at `path` as `name`; ValueError (AdapterError for the adapter
+        itself) saying why not."""
+        if not name or not path:
+            raise ValueError("both 'lora_name' and 'lora_path' must be given")
+        if name in self.reserved:
+            raise ValueError(f"'{name}' is the base model's name; choose another adapter name")
+        if name in self.adapters:
+            raise ValueError(f"The lora adapter '{name}' has already been loaded.")
+        self.check(LoRARequest(name, self._next_id, path))
+        request = LoRARequest(name, self._next_id, path)
+        self._next_id += 1
+        self.adapters[name] = request
+        return request
+
+    def unload(self, name: str) -> LoRARequest:
+        """Stop serving `name`; KeyError when no adapter has that name."""
+        request = self.adapters.pop(name, None)
+        if request is None:
+            raise KeyError(f"The lora adapter '{name}' cannot be found.")
+        return request
+
+    def get(self, model: str) -> LoRARequest | None:
+        """The adapter a request's model name names; None: the base model (or no such name)."""
+        return self.adapters.get(model)
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(self.adapters)
+
+    def check(self, request: LoRARequest) -> LoRARequest:
+        """`request` (an adapter a library caller names directly), once known to fit the base
+        model; AdapterError otherwise."""
+        key = (request.lora_name, request.lora_path)
+        if key not in self._checked:
+            if not request.lora_path:
+                raise AdapterError(f"LoRA adapter '{request.lora_name}' has no lora_path")
+            check_adapter(request.lora_path, self.base, self.max_rank)
+            self._checked.add(key)
+        return request
+
+
+def start_registry(
+    settings: LoraSettings, base: ModelConfig, served_names: Iterable[str]
+) -> AdapterRegistry | None:
+    """The registry of an engine starting with `settings`, holding --lora-modules (checked
+    already by the plan); None when LoRA is off."""
+    if not settings.enable_lora:
+        return None
+    registry = AdapterRegistry(base, settings.max_lora_rank, served_names)
+    for text in settings.lora_modules:
+        module = parse_lora_module(text)
+        registry.load(module.name, module.path)
+    return registry
+
+
+def with_adapter(
+    params: SamplingParams, registry: AdapterRegistry | None, lora: LoRARequest | None
+) -> SamplingParams:
+    """`params` running with `lora` (a library caller's, checked here; None: as they are);
+    EngineError (400) when LoRA is off or the adapter does not fit."""
+    lora = lora or params.lora_request
+    if lora is None:
+        return params
+    if registry is None:
+        raise EngineError(
+            "LoRA adapters are not enabled: start the engine with --enable-lora "
+            "(LLM(..., enable_lora=True))",
+            400,
+            "lora_request",
+        )
+    try:
+        registry.check(lora)
+    except AdapterError as exc:
+        raise EngineError(str(exc), 400, "lora_request") from None
+    return msgspec.structs.replace(params, lora_request=lora)

@@ -1,0 +1,162 @@
+"""LoRA adapters served over HTTP, as vLLM serves them, on one server with --enable-lora: an
+adapter from --lora-modules and one loaded at run time generate peft + transformers' greedy
+tokens, in one batch with the base model; /v1/models lists them with their parent; unknown and
+unloaded names get 404 model_not_found; and a worker SIGKILLed mid-stream resumes a request of
+the run-time adapter with the tokens it would have given undisturbed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.checkpoints import hf_greedy, tiny_checkpoint
+from tests.e2e.conftest import server_args
+from tests.e2e.harness import Server, leftover_ipc, served, wait_until
+from tests.lora_adapters import ALL_MODULES, lora_adapter, peft_greedy
+
+PROMPT = [11, 12, 13, 14, 15, 16, 200, 300, 8]
+
+
+@pytest.fixture(scope="module")
+def adapters() -> dict[str, Path]:
+    base = tiny_checkpoint()
+    return {
+        "wide": lora_adapter(base, rank=8, targets=ALL_MODULES, seed=1, use_rslora=True),
+        "narrow": lora_adapter(base, rank=4, targets=("q_proj", "v_proj"), seed=2, alpha=32),
+    }
+
+
+@pytest.fixture(scope="module")
+def server(
+    model_args: list[str], adapters: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
+    work = tmp_path_factory.mktemp("lora")
+    flags = ["--enable-lora", "--lora-modules", f"wide={adapters['wide']}"]
+    flags += ["--max-loras", "2", "--max-lora-rank", "8"]
+    with served(server_args(model_args, work / "admin.sock", *flags), work) as srv:
+        yield srv
+    assert leftover_ipc(srv.pid) == []
+
+
+def completion(http: httpx.Client, model: str, max_tokens: int = 8) -> list[int]:
+    body = {
+        "model": model,
+        "prompt": PROMPT,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    reply = http.post("/v1/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    return list(reply.json()["choices"][0]["token_ids"])
+
+
+def test_adapters_and_the_base_model_in_one_batch_give_peft_and_transformers_tokens(
+    server: Server, adapters: dict[str, Path]
+) -> None:
+    base = tiny_checkpoint()
+    with server.http() as http:
+        loaded = http.post(
+            "/v1/load_lora_adapter",
+            json={"lora_name": "narrow", "lora_path": str(adapters["narrow"])},
+        )
+        assert loaded.status_code == 200, loaded.text
+        assert loaded.text == "Success: LoRA adapter 'narrow' added successfully."
+        models = {card["id"]: card for card in http.get("/v1/models").json()["data"]}
+        assert set(models) == {server.model, "wide", "narrow"}
+        assert models["narrow"]["parent"] == server.model
+        assert models["narrow"]["root"] == str(adapters["narrow"])
+        names = [server.model, "wide", "narrow"] * 2
+        with ThreadPoolExecutor(len(names)) as pool:  # arrive together: batched in the steps
+            tokens = list(pool.map(lambda name: completion(http, name), names))
+    assert tokens[:3] == tokens[3:]
+    assert tokens[0] == hf_greedy(base, PROMPT, 8)[0]
+    assert tokens[1] == peft_greedy(base, adapters["wide"], PROMPT, 8)[0]
+    assert tokens[2] == peft_greedy(base, adapters["narrow"], PROMPT, 8)[0]
+
+
+def test_load_and_unload_answer_as_vllm_and_unknown_names_are_model_not_found(
+    server: Server, adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    with server.http() as http:
+        body = {"lora_name": "again", "lora_path": str(adapters["narrow"])}
+        assert http.post("/v1/load_lora_adapter", json=body).status_code == 200
+        twice = http.post("/v1/load_lora_adapter", json=body)
+        assert twice.status_code == 400
+        assert "has already been loaded" in twice.json()["error"]["message"]
+        removed = http.post("/v1/unload_lora_adapter", json={"lora_name": "again"})
+        assert removed.text == "Success: LoRA adapter 'again' removed successfully."
+        for name in ("again", "never-loaded"):
+            reply = http.post("/v1/completions", json={"model": name, "prompt": "hi"})
+            assert reply.status_code == 404
+            assert reply.json()["error"]["code"] == "model_not_found"
+        gone = http.post("/v1/unload_lora_adapter", json={"lora_name": "again"})
+        assert gone.status_code == 404 and "cannot be found" in gone.json()["error"]["message"]
+        (tmp_path / "adapter_config.json").write_text(json.dumps({"r": 64, "target_modules": []}))
+        refused = http.post(
+            "/v1/load_lora_adapter", json={"lora_name": "big", "lora_path": str(tmp_path)}
+        )
+        assert refused.status_code == 400
+        assert "rank 64 exceeds --max-lora-rank 8" in refused.json()["error"]["message"]
+        assert "big" not in {card["id"] for card in http.get("/v1/models").json()["data"]}
+    anonymous = httpx.post(f"{server.url}/v1/load_lora_adapter", json=body, timeout=30)
+    assert anonymous.status_code == 401
+
+
+def stream_tokens(server: Server, model: str, kill_pid: int | None = None) -> list[int]:
+    """A streamed greedy completion's token ids; with `kill_pid`, that process is SIGKILLed
+    once the first tokens have arrived."""
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": PROMPT,
+        "max_tokens": 160,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+    }
+    tokens: list[int] = []
+    with server.http() as http, http.stream("POST", "/v1/completions", json=body) as reply:
+        assert reply.status_code == 200
+        for line in reply.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            tokens += json.loads(line[6:])["choices"][0].get("token_ids", [])
+            if kill_pid is not None and tokens:
+                os.kill(kill_pid, signal.SIGKILL)  # a child of the server this test started
+                kill_pid = None
+    return tokens
+
+
+def test_a_worker_killed_mid_stream_resumes_a_run_time_adapters_request_exactly(
+    server: Server, adapters: dict[str, Path]
+) -> None:
+    with server.http() as http:
+        body = {"lora_name": "late", "lora_path": str(adapters["narrow"])}
+        assert http.post("/v1/load_lora_adapter", json=body).status_code == 200
+    undisturbed = stream_tokens(server, "late")
+    (worker,) = [a for a in server.admin("actors") if a["name"] == "worker0"]
+    resumed = stream_tokens(server, "late", kill_pid=worker["pid"])
+    assert resumed == undisturbed
+
+    def restarted() -> bool:
+        (now,) = [a for a in server.admin("actors") if a["name"] == "worker0"]
+        return bool(now["restarts"] > worker["restarts"] and server.admin("health")["ready"])
+
+    wait_until(restarted, timeout=60)
+    # The restarted worker has the adapters too: one from --lora-modules, one loaded at run time.
+    with server.http() as http:
+        assert completion(http, "late", 8) == undisturbed[:8]
+        assert (
+            completion(http, "wide", 8)
+            == peft_greedy(tiny_checkpoint(), adapters["wide"], PROMPT, 8)[0]
+        )
