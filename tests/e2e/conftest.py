@@ -77,6 +77,8 @@ def server(
     work = tmp_path_factory.mktemp("server")
     trace = work / "trace.jsonl"
     args = server_args(model_args, work / "admin.sock", "--server.record_trace", str(trace))
+    # LoRA on: test_lora_serving loads its adapters at run time (and unloads them after).
+    args += ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8"]
     env = {HTTP_FAULT_INJECTION_ENV: f"raise:{FAULT_500},raise-in-stream:{FAULT_IN_STREAM}"}
     if otlp is not None:
         args += ["--otlp-traces-endpoint", otlp.url]

@@ -1,8 +1,9 @@
-"""LoRA adapters served over HTTP, as vLLM serves them, on one server with --enable-lora: an
-adapter from --lora-modules and one loaded at run time generate peft + transformers' greedy
-tokens, in one batch with the base model; /v1/models lists them with their parent; unknown and
-unloaded names get 404 model_not_found; and a worker SIGKILLed mid-stream resumes a request of
-the run-time adapter with the tokens it would have given undisturbed."""
+"""LoRA adapters served over HTTP, as vLLM serves them, by the shared e2e server (started with
+--enable-lora): adapters loaded at run time generate peft + transformers' greedy tokens, in one
+batch with the base model; /v1/models lists them with their parent; unknown and unloaded names
+get 404 model_not_found; and a worker SIGKILLed mid-stream resumes a request of a run-time
+adapter with the tokens it would have given undisturbed. (--lora-modules at start:
+tests/unit/test_lora_model.py.)"""
 
 from __future__ import annotations
 
@@ -18,8 +19,7 @@ import httpx
 import pytest
 
 from tests.checkpoints import hf_greedy, tiny_checkpoint
-from tests.e2e.conftest import server_args
-from tests.e2e.harness import Server, leftover_ipc, served, wait_until
+from tests.e2e.harness import Server, wait_until
 from tests.lora_adapters import ALL_MODULES, lora_adapter, peft_greedy
 
 PROMPT = [11, 12, 13, 14, 15, 16, 200, 300, 8]
@@ -34,16 +34,21 @@ def adapters() -> dict[str, Path]:
     }
 
 
-@pytest.fixture(scope="module")
-def server(
-    model_args: list[str], adapters: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Server]:
-    work = tmp_path_factory.mktemp("lora")
-    flags = ["--enable-lora", "--lora-modules", f"wide={adapters['wide']}"]
-    flags += ["--max-loras", "2", "--max-lora-rank", "8"]
-    with served(server_args(model_args, work / "admin.sock", *flags), work) as srv:
-        yield srv
-    assert leftover_ipc(srv.pid) == []
+@pytest.fixture
+def loaded(server: Server, adapters: dict[str, Path]) -> Iterator[dict[str, Path]]:
+    """Adapters to load at run time in the shared server (--enable-lora), by name; whatever a
+    test loaded is unloaded after it, so that the other tests see the base model alone."""
+    names: dict[str, Path] = {}
+    yield names
+    with server.http() as http:
+        for name in [*names, "again"]:
+            http.post("/v1/unload_lora_adapter", json={"lora_name": name})
+
+
+def load(server: Server, loaded: dict[str, Path], name: str, path: Path) -> httpx.Response:
+    loaded[name] = path
+    with server.http() as http:
+        return http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)})
 
 
 def completion(http: httpx.Client, model: str, max_tokens: int = 8) -> list[int]:
@@ -61,16 +66,14 @@ def completion(http: httpx.Client, model: str, max_tokens: int = 8) -> list[int]
 
 
 def test_adapters_and_the_base_model_in_one_batch_give_peft_and_transformers_tokens(
-    server: Server, adapters: dict[str, Path]
+    server: Server, adapters: dict[str, Path], loaded: dict[str, Path]
 ) -> None:
     base = tiny_checkpoint()
+    assert load(server, loaded, "wide", adapters["wide"]).status_code == 200
+    answer = load(server, loaded, "narrow", adapters["narrow"])
+    assert answer.status_code == 200, answer.text
+    assert answer.text == "Success: LoRA adapter 'narrow' added successfully."
     with server.http() as http:
-        loaded = http.post(
-            "/v1/load_lora_adapter",
-            json={"lora_name": "narrow", "lora_path": str(adapters["narrow"])},
-        )
-        assert loaded.status_code == 200, loaded.text
-        assert loaded.text == "Success: LoRA adapter 'narrow' added successfully."
         models = {card["id"]: card for card in http.get("/v1/models").json()["data"]}
         assert set(models) == {server.model, "wide", "narrow"}
         assert models["narrow"]["parent"] == server.model
@@ -85,7 +88,7 @@ def test_adapters_and_the_base_model_in_one_batch_give_peft_and_transformers_tok
 
 
 def test_load_and_unload_answer_as_vllm_and_unknown_names_are_model_not_found(
-    server: Server, adapters: dict[str, Path], tmp_path: Path
+    server: Server, adapters: dict[str, Path], loaded: dict[str, Path], tmp_path: Path
 ) -> None:
     with server.http() as http:
         body = {"lora_name": "again", "lora_path": str(adapters["narrow"])}
@@ -138,11 +141,10 @@ def stream_tokens(server: Server, model: str, kill_pid: int | None = None) -> li
 
 
 def test_a_worker_killed_mid_stream_resumes_a_run_time_adapters_request_exactly(
-    server: Server, adapters: dict[str, Path]
+    server: Server, adapters: dict[str, Path], loaded: dict[str, Path]
 ) -> None:
-    with server.http() as http:
-        body = {"lora_name": "late", "lora_path": str(adapters["narrow"])}
-        assert http.post("/v1/load_lora_adapter", json=body).status_code == 200
+    assert load(server, loaded, "wide", adapters["wide"]).status_code == 200
+    assert load(server, loaded, "late", adapters["narrow"]).status_code == 200
     undisturbed = stream_tokens(server, "late")
     (worker,) = [a for a in server.admin("actors") if a["name"] == "worker0"]
     resumed = stream_tokens(server, "late", kill_pid=worker["pid"])
@@ -153,7 +155,7 @@ def test_a_worker_killed_mid_stream_resumes_a_run_time_adapters_request_exactly(
         return bool(now["restarts"] > worker["restarts"] and server.admin("health")["ready"])
 
     wait_until(restarted, timeout=60)
-    # The restarted worker has the adapters too: one from --lora-modules, one loaded at run time.
+    # The restarted worker has every adapter the root serves, loaded when a request needs it.
     with server.http() as http:
         assert completion(http, "late", 8) == undisturbed[:8]
         assert (

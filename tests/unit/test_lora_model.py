@@ -11,7 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.api.llm import build_settings
+from engine.launch.lora import lora_worker_fields
 from engine.lora.adapter_files import AdapterError, check_adapter
+from engine.lora.registry import start_registry
 from engine.messages.params import LoRARequest
 from engine.model.config import load_model_config
 from engine.model.runner import ModelRunner
@@ -107,3 +110,22 @@ def test_adapters_the_engine_cannot_apply_are_refused_in_one_line(
     embedding = lora_adapter(base, rank=4, targets=("embed_tokens",), seed=5)
     with pytest.raises(AdapterError, match=r"target module\(s\) \['embed_tokens'\]"):
         check_adapter(embedding, config, max_rank=8)
+
+
+def test_start_adapters_are_checked_by_the_plan_and_served_by_name(base: Path) -> None:
+    """--lora-modules: every adapter is checked against the base model before anything starts
+    (a one-line error naming the first that does not fit); the root then serves each by name."""
+    wide = lora_adapter(base, rank=8, targets=ALL_MODULES, seed=1, use_rslora=True)
+    narrow = lora_adapter(base, rank=4, targets=("q_proj", "v_proj"), seed=2, alpha=32)
+    config = load_model_config(base)
+    modules = ["narrow=" + str(narrow), json.dumps({"name": "wide", "path": str(wide)})]
+    settings = build_settings(**{"lora.enable_lora": True, "lora.lora_modules": modules})
+    assert lora_worker_fields(settings, config) == {"max_lora_rank": 16, "max_cpu_loras": 1}
+    registry = start_registry(settings.lora, config, ["base"])
+    assert registry is not None and registry.names() == ("narrow", "wide")
+    assert registry.get("wide") == LoRARequest("wide", 2, str(wide))
+    small = build_settings(settings, **{"lora.max_lora_rank": 4})
+    with pytest.raises(AdapterError, match="rank 8 exceeds --max-lora-rank 4"):
+        lora_worker_fields(small, config)
+    with pytest.raises(ValueError, match="is the base model's name"):
+        registry.load("base", str(narrow))
