@@ -1,12 +1,14 @@
 """Speculative decoding's draft model, on worker rank 0: proposals for the target to verify.
 
 The draft is a second ModelRunner with a KV cache of its own, as many blocks as the target's
-and of the same size, so the scheduler's block tables serve both (as vLLM v1 shares them). Every
-chunk of a step runs through the draft before the target sees it, prefill chunks included, so
-the draft's KV follows the target's. A decode chunk that the scheduler asks to draft for
-(`PlannedChunk.num_draft`, blocks reserved) then gets that many tokens, drawn one position at a
-time, batched over the sequences: the first from the logits of the chunk's own pass, each next
-one from a one-token pass of the previous draft token.
+and of the same size, so the scheduler's block tables serve both (as vLLM v1 shares them). The
+draft sees every token of a sequence, prompt included, but only when the sequence drafts: a
+decode chunk that the scheduler asks to draft for (`PlannedChunk.num_draft`, blocks reserved)
+first runs through the draft together with every token the draft has not seen yet (the prompt
+at the first draft, the tokens of the steps it paused, an accepted last proposal), then gets its
+tokens, drawn one position at a time, batched over the sequences: the first from the logits of
+that pass, each next one from a one-token pass of the previous draft token. A step in which no
+sequence drafts never runs the draft.
 
 A greedy request's draft token is the draft's argmax. A sampled request's is drawn from q, the
 draft's distribution under the request's temperature, min_p, top_k and top_p, with the noise the
@@ -16,8 +18,8 @@ rejection sampler (engine/model/spec_verify.py), except in deterministic mode (`
 proposal stands only where it equals the target's own draw, so the output is the
 non-speculative output token for token.
 
-The draft never ran the last of a step's proposals (it only drew it), so when the target accepts
-all of them, that token is run through the draft at the sequence's next chunk (`_unseen`).
+A sequence re-announced (after preemption or a restart) may have new blocks: the draft then
+runs it from its first token again.
 """
 
 from __future__ import annotations
@@ -79,14 +81,14 @@ class Drafter:
         self.vocab_size = vocab
         self.exact = exact
         self.probs: dict[int, torch.Tensor] = {}  # this step's q rows by sequence id
-        self._unseen: dict[int, tuple[int, int]] = {}  # seq id -> (position, token)
+        self._seen: dict[int, int] = {}  # seq id -> positions before it are in the draft's KV
 
     def forget(self, seq_ids: Iterable[int]) -> None:
         for seq_id in seq_ids:
-            self._unseen.pop(seq_id, None)
+            self._seen.pop(seq_id, None)
 
     def reset(self) -> None:
-        self._unseen.clear()
+        self._seen.clear()
         self.probs = {}
 
     @torch.inference_mode()
@@ -94,14 +96,13 @@ class Drafter:
         self, chunks: Sequence[SeqChunk], num_draft: Mapping[int, int], sampler: Sampler
     ) -> list[SeqChunk]:
         """`chunks` with their drafts (`num_draft` by sequence id) appended as proposals
-        (num_proposed); every chunk's tokens have run through the draft. `probs` then holds
-        the q rows of sampled requests' proposals."""
+        (num_proposed). `probs` then holds the q rows of sampled requests' proposals."""
         self.probs = {}
-        if not chunks:
-            return list(chunks)
         wanted = {chunk.seq_id: num_draft.get(chunk.seq_id, 0) for chunk in chunks if chunk.sample}
         drafting = [chunk for chunk in chunks if wanted.get(chunk.seq_id, 0) > 0]
-        logits = self.runner.forward([self._catch_up(chunk, chunk in drafting) for chunk in chunks])
+        if not drafting:
+            return list(chunks)
+        logits = self.runner.forward([self._catch_up(chunk, sampler) for chunk in drafting])
         drafts: dict[int, list[int]] = {chunk.seq_id: [] for chunk in drafting}
         q_rows: dict[int, list[torch.Tensor]] = {}
         depth = 0
@@ -130,25 +131,27 @@ class Drafter:
         return [_with_proposals(chunk, drafts.get(chunk.seq_id, [])) for chunk in chunks]
 
     def settle(self, chunks: Sequence[SeqChunk], seq_ids: Sequence[int]) -> None:
-        """After the target's verification (`seq_ids`: one per emitted token): a sequence that
-        accepted all its proposals owes the draft its last one."""
+        """After the target's verification (`seq_ids`: one per emitted token): the draft's KV
+        holds the drafting sequences' tokens up to their accepted proposals, except a last
+        proposal, which the draft drew but never ran."""
         emitted: dict[int, int] = {}
         for seq_id in seq_ids:
             emitted[seq_id] = emitted.get(seq_id, 0) + 1
         for chunk in chunks:
-            self._unseen.pop(chunk.seq_id, None)
-            if chunk.num_proposed and emitted.get(chunk.seq_id, 0) == chunk.num_proposed + 1:
-                position = chunk.start_pos + len(chunk.token_ids) - 1
-                self._unseen[chunk.seq_id] = (position, chunk.token_ids[-1])
+            if chunk.num_proposed and chunk.seq_id in emitted:
+                accepted = emitted[chunk.seq_id] - 1
+                first_proposal = chunk.start_pos + len(chunk.token_ids) - chunk.num_proposed
+                self._seen[chunk.seq_id] = first_proposal + min(accepted, chunk.num_proposed - 1)
 
-    def _catch_up(self, chunk: SeqChunk, drafts: bool) -> SeqChunk:
-        """The chunk as the draft runs it: after the token it still owes, if that comes right
-        before; logits only where it drafts."""
-        tokens, start = chunk.token_ids, chunk.start_pos
-        unseen = self._unseen.get(chunk.seq_id)
-        if unseen is not None and unseen[0] == start - 1:
-            tokens, start = [unseen[1], *tokens], start - 1
-        return SeqChunk(chunk.seq_id, tokens, start, chunk.block_table, drafts)
+    def _catch_up(self, chunk: SeqChunk, sampler: Sampler) -> SeqChunk:
+        """The decode chunk as the draft runs it: with the tokens before it that the draft has
+        not seen (the sampler holds the sequence's history), logits for its last."""
+        end = chunk.start_pos + len(chunk.token_ids)
+        start = min(self._seen.get(chunk.seq_id, 0), chunk.start_pos)
+        tokens = sampler.history(chunk.seq_id, start)
+        if len(tokens) != end - start:  # not the end of its history: the chunk alone
+            tokens, start = chunk.token_ids, chunk.start_pos
+        return SeqChunk(chunk.seq_id, tokens, start, chunk.block_table, True)
 
     def _draw(
         self,

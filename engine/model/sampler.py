@@ -123,6 +123,11 @@ class Sampler:
     def output_token_ids(self, seq_id: int) -> list[int]:
         return list(self._seqs[seq_id].output)
 
+    def history(self, seq_id: int, start: int) -> list[int]:
+        """The sequence's tokens (prompt, then output) from position `start` on."""
+        state = self._seqs[seq_id]
+        return state.prompt[start:] + state.output[max(start - len(state.prompt), 0) :]
+
     def params_and_seed(self, seq_id: int) -> tuple[SamplingParams, int]:
         state = self._seqs[seq_id]
         return state.params, state.seed
