@@ -27,6 +27,7 @@ from engine.messages.roles import Role
 from engine.messages.scheduling import AbortRequests, SubmitRequest
 from engine.outputs import EngineError
 from engine.text.hf_tokenizer import (
+    import_transformers_without_torch,
     load_text_encoder,
     load_tokenizer_without_torch,
     remove_text_encoder,
@@ -45,6 +46,11 @@ SAVE_WAIT_S = 10.0  # a stop waits this long for the first start's save to end
 class TokenizerActor(Actor):
     channels = (GATEWAY_TO_TOKENIZER,)
     role = Role.TOKENIZER
+
+    @classmethod
+    def preload(cls) -> None:
+        """transformers, which a restart's tokenizer would otherwise import while recovering."""
+        import_transformers_without_torch()
 
     async def on_start(self) -> dict[str, Any] | None:
         config = msgspec.msgpack.decode(self.config, type=TokenizerConfig)

@@ -24,13 +24,19 @@ _SAMPLE = " Hello  world\n\t42 ünïcödé 日本語 🙂 <|im_start|>user <s> <
 
 
 def load_tokenizer_without_torch(model_path: str) -> Any:
+    import_transformers_without_torch()
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)
+
+
+def import_transformers_without_torch() -> None:
+    """Import transformers' tokenizer loading (seconds) with torch kept out of the process."""
     if "torch" not in sys.modules:
         sys.modules["torch"] = None  # type: ignore[assignment]  # `import torch` -> ImportError
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # no "PyTorch was not found" banner
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_path)
+    import transformers.models.auto.tokenization_auto  # noqa: F401
 
 
 def load_token_decoder(model_path: str) -> Any:
