@@ -131,7 +131,8 @@ def test_deterministic_mode_gives_the_plain_sampled_tokens_in_any_batch(
     target: Path, other: Path
 ) -> None:
     """Batch-invariant kernels, sampled requests with seeds: with another model as draft, alone
-    or batched with others, resubmitted mid-stream or not, the tokens without speculation."""
+    or batched with others, resubmitted mid-stream or not, and with n-gram proposals, the tokens
+    without speculation."""
     runner = ModelRunner(
         str(target), kv_cache_memory=1 << 20, block_size=4, kernel_backend="batch_invariant"
     )
@@ -139,7 +140,7 @@ def test_deterministic_mode_gives_the_plain_sampled_tokens_in_any_batch(
     sampled = {
         "a": (PHRASE * 2, SamplingParams(temperature=0.8, max_tokens=16)),
         "b": (list(range(200, 230)), SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12)),
-        "c": (PHRASE, SamplingParams(temperature=0.0, max_tokens=10)),
+        "c": (PHRASE * 3, SamplingParams(temperature=0.0, max_tokens=10)),
     }
     plain, _ = generate(StepExecutor(runner, 0), sampled, "")
     executor = StepExecutor(runner, 0, drafter=drafter)
@@ -147,6 +148,10 @@ def test_deterministic_mode_gives_the_plain_sampled_tokens_in_any_batch(
     alone, _ = generate(executor, {"a": sampled["a"]}, draft_config(other))
     assert batched == plain
     assert alone["a"] == plain["a"]
+    assert on.speculator is not None and on.speculator.tally.num_drafts > 0
+    ngram = json.dumps({"method": "ngram", "num_speculative_tokens": K})
+    looked_up, on = generate(StepExecutor(runner, 0), sampled, ngram, resubmit=("b", 3))
+    assert looked_up == plain
     assert on.speculator is not None and on.speculator.tally.num_drafts > 0
 
 
@@ -186,7 +191,7 @@ def test_the_first_speculative_token_keeps_the_target_distribution(
             [
                 PlannedChunk(s, [last], len(prompt), [0, 1, 2 + i], True, 0, 0, K)
                 for i, s in enumerate(ids)
-            ],  # noqa: E501
+            ],
             previous,
             [],
         )
