@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import TypedDict
 
-from engine.lora.adapter_files import check_adapter
 from engine.model.config import ModelConfig
+from engine.model.lora_files import check_adapter
 from engine.settings.lora_schema import parse_lora_module
 from engine.settings.schema import Settings
 

@@ -1,2 +1,2 @@
-"""LoRA adapters in the PEFT format: read and checked (adapter_files), applied per token row
-by the decoder (weights)."""
+"""LoRA adapters served by name: the root's registry. The adapters' files are read and checked in
+engine/model/lora_files.py, applied per token row in engine/model/lora_weights.py."""

@@ -17,9 +17,9 @@ from collections.abc import Iterable
 
 import msgspec
 
-from engine.lora.adapter_files import AdapterError, check_adapter
 from engine.messages.params import LoRARequest, SamplingParams
 from engine.model.config import ModelConfig
+from engine.model.lora_files import AdapterError, check_adapter
 from engine.outputs import EngineError
 from engine.settings.lora_schema import LoraSettings, parse_lora_module
 

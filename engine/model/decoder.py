@@ -29,10 +29,10 @@ from torch import nn
 from engine.kernels.attention_metadata import AttentionMetadata
 from engine.kernels.backend import KernelBackend, Linear
 from engine.kernels.kv_cache import PagedKVCache
-from engine.lora.weights import LoraStep
 from engine.model import quantized_weights
 from engine.model.config import ModelConfig
 from engine.model.fused_decode import FusedDecode
+from engine.model.lora_weights import LoraStep
 from engine.model.parallel.group import TensorParallelGroup
 from engine.model.parallel.layers import RowParallelLinear, VocabParallelEmbedding
 from engine.model.parallel.layout import RankShape, rank_shape
@@ -56,7 +56,7 @@ class StepContext:
     kv_cache: PagedKVCache
     cos: torch.Tensor  # [tokens, 1, head_dim / 2]
     sin: torch.Tensor
-    lora: LoraStep | None = None  # rows that run with LoRA adapters (engine/lora/weights.py)
+    lora: LoraStep | None = None  # rows that run with LoRA adapters (engine/model/lora_weights.py)
 
 
 class RMSNorm(nn.Module):

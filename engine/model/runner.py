@@ -21,12 +21,12 @@ import torch
 from engine.kernels.attention_metadata import AttentionMetadata, long_tensor
 from engine.kernels.kv_cache import PagedKVCache
 from engine.kernels.registry import select_backend
-from engine.lora.weights import AdapterCache, LoraStep
 from engine.model import placement
 from engine.model.capacity import available_cpu_memory, kv_block_bytes, kv_cache_blocks
 from engine.model.config import ModelConfig, load_model_config
 from engine.model.host_memory import keep_freed_memory, release_freed_memory
 from engine.model.loader import load_model, resolve_dtype
+from engine.model.lora_weights import AdapterCache, LoraStep
 from engine.model.parallel.group import TensorParallelGroup
 from engine.model.quantized_formats import describe_formats
 from engine.model.step_inputs import SeqChunk
@@ -237,7 +237,7 @@ class ModelRunner:
             raise ValueError("a chunk names a LoRA adapter, but LoRA is not enabled")
         loras = self.loras
         adapters = [None if c.lora is None else loras.get(c.lora) for c in chunks]
-        return LoraStep.of([len(chunk.token_ids) for chunk in chunks], adapters)
+        return LoraStep.of([len(chunk.token_ids) for chunk in chunks], adapters, self.device)
 
     def execute(self, step: PreparedStep) -> torch.Tensor:
         """The model on a prepared step (the collectives of tensor parallelism happen here)."""

@@ -13,10 +13,10 @@ import torch
 
 from engine.api.llm import build_settings
 from engine.launch.lora import lora_worker_fields
-from engine.lora.adapter_files import AdapterError, check_adapter
 from engine.lora.registry import start_registry
 from engine.messages.params import LoRARequest
 from engine.model.config import load_model_config
+from engine.model.lora_files import AdapterError, check_adapter
 from engine.model.runner import ModelRunner
 from engine.model.step_inputs import SeqChunk
 from tests.checkpoints import assert_same_greedy, greedy_generate, hf_greedy, tiny_checkpoint

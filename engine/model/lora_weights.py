@@ -17,15 +17,15 @@ from collections.abc import Sequence
 import torch
 from safetensors import safe_open
 
-from engine.lora.adapter_files import (
+from engine.messages.params import LoRARequest
+from engine.model.config import ModelConfig
+from engine.model.lora_files import (
     WEIGHTS_FILE,
     check_tensors,
     module_shapes,
     read_adapter_config,
     tensor_shapes,
 )
-from engine.messages.params import LoRARequest
-from engine.model.config import ModelConfig
 
 # Each fused projection of the decoder, and the checkpoint modules it holds, in output order.
 FUSED_MODULES: dict[str, tuple[str, ...]] = {
@@ -120,34 +120,69 @@ class AdapterCache:
         return adapter
 
 
+# Steps of at most this many rows run their LoRA matmuls on one thread: they are so small
+# ([rows, in] x [in, r]) that waking the other threads costs more than they save.
+ONE_THREAD_ROWS = 64
+
+
+# A slice of consecutive rows, or the rows' indices where they are scattered.
+Rows = slice | torch.Tensor
+
+
 @dataclasses.dataclass(frozen=True)
 class LoraStep:
-    """One step's token rows by adapter: consecutive rows [start, end) share `adapter`."""
+    """One step's token rows grouped by adapter: each adapter's rows run its matmuls once,
+    as a slice when they are consecutive, gathered and scattered back by index otherwise."""
 
-    segments: list[tuple[int, int, LoadedAdapter]]
+    groups: list[tuple[Rows, LoadedAdapter]]
+    one_thread: bool = False  # run the matmuls on one thread (ONE_THREAD_ROWS)
 
     @classmethod
     def of(
-        cls, row_counts: Sequence[int], adapters: Sequence[LoadedAdapter | None]
+        cls,
+        row_counts: Sequence[int],
+        adapters: Sequence[LoadedAdapter | None],
+        device: torch.device | None = None,
     ) -> LoraStep | None:
         """From each chunk's row count and adapter (None: the base model); None when no row
         has an adapter."""
-        segments: list[tuple[int, int, LoadedAdapter]] = []
+        ranges: dict[int, list[range]] = {}
+        by_id: dict[int, LoadedAdapter] = {}
         start = 0
         for count, adapter in zip(row_counts, adapters, strict=True):
-            end = start + count
             if adapter is not None:
-                if segments and segments[-1][1] == start and segments[-1][2] is adapter:
-                    segments[-1] = (segments[-1][0], end, adapter)
+                spans = ranges.setdefault(id(adapter), [])
+                by_id[id(adapter)] = adapter
+                if spans and spans[-1].stop == start:
+                    spans[-1] = range(spans[-1].start, start + count)
                 else:
-                    segments.append((start, end, adapter))
-            start = end
-        return cls(segments) if segments else None
+                    spans.append(range(start, start + count))
+            start += count
+        if not ranges:
+            return None
+        groups: list[tuple[Rows, LoadedAdapter]] = []
+        for key, spans in ranges.items():
+            if len(spans) == 1:
+                groups.append((slice(spans[0].start, spans[0].stop), by_id[key]))
+            else:
+                rows = [row for span in spans for row in span]
+                groups.append((torch.tensor(rows, dtype=torch.long, device=device), by_id[key]))
+        return cls(groups, start <= ONE_THREAD_ROWS)
 
     def add(self, y: torch.Tensor, x: torch.Tensor, layer: int, projection: str) -> None:
-        """y[rows] += (x[rows] A^T) B^T for each segment's adapter, in place."""
-        for start, end, adapter in self.segments:
-            pair = adapter.layers[layer].get(projection)
-            if pair is not None:
-                rows = x[start:end]
-                y[start:end].addmm_(rows @ pair.a_t, pair.b_t)
+        """y[rows] += (x[rows] A^T) B^T for each adapter's rows, in place."""
+        threads = torch.get_num_threads()
+        if self.one_thread and threads > 1 and x.device.type == "cpu":
+            torch.set_num_threads(1)
+        try:
+            for rows, adapter in self.groups:
+                pair = adapter.layers[layer].get(projection)
+                if pair is None:
+                    continue
+                if isinstance(rows, slice):
+                    y[rows].addmm_(x[rows] @ pair.a_t, pair.b_t)
+                else:
+                    y.index_add_(0, rows, (x.index_select(0, rows) @ pair.a_t) @ pair.b_t)
+        finally:
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
