@@ -19,11 +19,7 @@ from typing import Any
 
 import msgspec
 
-from engine.actors.runtime.events import (
-    actor_cpu,
-    actor_rows,
-    ring_traffic,
-)
+from engine.actors.runtime.events import actor_cpu, actor_rows, ring_traffic
 from engine.actors.runtime.ring import RingClosed
 from engine.actors.runtime.shm_space import require_shm_space
 from engine.actors.runtime.supervision import Supervision

@@ -19,7 +19,13 @@ from engine.model.config import load_model_config
 from engine.model.lora_files import AdapterError, check_adapter
 from engine.model.runner import ModelRunner
 from engine.model.step_inputs import SeqChunk
-from tests.checkpoints import assert_same_greedy, greedy_generate, hf_greedy, tiny_checkpoint
+from tests.checkpoints import (
+    assert_same_greedy,
+    greedy_generate,
+    hf_greedy,
+    hf_logits,
+    tiny_checkpoint,
+)
 from tests.lora_adapters import ALL_MODULES, lora_adapter, peft_greedy, peft_logits
 
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [11, 12, 13, 14, 15, 16, 200, 300, 8], [400, 2, 9]]
@@ -129,3 +135,27 @@ def test_start_adapters_are_checked_by_the_plan_and_served_by_name(base: Path) -
         lora_worker_fields(small, config)
     with pytest.raises(ValueError, match="is the base model's name"):
         registry.load("base", str(narrow))
+
+
+def test_quantized_base_weights_take_the_adapter_too(
+    base: Path, adapters: dict[str, LoRARequest]
+) -> None:
+    """q8_0 base weights: the adapter's update lands on the quantized matmuls' outputs, so
+    the logits are peft's within the base model's own quantization error (the update itself
+    moves them by far more), and a mixed batch still equals each alone."""
+    runner = ModelRunner(
+        str(base), kv_cache_memory=1 << 20, max_model_len=128, quantization="q8_0", max_lora_rank=8
+    )
+    prompt, lora = PROMPTS[0], adapters["wide"]
+    ours = runner.execute(runner.prepare([SeqChunk(0, prompt, 0, [0, 1], True, lora=lora)], {0}))
+    plain = runner.execute(runner.prepare([SeqChunk(1, prompt, 0, [2, 3], True)], {1}))
+    reference = peft_logits(base, Path(lora.lora_path), prompt)
+    quantization_error = (plain - hf_logits(base, prompt)).abs().max()
+    assert (ours - reference).abs().max() <= 2 * quantization_error
+    assert (reference - hf_logits(base, prompt)).abs().max() > 10 * quantization_error
+    loras = [lora, None, adapters["narrow"]]
+    mixed = greedy_generate(runner, PROMPTS, max_new_tokens=4, loras=loras)
+    alone = [
+        greedy_generate(runner, [p], 4, loras=[a])[0] for p, a in zip(PROMPTS, loras, strict=True)
+    ]
+    assert mixed == alone
