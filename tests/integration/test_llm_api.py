@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import torch
 
-from engine import LLM, AsyncLLM, EngineError, RequestOutput, SamplingParams
+from engine import LLM, AsyncLLM, EngineError, LoRARequest, RequestOutput, SamplingParams
 from engine.api.llm import build_settings
 from engine.messages.admin import EngineStats
-from tests.checkpoints import tiny_checkpoint
+from tests.checkpoints import hf_greedy, tiny_checkpoint
+from tests.lora_adapters import ALL_MODULES, lora_adapter, peft_greedy
 
 PROMPTS = ["the quick brown fox", "a b c d e f g", "hello there, general", "zz"]
 
@@ -32,6 +34,9 @@ def llm(model_path: str) -> Iterator[LLM]:
         max_logprobs=5,
         gpu_memory_utilization=0.5,
         enforce_eager=True,
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=8,
     ) as engine:
         yield engine
 
@@ -40,6 +45,26 @@ def test_vllm_engine_arguments_reach_the_settings(llm: LLM) -> None:
     settings = llm.engine.settings
     assert settings.scheduler.max_num_seqs == 64 and settings.cache.kv_cache_fraction == 0.5
     assert settings.cache.kv_cache_memory == 4 * 2**20 and settings.model.max_model_len == 256
+
+
+def test_lora_requests_beside_the_base_model_give_peft_and_transformers_tokens(
+    llm: LLM, model_path: str, tmp_path: Path
+) -> None:
+    """vLLM's LLM.generate(..., lora_request=...), one adapter per prompt, in one batch."""
+    base = Path(model_path)
+    wide = lora_adapter(base, rank=8, targets=ALL_MODULES, seed=1, use_rslora=True)
+    narrow = lora_adapter(base, rank=4, targets=("q_proj", "v_proj"), seed=2, alpha=32)
+    prompt = [11, 12, 13, 14, 15, 16, 200, 300, 8]
+    loras = [LoRARequest("wide", 1, str(wide)), None, LoRARequest("narrow", 2, str(narrow))]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outputs = llm.generate([prompt] * 3, params, use_tqdm=False, lora_request=loras)
+    tokens = [output.outputs[0].token_ids for output in outputs]
+    assert tokens[0] == peft_greedy(base, wide, prompt, 8)[0]
+    assert tokens[1] == hf_greedy(base, prompt, 8)[0]
+    assert tokens[2] == peft_greedy(base, narrow, prompt, 8)[0]
+    (tmp_path / "adapter_config.json").write_text('{"r": 64, "target_modules": ["q_proj"]}')
+    with pytest.raises(EngineError, match="rank 64 exceeds --max-lora-rank 8"):
+        llm.generate("hi", params, use_tqdm=False, lora_request=LoRARequest("x", 3, str(tmp_path)))
 
 
 def test_an_unknown_engine_argument_is_a_type_error_naming_it_and_close_matches() -> None:
