@@ -31,6 +31,7 @@ class AdapterRegistry:
         self.max_rank = max_rank
         self.reserved = frozenset(reserved_names)
         self.adapters: dict[str, LoRARequest] = {}
+        self.parents: dict[str, str] = {}  # a --lora-modules base_model_name, by adapter name
         self._next_id = 1
         self._checked: set[tuple[str, str]] = set()  # (name, path) pairs known to fit
 
@@ -54,6 +55,7 @@ class AdapterRegistry:
         request = self.adapters.pop(name, None)
         if request is None:
             raise KeyError(f"The lora adapter '{name}' cannot be found.")
+        self.parents.pop(name, None)
         return request
 
     def get(self, model: str) -> LoRARequest | None:
@@ -86,6 +88,8 @@ def start_registry(
     for text in settings.lora_modules:
         module = parse_lora_module(text)
         registry.load(module.name, module.path)
+        if module.base_model_name:
+            registry.parents[module.name] = module.base_model_name
     return registry
 
 

@@ -124,12 +124,16 @@ def test_start_adapters_are_checked_by_the_plan_and_served_by_name(base: Path) -
     wide = lora_adapter(base, rank=8, targets=ALL_MODULES, seed=1, use_rslora=True)
     narrow = lora_adapter(base, rank=4, targets=("q_proj", "v_proj"), seed=2, alpha=32)
     config = load_model_config(base)
-    modules = ["narrow=" + str(narrow), json.dumps({"name": "wide", "path": str(wide)})]
+    modules = [
+        "narrow=" + str(narrow),
+        json.dumps({"name": "wide", "path": str(wide), "base_model_name": "m"}),
+    ]
     settings = build_settings(**{"lora.enable_lora": True, "lora.lora_modules": modules})
     assert lora_worker_fields(settings, config) == {"max_lora_rank": 16, "max_cpu_loras": 1}
     registry = start_registry(settings.lora, config, ["base"])
     assert registry is not None and registry.names() == ("narrow", "wide")
     assert registry.get("wide") == LoRARequest("wide", 2, str(wide))
+    assert registry.parents == {"wide": "m"}  # /v1/models shows it as the adapter's parent
     small = build_settings(settings, **{"lora.max_lora_rank": 4})
     with pytest.raises(AdapterError, match="rank 8 exceeds --max-lora-rank 4"):
         lora_worker_fields(small, config)

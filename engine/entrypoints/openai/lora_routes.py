@@ -76,7 +76,7 @@ def _registry(state: ServerState) -> AdapterRegistry:
 
 def adapter_cards(state: ServerState) -> list[ModelCard]:
     """/v1/models' entries for the adapters, as vLLM lists them: root = the adapter's path,
-    parent = the base model's served name."""
+    parent = its --lora-modules base_model_name, else the base model's served name."""
     adapters = state.llm.adapters
     if adapters is None:
         return []
@@ -86,7 +86,7 @@ def adapter_cards(state: ServerState) -> list[ModelCard]:
             created=state.started_at,
             max_model_len=state.max_model_len,
             root=lora.lora_path,
-            parent=state.model_name,
+            parent=adapters.parents.get(lora.lora_name, state.model_name),
         )
         for lora in adapters.adapters.values()
     ]
