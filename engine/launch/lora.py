@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TypedDict
 
 from engine.model.config import ModelConfig
-from engine.model.lora_files import check_adapter
+from engine.model.lora_files import AdapterError, check_adapter
 from engine.settings.lora_schema import parse_lora_module
 from engine.settings.schema import Settings
 
@@ -24,7 +24,10 @@ def lora_worker_fields(settings: Settings, config: ModelConfig) -> LoraWorkerFie
         return {}
     for text in lora.lora_modules:
         module = parse_lora_module(text)
-        check_adapter(module.path, config, lora.max_lora_rank)
+        try:
+            check_adapter(module.path, config, lora.max_lora_rank)
+        except AdapterError as exc:
+            raise AdapterError(f"--lora-modules {module.name}: {exc}") from None
     return {"max_lora_rank": lora.max_lora_rank, "max_cpu_loras": lora.cache_size()}
 
 
