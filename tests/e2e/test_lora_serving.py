@@ -118,9 +118,9 @@ def test_load_and_unload_answer_as_vllm_and_unknown_names_are_model_not_found(
     assert anonymous.status_code == 401
 
 
-def stream_tokens(server: Server, model: str, kill_pid: int | None = None) -> list[int]:
-    """A streamed greedy completion's token ids; with `kill_pid`, that process is SIGKILLed
-    once the first tokens have arrived."""
+def stream_tokens(server: Server, model: str, kill_pid: int | None = None) -> tuple[list[int], int]:
+    """A streamed greedy completion's token ids, and how many had arrived when `kill_pid` (if
+    given) was SIGKILLed, once the first tokens were there."""
     body: dict[str, Any] = {
         "model": model,
         "prompt": PROMPT,
@@ -131,6 +131,7 @@ def stream_tokens(server: Server, model: str, kill_pid: int | None = None) -> li
         "return_token_ids": True,
     }
     tokens: list[int] = []
+    at_kill = 0
     with server.http() as http, http.stream("POST", "/v1/completions", json=body) as reply:
         assert reply.status_code == 200
         for line in reply.iter_lines():
@@ -139,8 +140,8 @@ def stream_tokens(server: Server, model: str, kill_pid: int | None = None) -> li
             tokens += json.loads(line[6:])["choices"][0].get("token_ids", [])
             if kill_pid is not None and tokens:
                 os.kill(kill_pid, signal.SIGKILL)  # a child of the server this test started
-                kill_pid = None
-    return tokens
+                kill_pid, at_kill = None, len(tokens)
+    return tokens, at_kill
 
 
 def test_a_worker_killed_mid_stream_resumes_a_run_time_adapters_request_exactly(
@@ -148,9 +149,10 @@ def test_a_worker_killed_mid_stream_resumes_a_run_time_adapters_request_exactly(
 ) -> None:
     assert load(server, loaded, "wide", adapters["wide"]).status_code == 200
     assert load(server, loaded, "late", adapters["narrow"]).status_code == 200
-    undisturbed = stream_tokens(server, "late")
+    undisturbed, _ = stream_tokens(server, "late")
     (worker,) = [a for a in server.admin("actors") if a["name"] == "worker0"]
-    resumed = stream_tokens(server, "late", kill_pid=worker["pid"])
+    resumed, at_kill = stream_tokens(server, "late", kill_pid=worker["pid"])
+    assert 0 < at_kill < len(resumed) // 2, "the kill came too late to test anything"
     assert resumed == undisturbed
 
     def restarted() -> bool:
