@@ -1,15 +1,24 @@
-"""Speculative decoding's speedup: one stream, n-gram proposals against none, on the same model.
+"""Speculative decoding's speedup: one stream, n-gram or draft-model proposals against none, on
+the same model.
 
-Two engines run side by side (an idle one costs no CPU), one with --speculative-config and one
-without; each round sends every prompt to each engine in turn, alternating which goes first, so
-both see the same machine load. A prompt's decode rate is (output tokens - 1) over the time from
-its first token to its last. Prompts: where lookup helps (repeating or editing a given text,
-refactoring code) and where it does not (free writing). Greedy, so both engines produce the same
-tokens (checked). The speculating engine's acceptance figures come from its stats.
+Engines run side by side (an idle one costs no CPU), one without --speculative-config and one
+per method measured; each round sends every prompt to each engine in turn, the order rotating
+from round to round, so all see the same machine load. A prompt's decode rate is (output tokens
+- 1) over the time from its first token to its last. Prompts: where lookup helps (repeating or
+editing a given text, refactoring code) and where it does not (free writing). Greedy, so all
+engines produce the same tokens (checked). The speculating engines' acceptance figures come
+from their stats.
 
     python tools/bench_speculative.py                      # the default model (SmolLM2-135M)
     python tools/bench_speculative.py --rounds 5 --max-tokens 200
+    python tools/bench_speculative.py --draft random       # and a draft model
     python tools/bench_speculative.py --llama-server       # also llama-server's ngram-simple
+
+--draft names the draft model: a checkpoint or GGUF sharing the model's tokenizer; `same` (the
+model drafts for itself: every proposal accepted, at the cost of a second full model), or
+`random` (a 2-layer random model with the model's vocabulary and tokenizer, built once under
+$ENGINE_HOME/bench/: nothing accepted, so it measures what drafting costs). --methods ngram
+leaves the draft engine out, --methods draft the n-gram one.
 
 With --llama-server, llama.cpp's server (tools/llamacpp_peer.py) serves the same GGUF file with
 and without `--spec-type ngram-simple` over the same chat prompts, one request at a time, and its
@@ -36,6 +45,7 @@ from engine.messages.params import SamplingParams
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
          "prompt_lookup_min": 2}  # fmt: skip
+DRAFT_TOKENS = 4  # num_speculative_tokens with a draft model
 
 PARAGRAPH = (
     "The river begins high in the mountains, where snow melts each spring and feeds a hundred "
@@ -88,20 +98,20 @@ async def one_stream(engine: AsyncLLM, text: str, max_tokens: int) -> tuple[list
 
 async def bench_ours(args: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
     engines: dict[str, AsyncLLM] = {}
-    for name, config in (("plain", ""), ("ngram", json.dumps(NGRAM))):
+    for name, config in _engine_configs(args).items():
         settings = engine_settings(
             None, {"model": args.model, "scheduler__speculative_config": config}
         )
         engines[name] = AsyncLLM(with_resolved_model(settings))
         await engines[name].start()
+    names = list(engines)
     chosen = {name: PROMPTS[name] for name in args.prompts}
-    rates: dict[str, dict[str, list[float]]] = {p: {"plain": [], "ngram": []} for p in chosen}
-    drafts = {p: {"drafts": 0, "proposed": 0, "accepted": 0} for p in chosen}
-    steps = {p: {"plain": 0, "ngram": 0} for p in chosen}
-    tokens = {p: {"plain": 0, "ngram": 0} for p in chosen}
+    rates: dict[str, dict[str, list[float]]] = {p: {n: [] for n in names} for p in chosen}
+    counted = {p: {n: dict.fromkeys(COUNTS, 0) for n in names} for p in chosen}
     try:
         for round_index in range(args.rounds + 1):  # round 0 warms up, not counted
-            order = ["plain", "ngram"] if round_index % 2 == 0 else ["ngram", "plain"]
+            shift = round_index % len(names)
+            order = names[shift:] + names[:shift]
             for prompt, (_, text) in chosen.items():
                 outputs = {}
                 for name in order:
@@ -110,30 +120,80 @@ async def bench_ours(args: argparse.Namespace) -> dict[str, dict[str, list[float
                     if round_index:
                         rates[prompt][name].append(rate)
                         after = await _counts(engines[name])
-                        steps[prompt][name] += after["steps"] - before["steps"]
-                        tokens[prompt][name] += len(outputs[name])
-                        if name == "ngram":
-                            for key in drafts[prompt]:
-                                drafts[prompt][key] += after[key] - before[key]
-                if outputs["plain"] != outputs["ngram"]:
-                    print(f"NOTE {prompt}: outputs differ (near-tie logits?)", file=sys.stderr)
-        for prompt, counts in drafts.items():
-            rate = counts["accepted"] / (counts["proposed"] or 1)
-            per_step = {n: tokens[prompt][n] / (steps[prompt][n] or 1) for n in ("plain", "ngram")}
-            print(f"{prompt}: {counts['drafts']} drafts, {counts['proposed']} proposed, "
-                  f"{counts['accepted']} accepted ({rate:.0%}); tokens per step "
-                  f"{per_step['plain']:.2f} plain, {per_step['ngram']:.2f} ngram")  # fmt: skip
-        stats = engines["ngram"].stats()
-        print(
-            f"ngram engine: drafts {stats.spec_decode_num_drafts}, draft tokens "
-            f"{stats.spec_decode_num_draft_tokens}, accepted "
-            f"{stats.spec_decode_num_accepted_tokens} "
-            f"(by position {stats.spec_decode_num_accepted_tokens_per_pos})"
-        )
+                        for key, count in after.items():
+                            counted[prompt][name][key] += count - before[key]
+                        counted[prompt][name]["tokens"] += len(outputs[name])
+                for name in names[1:]:
+                    if outputs[name] != outputs["plain"]:
+                        print(f"NOTE {prompt}: {name}'s output differs from plain's (near-tie "
+                              "logits?)", file=sys.stderr)  # fmt: skip
+        print_acceptance(counted)
     finally:
         for engine in engines.values():
             await engine.shutdown()
     return rates
+
+
+COUNTS = ("steps", "drafts", "proposed", "accepted", "tokens")
+
+
+def print_acceptance(counted: dict[str, dict[str, dict[str, int]]]) -> None:
+    for prompt, by_engine in counted.items():
+        plain = by_engine["plain"]["tokens"] / (by_engine["plain"]["steps"] or 1)
+        for name, counts in by_engine.items():
+            if name == "plain":
+                continue
+            rate = counts["accepted"] / (counts["proposed"] or 1)
+            per_step = counts["tokens"] / (counts["steps"] or 1)
+            print(f"{prompt} {name}: {counts['drafts']} drafts, {counts['proposed']} proposed, "
+                  f"{counts['accepted']} accepted ({rate:.0%}); tokens per step "
+                  f"{plain:.2f} plain, {per_step:.2f} {name}")  # fmt: skip
+
+
+def _engine_configs(args: argparse.Namespace) -> dict[str, str]:
+    """--speculative-config of each engine, by name ("plain": none)."""
+    configs = {"plain": ""}
+    if "ngram" in args.methods:
+        configs["ngram"] = json.dumps(NGRAM)
+    if args.draft is not None and "draft" in args.methods:
+        draft = {"model": _draft_path(args), "num_speculative_tokens": DRAFT_TOKENS}
+        configs["draft"] = json.dumps(draft)
+    return configs
+
+
+def _draft_path(args: argparse.Namespace) -> str:
+    """The draft: --draft's path; the model itself (`same`); or a random 2-layer model with the
+    model's vocabulary and its tokenizer files (`random`), built once."""
+    from engine.model_source import model_directory
+    from engine.settings import Settings, resolve_home
+
+    if args.draft not in ("same", "random"):
+        return str(args.draft)
+    home = resolve_home(Settings())
+    target, _ = model_directory(args.model, home)
+    if args.draft == "same":
+        return str(target)
+    return _random_draft(Path(target), home / "bench")
+
+
+def _random_draft(target: Path, root: Path) -> str:
+    import shutil
+
+    from engine.home import build_directory
+    from engine.model.checkpoint_maker import CheckpointSpec, make_checkpoint
+
+    vocab = int(json.loads((target / "config.json").read_text())["vocab_size"])
+    spec = CheckpointSpec(arch="llama", vocab_size=vocab, tie_word_embeddings=True)
+    out = root / f"random-draft-{target.name}"
+
+    def build(staging: Path) -> None:
+        make_checkpoint(staging, spec)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(target / name, staging / name)
+
+    if not (out / "config.json").is_file():
+        build_directory(out, build, "config.json")
+    return str(out)
 
 
 async def _counts(engine: AsyncLLM) -> dict[str, int]:
@@ -149,16 +209,20 @@ async def _counts(engine: AsyncLLM) -> dict[str, int]:
 
 
 def report(rates: dict[str, dict[str, list[float]]]) -> None:
-    print(f"{'prompt':10} {'lookup helps':>12} {'plain tok/s':>12} {'ngram tok/s':>12} "
-          f"{'ratio':>7}  per-round ratios")  # fmt: skip
+    print(f"{'prompt':10} {'method':7} {'lookup helps':>12} {'plain tok/s':>12} "
+          f"{'spec tok/s':>11} {'ratio':>7} {'min-max':>11}  per-round ratios")  # fmt: skip
     for prompt, by_engine in rates.items():
-        plain, ngram = by_engine["plain"], by_engine["ngram"]
-        ratios = [n / p for n, p in zip(ngram, plain, strict=True) if p]
-        print(
-            f"{prompt:10} {PROMPTS[prompt][0]!s:>12} {statistics.median(plain):12.1f} "
-            f"{statistics.median(ngram):12.1f} {statistics.median(ratios):7.2f}  "
-            + " ".join(f"{r:.2f}" for r in ratios)
-        )
+        plain = by_engine["plain"]
+        for name, spec in by_engine.items():
+            if name == "plain":
+                continue
+            ratios = [n / p for n, p in zip(spec, plain, strict=True) if p]
+            print(
+                f"{prompt:10} {name:7} {PROMPTS[prompt][0]!s:>12} "
+                f"{statistics.median(plain):12.1f} {statistics.median(spec):11.1f} "
+                f"{statistics.median(ratios):7.2f} {min(ratios):5.2f}-{max(ratios):<5.2f}  "
+                + " ".join(f"{r:.2f}" for r in ratios)
+            )
 
 
 def main() -> None:
@@ -168,6 +232,10 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--llama-server", action="store_true")
     parser.add_argument("--prompts", nargs="+", choices=list(PROMPTS), default=list(PROMPTS))
+    parser.add_argument("--draft", default=None, help="draft model: a path, `same` or `random`")
+    parser.add_argument(
+        "--methods", nargs="+", choices=["ngram", "draft"], default=["ngram", "draft"]
+    )
     args = parser.parse_args()
     report(asyncio.run(bench_ours(args)))
     if args.llama_server:

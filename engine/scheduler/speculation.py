@@ -132,8 +132,9 @@ class SpeculationTally:
 
 
 # A sequence whose proposals were all rejected proposes nothing for 2, 4, ... up to this many
-# steps: a step verifying k proposals costs more than a plain decode step, so text where lookup
-# keeps missing must not pay that price at every step.
+# steps, and then one token only until one is accepted: a step verifying k proposals costs more
+# than a plain decode step (and a draft model runs k times), so text where proposals keep
+# missing must not pay that price at every step.
 MAX_PAUSE_STEPS = 32
 
 
@@ -207,6 +208,8 @@ class Speculator:
         """Proposals for `seq`'s decode chunk at `start` (its last token), within `budget`
         extra tokens; their KV blocks are reserved. Empty when none fit or none are found."""
         limit = min(budget, self._room(seq))
+        if seq.seq_id in self._misses:
+            limit = min(limit, 1)  # a probe after misses
         if limit < 1 or not _speculable(seq):
             return Proposal([])
         config = self.config
