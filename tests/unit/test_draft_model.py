@@ -15,7 +15,11 @@ import msgspec
 import pytest
 import torch
 
+from engine.actors.configs import WorkerConfig
+from engine.actors.worker import _drafter
+from engine.api.llm import build_settings
 from engine.launch.draft import draft_model_path
+from engine.launch.plan import plan_engine
 from engine.messages.params import SamplingParams, StructuredOutputsParams
 from engine.messages.scheduling import SampleResume, SubmitRequest
 from engine.messages.steps import NewRequest, NewSeq, PlannedChunk, StepPlan, StepResult
@@ -249,3 +253,21 @@ def test_a_draft_with_another_vocabulary_or_tensor_parallelism_is_refused_in_one
         with pytest.raises(ValueError) as caught:
             draft_model_path(settings(speculative, tp), str(target), config)
         assert words in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_the_plan_hands_the_draft_to_rank_0_which_verifies_exactly_in_deterministic_mode(
+    runner: ModelRunner, target: Path, other: Path
+) -> None:
+    """The launch resolves the draft into the worker's config; the worker builds its Drafter
+    from it, exact (deterministic mode) only with the batch-invariant kernels."""
+    spec = draft_config(other)
+    for deterministic in (False, True):
+        fields = {"model.path": str(target), "scheduler.speculative_config": spec}
+        settings = build_settings(**fields, **{"model.deterministic": deterministic})
+        plan = plan_engine(settings, str(target))
+        child = next(c for c in plan.spec.children if c.name.startswith("worker"))
+        config = msgspec.msgpack.decode(child.config, type=WorkerConfig)
+        assert config.draft_model_path == str(other)
+        drafter = _drafter(config, runner)
+        assert isinstance(drafter, Drafter) and drafter.exact == deterministic
+        assert _drafter(msgspec.structs.replace(config, rank=1), runner) is None
