@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -262,8 +263,8 @@ def test_the_plan_hands_the_draft_to_rank_0_which_verifies_exactly_in_determinis
     from it, exact (deterministic mode) only with the batch-invariant kernels."""
     spec = draft_config(other)
     for deterministic in (False, True):
-        fields = {"model.path": str(target), "scheduler.speculative_config": spec}
-        settings = build_settings(**fields, **{"model.deterministic": deterministic})
+        fields: dict[str, Any] = {"model.path": str(target), "model.deterministic": deterministic}
+        settings = build_settings(None, **fields, **{"scheduler.speculative_config": spec})
         plan = plan_engine(settings, str(target))
         child = next(c for c in plan.spec.children if c.name.startswith("worker"))
         config = msgspec.msgpack.decode(child.config, type=WorkerConfig)
