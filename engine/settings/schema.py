@@ -187,7 +187,8 @@ class SchedulerSettings(_Section, frozen=True):
         Meta(
             description="speculative decoding, vLLM's JSON: n-gram (prompt-lookup) proposals, "
             'e.g. {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
-            '"prompt_lookup_min": 2}; empty: off'
+            '"prompt_lookup_min": 2}, or a draft model sharing the tokenizer, e.g. {"model": '
+            '"/path/to/draft", "num_speculative_tokens": 4}; empty: off'
         ),
     ] = ""
 
