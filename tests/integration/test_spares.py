@@ -32,8 +32,9 @@ def _cpu_ticks(pid: int) -> int:
 
 
 def _parked(pid: int) -> bool:
-    """Blocked in a read of its pipe (its imports done)."""
-    return "pipe_read" in Path(f"/proc/{pid}/wchan").read_text()
+    """Blocked in a read of its pipe, its preload thread done."""
+    threads = Path(f"/proc/{pid}/status").read_text().split("Threads:")[1].split()[0]
+    return "pipe_read" in Path(f"/proc/{pid}/wchan").read_text() and threads == "1"
 
 
 async def test_a_restart_runs_in_the_parked_spare_and_a_new_spare_replaces_it() -> None:

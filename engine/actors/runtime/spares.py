@@ -3,12 +3,12 @@
 A restarted child's recovery is mostly its new process's start: the interpreter, the engine's
 modules, and what its actor imports to start (torch, for a worker). So a supervisor may keep one
 spare per entry ("module:Class") of its restartable children: a process spawned as a child is,
-that has imported its actor's module and run the class's `preload()`, and then waits, blocked in
-one read of a pipe (no polling: it uses no CPU), for the ChildBoot of the child it is to become.
-A restart writes the boot into that pipe (msgspec bytes, as a fresh child gets them: nothing is
-unpickled) and the spare goes on as `child_main` would, so the restart pays only the actor's own
-`on_start`. A boot may be handed to a spare still importing: it reads it once done, which is never
-later than a fresh process would have been.
+that has imported its actor's module and runs the class's `preload()` on a thread, while it waits,
+blocked in one read of a pipe (no polling: it uses no CPU), for the ChildBoot of the child it is
+to become. A restart writes the boot into that pipe (msgspec bytes, as a fresh child gets them:
+nothing is unpickled) and the spare goes on as `child_main` would, so the restart pays only the
+actor's own `on_start`. A boot may be handed to a spare still starting: it reads it once its
+actor's module is imported, never later than a fresh process would have.
 
 A spare holds nothing of the run (its rings, segments and weights come with the boot, or from
 /dev/shm), only imported modules. It dies with the root: the kernel's parent-death signal, armed
@@ -23,6 +23,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import threading
 from collections.abc import Iterable
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -140,7 +141,11 @@ def spare_main(entry: str, root_pid: int, boot_reader: Connection) -> None:
     """Entry of a spare process: import, wait for a boot, then run that child."""
     exit_with_root(root_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a child: the root decides about Ctrl-C
-    load_actor_class(entry).preload()
+    actor_class = load_actor_class(entry)
+    # On a thread, so that a boot handed over meanwhile is not held up by imports its actor may
+    # not need before it is ready (the tokenizer's transformers); imports of the same modules by
+    # the actor wait for this thread's instead of repeating them.
+    threading.Thread(target=actor_class.preload, name="preload", daemon=True).start()
     try:
         boot_frame = boot_reader.recv_bytes()
     except EOFError:  # the root is gone, or let the spare go
