@@ -37,7 +37,7 @@ from engine.actors.runtime.child_spec import (
     declare_ring,
 )
 from engine.launch.draft import draft_model_path
-from engine.launch.lora import lora_worker_fields, max_loras_of
+from engine.launch.lora import lora_worker_fields
 from engine.launch.pd_plan import cache_segment, kv_transfer_parts, replica_roles
 from engine.launch.sizing import (
     check_parallel,
@@ -46,6 +46,7 @@ from engine.launch.sizing import (
     kv_cache_bytes,
     log_memory,
     max_model_len_of,
+    scheduler_config,
     thread_fields,
     threads_per_rank,
 )
@@ -112,27 +113,6 @@ def replica_suffix(replica: int, data_parallel_size: int) -> str:
     return f"-r{replica}" if data_parallel_size > 1 else ""
 
 
-def _scheduler_config(
-    settings: Settings, config: ModelConfig, num_blocks: int, max_model_len: int
-) -> SchedulerConfig:
-    """The scheduler's part of the settings, checked: a KV cache too small for max_model_len
-    fails here, naming both."""
-    scheduler = SchedulerConfig(
-        num_blocks=num_blocks,
-        block_size=settings.cache.block_size,
-        max_num_seqs=settings.scheduler.max_num_seqs,
-        max_num_batched_tokens=settings.scheduler.max_num_batched_tokens,
-        max_model_len=max_model_len,
-        enable_prefix_caching=settings.cache.enable_prefix_caching,
-        eos_token_ids=list(config.eos_token_ids),
-        max_plan_bytes=PLAN_RING.capacity // 2,  # a plan frame leaves half the plan ring free
-        speculative_config=settings.scheduler.speculative_config,
-        max_loras=max_loras_of(settings),
-    )
-    scheduler.validate()
-    return scheduler
-
-
 def plan_engine(settings: Settings, model_path: str) -> EnginePlan:
     config = load_model_config(model_path)
     max_model_len = max_model_len_of(settings, config)
@@ -153,7 +133,7 @@ def plan_engine(settings: Settings, model_path: str) -> EnginePlan:
         kv_cache_bytes(settings, config, device, dtype, placement.local_ranks, quantized)
         // block_bytes
     )
-    scheduler = _scheduler_config(settings, config, num_blocks, max_model_len)
+    scheduler = scheduler_config(settings, config, num_blocks, max_model_len)
     weights = weight_bytes_by_format(
         config, dtype, tp, device, {n: (f.source, f.bits) for n, f in quantized.items()}
     )

@@ -1,6 +1,7 @@
 """How big the engine's parts are, from Settings and the model's config: the placement of ranks,
-each rank's threads, one rank's KV cache budget, the context length, the kernel backend.
-engine/launch/plan.py turns these figures into children, rings and segments.
+each rank's threads, one rank's KV cache budget, the context length, the kernel backend, and the
+scheduler's configuration (its block count and limits). engine/launch/plan.py turns these
+figures into children, rings and segments.
 
 This module never imports torch: the root process only reads config.json.
 """
@@ -10,7 +11,9 @@ from __future__ import annotations
 import logging
 from typing import TypedDict
 
+from engine.launch.lora import max_loras_of
 from engine.launch.pd_plan import replica_roles
+from engine.messages.ring_catalogue import PLAN_RING
 from engine.model.capacity import available_cpu_memory
 from engine.model.config import ModelConfig
 from engine.model.parallel.config import Placement
@@ -24,6 +27,7 @@ from engine.model.placement import (
 )
 from engine.model.placement import kv_cache_bytes as placement_kv_cache_bytes
 from engine.model.quantized_formats import WeightFormat
+from engine.scheduler.config import SchedulerConfig
 from engine.settings import Settings
 
 log = logging.getLogger("engine.launch.plan")
@@ -158,3 +162,24 @@ def log_memory(
 def kernel_backend_of(settings: Settings) -> str:
     """The kernel backend the workers load: deterministic mode has its own (batch-invariant)."""
     return "batch_invariant" if settings.model.deterministic else settings.model.kernel_backend
+
+
+def scheduler_config(
+    settings: Settings, config: ModelConfig, num_blocks: int, max_model_len: int
+) -> SchedulerConfig:
+    """The scheduler's part of the settings, checked: a KV cache too small for max_model_len
+    fails here, naming both."""
+    scheduler = SchedulerConfig(
+        num_blocks=num_blocks,
+        block_size=settings.cache.block_size,
+        max_num_seqs=settings.scheduler.max_num_seqs,
+        max_num_batched_tokens=settings.scheduler.max_num_batched_tokens,
+        max_model_len=max_model_len,
+        enable_prefix_caching=settings.cache.enable_prefix_caching,
+        eos_token_ids=list(config.eos_token_ids),
+        max_plan_bytes=PLAN_RING.capacity // 2,  # a plan frame leaves half the plan ring free
+        speculative_config=settings.scheduler.speculative_config,
+        max_loras=max_loras_of(settings),
+    )
+    scheduler.validate()
+    return scheduler
