@@ -190,10 +190,9 @@ class AsyncLLM:
         `prompt`: text, token ids, {"prompt": text} or {"prompt_token_ids": ids}; or chat
         `messages`, rendered with `chat_template`, else model.chat_template, else the model's
         own (given `chat_template_kwargs`); without `params`, the model's generation defaults.
-        `kv_transfer_params`: P/D across instances (engine/gateway/kv_params.py).
-        `trace_headers`: the W3C trace context (traceparent) its span continues.
-        `defaulted_fields`, `field_names`: for front ends (RequestPolicy.prepare).
-        `lora_request`: the LoRA adapter to run with (vLLM's LoRARequest); None: the base model."""
+        `kv_transfer_params`: P/D across instances (gateway/kv_params.py); `trace_headers`: the
+        W3C trace context its span continues; `defaulted_fields`, `field_names`: for front ends
+        (RequestPolicy.prepare); `lora_request`: vLLM's LoRARequest (None: the base model)."""
         self._check_running()
         kv_handoff, kv_source = self._kv_params.directives(kv_transfer_params)
         accepted = self.policy.prepare(
