@@ -22,7 +22,6 @@ from engine.api.llm import build_settings
 from engine.launch.draft import draft_model_path
 from engine.launch.plan import plan_engine
 from engine.messages.params import SamplingParams, StructuredOutputsParams
-from engine.messages.scheduling import SampleResume, SubmitRequest
 from engine.messages.steps import NewRequest, NewSeq, PlannedChunk, StepPlan, StepResult
 from engine.model.config import load_model_config
 from engine.model.drafter import Drafter
@@ -32,6 +31,7 @@ from engine.scheduler.config import SchedulerConfig
 from engine.scheduler.scheduler import Scheduler
 from engine.settings import Settings
 from tests.checkpoints import hf_logits, tiny_checkpoint
+from tests.speculation_runs import run_to_end
 
 K = 3  # num_speculative_tokens
 PHRASE = [11, 42, 97, 5, 300, 17, 64, 23]
@@ -75,29 +75,7 @@ def generate(
     scheduler = Scheduler(config)
     executor.reset_sequences()
     seeds = {request_id: 100 + sum(map(ord, request_id)) for request_id in requests}
-    for request_id, (prompt, params) in requests.items():
-        submit = SubmitRequest(request_id, 0, prompt, params, seeds[request_id])
-        assert scheduler.add(submit) is None
-    tokens: dict[str, list[int]] = {request_id: [] for request_id in requests}
-    epochs = dict.fromkeys(requests, 0)
-    for step in range(300):
-        if resubmit is not None and step == resubmit[1]:
-            request_id = resubmit[0]
-            prompt, params = requests[request_id]
-            resume = [SampleResume(0, list(tokens[request_id]))]
-            again = SubmitRequest(request_id, 1, prompt, params, seeds[request_id], resume)
-            assert scheduler.add(again) is None
-            epochs[request_id] = 1
-        plan = scheduler.schedule()
-        if plan is None:
-            if not scheduler.has_unfinished_requests:
-                return tokens, scheduler
-            continue
-        for message in executor.run(plan):
-            for item in scheduler.update(message).items:  # type: ignore[arg-type]
-                if item.epoch == epochs[item.request_id]:
-                    tokens[item.request_id] += item.new_token_ids
-    raise AssertionError("not done after 300 steps")
+    return run_to_end(scheduler, executor, requests, seeds, resubmit, max_steps=300), scheduler
 
 
 GREEDY = {

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from engine.messages.params import SamplingParams, StructuredOutputsParams
-from engine.messages.scheduling import SampleResume, SubmitRequest
 from engine.model.runner import ModelRunner
 from engine.model.sampler import Sampler
 from engine.model.spec_verify import residual_distribution, verify_proposals
@@ -19,6 +18,7 @@ from engine.scheduler.config import SchedulerConfig
 from engine.scheduler.scheduler import Scheduler
 from engine.scheduler.speculation import parse_speculative_config, propose_ngram
 from tests.checkpoints import tiny_checkpoint
+from tests.speculation_runs import run_to_end
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'  # noqa: E501
 
@@ -119,29 +119,8 @@ def generate(
     )
     scheduler = Scheduler(config)
     executor = StepExecutor(runner, rank=0)
-    for seed, (request_id, (prompt, params)) in enumerate(requests.items()):
-        assert scheduler.add(SubmitRequest(request_id, 0, prompt, params, seed + 5)) is None
-    tokens: dict[str, list[int]] = {request_id: [] for request_id in requests}
     seeds = {request_id: seed + 5 for seed, request_id in enumerate(requests)}
-    epochs = dict.fromkeys(requests, 0)
-    for step in range(400):
-        if resubmit is not None and step == resubmit[1]:
-            request_id = resubmit[0]
-            prompt, params = requests[request_id]
-            resume = [SampleResume(0, list(tokens[request_id]))]
-            again = SubmitRequest(request_id, 1, prompt, params, seeds[request_id], resume)
-            assert scheduler.add(again) is None
-            epochs[request_id] = 1
-        plan = scheduler.schedule()
-        if plan is None:
-            if not scheduler.has_unfinished_requests:
-                return tokens, scheduler
-            continue
-        for message in executor.run(plan):
-            for item in scheduler.update(message).items:  # type: ignore[arg-type]
-                if item.epoch == epochs[item.request_id]:
-                    tokens[item.request_id] += item.new_token_ids
-    raise AssertionError("not done after 400 steps")
+    return run_to_end(scheduler, executor, requests, seeds, resubmit), scheduler
 
 
 def test_speculative_output_is_the_plain_output_token_for_token_in_fewer_steps(
