@@ -158,10 +158,17 @@ def hf_greedy(
 ) -> tuple[list[int], torch.Tensor]:
     """transformers' generate(do_sample=False): (tokens, float32 logits [steps, vocab]). Stops
     early at an eos id, as HF does."""
-    model = hf_model(path, dtype)
+    return generate_greedy(hf_model(path, dtype), prompt, max_new_tokens)
+
+
+def generate_greedy(
+    model: Any, prompt: list[int], max_new_tokens: int
+) -> tuple[list[int], torch.Tensor]:
+    """`model.generate(do_sample=False)` (a transformers model, or a peft one around it):
+    (tokens, float32 logits [steps, vocab])."""
     with torch.inference_mode():
         out = model.generate(
-            torch.tensor([prompt]),
+            input_ids=torch.tensor([prompt]),
             attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
             do_sample=False,
             max_new_tokens=max_new_tokens,

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from engine.home import build_directory
-from tests.checkpoints import CACHE_ROOT
+from tests.checkpoints import CACHE_ROOT, generate_greedy
 
 ALL_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -105,14 +105,4 @@ def peft_greedy(
     base: Path, adapter: Path, prompt: list[int], max_new_tokens: int
 ) -> tuple[list[int], torch.Tensor]:
     """generate(do_sample=False) with the adapter: (tokens, float32 logits [steps, vocab])."""
-    with torch.inference_mode():
-        out = peft_model(base, adapter).generate(
-            input_ids=torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            do_sample=False,
-            max_new_tokens=max_new_tokens,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    tokens = out.sequences[0, len(prompt) :].tolist()
-    return tokens, torch.stack([step[0] for step in out.logits]).float()
+    return generate_greedy(peft_model(base, adapter), prompt, max_new_tokens)
