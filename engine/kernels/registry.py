@@ -4,9 +4,8 @@ The model calls only the functions bundled in a `KernelBackend`; `select_backend
 implementation that is for a device. On the CPU that is the compiled backend (engine/kernels/cpu:
 the torch backend with decode attention in a C++ kernel built on first use), or the torch
 backend where it cannot be built; on CUDA the Triton backend, or the torch backend where Triton
-is not installed. By name: the
-Triton backend (engine/kernels/triton: GPU, or its interpreter on the CPU), torch, cpu.
-FlashInfer will plug in here with the same signatures.
+is not installed. By name: the Triton backend (engine/kernels/triton: GPU, or its interpreter
+on the CPU), torch, cpu. FlashInfer will plug in here with the same signatures.
 """
 
 from __future__ import annotations
