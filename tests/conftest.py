@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.actors.runtime.doorbell import default_doorbell_dir
+from engine.runtime.doorbell import default_doorbell_dir
 
 
 def _our_ipc_files() -> set[Path]:

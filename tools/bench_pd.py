@@ -54,16 +54,6 @@ from pd_serving import serving
 
 from engine.actors.configs import KvTransferConfig
 from engine.actors.roles import Role
-from engine.actors.runtime.child_spec import (
-    ROOT,
-    ChildSpec,
-    RingDecl,
-    SegmentDecl,
-    SupervisorSpec,
-)
-from engine.actors.runtime.events import ChildReady
-from engine.actors.runtime.segments import map_segment
-from engine.actors.runtime.supervisor import Supervisor
 from engine.kv_transfer.handshake import admit_puller, prove_to_server
 from engine.kv_transfer.signing import sign, signature_problem
 from engine.messages.kv_transfer import (
@@ -78,6 +68,16 @@ from engine.messages.kv_transfer import (
     PullBlocks,
     TransferEndpoint,
 )
+from engine.runtime.child_spec import (
+    ROOT,
+    ChildSpec,
+    RingDecl,
+    SegmentDecl,
+    SupervisorSpec,
+)
+from engine.runtime.events import ChildReady
+from engine.runtime.segments import map_segment
+from engine.runtime.supervisor import Supervisor
 
 TIMEOUT = 600.0  # a pull's deadline, and the longest wait for any event
 SECRET = secrets.token_bytes(32)  # this run's deployment secret, shared by both instances

@@ -34,7 +34,7 @@ import msgspec
 import uvloop
 import zmq
 
-from engine.actors.runtime.ring import (
+from engine.runtime.ring import (
     RingReader,
     RingSpec,
     RingWriter,

@@ -13,12 +13,12 @@ from typing import Any
 import msgspec
 
 from engine.actors.configs import DetokenizerConfig
-from engine.actors.runtime.actor import Actor
 from engine.messages.codec import encode_in_frames
 from engine.messages.outputs import OutputBatch
 from engine.messages.ring_catalogue import OUTPUTS_RING, STOPS_RING, TOKENS_RING
 from engine.messages.roles import Role
 from engine.messages.scheduling import SCHEDULER_OUTPUTS, AbortRequests, ToScheduler
+from engine.runtime.actor import Actor
 from engine.text import Detokenizer
 from engine.text.hf_tokenizer import load_token_decoder
 

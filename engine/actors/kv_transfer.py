@@ -24,9 +24,6 @@ from typing import Any, TypeVar
 import msgspec
 
 from engine.actors.configs import KvTransferConfig
-from engine.actors.runtime.actor import Actor
-from engine.actors.runtime.segments import map_segment
-from engine.actors.runtime.shm import SEGMENT_PREFIX, SHM_DIR
 from engine.home import default_engine_home
 from engine.kv_transfer.cache_view import CacheView
 from engine.kv_transfer.holds import HoldTable
@@ -49,6 +46,9 @@ from engine.messages.kv_transfer import (
 )
 from engine.messages.ring_catalogue import KV_EVENTS_RING, KV_ORDERS_RING
 from engine.messages.roles import Role
+from engine.runtime.actor import Actor
+from engine.runtime.segments import map_segment
+from engine.runtime.shm import SEGMENT_PREFIX, SHM_DIR
 from engine.testing.fault_injection import KV_PULL_DELAY_ENV
 
 T = TypeVar("T")

@@ -25,7 +25,6 @@ from typing import Any
 
 import msgspec
 
-from engine.actors.runtime.actor import Actor
 from engine.messages.codec import encode_in_frames, too_large_for_one_frame
 from engine.messages.failures import RequestFailed
 from engine.messages.kv_transfer import KV_EVENTS
@@ -52,6 +51,7 @@ from engine.messages.scheduling import (
     ToScheduler,
 )
 from engine.messages.steps import STEP_RESULTS, StepPlan, StepResult
+from engine.runtime.actor import Actor
 from engine.scheduler.admission import failed
 from engine.scheduler.config import SchedulerConfig
 from engine.scheduler.scheduler import Scheduler

@@ -18,7 +18,6 @@ from typing import Any
 import msgspec
 
 from engine.actors.configs import TokenizerConfig
-from engine.actors.runtime.actor import Actor
 from engine.messages.codec import too_large_for_one_frame
 from engine.messages.failures import RequestFailed
 from engine.messages.requests import GATEWAY_TO_TOKENIZER, GenerateRequest
@@ -26,6 +25,7 @@ from engine.messages.ring_catalogue import REQUESTS_RING, SUBMIT_RING
 from engine.messages.roles import Role
 from engine.messages.scheduling import AbortRequests, SubmitRequest
 from engine.outputs import EngineError
+from engine.runtime.actor import Actor
 from engine.text.hf_tokenizer import (
     import_transformers_without_torch,
     load_text_encoder,

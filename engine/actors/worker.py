@@ -20,13 +20,13 @@ import msgspec
 from tqdm import tqdm
 
 from engine.actors.configs import WorkerConfig
-from engine.actors.runtime.actor import Actor
 from engine.messages.parallel import RENDEZVOUS
 from engine.messages.ring_catalogue import PLAN_RING, RESULTS_RING
 from engine.messages.roles import Role
 from engine.messages.steps import STEP_PLANS, StepPlan, StepResult, WorkerFailed
 from engine.model.placement import sleeping_openmp_threads
 from engine.model.step_inputs import is_long
+from engine.runtime.actor import Actor
 from engine.testing.fault_injection import FaultInjection
 
 
@@ -65,7 +65,7 @@ class WorkerActor(Actor):
         # Only when a test asked: steps otherwise pay nothing for the hooks.
         cache_buffer = None
         if config.kv_cache_segment:
-            from engine.actors.runtime.segments import map_segment
+            from engine.runtime.segments import map_segment
 
             cache_buffer = map_segment(self.segments[config.kv_cache_segment])
         runner = ModelRunner(

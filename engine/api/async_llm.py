@@ -19,10 +19,6 @@ from typing import Any
 
 import msgspec
 
-from engine.actors.runtime.events import actor_cpu, actor_rows, ring_traffic
-from engine.actors.runtime.ring import RingClosed
-from engine.actors.runtime.shm_space import require_shm_space
-from engine.actors.runtime.supervision import Supervision
 from engine.gateway.kv_params import KvParams, instance_kv_params
 from engine.gateway.registry import Gateway, ToTokenizer
 from engine.gateway.replicas import Replicas, supervise
@@ -40,6 +36,10 @@ from engine.model_source import model_directory
 from engine.outputs import EngineError, RequestOutput, merge_outputs, snapshot
 from engine.request.policy import RequestPolicy
 from engine.request.prompts import Prompt
+from engine.runtime.events import actor_cpu, actor_rows, ring_traffic
+from engine.runtime.ring import RingClosed
+from engine.runtime.shm_space import require_shm_space
+from engine.runtime.supervision import Supervision
 from engine.settings import Settings, resolve_home
 from engine.telemetry.tracer import open_request_tracer
 

@@ -6,8 +6,8 @@ import asyncio
 import signal
 from typing import Any
 
-from engine.actors.runtime.events import ChildDied, ChildRestarted
-from engine.actors.runtime.stopped import STOPPED_FROM_OUTSIDE
+from engine.runtime.events import ChildDied, ChildRestarted
+from engine.runtime.stopped import STOPPED_FROM_OUTSIDE
 
 # Signals that only ever come from outside an actor: an operator, the OOM killer, a test.
 _EXTERNAL_SIGNALS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP})

@@ -28,17 +28,17 @@ from typing import Any, Protocol
 
 import msgspec
 
-from engine.actors.runtime.child_spec import SupervisorSpec
-from engine.actors.runtime.events import ChildStatus, Escalated, ReplicaFailed, SupervisorEvent
-from engine.actors.runtime.ring import RingClosed
-from engine.actors.runtime.supervision import Received, RootEnds, Supervision
-from engine.actors.runtime.supervisor import Supervisor
 from engine.gateway.registry import Gateway
 from engine.gateway.router import LeastPendingRouter, pending_tokens
 from engine.messages.admin import ReplicaRow
 from engine.messages.reports import SchedulerReport
 from engine.messages.ring_catalogue import REPORTS_RING, ring_of
 from engine.messages.scheduling import SchedulerStats
+from engine.runtime.child_spec import SupervisorSpec
+from engine.runtime.events import ChildStatus, Escalated, ReplicaFailed, SupervisorEvent
+from engine.runtime.ring import RingClosed
+from engine.runtime.supervision import Received, RootEnds, Supervision
+from engine.runtime.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 

@@ -10,10 +10,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from engine.actors.roles import Role, holds_requests
-from engine.actors.runtime.events import ChildDied, ChildRestarted, Escalated, ReplicaFailed
 from engine.gateway.crashes import drain_restarts, is_crash
 from engine.gateway.registry import Gateway, ToTokenizer
 from engine.gateway.replicas import Replicas
+from engine.runtime.events import ChildDied, ChildRestarted, Escalated, ReplicaFailed
 
 log = logging.getLogger("engine")
 

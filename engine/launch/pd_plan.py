@@ -16,7 +16,6 @@ import msgspec
 
 from engine.actors.configs import KvTransferConfig
 from engine.actors.roles import Role
-from engine.actors.runtime.child_spec import ChildSpec, RingDecl, SegmentDecl, declare_ring
 from engine.kv_transfer.secret import instance_secret
 from engine.kv_transfer.tls import TlsFiles
 from engine.messages.kv_transfer import KvLayout
@@ -24,6 +23,7 @@ from engine.messages.ring_catalogue import KV_EVENTS_RING, KV_ORDERS_RING
 from engine.model.capacity import dtype_bytes
 from engine.model.config import ModelConfig
 from engine.model.parallel.layout import kv_heads_per_rank
+from engine.runtime.child_spec import ChildSpec, RingDecl, SegmentDecl, declare_ring
 from engine.settings import Settings
 
 KV_TRANSFER = "engine.actors.kv_transfer:KvTransferActor"

@@ -27,15 +27,6 @@ import msgspec
 
 from engine.actors.configs import DetokenizerConfig, TokenizerConfig, WorkerConfig
 from engine.actors.roles import Role
-from engine.actors.runtime.child_spec import (
-    ROOT,
-    ChildSpec,
-    RingDecl,
-    SegmentDecl,
-    Strategy,
-    SupervisorSpec,
-    declare_ring,
-)
 from engine.launch.draft import draft_model_path
 from engine.launch.lora import lora_worker_fields
 from engine.launch.pd_plan import cache_segment, kv_transfer_parts, replica_roles
@@ -71,6 +62,15 @@ from engine.model.placement import (
     weight_bytes_by_format,
 )
 from engine.model.quantized_formats import quantized_formats
+from engine.runtime.child_spec import (
+    ROOT,
+    ChildSpec,
+    RingDecl,
+    SegmentDecl,
+    Strategy,
+    SupervisorSpec,
+    declare_ring,
+)
 from engine.scheduler.config import SchedulerConfig
 from engine.settings import Settings, resolve_home
 

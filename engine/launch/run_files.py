@@ -4,7 +4,7 @@ tokenizer built (engine/actors/tokenizer.py) and the weights a worker built
 
 Their actors remove them when stopped in order, but an actor killed and not restarted (the
 engine gave up) removes nothing, so the root removes what is left when the engine stops. A
-crashed root's are swept by the next start, with its rings (engine/actors/runtime/ring.py).
+crashed root's are swept by the next start, with its rings (engine/runtime/ring.py).
 """
 
 from __future__ import annotations

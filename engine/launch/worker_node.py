@@ -21,10 +21,10 @@ from typing import Any
 
 import uvloop
 
-from engine.actors.runtime.shm_space import ShmSpaceError, require_shm_space
-from engine.actors.runtime.supervisor import Supervisor
 from engine.launch.plan import plan_worker_node
 from engine.model_source import model_directory
+from engine.runtime.shm_space import ShmSpaceError, require_shm_space
+from engine.runtime.supervisor import Supervisor
 from engine.settings import Settings, resolve_home
 
 log = logging.getLogger("engine.node")

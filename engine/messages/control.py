@@ -27,7 +27,7 @@ class ChildBoot(msgspec.Struct, frozen=True, kw_only=True):
     """Everything a spawned child needs to run its actor."""
 
     name: str
-    entry: str  # "module:Class" of an engine.actors.runtime.actor.Actor subclass
+    entry: str  # "module:Class" of an engine.runtime.actor.Actor subclass
     config: bytes  # the actor's own settings, encoded by whoever built the ChildSpec
     root_pid: int  # the child exits when this process is gone
     generation: int  # 0 at first start, +1 per restart

@@ -95,7 +95,7 @@ class KvSource(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     the prefill instance (engine/kv_transfer/signing.py): a client can carry it, not change it.
 
     `prompt_key` binds the blocks to the tokens they were computed for: the prefix-cache key
-    (engine/kv/prefix_cache.py, a hash chain) of the last held block. The decode side files the
+    (engine/kvcache/prefix_cache.py, a hash chain) of the last held block. The decode side files the
     pulled blocks under its own request's keys only when its last one is this one."""
 
     transfer_id: str

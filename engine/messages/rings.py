@@ -2,7 +2,7 @@
 and what a ring of the catalogue is (`Ring`: name, parties, the channel it carries, capacity).
 
 A RingSpec travels in every `ChildBoot` and `SwapRings` (messages/control.py), so it lives with
-the messages; the runtime (actors/runtime/ring.py) opens rings from it. The frame-size
+the messages; the runtime (runtime/ring.py) opens rings from it. The frame-size
 arithmetic is here too, so that a sender can check a frame against a ring it only knows by its
 spec. The engine's rings themselves are declared once, in ring_catalogue.py.
 """

@@ -28,8 +28,8 @@ import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from engine.kv.block_manager import BlockManager
-from engine.kv.prefix_cache import BlockHashChain
+from engine.kvcache.block_manager import BlockManager
+from engine.kvcache.prefix_cache import BlockHashChain
 from engine.messages.kv_transfer import (
     BlocksPulled,
     BlocksReleased,

@@ -19,8 +19,8 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.kv.block_manager import BlockManager
-from engine.kv.prefix_cache import BlockHashChain
+from engine.kvcache.block_manager import BlockManager
+from engine.kvcache.prefix_cache import BlockHashChain
 from engine.messages.kv_transfer import BlocksPulled, KvOrder, KvSource, PullBlocks
 from engine.messages.scheduling import SubmitRequest
 from engine.scheduler.kv_tally import KvEndpoints, KvTransferFigures, Outcome, RankTally

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import msgspec
 
-from engine.kv.block_manager import BlockManager
+from engine.kvcache.block_manager import BlockManager
 from engine.messages.failures import RequestFailed
 from engine.messages.kv_transfer import KvSource
 from engine.messages.scheduling import (

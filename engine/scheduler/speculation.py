@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import msgspec
 
-from engine.kv.block_manager import BlockManager
+from engine.kvcache.block_manager import BlockManager
 from engine.scheduler.policy import ScheduledChunk
 from engine.scheduler.requests import SequenceState
 

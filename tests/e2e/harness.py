@@ -176,7 +176,7 @@ def wait_until(predicate: Any, timeout: float = 30.0, interval: float = 0.05) ->
 
 def leftover_ipc(pid: int) -> list[Path]:
     """Shared-memory segments and doorbells of a server's run (gone once it has exited)."""
-    from engine.actors.runtime.doorbell import default_doorbell_dir
+    from engine.runtime.doorbell import default_doorbell_dir
 
     prefix = f"engine-{pid}-"
     found: list[Path] = []

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from engine.actors.runtime.shm_space import shm_free
+from engine.runtime.shm_space import shm_free
 from tests.e2e.harness import REPO, free_port, leftover_ipc
 
 GIB = 1 << 30

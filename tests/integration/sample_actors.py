@@ -18,11 +18,11 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from engine.actors.runtime.actor import Actor
-from engine.actors.runtime.child_spec import ChildSpec, RingDecl, SupervisorSpec
-from engine.actors.runtime.events import ChildReady, ChildStatus, SupervisorEvent
-from engine.actors.runtime.supervisor import Supervisor
 from engine.messages.codec import Channel
+from engine.runtime.actor import Actor
+from engine.runtime.child_spec import ChildSpec, RingDecl, SupervisorSpec
+from engine.runtime.events import ChildReady, ChildStatus, SupervisorEvent
+from engine.runtime.supervisor import Supervisor
 
 ECHO = "tests.integration.sample_actors:EchoActor"
 EVENT_TIMEOUT = 30.0  # generous: the machine is shared; no test measures time

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from engine.actors.runtime.actor import load_actor_class
-from engine.actors.runtime.child_spec import Restart
-from engine.actors.runtime.events import ChildDied
-from engine.actors.runtime.supervisor import ChildStartError, Supervisor
+from engine.runtime.actor import load_actor_class
+from engine.runtime.child_spec import Restart
+from engine.runtime.events import ChildDied
+from engine.runtime.supervisor import ChildStartError, Supervisor
 from tests.integration.sample_actors import (
     EVENT_TIMEOUT,
     EchoActor,

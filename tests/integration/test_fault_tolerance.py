@@ -24,12 +24,12 @@ import pytest
 import pytest_asyncio
 
 from engine import AsyncLLM, EngineError, SamplingParams
-from engine.actors.runtime.doorbell import default_doorbell_dir
-from engine.actors.runtime.stopped import STOPPED_FROM_OUTSIDE
 from engine.api.embeddings import embed
 from engine.api.llm import build_settings
 from engine.messages.params import PoolingParams
 from engine.outputs import EmbeddingRequestOutput
+from engine.runtime.doorbell import default_doorbell_dir
+from engine.runtime.stopped import STOPPED_FROM_OUTSIDE
 from engine.testing.fault_injection import FAULT_INJECTION_ENV
 from tests.checkpoints import tiny_checkpoint
 

@@ -21,9 +21,6 @@ import pytest
 
 from engine.actors.configs import KvTransferConfig
 from engine.actors.roles import Role
-from engine.actors.runtime.child_spec import ROOT, ChildSpec, RingDecl, SegmentDecl
-from engine.actors.runtime.events import ChildReady, ChildRestarted
-from engine.actors.runtime.segments import map_segment
 from engine.messages.kv_transfer import (
     BlocksPulled,
     BlocksReleased,
@@ -36,6 +33,9 @@ from engine.messages.kv_transfer import (
     TransferEndpoint,
 )
 from engine.messages.ring_catalogue import KV_EVENTS_RING, KV_ORDERS_RING
+from engine.runtime.child_spec import ROOT, ChildSpec, RingDecl, SegmentDecl
+from engine.runtime.events import ChildReady, ChildRestarted
+from engine.runtime.segments import map_segment
 from tests.integration.sample_actors import (
     EVENT_TIMEOUT,
     Run,
@@ -193,7 +193,7 @@ async def test_a_source_killed_during_a_pull_ends_it_with_an_error_then_serves_a
 async def test_an_actor_with_a_pull_in_flight_stops_when_asked(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.INFO, logger="engine.actors.runtime.child_process")
+    caplog.set_level(logging.INFO, logger="engine.runtime.child_process")
     async with instance() as source:
         endpoint = await source.next_event(TransferEndpoint)
         pid = source.run.pid(KV)

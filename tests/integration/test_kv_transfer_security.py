@@ -20,7 +20,6 @@ import msgspec
 import numpy as np
 import pytest
 
-from engine.actors.runtime.shm import create_segment, unlink_segment
 from engine.kv_transfer.handshake import admit_puller, prove_to_server
 from engine.kv_transfer.host import host_id
 from engine.kv_transfer.wire import TO_PULLER, TO_SERVER
@@ -42,6 +41,7 @@ from engine.messages.kv_wire import (
     ShmGrant,
     WireError,
 )
+from engine.runtime.shm import create_segment, unlink_segment
 from tests.integration.test_kv_transfer import KV, LAYOUT, Instance, block, instance, pull_order
 
 SECRET = secrets.token_bytes(32)

@@ -22,8 +22,8 @@ import uvloop
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.actors.runtime.doorbell import default_doorbell_dir
-from engine.actors.runtime.ring import (
+from engine.runtime.doorbell import default_doorbell_dir
+from engine.runtime.ring import (
     RECORD_OVERHEAD,
     RingReader,
     RingSpec,
@@ -32,7 +32,7 @@ from engine.actors.runtime.ring import (
     destroy_ring,
     run_prefix,
 )
-from engine.actors.runtime.shm import SHM_DIR
+from engine.runtime.shm import SHM_DIR
 
 TIMEOUT_S = 60.0
 SPAWN = mp.get_context("spawn")
@@ -291,7 +291,7 @@ def test_no_resource_tracker_warnings_in_creator_or_attacher(tmp_path: pathlib.P
     script = textwrap.dedent(
         """
         import asyncio, multiprocessing as mp, sys
-        from engine.actors.runtime.ring import *
+        from engine.runtime.ring import *
 
         async def receive(spec):
             with RingReader(spec) as reader:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
-from engine.actors.runtime.events import ring_traffic
+from engine.runtime.events import ring_traffic
 from tests.integration.sample_actors import (
     EVENT_TIMEOUT,
     NOTES,

@@ -1,4 +1,4 @@
-"""Spare processes (engine/actors/runtime/spares.py), seen from outside: through /proc and the
+"""Spare processes (engine/runtime/spares.py), seen from outside: through /proc and the
 pids the restarted children run as."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import os
 import signal
 from pathlib import Path
 
-from engine.actors.runtime.events import ChildRestarted
+from engine.runtime.events import ChildRestarted
 from tests.integration.sample_actors import (
     ECHO,
     EVENT_TIMEOUT,

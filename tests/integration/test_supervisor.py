@@ -13,17 +13,17 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from engine.actors.runtime.child_spec import RingDecl, Strategy
-from engine.actors.runtime.doorbell import default_doorbell_dir
-from engine.actors.runtime.events import (
+from engine.runtime.child_spec import RingDecl, Strategy
+from engine.runtime.doorbell import default_doorbell_dir
+from engine.runtime.events import (
     ChildDied,
     ChildReady,
     ChildRestarted,
     Escalated,
     RingsSwapped,
 )
-from engine.actors.runtime.ring import sweep_stale_segments
-from engine.actors.runtime.supervisor import ChildStartError, Supervisor
+from engine.runtime.ring import sweep_stale_segments
+from engine.runtime.supervisor import ChildStartError, Supervisor
 from tests.integration.sample_actors import (
     EVENT_TIMEOUT,
     NOTES,
@@ -208,7 +208,7 @@ async def test_a_consumers_death_is_reported_and_frees_a_producer_waiting_on_it(
 async def test_a_child_that_will_not_stop_gets_sigterm_and_then_sigkill(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.INFO, logger="engine.actors.runtime.child_process")
+    caplog.set_level(logging.INFO, logger="engine.runtime.child_process")
     spec = supervisor_spec(
         child("stubborn", shutdown_timeout=0.3, config=echo_config(hang_on_stop=True))
     )
@@ -218,7 +218,7 @@ async def test_a_child_that_will_not_stop_gets_sigterm_and_then_sigkill(
     steps = [
         record.getMessage()
         for record in caplog.records
-        if record.name == "engine.actors.runtime.child_process"
+        if record.name == "engine.runtime.child_process"
     ][-3:]
     assert "still running: sending SIGTERM" in steps[0]
     assert "still running: sending SIGKILL" in steps[1]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.actors.runtime.child_spec import (
+from engine.runtime.child_spec import (
     ROOT,
     ChildSpec,
     Restart,
@@ -13,7 +13,7 @@ from engine.actors.runtime.child_spec import (
     SupervisorSpec,
     start_units,
 )
-from engine.actors.runtime.restart_policy import RestartIntensity, restart_set
+from engine.runtime.restart_policy import RestartIntensity, restart_set
 
 ENTRY = "tests.integration.sample_actors:EchoActor"
 

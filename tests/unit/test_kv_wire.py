@@ -17,7 +17,6 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from engine.actors.runtime.shm import SEGMENT_PREFIX, SHM_DIR, create_segment, unlink_segment
 from engine.kv_transfer.cache_view import CacheView
 from engine.kv_transfer.handshake import prove_to_server
 from engine.kv_transfer.holds import HoldTable
@@ -37,6 +36,7 @@ from engine.kv_transfer.wire import (
     send_buffers,
 )
 from engine.messages.kv_transfer import KvEndpoint, KvLayout, KvSource, PullBlocks
+from engine.runtime.shm import SEGMENT_PREFIX, SHM_DIR, create_segment, unlink_segment
 from tests.unit.test_kv_cache_view import layout
 
 HOST = "this-host"

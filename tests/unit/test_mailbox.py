@@ -10,9 +10,9 @@ from collections.abc import Callable, Iterator
 import pytest
 import uvloop
 
-from engine.actors.runtime.doorbell import default_doorbell_dir
-from engine.actors.runtime.mailbox import Mailbox
-from engine.actors.runtime.ring import (
+from engine.runtime.doorbell import default_doorbell_dir
+from engine.runtime.mailbox import Mailbox
+from engine.runtime.ring import (
     RingClosed,
     RingReader,
     RingSpec,
@@ -21,7 +21,7 @@ from engine.actors.runtime.ring import (
     destroy_ring,
     run_prefix,
 )
-from engine.actors.runtime.shm import SHM_DIR
+from engine.runtime.shm import SHM_DIR
 
 MakeRing = Callable[..., RingSpec]
 Batch = list[tuple[str, list[bytes]]]

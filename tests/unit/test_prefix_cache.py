@@ -2,9 +2,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.kv.block_manager import BlockManager
-from engine.kv.block_table import BlockTable
-from engine.kv.prefix_cache import BlockHashChain, PrefixCacheStats, hash_block
+from engine.kvcache.block_manager import BlockManager
+from engine.kvcache.block_table import BlockTable
+from engine.kvcache.prefix_cache import BlockHashChain, PrefixCacheStats, hash_block
 
 
 def _computed_table(kv: BlockManager, token_ids: list[int]) -> BlockTable:

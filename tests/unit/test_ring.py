@@ -13,8 +13,8 @@ from collections.abc import Callable, Iterator
 import msgspec
 import pytest
 
-from engine.actors.runtime.doorbell import default_doorbell_dir, doorbell_path
-from engine.actors.runtime.ring import (
+from engine.runtime.doorbell import default_doorbell_dir, doorbell_path
+from engine.runtime.ring import (
     RECORD_OVERHEAD,
     FrameTooLarge,
     RingClosed,
@@ -26,7 +26,7 @@ from engine.actors.runtime.ring import (
     run_prefix,
     sweep_stale_segments,
 )
-from engine.actors.runtime.shm import SHM_DIR
+from engine.runtime.shm import SHM_DIR
 
 MakeRing = Callable[..., RingSpec]
 

@@ -9,9 +9,9 @@ import pkgutil
 import pytest
 
 import engine.actors
-from engine.actors.runtime.actor import Actor
 from engine.messages.ring_catalogue import CATALOGUE, read_by, ring_of
 from engine.messages.roles import ROOT, Role
+from engine.runtime.actor import Actor
 
 
 def actor_classes() -> list[type[Actor]]:

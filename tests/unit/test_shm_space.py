@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from engine.actors.runtime.child_process import CONTROL_RING_BYTES
-from engine.actors.runtime.child_spec import ChildSpec, RingDecl, SegmentDecl, SupervisorSpec
-from engine.actors.runtime.shm import header_bytes
-from engine.actors.runtime.shm_space import (
+from engine.runtime.child_process import CONTROL_RING_BYTES
+from engine.runtime.child_spec import ChildSpec, RingDecl, SegmentDecl, SupervisorSpec
+from engine.runtime.shm import header_bytes
+from engine.runtime.shm_space import (
     ShmNeed,
     ShmSpaceError,
     check_shm_space,

@@ -1,5 +1,5 @@
 """A child the heartbeat deadline kills because it was stopped from outside (SIGSTOP) is not a
-crash: the requests in flight there become no suspects (engine/actors/runtime/stopped.py)."""
+crash: the requests in flight there become no suspects (engine/runtime/stopped.py)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import signal
 import subprocess
 import time
 
-from engine.actors.runtime.events import ChildDied
-from engine.actors.runtime.stopped import STOPPED_FROM_OUTSIDE, is_stopped
 from engine.gateway.crashes import is_crash
+from engine.runtime.events import ChildDied
+from engine.runtime.stopped import STOPPED_FROM_OUTSIDE, is_stopped
 
 HEARTBEAT = "no heartbeat for 6.2 s, heartbeat_timeout is 6 s"
 

@@ -33,9 +33,6 @@ from typing import Any, ClassVar, TypeVar
 
 import uvloop
 
-from engine.actors.runtime.child_spec import LOG_LEVELS
-from engine.actors.runtime.ring import RingReader, RingWriter
-from engine.actors.runtime.ring_ends import RingEnds
 from engine.messages.codec import Channel
 from engine.messages.control import (
     BOOT,
@@ -52,6 +49,9 @@ from engine.messages.control import (
     SwapRings,
 )
 from engine.messages.rings import Ring
+from engine.runtime.child_spec import LOG_LEVELS
+from engine.runtime.ring import RingReader, RingWriter
+from engine.runtime.ring_ends import RingEnds
 
 T = TypeVar("T")
 
@@ -89,7 +89,7 @@ class Actor:
     @classmethod
     def preload(cls) -> None:
         """Import what on_start will need, in a spare process that does not yet know which
-        child it will be (engine/actors/runtime/spares.py): nothing that depends on the config,
+        child it will be (engine/runtime/spares.py): nothing that depends on the config,
         and nothing held that a second copy would cost memory for."""
 
     async def on_start(self) -> dict[str, Any] | None:

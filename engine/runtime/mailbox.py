@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from engine.actors.runtime.doorbell import DEFAULT_MAX_SPIN_US, Waiter
-from engine.actors.runtime.ring import RingClosed, RingReader
+from engine.runtime.doorbell import DEFAULT_MAX_SPIN_US, Waiter
+from engine.runtime.ring import RingClosed, RingReader
 
 
 class Mailbox:

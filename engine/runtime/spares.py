@@ -28,7 +28,7 @@ from collections.abc import Iterable
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
-from engine.actors.runtime.actor import child_main, exit_with_root, load_actor_class
+from engine.runtime.actor import child_main, exit_with_root, load_actor_class
 
 __all__ = ["Spare", "Spares", "spare_main"]
 

@@ -8,7 +8,7 @@ import asyncio
 from collections.abc import Sequence
 from typing import Protocol
 
-from engine.actors.runtime.events import ChildStatus, SupervisorEvent
+from engine.runtime.events import ChildStatus, SupervisorEvent
 
 Received = list[tuple[str, list[bytes]]]  # (logical ring name, frames), oldest first
 

@@ -26,8 +26,9 @@ import logging
 import time
 from types import TracebackType
 
-from engine.actors.runtime.child_process import ChildProcess, ChildStartError, outcome
-from engine.actors.runtime.child_spec import (
+from engine.messages.control import LogLevel, Ready
+from engine.runtime.child_process import ChildProcess, ChildStartError, outcome
+from engine.runtime.child_spec import (
     LOG_LEVELS,
     ROOT,
     Restart,
@@ -35,7 +36,7 @@ from engine.actors.runtime.child_spec import (
     SupervisorSpec,
     start_units,
 )
-from engine.actors.runtime.events import (
+from engine.runtime.events import (
     ChildDied,
     ChildReady,
     ChildRestarted,
@@ -44,14 +45,13 @@ from engine.actors.runtime.events import (
     RingsSwapped,
     SupervisorEvent,
 )
-from engine.actors.runtime.restart_policy import RestartIntensity, restart_set
-from engine.actors.runtime.ring import run_prefix, sweep_stale_segments
-from engine.actors.runtime.ring_ends import RingEnds
-from engine.actors.runtime.ring_table import RingTable
-from engine.actors.runtime.segments import create_segments, destroy_segments
-from engine.actors.runtime.spares import Spares
-from engine.actors.runtime.supervised_child import SupervisedChild, wait_for_dying_siblings
-from engine.messages.control import LogLevel, Ready
+from engine.runtime.restart_policy import RestartIntensity, restart_set
+from engine.runtime.ring import run_prefix, sweep_stale_segments
+from engine.runtime.ring_ends import RingEnds
+from engine.runtime.ring_table import RingTable
+from engine.runtime.segments import create_segments, destroy_segments
+from engine.runtime.spares import Spares
+from engine.runtime.supervised_child import SupervisedChild, wait_for_dying_siblings
 
 __all__ = ["ChildStartError", "Supervisor"]
 

@@ -9,7 +9,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 
-from engine.actors.runtime.child_spec import Strategy
+from engine.runtime.child_spec import Strategy
 
 
 def restart_set(strategy: Strategy, units: list[list[str]], failed: str) -> list[str]:

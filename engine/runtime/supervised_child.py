@@ -7,10 +7,10 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from engine.actors.runtime.child_process import ChildProcess
-from engine.actors.runtime.child_spec import ChildSpec
-from engine.actors.runtime.events import ChildStatus
-from engine.actors.runtime.stopped import STOPPED_FROM_OUTSIDE, is_stopped
+from engine.runtime.child_process import ChildProcess
+from engine.runtime.child_spec import ChildSpec
+from engine.runtime.events import ChildStatus
+from engine.runtime.stopped import STOPPED_FROM_OUTSIDE, is_stopped
 
 
 @dataclass

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
-from engine.actors.runtime.child_spec import RingDecl
-from engine.actors.runtime.ring import RingSpec, create_ring, destroy_ring
 from engine.messages.control import InboundRing
+from engine.runtime.child_spec import RingDecl
+from engine.runtime.ring import RingSpec, create_ring, destroy_ring
 
 Ends = tuple[dict[str, InboundRing], dict[str, RingSpec]]
 

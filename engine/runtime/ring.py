@@ -16,8 +16,10 @@ from array import array
 from collections import deque
 from collections.abc import Iterable, Sequence
 
-from engine.actors.runtime import shm
-from engine.actors.runtime.doorbell import (
+from engine.messages.codec import FrameTooLarge
+from engine.messages.rings import RECORD_OVERHEAD, RingSpec
+from engine.runtime import shm
+from engine.runtime.doorbell import (
     DEFAULT_MAX_SPIN_US,
     DEFAULT_WRITER_MAX_SPIN_US,
     Waiter,
@@ -30,9 +32,7 @@ from engine.actors.runtime.doorbell import (
     ring_doorbell,
     unlink_quietly,
 )
-from engine.actors.runtime.shm import run_prefix
-from engine.messages.codec import FrameTooLarge
-from engine.messages.rings import RECORD_OVERHEAD, RingSpec
+from engine.runtime.shm import run_prefix
 
 __all__ = [
     "FrameTooLarge",

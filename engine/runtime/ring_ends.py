@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from engine.actors.runtime.mailbox import Mailbox
-from engine.actors.runtime.ring import RingClosed, RingReader, RingSpec, RingWriter
 from engine.messages.control import InboundRing
+from engine.runtime.mailbox import Mailbox
+from engine.runtime.ring import RingClosed, RingReader, RingSpec, RingWriter
 
 
 class RingEnds:

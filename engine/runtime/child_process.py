@@ -16,10 +16,6 @@ import signal
 import time
 from collections.abc import Awaitable, Callable, Mapping
 
-from engine.actors.runtime.actor import child_main
-from engine.actors.runtime.child_spec import ChildSpec
-from engine.actors.runtime.ring import RingReader, RingSpec, RingWriter, create_ring, destroy_ring
-from engine.actors.runtime.spares import Spare
 from engine.messages.control import (
     BOOT,
     CONTROL,
@@ -34,6 +30,10 @@ from engine.messages.control import (
     SwapDone,
     SwapRings,
 )
+from engine.runtime.actor import child_main
+from engine.runtime.child_spec import ChildSpec
+from engine.runtime.ring import RingReader, RingSpec, RingWriter, create_ring, destroy_ring
+from engine.runtime.spares import Spare
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ class ChildProcess:
         spare: Spare | None = None,
     ) -> None:
         """Spawn the child, or hand its boot to `spare` (a process already started for its
-        entry, engine/actors/runtime/spares.py) when that one can take it."""
+        entry, engine/runtime/spares.py) when that one can take it."""
         boot = ChildBoot(
             name=self.name,
             entry=self.spec.entry,

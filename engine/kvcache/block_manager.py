@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.kv.block_pool import BlockPool
-from engine.kv.block_table import BlockTable
-from engine.kv.prefix_cache import BlockHashChain, PrefixCacheStats
+from engine.kvcache.block_pool import BlockPool
+from engine.kvcache.block_table import BlockTable
+from engine.kvcache.prefix_cache import BlockHashChain, PrefixCacheStats
 
 
 class BlockManager:

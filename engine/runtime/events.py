@@ -11,8 +11,8 @@ from typing import Any
 
 import msgspec
 
-from engine.actors.runtime.process_cpu import cpu_seconds
 from engine.messages.admin import ActorRow, RingTraffic
+from engine.runtime.process_cpu import cpu_seconds
 
 
 class ChildReady(msgspec.Struct, frozen=True):

@@ -14,8 +14,8 @@ import mmap
 import os
 from collections.abc import Mapping, Sequence
 
-from engine.actors.runtime.child_spec import SegmentDecl
-from engine.actors.runtime.shm import create_segment, segment_path, unlink_segment
+from engine.runtime.child_spec import SegmentDecl
+from engine.runtime.shm import create_segment, segment_path, unlink_segment
 
 
 def create_segments(decls: Sequence[SegmentDecl], prefix: str) -> dict[str, str]:

@@ -19,9 +19,9 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from engine.actors.runtime.child_process import CONTROL_RING_BYTES
-from engine.actors.runtime.child_spec import SupervisorSpec
-from engine.actors.runtime.shm import SEGMENT_PREFIX, SHM_DIR, header_bytes
+from engine.runtime.child_process import CONTROL_RING_BYTES
+from engine.runtime.child_spec import SupervisorSpec
+from engine.runtime.shm import SEGMENT_PREFIX, SHM_DIR, header_bytes
 
 BLOCK_BYTES = 512  # st_blocks counts 512-byte units on Linux, whatever the filesystem's block
 

@@ -103,7 +103,7 @@ class SupervisorSpec(msgspec.Struct, frozen=True, kw_only=True):
     backoff_max: float = 5.0
     log_level: str = "INFO"
     # Keep a started spare process per entry of the restartable children, which a restart hands
-    # its child to (engine/actors/runtime/spares.py): faster restarts for the spares' memory.
+    # its child to (engine/runtime/spares.py): faster restarts for the spares' memory.
     spares: bool = False
 
     def validate(self) -> None:
