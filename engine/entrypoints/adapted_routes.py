@@ -11,9 +11,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import secrets
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import Protocol
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -27,6 +26,7 @@ from engine.entrypoints.openai.chat_relay import (
     read_chat_response,
 )
 from engine.entrypoints.openai.errors import INTERNAL_ERROR_MESSAGE, ApiError, outcome_of
+from engine.entrypoints.openai.http_steps import HttpSteps
 from engine.entrypoints.openai.operations import take_client_request_id
 from engine.entrypoints.openai.parsing import PreparedRequest, parse_chat
 from engine.entrypoints.openai.recording import RequestRecording
@@ -40,7 +40,6 @@ from engine.telemetry.tracer import trace_headers
 log = logging.getLogger("engine.server")
 
 JSON = "application/json"
-T = TypeVar("T")
 
 
 class Adapter(Protocol):
@@ -56,19 +55,6 @@ class Adapter(Protocol):
     def events(
         self, api_id: str, input_tokens: int, steps: AsyncIterator[ChatStep]
     ) -> AsyncGenerator[bytes, None]: ...
-
-
-class UntilDisconnect(Protocol):
-    def __call__(self, request: Request, work: Awaitable[T]) -> Awaitable[T | None]: ...
-
-
-@dataclass(frozen=True)
-class HttpSteps:
-    """The app's own request steps (engine/server/app.py), shared with these routes."""
-
-    check_auth: Callable[[Request, ServerState], None]
-    read_body: Callable[[Request, int], Awaitable[bytes]]
-    until_disconnect: UntilDisconnect
 
 
 def adapted_api_routes(state: ServerState, steps: HttpSteps) -> list[Route]:

@@ -21,10 +21,11 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from engine.entrypoints.adapted_routes import HttpSteps, adapted_api_routes
+from engine.entrypoints.adapted_routes import adapted_api_routes
 from engine.entrypoints.openai.decoding import decode_request
 from engine.entrypoints.openai.embeddings import embedding_routes
 from engine.entrypoints.openai.errors import INTERNAL_ERROR_MESSAGE, ApiError, outcome_of
+from engine.entrypoints.openai.http_steps import HttpSteps
 from engine.entrypoints.openai.lora_routes import adapter_cards, lora_routes
 from engine.entrypoints.openai.metrics import CONTENT_TYPE
 from engine.entrypoints.openai.operations import (

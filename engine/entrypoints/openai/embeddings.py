@@ -22,9 +22,9 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from engine.api.embeddings import embed
-from engine.entrypoints.adapted_routes import HttpSteps
 from engine.entrypoints.openai.decoding import decode_request
 from engine.entrypoints.openai.errors import ApiError, outcome_of
+from engine.entrypoints.openai.http_steps import HttpSteps
 from engine.entrypoints.openai.parsing import check_model, prompts_of
 from engine.entrypoints.openai.protocol import Count, TokenId
 from engine.entrypoints.openai.state import ServerState

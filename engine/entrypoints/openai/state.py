@@ -16,7 +16,7 @@ from engine.testing.http_faults import HttpFaults
 from engine.trace.recorder import TraceRecorder
 
 if TYPE_CHECKING:
-    from engine import AsyncLLM
+    from engine.api.async_llm import AsyncLLM
 
 
 @dataclass
