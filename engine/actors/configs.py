@@ -43,6 +43,8 @@ class WorkerConfig(msgspec.Struct, frozen=True):
     # Speculative decoding's draft model, checked against the target (engine/launch/draft.py):
     # rank 0 runs it (engine/model/drafter.py); "": none.
     draft_model_path: str = ""
+    # Its sampled proposals verified by vLLM's rejection sampler, not the target's own draws.
+    draft_rejection_sampling: bool = False
     max_lora_rank: int = 0  # LoRA adapters up to this rank (engine/model/lora_weights.py); 0: off
     max_cpu_loras: int = 1  # adapters kept loaded, the least recently used dropped
 

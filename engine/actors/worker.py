@@ -88,7 +88,9 @@ class WorkerActor(Actor):
         )
         self.weight_slot = runner.weight_slot
         faults_hooks = faults if faults.rules else None
-        self.executor = StepExecutor(runner, config.rank, faults_hooks, _drafter(config, runner))
+        drafter = _drafter(config, runner)
+        self.draft_weight_slot = None if drafter is None else drafter.runner.weight_slot
+        self.executor = StepExecutor(runner, config.rank, faults_hooks, drafter)
         self._scheduler_generation = 0  # bumped when the scheduler restarts (fresh plan ring)
         self.sequences_generation = 0  # the scheduler generation our sequences belong to
         return {"num_blocks": runner.num_blocks}
@@ -96,8 +98,9 @@ class WorkerActor(Actor):
     async def on_stop(self) -> None:
         # Stopped in order: at shutdown, or with its group; the next start reads the checkpoint.
         # A killed worker leaves the segment to its successor (or the next run's sweep).
-        if self.weight_slot is not None:
-            self.weight_slot.remove()
+        for slot in (self.weight_slot, self.draft_weight_slot):
+            if slot is not None:
+                slot.remove()
 
     async def handle(self, ring: str, frames: list[bytes]) -> None:
         generation = self._scheduler_generation
@@ -141,5 +144,6 @@ def _drafter(config: WorkerConfig, runner: Any) -> Any:
         kernel_backend=config.kernel_backend,
         num_threads=config.num_threads,
         busy_threads=config.busy_threads,
-        exact=config.kernel_backend == "batch_invariant",  # deterministic mode
+        rejection_sampling=config.draft_rejection_sampling,
+        weights_of_run=os.getppid(),  # kept as the target's are (see on_start)
     )

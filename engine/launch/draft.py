@@ -1,14 +1,62 @@
 """Speculative decoding's draft model at launch: found, and checked against the target before
-any actor starts, so that a draft the workers could not use stops the launch with one line."""
+any actor starts, so that a draft the workers could not use stops the launch with one line; and
+what it takes of a rank's memory, which the KV cache's size leaves room for."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple, TypedDict
 
+from engine.model.capacity import kv_block_bytes
 from engine.model.config import ModelConfig, load_model_config
+from engine.model.placement import device_type, resident_weight_bytes
+from engine.model.quantized_formats import quantized_formats
 from engine.model_source import model_directory
 from engine.scheduler.speculation import parse_speculative_config
 from engine.settings import Settings, resolve_home
+
+
+class DraftFields(TypedDict):
+    draft_model_path: str
+    draft_rejection_sampling: bool
+
+
+def draft_worker_fields(settings: Settings, target_path: str, target: ModelConfig) -> DraftFields:
+    """WorkerConfig's draft fields: the checkpoint (see draft_model_path) and whether sampled
+    proposals are verified by vLLM's rejection sampler ("acceptance_method"), which deterministic
+    mode refuses: its draws would depend on which positions were drafted."""
+    path = draft_model_path(settings, target_path, target)
+    config = parse_speculative_config(settings.scheduler.speculative_config)
+    rejection = (
+        bool(path) and config is not None and config.acceptance_method == "rejection_sampler"
+    )
+    if rejection and settings.model.deterministic:
+        raise ValueError(
+            'speculative_config acceptance_method "rejection_sampler" cannot run in deterministic '
+            "mode: its tokens depend on which positions were drafted; use the default "
+            '"target_draw"'
+        )
+    return {"draft_model_path": path, "draft_rejection_sampling": rejection}
+
+
+class DraftFootprint(NamedTuple):
+    """What a draft model takes of the rank that runs it, besides the target."""
+
+    weight_bytes: int  # resident, as the target's are counted
+    block_bytes: int  # one block of its KV cache, which has as many blocks as the target's
+
+
+def draft_footprint(path: str, block_size: int, dtype: str, device: str) -> DraftFootprint | None:
+    """The footprint of the draft at `path` ("": no draft, None), loaded as rank 0 loads it:
+    unsharded, in the target's dtype, its own GGUF quantization if any."""
+    if not path:
+        return None
+    config = load_model_config(path)
+    quantized = quantized_formats(path, config, "auto", on_cpu=device_type(device) == "cpu")
+    weights = resident_weight_bytes(
+        config, dtype, 1, device, {name: f.bits for name, f in quantized.items()}
+    )
+    return DraftFootprint(weights, kv_block_bytes(config, block_size, dtype))
 
 
 def draft_model_path(settings: Settings, target_path: str, target: ModelConfig) -> str:

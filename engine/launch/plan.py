@@ -27,14 +27,14 @@ import msgspec
 
 from engine.actors.configs import DetokenizerConfig, TokenizerConfig, WorkerConfig
 from engine.actors.roles import Role
-from engine.launch.draft import draft_model_path
+from engine.launch.draft import draft_footprint, draft_worker_fields
 from engine.launch.lora import lora_worker_fields
 from engine.launch.pd_plan import cache_segment, kv_transfer_parts, replica_roles
 from engine.launch.sizing import (
     check_parallel,
     check_pd_device,
     kernel_backend_of,
-    kv_cache_bytes,
+    kv_cache_blocks,
     log_memory,
     max_model_len_of,
     scheduler_config,
@@ -129,9 +129,10 @@ def plan_engine(settings: Settings, model_path: str) -> EnginePlan:
         tensor_parallel_size=tp,
         on_cpu=device_type(device) == "cpu",
     )
-    num_blocks = (
-        kv_cache_bytes(settings, config, device, dtype, placement.local_ranks, quantized)
-        // block_bytes
+    draft = draft_worker_fields(settings, model_path, config)
+    footprint = draft_footprint(draft["draft_model_path"], block_size, dtype, device)
+    num_blocks = kv_cache_blocks(
+        settings, config, device, dtype, placement.local_ranks, quantized, footprint
     )
     scheduler = scheduler_config(settings, config, num_blocks, max_model_len)
     weights = weight_bytes_by_format(
@@ -151,7 +152,7 @@ def plan_engine(settings: Settings, model_path: str) -> EnginePlan:
         kernel_backend=kernel_backend_of(settings),
         quantization=settings.model.quantization,
         engine_home=str(resolve_home(settings)),
-        draft_model_path=draft_model_path(settings, model_path, config),
+        **draft,
         **lora_worker_fields(settings, config),
     )
     roles = replica_roles(settings)

@@ -11,10 +11,11 @@ from __future__ import annotations
 import logging
 from typing import TypedDict
 
+from engine.launch.draft import DraftFootprint
 from engine.launch.lora import max_loras_of
 from engine.launch.pd_plan import replica_roles
 from engine.messages.ring_catalogue import PLAN_RING
-from engine.model.capacity import available_cpu_memory
+from engine.model.capacity import available_cpu_memory, kv_block_bytes
 from engine.model.config import ModelConfig
 from engine.model.parallel.config import Placement
 from engine.model.parallel.layout import check_tensor_parallel
@@ -100,23 +101,53 @@ def kv_cache_bytes(
     dtype: str,
     ranks: int,
     quantized: dict[str, WeightFormat] | None = None,
+    draft: DraftFootprint | None = None,
+    available_memory: int | None = None,
 ) -> int:
-    """One rank's KV cache budget (see placement.kv_cache_bytes); `quantized`: the weights
-    served quantized (engine/model/quantized_formats.py), counted by their packed bytes."""
+    """One rank's KV cache budget (see placement.kv_cache_bytes), the draft's cache included;
+    `quantized`: the weights served quantized (engine/model/quantized_formats.py), counted by
+    their packed bytes; `draft`: a draft model's, whose weights are counted with the target's;
+    `available_memory`: the memory to size from (None: what the machine has free now)."""
     tp = settings.parallel.tensor_parallel_size
     if settings.cache.kv_cache_memory is None and device_type(device) != "cpu":
         # The root cannot see a GPU's free memory; the workers will (issue: GPU sizing).
         raise ValueError("cache.kv_cache_memory must be set when running on a GPU")
+    if available_memory is None:
+        available_memory = available_cpu_memory() if device_type(device) == "cpu" else 0
+    weights = resident_weight_bytes(
+        config, dtype, tp, device, {name: f.bits for name, f in (quantized or {}).items()}
+    )
     return placement_kv_cache_bytes(
         kv_cache_memory=settings.cache.kv_cache_memory,
         memory_fraction=settings.cache.kv_cache_fraction,
-        available_memory=available_cpu_memory() if device_type(device) == "cpu" else 0,
-        weights_per_rank=resident_weight_bytes(
-            config, dtype, tp, device, {name: f.bits for name, f in (quantized or {}).items()}
-        ),
+        available_memory=available_memory,
+        weights_per_rank=weights + (draft.weight_bytes if draft else 0),
         ranks_on_device=ranks,
         device=device,
     )
+
+
+def kv_cache_blocks(
+    settings: Settings,
+    config: ModelConfig,
+    device: str,
+    dtype: str,
+    ranks: int,
+    quantized: dict[str, WeightFormat] | None = None,
+    draft: DraftFootprint | None = None,
+    available_memory: int | None = None,
+) -> int:
+    """One rank's KV cache in blocks (the scheduler's block count): kv_cache_bytes over a
+    block's bytes, with a draft's block beside each of the target's (the draft's cache has as
+    many blocks), so that target and draft together stay within the budget."""
+    tp = settings.parallel.tensor_parallel_size
+    block_bytes = kv_block_bytes(config, settings.cache.block_size, dtype, tp)
+    if draft is not None:
+        block_bytes += draft.block_bytes
+    budget = kv_cache_bytes(
+        settings, config, device, dtype, ranks, quantized, draft, available_memory
+    )
+    return budget // block_bytes
 
 
 def max_model_len_of(settings: Settings, config: ModelConfig) -> int:

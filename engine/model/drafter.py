@@ -13,10 +13,11 @@ sequence drafts never runs the draft.
 A greedy request's draft token is the draft's argmax. A sampled request's is drawn from q, the
 draft's distribution under the request's temperature, min_p, top_k and top_p, with the noise the
 target's own draw uses at that position (engine/model/randomness.py): where the two models
-agree, the draft token is the token the target will draw. q goes with the proposals to the
-rejection sampler (engine/model/spec_verify.py), except in deterministic mode (`exact`), where a
-proposal stands only where it equals the target's own draw, so the output is the
-non-speculative output token for token.
+agree, the draft token is the token the target will draw. The target keeps a proposal only where
+it equals its own draw (engine/model/spec_verify.py), so the output is the non-speculative
+output token for token, and a resumed stream continues as the undisturbed one would. With
+`rejection_sampling` (vLLM's rule, opted into) q goes with the proposals to the rejection
+sampler instead.
 
 A sequence re-announced (after preemption or a restart) may have new blocks: the draft then
 runs it from its first token again.
@@ -48,9 +49,12 @@ class Drafter:
         kernel_backend: str = "auto",
         num_threads: int | None = None,
         busy_threads: int | None = None,
-        exact: bool = False,
+        rejection_sampling: bool = False,
+        weights_of_run: int | None = None,
     ) -> None:
-        """`exact`: deterministic mode, proposals verified against the target's own draws."""
+        """`rejection_sampling`: sampled proposals verified by vLLM's rule against q (`probs`),
+        not against the target's own draws. `weights_of_run`: as the target's (ModelRunner),
+        the draft's weights kept for a restarted worker in a segment of their own."""
         config = load_model_config(model_path, target.config.max_model_len)
         vocab = target.config.vocab_size
         if config.vocab_size != vocab:
@@ -72,6 +76,7 @@ class Drafter:
             num_threads=num_threads,
             busy_threads=busy_threads,
             kernel_backend=kernel_backend,
+            weights_of_run=weights_of_run,
         )
         if self.runner.num_blocks != target.num_blocks:
             raise RuntimeError(
@@ -79,7 +84,7 @@ class Drafter:
                 f"{target.num_blocks}: they share block tables"
             )
         self.vocab_size = vocab
-        self.exact = exact
+        self.rejection_sampling = rejection_sampling
         self.probs: dict[int, torch.Tensor] = {}  # this step's q rows by sequence id
         self._seen: dict[int, int] = {}  # seq id -> positions before it are in the draft's KV
 
@@ -96,7 +101,8 @@ class Drafter:
         self, chunks: Sequence[SeqChunk], num_draft: Mapping[int, int], sampler: Sampler
     ) -> list[SeqChunk]:
         """`chunks` with their drafts (`num_draft` by sequence id) appended as proposals
-        (num_proposed). `probs` then holds the q rows of sampled requests' proposals."""
+        (num_proposed). With rejection sampling `probs` then holds the q rows of sampled
+        requests' proposals."""
         self.probs = {}
         wanted = {chunk.seq_id: num_draft.get(chunk.seq_id, 0) for chunk in chunks if chunk.sample}
         drafting = [chunk for chunk in chunks if wanted.get(chunk.seq_id, 0) > 0]
@@ -126,7 +132,7 @@ class Drafter:
                         for chunk in live
                     ]
                 )
-        if not self.exact:
+        if self.rejection_sampling:
             self.probs = {seq_id: torch.stack(rows) for seq_id, rows in q_rows.items()}
         return [_with_proposals(chunk, drafts.get(chunk.seq_id, [])) for chunk in chunks]
 
@@ -173,9 +179,10 @@ class Drafter:
             # The position the drawn token takes: the target's draw there uses this noise.
             positions = [_last_position(live[row]) + 1 + depth for row in rows]
             tokens[index] = gumbel_argmax(final, seeds, positions).to(tokens.dtype)
-            probs = torch.softmax(final, dim=-1)
-            for offset, row in enumerate(rows):
-                q_rows.setdefault(live[row].seq_id, []).append(probs[offset])
+            if self.rejection_sampling:
+                probs = torch.softmax(final, dim=-1)
+                for offset, row in enumerate(rows):
+                    q_rows.setdefault(live[row].seq_id, []).append(probs[offset])
         return [int(token) for token in tokens.tolist()]
 
 

@@ -18,13 +18,23 @@ and on rejection the token comes from p_target with the proposal's mass removed,
 (`residual_distribution` states that form; the unit test checks the two agree).
 A rejected proposal never reaches the sampler's history, so a grammar never sees it.
 
-A draft model's proposal x of a sampled request was drawn from the draft's distribution q
-(engine/model/drafter.py), given with `draft_probs`: then it is vLLM's rejection sampling,
-accepted with probability min(1, p(x) / q(x)), and on rejection the token is drawn from
-max(0, p - q) renormalised, which leaves the output distributed as p whatever q is. The
-uniform and the residual draw are functions of (seed, position) too, with noise of their own.
-A rejection never draws x (its residual mass is 0), so "the token equals the proposal" still
-means accepted. Greedy rows (and every row without q) accept exactly the target's own token.
+A draft model's proposal of a sampled request is verified the same way by default: the draft
+drew it from its distribution q with the noise of the target's own draw at that position
+(engine/model/drafter.py), a Gumbel coupling, so it stands where both models draw the same
+token: accepted at most sum(min(p, q)) of the time, always where p = q (independent draws
+would agree sum(p * q) of the time). The output is then the non-speculative output whatever
+was drafted; since a restart changes which positions are drafted, that is what makes a resumed
+stream continue exactly as the undisturbed one.
+
+With `"acceptance_method": "rejection_sampler"` (`draft_probs` given) it is vLLM's rejection
+sampling instead: x is accepted with probability min(1, p(x) / q(x)), and on rejection the token
+is drawn from max(0, p - q) renormalised, which leaves the output distributed as p whatever q
+is and accepts sum(min(p, q)) of the time, the most any rule keeping p can; but the token at a
+drafted position is then a function of x, q and the noise, not of the noise alone, so it is the
+same distribution and not the same draws as without speculation. The uniform and the residual
+draw are functions of (seed, position) too, with noise of their own. A rejection never draws x
+(its residual mass is 0), so "the token equals the proposal" still means accepted. Greedy rows
+(and every row without q) accept exactly the target's own token.
 """
 
 from __future__ import annotations

@@ -12,10 +12,10 @@ With a draft model ("model" in the config) the scheduler proposes no tokens: it 
 blocks of k more and asks worker rank 0 to draft them (PlannedChunk.num_draft), which it does
 before verifying them in the same step (engine/model/drafter.py). The rest is the same.
 
-Proposals never change which tokens come out under greedy decoding, nor under sampling with
-n-gram proposals or in deterministic mode, only how many come per step. A draft model's
-proposals of sampled requests are verified by rejection sampling: the same distribution, but
-not the same draws as without speculation.
+Proposals never change which tokens come out, only how many come per step: a proposal stands
+where it equals the target's own draw. Only `"acceptance_method": "rejection_sampler"` (vLLM's
+rule, for a draft model's proposals of sampled requests) gives the same distribution but not
+the same draws as without speculation.
 """
 
 from __future__ import annotations
@@ -31,6 +31,9 @@ from engine.scheduler.policy import ScheduledChunk
 from engine.scheduler.requests import SequenceState
 
 METHODS = ("ngram", "draft_model")
+# How a sampled request's draft proposals are verified (engine/model/spec_verify.py): equal to
+# the target's own draw (the default), or vLLM's rejection sampling against the draft's q.
+ACCEPTANCE_METHODS = ("target_draw", "rejection_sampler")
 
 
 class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -41,6 +44,7 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
+    acceptance_method: str = "target_draw"  # one of ACCEPTANCE_METHODS (vLLM v0's key)
 
     @property
     def kind(self) -> str:
@@ -55,6 +59,11 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
             raise ValueError(
                 "speculative_config: a model is named with method draft_model, and only then; "
                 f"got method {self.kind!r}, model {self.model!r}"
+            )
+        if self.acceptance_method not in ACCEPTANCE_METHODS:
+            raise ValueError(
+                f"speculative_config acceptance_method must be one of {list(ACCEPTANCE_METHODS)}, "
+                f"got {self.acceptance_method!r}"
             )
         if self.num_speculative_tokens < 1:
             raise ValueError(

@@ -1,14 +1,16 @@
 """Speculative decoding with a draft model: the scheduler and real worker steps on tiny
 checkpoints give exactly the non-speculative greedy tokens (the same checkpoint as draft
-accepting every proposal, a different random one none), deterministic mode gives the
-non-speculative sampled tokens whatever the batch, and the first speculative token of sampled
-requests is distributed as transformers' softmax of the target, accepted as often as rejection
-sampling against the draft's (transformers') distribution accepts."""
+accepting every proposal, a different random one none) and, by default, the non-speculative
+sampled tokens, batched or alone, resumed or not (in deterministic mode too); the first
+speculative token of sampled requests is distributed as transformers' softmax of the target
+under both acceptance rules, vLLM's rejection sampler accepting as often as rejection sampling
+against the draft's (transformers') distribution does, the default rule at most that."""
 
 from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +39,10 @@ K = 3  # num_speculative_tokens
 PHRASE = [11, 42, 97, 5, 300, 17, 64, 23]
 
 
-def draft_config(path: Path) -> str:
-    return json.dumps({"model": str(path), "num_speculative_tokens": K})
+def draft_config(path: Path, acceptance_method: str = "target_draw") -> str:
+    return json.dumps(
+        {"model": str(path), "num_speculative_tokens": K, "acceptance_method": acceptance_method}
+    )
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +114,33 @@ def test_greedy_output_is_the_plain_output_with_the_same_or_another_draft(
     assert on.speculator is not None and on.speculator.tally.num_drafts > 0
 
 
+SAMPLED = {
+    "a": (PHRASE * 2, SamplingParams(temperature=0.8, max_tokens=16)),
+    "b": (list(range(200, 230)), SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12)),
+    "c": (PHRASE * 3, SamplingParams(temperature=1.0, top_k=20, max_tokens=12, logprobs=1)),
+}
+
+
+def test_sampled_output_is_the_plain_output_with_another_draft_resumed_or_not(
+    runner: ModelRunner, other: Path
+) -> None:
+    """The default rule: sampled, seeded requests with another random model as draft get the
+    tokens of no speculation, batched and one resubmitted mid-stream (as after a restart), or
+    alone: which positions were drafted changes nothing. vLLM's rejection sampler on the same
+    requests draws other tokens (the same distribution, not the same draws)."""
+    plain, _ = generate(StepExecutor(runner, 0), SAMPLED, "")
+    executor = StepExecutor(runner, 0, drafter=Drafter(str(other), runner))
+    batched, on = generate(executor, SAMPLED, draft_config(other), resubmit=("a", 4))
+    alone, _ = generate(executor, {"a": SAMPLED["a"]}, draft_config(other))
+    assert batched == plain
+    assert alone["a"] == plain["a"]
+    assert on.speculator is not None and on.speculator.tally.num_drafts > 0
+    rejection = Drafter(str(other), runner, rejection_sampling=True)
+    executor = StepExecutor(runner, 0, drafter=rejection)
+    drawn, _ = generate(executor, SAMPLED, draft_config(other, "rejection_sampler"))
+    assert drawn != plain
+
+
 def test_deterministic_mode_gives_the_plain_sampled_tokens_in_any_batch(
     target: Path, other: Path
 ) -> None:
@@ -119,7 +150,7 @@ def test_deterministic_mode_gives_the_plain_sampled_tokens_in_any_batch(
     runner = ModelRunner(
         str(target), kv_cache_memory=1 << 20, block_size=4, kernel_backend="batch_invariant"
     )
-    drafter = Drafter(str(other), runner, kernel_backend="batch_invariant", exact=True)
+    drafter = Drafter(str(other), runner, kernel_backend="batch_invariant")
     sampled = {
         "a": (PHRASE * 2, SamplingParams(temperature=0.8, max_tokens=16)),
         "b": (list(range(200, 230)), SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12)),
@@ -138,21 +169,38 @@ def test_deterministic_mode_gives_the_plain_sampled_tokens_in_any_batch(
     assert on.speculator is not None and on.speculator.tally.num_drafts > 0
 
 
-def test_the_first_speculative_token_keeps_the_target_distribution(
+def test_the_first_speculative_token_keeps_the_target_distribution_under_both_rules(
     runner: ModelRunner, target: Path, other: Path
 ) -> None:
-    """Many seeded sequences at the same context (prompt + one token), each drafting K tokens
-    with another random model: the first token out is distributed as transformers' softmax of
-    the target (chi-square), and the first proposal is accepted about sum(min(p, q)) of the
-    time, q the draft's softmax from transformers: rejection sampling, not the sum(p * q) of
-    accepting only the target's own draws."""
-    prompt, last, rounds, per_round = PHRASE, 7, 2, 500
-    executor = StepExecutor(runner, 0, drafter=Drafter(str(other), runner))
-    params = SamplingParams(temperature=1.0, max_tokens=50)
-    context = [*prompt, last]
+    """Many seeded sequences at the same context (prompt + one token), each drafting with
+    another random model: under both rules the first token out is distributed as transformers'
+    softmax p of the target (chi-square). vLLM's rejection sampler accepts the first proposal
+    about sum(min(p, q)) of the time, q the draft's softmax from transformers; the default rule
+    on the same draws (accepted where the target's own draw agrees) at most that, and far more
+    often than independent draws would agree (sum(p * q))."""
+    context = [*PHRASE, 7]
     p = torch.softmax(hf_logits(target, context)[-1].double(), dim=0)
     q = torch.softmax(hf_logits(other, context)[-1].double(), dim=0)
+    draws = 1000
+    rejection = Drafter(str(other), runner, rejection_sampling=True)
+    firsts, accepted = first_tokens(StepExecutor(runner, 0, drafter=rejection), draws)
+    assert chi_square_fits(torch.tensor(firsts), p, draws)
+    expected = float(torch.minimum(p, q).sum())
+    sigma = math.sqrt(expected * (1 - expected) / draws)
+    assert float((p * q).sum()) < expected - 0.05  # the two rules tell apart here
+    assert abs(accepted / draws - expected) < 4 * sigma
 
+    coupled = StepExecutor(runner, 0, drafter=Drafter(str(other), runner))
+    own_firsts, own_accepted = first_tokens(coupled, draws)
+    assert chi_square_fits(torch.tensor(own_firsts), p, draws)
+    assert float((p * q).sum()) + 4 * sigma < own_accepted / draws < expected + 4 * sigma
+
+
+def first_tokens(executor: StepExecutor, draws: int) -> tuple[list[int], int]:
+    """Each of `draws` seeded sequences' first token after PHRASE + [7] with one proposal
+    (later ones cannot change the first token), and how many had it accepted."""
+    prompt, last, per_round = PHRASE, 7, 500
+    params = SamplingParams(temperature=1.0, max_tokens=50)
     prefill = StepPlan(
         0,
         [NewRequest(0, prompt, params)],
@@ -165,14 +213,14 @@ def test_the_first_speculative_token_keeps_the_target_distribution(
     firsts: list[int] = []
     accepted = 0
     previous: list[int] = [0]
-    for round_ in range(rounds):
+    for round_ in range(draws // per_round):
         ids = [1 + round_ * per_round + i for i in range(per_round)]
         plan = StepPlan(
             1 + round_,
             [],
             [NewSeq(seq_id, 0, [last], seq_id * 7919 + 13) for seq_id in ids],
             [
-                PlannedChunk(s, [last], len(prompt), [0, 1, 2 + i], True, 0, 0, K)
+                PlannedChunk(s, [last], len(prompt), [0, 1, 2 + i], True, 0, 0, 1)
                 for i, s in enumerate(ids)
             ],
             previous,
@@ -180,16 +228,12 @@ def test_the_first_speculative_token_keeps_the_target_distribution(
         )
         (result,) = executor.run(plan)
         assert isinstance(result, StepResult)
-        counts = {seq_id: result.seq_ids.count(seq_id) for seq_id in ids}
-        accepted += sum(1 for count in counts.values() if count > 1)
+        counts = Counter(result.seq_ids)
+        accepted += sum(1 for seq_id in ids if counts[seq_id] > 1)
         for seq_id in ids:
             firsts.append(result.token_ids[result.seq_ids.index(seq_id)])
         previous = ids
-    draws = rounds * per_round
-    assert chi_square_fits(torch.tensor(firsts), p, draws)
-    expected = float(torch.minimum(p, q).sum())
-    assert float((p * q).sum()) < expected - 0.05  # the two rules tell apart here
-    assert abs(accepted / draws - expected) < 4 * math.sqrt(expected * (1 - expected) / draws)
+    return firsts, accepted
 
 
 def chi_square_fits(samples: torch.Tensor, p: torch.Tensor, draws: int) -> bool:
@@ -228,25 +272,38 @@ def test_a_draft_with_another_vocabulary_or_tensor_parallelism_is_refused_in_one
         (draft_config(smaller), 1, "has a vocabulary of 384 tokens, the model's has 512"),
         (draft_config(target), 2, "a draft model runs with tensor_parallel_size 1 only"),
         (draft_config(target / "missing"), 1, "no such file or directory"),
+        (
+            draft_config(target, "typical_acceptance_sampler"),
+            1,
+            "acceptance_method must be one of ['target_draw', 'rejection_sampler'], got "
+            "'typical_acceptance_sampler'",
+        ),
     ):
         with pytest.raises(ValueError) as caught:
             draft_model_path(settings(speculative, tp), str(target), config)
         assert words in str(caught.value) and "\n" not in str(caught.value)
 
 
-def test_the_plan_hands_the_draft_to_rank_0_which_verifies_exactly_in_deterministic_mode(
+def test_the_plan_hands_the_draft_and_its_acceptance_method_to_rank_0(
     runner: ModelRunner, target: Path, other: Path
 ) -> None:
     """The launch resolves the draft into the worker's config; the worker builds its Drafter
-    from it, exact (deterministic mode) only with the batch-invariant kernels."""
-    spec = draft_config(other)
-    for deterministic in (False, True):
+    from it, with vLLM's rejection sampler only when asked, which deterministic mode refuses."""
+    for deterministic, method in ((False, "target_draw"), (False, "rejection_sampler"),
+                                  (True, "target_draw")):  # fmt: skip
         fields: dict[str, Any] = {"model.path": str(target), "model.deterministic": deterministic}
-        settings = build_settings(None, **fields, **{"scheduler.speculative_config": spec})
-        plan = plan_engine(settings, str(target))
+        spec = {"scheduler.speculative_config": draft_config(other, method)}
+        plan = plan_engine(build_settings(None, **fields, **spec), str(target))
         child = next(c for c in plan.spec.children if c.name.startswith("worker"))
         config = msgspec.msgpack.decode(child.config, type=WorkerConfig)
         assert config.draft_model_path == str(other)
         drafter = _drafter(config, runner)
-        assert isinstance(drafter, Drafter) and drafter.exact == deterministic
+        assert isinstance(drafter, Drafter)
+        if drafter.runner.weight_slot is not None:  # kept for restarts of a run we are not
+            drafter.runner.weight_slot.remove()
+        assert drafter.rejection_sampling == (method == "rejection_sampler")
         assert _drafter(msgspec.structs.replace(config, rank=1), runner) is None
+    fields = {"model.path": str(target), "model.deterministic": True}
+    spec = {"scheduler.speculative_config": draft_config(other, "rejection_sampler")}
+    with pytest.raises(ValueError, match='"rejection_sampler" cannot run in deterministic mode'):
+        plan_engine(build_settings(None, **fields, **spec), str(target))
