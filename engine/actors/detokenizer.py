@@ -42,6 +42,6 @@ class DetokenizerActor(Actor):
         batch = output.batch
         if batch is not None:  # split across frames when a step's outputs outgrow one
             max_bytes = self.rings.writer(OUTPUTS_RING.name).spec.max_frame_bytes
-            parts: list[list[Any]] = [batch.prompts, batch.samples, batch.failures]
+            parts: list[list[Any]] = [batch.started, batch.samples, batch.failures]
             frames = encode_in_frames(OUTPUTS_RING.channel, OutputBatch, parts, max_bytes)
             await self.send_many(OUTPUTS_RING, frames)

@@ -1,7 +1,9 @@
 """The tokenizer actor: chat template + tokenization, and the first check of a request's size.
 
 Requests come from the gateway; tokenized ones go to the scheduler, and so do refused ones (as
-RequestFailed, which travel the request path to the gateway like every failure). A request that
+RequestFailed, which travel the request path to the gateway like every failure). The ids made of
+a text prompt go straight back to the gateway too (PROMPTS_RING), after the submission: the
+gateway learns them from here alone, so they cross no other ring on their way. A request that
 breaks tokenization fails alone and the actor keeps serving: status 400 when its input is at
 fault (a bad value, a chat template that refuses the messages), 500 for anything else. It never
 imports torch (see text/hf_tokenizer).
@@ -20,8 +22,8 @@ import msgspec
 from engine.actors.configs import TokenizerConfig
 from engine.messages.codec import too_large_for_one_frame
 from engine.messages.failures import RequestFailed
-from engine.messages.requests import GATEWAY_TO_TOKENIZER, GenerateRequest
-from engine.messages.ring_catalogue import REQUESTS_RING, SUBMIT_RING
+from engine.messages.requests import GATEWAY_TO_TOKENIZER, GenerateRequest, PromptTokens
+from engine.messages.ring_catalogue import PROMPTS_RING, REQUESTS_RING, SUBMIT_RING
 from engine.messages.roles import Role
 from engine.messages.scheduling import AbortRequests, SubmitRequest
 from engine.outputs import EngineError
@@ -39,6 +41,9 @@ from engine.text.prompt import PromptBuilder
 # seconds, during which the loop must keep beating the heart and serving the other requests.
 # Below it, a thread's hand-off costs more than the tokenizing.
 INLINE_CHARS = 16_384
+# One request's frame for the scheduler, and for the gateway the ids made of its text (None: it
+# came as ids, or failed).
+Tokenized = tuple[bytes, bytes | None]
 SAVED_DIR = "/dev/shm"  # where the built tokenizer waits for a restart (see on_start)
 SAVE_WAIT_S = 10.0  # a stop waits this long for the first start's save to end
 
@@ -111,18 +116,26 @@ class TokenizerActor(Actor):
         remove_text_encoder(self._saved_path)  # a killed actor leaves it to its successor
 
     async def handle(self, ring: str, frames: list[bytes]) -> None:
-        to_scheduler: list[bytes] = []
+        done: list[Tokenized] = []
         for message in REQUESTS_RING.decode_many(frames):  # its one inbound ring
             if isinstance(message, AbortRequests):
                 for request_id in message.request_ids:  # its thread's result will be dropped
                     self._on_thread.pop(request_id, None)
-                to_scheduler.append(SUBMIT_RING.encode(message))
+                done.append((SUBMIT_RING.encode(message), None))
             elif (builder := self._inline_builder(message)) is not None:
-                to_scheduler.append(self._tokenize(message, builder))
+                done.append(self._tokenize(message, builder))
             else:
                 self._tokenize_on_thread(message)
-        if to_scheduler:
-            await self.send_many(SUBMIT_RING, to_scheduler)
+        await self._pass_on(done)
+
+    async def _pass_on(self, done: list[Tokenized]) -> None:
+        """Submissions to the scheduler, then the prompts' ids to the gateway: the scheduler's
+        work is on each request's path; the gateway needs the ids only by its first output."""
+        if done:
+            await self.send_many(SUBMIT_RING, [to_scheduler for to_scheduler, _ in done])
+        to_gateway = [prompt for _, prompt in done if prompt is not None]
+        if to_gateway:
+            await self.send_many(PROMPTS_RING, to_gateway)
 
     def _inline_builder(self, message: GenerateRequest) -> PromptBuilder | None:
         """The builder to tokenize `message` with on the loop; None: on the thread."""
@@ -134,20 +147,26 @@ class TokenizerActor(Actor):
             return self._text_builder  # None too while there is none: after the load
         return self.builder
 
-    def _tokenize(self, message: GenerateRequest, builder: PromptBuilder | None = None) -> bytes:
-        """The request's frame for the scheduler: its submission, or its failure."""
+    def _tokenize(
+        self, message: GenerateRequest, builder: PromptBuilder | None = None
+    ) -> Tokenized:
+        """The request's frame for the scheduler (its submission, or its failure), and the
+        gateway's of the ids made of its text."""
         try:
             builder = builder or self.builder
             if builder is None:
                 raise RuntimeError("the tokenizer failed to load")
             token_ids = builder.build(message)
         except Exception as exc:  # fails this request alone
-            return SUBMIT_RING.encode(_failure(message, exc))
+            return SUBMIT_RING.encode(_failure(message, exc)), None
         frame = SUBMIT_RING.encode(_submission(message, token_ids))
         if len(frame) > self._max_frame_bytes:
             error = too_large_for_one_frame(len(frame), self._max_frame_bytes)
-            return SUBMIT_RING.encode(_failed(message, 400, error))
-        return frame
+            return SUBMIT_RING.encode(_failed(message, 400, error)), None
+        if message.prompt_token_ids is not None:
+            return frame, None  # the gateway has them
+        prompt = PromptTokens(message.request_id, message.epoch, token_ids)
+        return frame, PROMPTS_RING.encode(prompt)
 
     def _tokenize_on_thread(self, message: GenerateRequest) -> None:
         self._on_thread[message.request_id] = message.epoch
@@ -158,7 +177,7 @@ class TokenizerActor(Actor):
     async def _finish_on_thread(self, message: GenerateRequest) -> None:
         loop = asyncio.get_running_loop()
         try:
-            frame = await loop.run_in_executor(self._executor, self._tokenize, message)
+            done = await loop.run_in_executor(self._executor, self._tokenize, message)
         finally:
             # Aborted, or resubmitted under a newer epoch, while it was on the thread: its
             # result would run a request nobody waits for.
@@ -166,7 +185,7 @@ class TokenizerActor(Actor):
             if current:
                 del self._on_thread[message.request_id]
         if current:
-            await self.send_many(SUBMIT_RING, [frame])
+            await self._pass_on([done])
 
 
 def _prompt_chars(request: GenerateRequest) -> int:
@@ -187,7 +206,6 @@ def _submission(request: GenerateRequest, token_ids: list[int]) -> SubmitRequest
         resume=request.resume,
         kv_handoff=request.kv_handoff,
         kv_source=request.kv_source,
-        prompt_from_text=request.prompt_token_ids is None,
     )
 
 

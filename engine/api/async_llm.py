@@ -1,12 +1,13 @@
 """AsyncLLM: the engine for asyncio applications; it owns the actor system of one model.
 
 It lives in the root process: it starts the supervisor, keeps the gateway (every unfinished
-request's truth), pumps the detokenizer's output into per-request streams, and after any restart
-on the request path resubmits every unfinished request under a new epoch (engine/gateway/; with
-data-parallel replicas, every unfinished request of the restarted actor's replica). A death
-that was a crash (not a kill from outside) is counted against the requests in flight at the
-actor, which the gateway retries alone and quarantines if they crash it again (see gateway).
-Past the restart intensity every request fails with 503 and `health()` says why.
+request's truth), pumps the detokenizer's output (and the tokenizer's prompt ids) into
+per-request streams, and after any restart on the request path resubmits every unfinished
+request under a new epoch (engine/gateway/; with data-parallel replicas, every unfinished
+request of the restarted actor's replica). A death that was a crash (not a kill from outside)
+is counted against the requests in flight at the actor, which the gateway retries alone and
+quarantines if they crash it again (see gateway). Past the restart intensity every request
+fails with 503 and `health()` says why.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 
 import msgspec
 
+from engine.gateway.inbound import take_in
 from engine.gateway.kv_params import KvParams, instance_kv_params
 from engine.gateway.registry import Gateway, ToTokenizer
 from engine.gateway.replicas import Replicas, supervise
@@ -31,7 +33,7 @@ from engine.messages.codec import too_large_for_one_frame
 from engine.messages.params import LoRARequest, SamplingParams
 from engine.messages.reports import SchedulerReport
 from engine.messages.requests import GenerateRequest
-from engine.messages.ring_catalogue import OUTPUTS_RING, REPORTS_RING, REQUESTS_RING, ring_of
+from engine.messages.ring_catalogue import REQUESTS_RING
 from engine.model_source import model_directory
 from engine.outputs import EngineError, RequestOutput, merge_outputs, snapshot
 from engine.request.policy import RequestPolicy
@@ -372,15 +374,7 @@ class AsyncLLM:
                 if self._failure is not None or self._closed:
                     return  # the supervisor shut down (escalation) and closed the root's rings
                 raise
-            for ring, frames in received:
-                entry = ring_of(ring)
-                if entry is OUTPUTS_RING:
-                    for batch in OUTPUTS_RING.decode_many(frames):
-                        self.gateway.deliver(batch)
-                elif entry is REPORTS_RING:
-                    reports = REPORTS_RING.decode_many(frames)
-                    if reports:
-                        self._report = reports[-1]
+            self._report = take_in(self.gateway, received) or self._report
             self._send_owed()
 
     async def _follow_supervisor(self, events: asyncio.Queue[Any]) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 from engine.gateway.output_stream import OutputStream
 from engine.messages.admin import RequestRow
 from engine.messages.kv_transfer import KvHandoff, KvSource
-from engine.messages.outputs import SampleLogprobs
+from engine.messages.outputs import SampleDeltaText, SampleLogprobs
 from engine.messages.params import SamplingParams
 from engine.messages.requests import ChatMessage, ChatOptions, GenerateRequest
 from engine.messages.scheduling import FirstScheduled, SampleResume
@@ -46,6 +46,9 @@ class RequestRecord:
     arrival: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     acknowledged: bool = False  # the detokenizer has seen the current epoch (past the tokenizer)
+    # Outputs of the current epoch that came before the ids of its text prompt (they come on
+    # another ring, from the tokenizer): its client gets them with the ids.
+    early: list[SampleDeltaText] = field(default_factory=list)
     held: bool = False  # held back at the gateway while a suspect is on probation
     strikes: int = 0  # crashes it was in flight at since it last made progress
     suspect_epoch: int | None = None  # its epoch when it last became a suspect; None: cleared
@@ -107,6 +110,7 @@ class RequestRecord:
         has yet to pass this one on. `resubmitted`: after a restart (timed for the trace)."""
         self.epoch += 1
         self.acknowledged = False
+        self.early = []
         if resubmitted:
             self.resubmitted_at.append(time.monotonic())
 

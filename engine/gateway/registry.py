@@ -4,28 +4,12 @@ restart loses no request.
 It runs in the root process. It assigns request ids and seeds, keeps each unfinished request's
 record (prompt, params, what each sample has delivered to its client, epoch), fans detokenizer
 output to per-request streams, and after a restart on the request path produces the resubmission
-of every unfinished request under a new epoch. It does no I/O itself: the engine client sends
-what it returns (and what `take_submissions` hands out).
+of every unfinished request under a new epoch. The ids of a text prompt come from the tokenizer,
+on a ring of their own: a request's outputs reach its client only once they are known. It does
+no I/O itself: the engine client sends what it returns (and what `take_submissions` hands out).
 
-Crashes and quarantine. A request that crashes an actor every time it gets there must not
-crash-loop the engine, and a request that merely stood next to it must not pay for it:
-
-- A crash is a death the engine did not cause from outside: an exception that escaped, a native
-  crash, a hang killed by the heartbeat watchdog. A kill from outside (SIGKILL, SIGTERM by an
-  operator, the OOM killer, a chaos test) is evidence against no request and is not counted.
-- A crash counts once against every request in flight at the crashed actor (for the tokenizer:
-  the requests it had not passed on yet; for the others: every request not held back). Those
-  requests become suspects.
-- Suspects are put on probation, one at a time and alone: while one is on probation every other
-  request is held back at the gateway (new ones included), so if an actor crashes now, the
-  probationer alone can have caused it. A suspect is cleared by its first token after the crash
-  (it got past the point where the crash happened); then the next suspect goes, and when none is
-  left every held request is released.
-- A request is quarantined (failed with status 500, never retried) once it has been in flight at
-  `quarantine_after` crashes, the last of them while it was the only request in flight there.
-
-A cleared suspect starts from zero again. Probation costs one prefill and one token per suspect,
-during which the engine serves nobody else: acceptable for crashes, which should be rare.
+A request that crashes an actor every time it gets there is retried alone (probation) and then
+quarantined: the rules are in docs/architecture.md, "Nothing in flight is lost".
 """
 
 from __future__ import annotations
@@ -47,7 +31,7 @@ from engine.messages.admin import RequestRow
 from engine.messages.kv_transfer import KvHandoff, KvSource
 from engine.messages.outputs import OutputBatch, SampleDeltaText
 from engine.messages.params import SamplingParams
-from engine.messages.requests import ChatMessage, ChatOptions, GenerateRequest
+from engine.messages.requests import ChatMessage, ChatOptions, GenerateRequest, PromptTokens
 from engine.messages.scheduling import AbortRequests
 from engine.outputs import CompletionOutput, EngineError
 
@@ -171,12 +155,11 @@ class Gateway:
             self.fail(request_id, error)
 
     def deliver(self, batch: OutputBatch) -> None:
-        """Apply one detokenizer batch: outputs of a stale epoch are dropped."""
-        for info in batch.prompts:
-            record = self._current(info.request_id, info.epoch)
+        """Apply one detokenizer batch: outputs of a stale epoch are dropped, and those that
+        came before the ids of their text prompt wait for them (`learn_prompt`)."""
+        for started in batch.started:
+            record = self._current(started.request_id, started.epoch)
             if record is not None:
-                if info.prompt_token_ids is not None:  # the tokenizer's, from the prompt's text
-                    record.prompt_token_ids = info.prompt_token_ids
                 record.acknowledged = True
         for failure in batch.failures:
             if self._current(failure.request_id, failure.epoch) is not None:
@@ -186,8 +169,21 @@ class Gateway:
             by_request.setdefault(delta.request_id, []).append(delta)
         for request_id, deltas in by_request.items():
             record = self._current(request_id, deltas[0].epoch)
-            if record is not None:
+            if record is not None and record.prompt_token_ids is None:
+                record.early += deltas
+            elif record is not None:
                 self._apply(record, deltas)
+
+    def learn_prompt(self, prompt: PromptTokens) -> None:
+        """The tokenizer's ids of a text prompt: kept for every resubmission (never tokenized
+        again) and every output; the outputs that came before them go now."""
+        record = self._current(prompt.request_id, prompt.epoch)
+        if record is None or record.prompt_token_ids is not None:
+            return
+        record.prompt_token_ids = prompt.prompt_token_ids
+        early, record.early = record.early, []
+        if early:
+            self._apply(record, early)
 
     def record_crash(self, actor: str, reason: str, *, tokenizer: bool = False) -> list[str]:
         """Count a crash of `actor` against the requests in flight at it (see the module doc);
@@ -219,11 +215,12 @@ class Gateway:
             )
         return quarantined
 
-    def not_past_tokenizer(self) -> set[str]:
-        """Requests a tokenizer may still hold: those not yet acknowledged under their current
-        epoch. A tokenizer keeps nothing of a request it has passed on, so when one restarts,
-        only these are lost."""
-        return {r.request_id for r in self._records.values() if not r.acknowledged}
+    def lost_with_tokenizer(self) -> set[str]:
+        """What a restarted tokenizer may have lost: the requests not acknowledged under their
+        current epoch (it keeps nothing of a request it has passed on), and those whose text it
+        tokenized without the gateway receiving the ids (its rings start afresh)."""
+        records = self._records.values()
+        return {r.request_id for r in records if not r.acknowledged or r.prompt_token_ids is None}
 
     def resubmit_all(self, only: Collection[str] | None = None) -> list[ToTokenizer]:
         """After a restart on the request path: every unfinished request, under a new epoch.

@@ -68,7 +68,7 @@ class SupervisorFollower:
         # With replicas, only those of the restarted actors: the others run on.
         only = self.replicas.requests_concerned(restarted)
         if all(self.role_of(name) == Role.TOKENIZER for name in restarted):
-            lost = self.gateway.not_past_tokenizer()
+            lost = self.gateway.lost_with_tokenizer()
             only = lost if only is None else only & lost
         submissions = self.gateway.resubmit_all(only)
         log.warning(

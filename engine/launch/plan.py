@@ -44,6 +44,7 @@ from engine.launch.sizing import (
 from engine.messages.ring_catalogue import (
     OUTPUTS_RING,
     PLAN_RING,
+    PROMPTS_RING,
     RENDEZVOUS_RING,
     REPORTS_RING,
     REQUESTS_RING,
@@ -298,6 +299,7 @@ def _pipeline_rings(
     rings = [
         declare_ring(REQUESTS_RING, ROOT, [tokenizer]),
         declare_ring(SUBMIT_RING, tokenizer, [sched]),
+        declare_ring(PROMPTS_RING, tokenizer, [ROOT]),
         declare_ring(PLAN_RING, sched, plan_readers),
         declare_ring(RESULTS_RING, rank0, [sched]),
         declare_ring(TOKENS_RING, sched, [detok]),

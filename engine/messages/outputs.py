@@ -42,18 +42,16 @@ class SampleDeltaText(msgspec.Struct, array_like=True):
     embedding: bytes | None = None  # passed on from the scheduler's SampleDelta
 
 
-class PromptInfo(msgspec.Struct, array_like=True):
-    """Sent once per request and epoch, when the detokenizer learns of it: the request got past
-    the tokenizer. With the prompt's tokens when the tokenizer made them (from text); None when
-    the gateway has them already."""
+class TextStarted(msgspec.Struct, array_like=True):
+    """Sent once per request and epoch, when the detokenizer learns of it (its TextStart): the
+    request got past the tokenizer, and the scheduler has taken it in."""
 
     request_id: str
     epoch: int
-    prompt_token_ids: list[int] | None = None
 
 
 class OutputBatch(msgspec.Struct, tag=True, array_like=True):
-    prompts: list[PromptInfo]
+    started: list[TextStarted]
     samples: list[SampleDeltaText]
     failures: list[RequestFailed]
 

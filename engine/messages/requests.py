@@ -1,9 +1,13 @@
-"""Channels gateway -> tokenizer, and tokenizer -> gateway (requests it cannot serve).
+"""Channels gateway -> tokenizer, and tokenizer -> gateway (the ids of the prompts it tokenized).
 
 The gateway is the only place a request's truth lives (engine/gateway/registry.py), so actors
 may restart without losing a request. Each submission carries an epoch; after a restart on the
 request path the gateway resubmits every unfinished request under a new epoch with `resume`
 naming each unfinished sample and what was already delivered of it.
+
+A request given as text (or chat messages) is tokenized by the tokenizer actor, which hands its
+ids straight to the gateway (`PromptTokens`), so they cross each ring at most once: the gateway
+keeps them for a resubmission (never tokenized again) and for `prompt_token_ids` in outputs.
 """
 
 from __future__ import annotations
@@ -111,3 +115,15 @@ GATEWAY_TO_TOKENIZER: Channel[GenerateRequest | AbortRequests] = Channel(
 ROUTING: Channel[RoutingView | AbortRequests] = Channel(
     "gateway-to-tokenizer (routing)", RoutingView | AbortRequests
 )
+
+
+class PromptTokens(msgspec.Struct, tag=True, array_like=True):
+    """The ids the tokenizer made of a request's text prompt (or chat), under this epoch; sent
+    once it has passed the request on to the scheduler."""
+
+    request_id: str
+    epoch: int
+    prompt_token_ids: list[int]
+
+
+TOKENIZER_TO_GATEWAY: Channel[PromptTokens] = Channel("tokenizer-to-gateway", PromptTokens)

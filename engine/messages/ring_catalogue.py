@@ -8,6 +8,7 @@ The root's own control and status rings of each child are the runtime's, not lis
 
     requests         root -> tokenizer           GenerateRequest, AbortRequests
     submit           tokenizer -> scheduler      SubmitRequest, AbortRequests, RequestFailed
+    prompts          tokenizer -> root           PromptTokens (the ids of a text prompt)
     plan             scheduler -> worker ranks   StepPlan (broadcast)
     results          worker rank 0 -> scheduler  StepResult, WorkerFailed
     tokens           scheduler -> detokenizer    TokenBatch, TextStart, failures, aborts
@@ -27,7 +28,7 @@ from engine.messages.kv_transfer import KV_EVENTS, KV_ORDERS
 from engine.messages.outputs import DETOKENIZER_TO_GATEWAY
 from engine.messages.parallel import RENDEZVOUS
 from engine.messages.reports import SCHEDULER_REPORTS
-from engine.messages.requests import GATEWAY_TO_TOKENIZER
+from engine.messages.requests import GATEWAY_TO_TOKENIZER, TOKENIZER_TO_GATEWAY
 from engine.messages.rings import Ring
 from engine.messages.roles import ROOT, Role
 from engine.messages.scheduling import SCHEDULER_OUTPUTS, SCHEDULER_REQUESTS
@@ -41,6 +42,7 @@ DETOKENIZER, KV_TRANSFER = Role.DETOKENIZER, Role.KV_TRANSFER
 
 REQUESTS_RING = Ring("requests", GATEWAY_TO_TOKENIZER, ROOT, (TOKENIZER,), RING_BYTES)
 SUBMIT_RING = Ring("submit", SCHEDULER_REQUESTS, TOKENIZER, (SCHEDULER,), RING_BYTES)
+PROMPTS_RING = Ring("prompts", TOKENIZER_TO_GATEWAY, TOKENIZER, (ROOT,), RING_BYTES)
 PLAN_RING = Ring("plan", STEP_PLANS, SCHEDULER, (WORKER,), RING_BYTES)
 RESULTS_RING = Ring("results", STEP_RESULTS, WORKER, (SCHEDULER,), RING_BYTES)
 TOKENS_RING = Ring("tokens", SCHEDULER_OUTPUTS, SCHEDULER, (DETOKENIZER,), RING_BYTES)
@@ -56,6 +58,7 @@ KV_EVENTS_RING = Ring(
 CATALOGUE: tuple[Ring[Any], ...] = (
     REQUESTS_RING,
     SUBMIT_RING,
+    PROMPTS_RING,
     PLAN_RING,
     RESULTS_RING,
     TOKENS_RING,

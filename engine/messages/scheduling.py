@@ -9,8 +9,8 @@ Outbound, the scheduler sends the detokenizer a `TextStart` for each request it 
 passes `AbortRequests` on, ahead of any tokens for them (one ring, so order holds). A TextStart
 is what the detokenizer needs and no more: the last few prompt tokens (the first output tokens
 decode in their context), the text parameters, the delivered tokens to prime itself with; the
-whole prompt only when its tokens are needed there (prompt logprobs name them) or the gateway
-has yet to learn them (the tokenizer made them from text: the detokenizer passes them on, once).
+whole prompt only when prompt logprobs are asked for (they are named by its tokens). The gateway
+learns the ids of a text prompt from the tokenizer itself (messages/requests.py, PromptTokens).
 Then one `TokenBatch` per step carries every sample's new tokens.
 """
 
@@ -50,9 +50,6 @@ class SubmitRequest(msgspec.Struct, tag=True, array_like=True):
     # instance where the prompt's KV lies, to pull instead of computing it.
     kv_handoff: KvHandoff = ""
     kv_source: KvSource | None = None
-    # The tokenizer made prompt_token_ids from text or chat messages: the gateway has yet to
-    # learn them (it keeps them, so a resubmission is never tokenized again).
-    prompt_from_text: bool = False
 
 
 class TextParams(msgspec.Struct, array_like=True):
@@ -83,11 +80,9 @@ class TextStart(msgspec.Struct, tag=True, array_like=True):
     params: TextParams
     context_token_ids: list[int]  # the prompt's last tokens: the first output decodes after them
     resume: list[SampleResume] | None = None  # as SubmitRequest.resume: what to prime with
-    # The whole prompt, only when its tokens are needed downstream: `prompt_logprobs` (they are
-    # named by its tokens), or `prompt_from_text` (the gateway learns them from the detokenizer).
+    # The whole prompt, only with `prompt_logprobs` (they are named by its tokens).
     prompt_token_ids: list[int] | None = None
     prompt_logprobs: bool = False
-    prompt_from_text: bool = False
 
 
 class AbortRequests(msgspec.Struct, tag=True, array_like=True):

@@ -18,9 +18,9 @@ from typing import Any, NamedTuple
 from engine.messages.failures import RequestFailed
 from engine.messages.outputs import (
     OutputBatch,
-    PromptInfo,
     SampleDeltaText,
     SampleLogprobs,
+    TextStarted,
     TokenLogprob,
 )
 from engine.messages.scheduling import (
@@ -48,7 +48,7 @@ class DetokenizerOutput(NamedTuple):
 
 def text_start(submit: SubmitRequest) -> TextStart:
     """What the detokenizer needs of a request the scheduler took in: the whole prompt only
-    when prompt logprobs name its tokens or the gateway has yet to learn it."""
+    when prompt logprobs name its tokens."""
     wanted = submit.params.prompt_logprobs is not None
     return TextStart(
         request_id=submit.request_id,
@@ -57,9 +57,8 @@ def text_start(submit: SubmitRequest) -> TextStart:
         params=TextParams.of(submit.params),
         context_token_ids=submit.prompt_token_ids[-PROMPT_CONTEXT_TOKENS:],
         resume=submit.resume,
-        prompt_token_ids=submit.prompt_token_ids if wanted or submit.prompt_from_text else None,
+        prompt_token_ids=submit.prompt_token_ids if wanted else None,
         prompt_logprobs=wanted,
-        prompt_from_text=submit.prompt_from_text,
     )
 
 
@@ -85,7 +84,7 @@ class Detokenizer:
         return len(self._requests)
 
     def handle(self, messages: Iterable[FromScheduler]) -> DetokenizerOutput:
-        prompts: list[PromptInfo] = []
+        started: list[TextStarted] = []
         samples: list[SampleDeltaText] = []
         failures: list[RequestFailed] = []
         stops: list[StopSamples] = []
@@ -100,7 +99,7 @@ class Detokenizer:
                         aborts.append(item.request_id)
             elif isinstance(message, TextStart):
                 try:
-                    prompts.append(self.start(message))
+                    started.append(self.start(message))
                 except Exception as exc:
                     failures.append(self._fail(message.request_id, message.epoch, exc))
                     aborts.append(message.request_id)
@@ -108,12 +107,12 @@ class Detokenizer:
                 self.abort(message.request_ids)
             elif isinstance(message, RequestFailed):
                 failures.append(self.forget_failed(message))
-        batch = OutputBatch(prompts, samples, failures) if prompts or samples or failures else None
+        batch = OutputBatch(started, samples, failures) if started or samples or failures else None
         return DetokenizerOutput(batch, stops, tuple(aborts))
 
-    def start(self, start: TextStart) -> PromptInfo:
+    def start(self, start: TextStart) -> TextStarted:
         """Start (or, for a newer epoch, restart) a request's streams, primed when resumed;
-        the gateway's acknowledgement (with the prompt, when it has yet to learn it)."""
+        the gateway's acknowledgement."""
         current = self._requests.get(start.request_id)
         if current is None or start.epoch > current.epoch:
             starts: dict[int, list[int]]
@@ -127,10 +126,9 @@ class Detokenizer:
                 )
                 for index, delivered in starts.items()
             }
-            named = start.prompt_token_ids if start.prompt_logprobs else None
+            named = start.prompt_token_ids  # only with prompt logprobs
             self._requests[start.request_id] = _RequestText(start.epoch, named, streams)
-        prompt = start.prompt_token_ids if start.prompt_from_text else None
-        return PromptInfo(start.request_id, start.epoch, prompt)
+        return TextStarted(start.request_id, start.epoch)
 
     def abort(self, request_ids: Iterable[str]) -> None:
         for request_id in request_ids:

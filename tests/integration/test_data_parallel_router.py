@@ -10,7 +10,7 @@ import pytest
 from engine.gateway.registry import Gateway
 from engine.gateway.replicas import merge_reports
 from engine.gateway.router import LeastPendingRouter, pending_tokens
-from engine.messages.outputs import OutputBatch, PromptInfo, SampleDeltaText
+from engine.messages.outputs import OutputBatch, SampleDeltaText, TextStarted
 from engine.messages.params import SamplingParams
 from engine.messages.reports import SchedulerReport
 from engine.messages.requests import GATEWAY_TO_TOKENIZER, GenerateRequest
@@ -45,7 +45,7 @@ def _route(router: LeastPendingRouter, *requests: GenerateRequest) -> list[int]:
 
 
 def _deliver(gateway: Gateway, request: GenerateRequest, tokens: int, finish: bool = False) -> None:
-    prompt = PromptInfo(request.request_id, request.epoch, request.prompt_token_ids or [])
+    started = TextStarted(request.request_id, request.epoch)
     delta = SampleDeltaText(
         request.request_id,
         request.epoch,
@@ -55,7 +55,7 @@ def _deliver(gateway: Gateway, request: GenerateRequest, tokens: int, finish: bo
         None,
         "length" if finish else None,
     )
-    gateway.deliver(OutputBatch([prompt], [delta], []))
+    gateway.deliver(OutputBatch([started], [delta], []))
 
 
 def test_equal_requests_alternate_between_idle_replicas(gateway: Gateway) -> None:

@@ -5,7 +5,12 @@ import logging
 import pytest
 
 from engine.messages.codec import FrameTooLarge, encode_in_frames
-from engine.messages.outputs import DETOKENIZER_TO_GATEWAY, OutputBatch, PromptInfo, SampleDeltaText
+from engine.messages.outputs import (
+    DETOKENIZER_TO_GATEWAY,
+    OutputBatch,
+    SampleDeltaText,
+    TextStarted,
+)
 from engine.messages.params import SamplingParams
 from engine.messages.steps import STEP_PLANS, NewRequest, NewSeq, PlannedChunk, StepPlan
 
@@ -42,18 +47,18 @@ def test_invalid_sampling_params_name_the_field() -> None:
 
 
 def test_a_batch_too_big_for_one_frame_is_split_in_order_and_an_item_too_big_fails_alone() -> None:
-    prompts = [PromptInfo(f"r{i}", 0, [i] * 400) for i in range(6)]
+    started = [TextStarted(f"r{i}-" + "x" * 400, 0) for i in range(6)]
     samples = [SampleDeltaText(f"r{i}", 0, 0, [1], "t", None, None) for i in range(6)]
-    parts = [prompts, samples, []]
+    parts = [started, samples, []]
     frames = encode_in_frames(DETOKENIZER_TO_GATEWAY, OutputBatch, parts, 1000)
     assert len(frames) > 1 and all(len(frame) <= 1000 for frame in frames)
     batches = [DETOKENIZER_TO_GATEWAY.decode(frame) for frame in frames]
-    assert [p for b in batches for p in b.prompts] == prompts
+    assert [p for b in batches for p in b.started] == started
     assert [s for b in batches for s in b.samples] == samples
-    # Contiguous runs: no frame carries a sample while a later frame still carries a prompt.
-    last_with_prompts = max(k for k, b in enumerate(batches) if b.prompts)
+    # Contiguous runs: no frame carries a sample while a later frame still carries a start.
+    last_with_started = max(k for k, b in enumerate(batches) if b.started)
     first_with_samples = min(k for k, b in enumerate(batches) if b.samples)
-    assert first_with_samples >= last_with_prompts
+    assert first_with_samples >= last_with_started
     # What fits is one frame, exactly the batch's own encoding.
     assert encode_in_frames(DETOKENIZER_TO_GATEWAY, OutputBatch, parts, 10**6) == [
         DETOKENIZER_TO_GATEWAY.encode(OutputBatch(*parts))

@@ -9,6 +9,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from engine.messages.failures import RequestFailed
+from engine.messages.outputs import TextStarted
 from engine.messages.params import SamplingParams
 from engine.messages.ring_catalogue import TOKENS_RING
 from engine.messages.scheduling import (
@@ -216,7 +217,7 @@ def test_the_detokenizer_streams_samples_and_reports_stop_string_stops(
     detokenizer = Detokenizer(tokenizer)
     out = detokenizer.handle([_submit(tokenizer, n=2, stop=["lazy"])])
     assert out.batch is not None
-    assert [p.request_id for p in out.batch.prompts] == ["r"]
+    assert [p.request_id for p in out.batch.started] == ["r"]
     ids = encode(tokenizer, "over the lazy dog")
     texts = {0: "", 1: ""}
     stops = []
@@ -297,8 +298,7 @@ def test_the_start_message_carries_the_prompt_only_where_it_is_needed(
     detokenizer = Detokenizer(tokenizer)
     out = detokenizer.handle([start])
     assert out.batch is not None
-    [info] = out.batch.prompts
-    assert (info.request_id, info.prompt_token_ids) == ("r", None)  # the gateway has them
+    assert out.batch.started == [TextStarted("r", 0)]  # the gateway's acknowledgement
     # Prompt logprobs are named by the prompt's tokens: then it comes along.
     asked = SubmitRequest("p", 0, prompt[:3], SamplingParams(prompt_logprobs=0), seed=1)
     start = text_start(asked)
@@ -310,11 +310,6 @@ def test_the_start_message_carries_the_prompt_only_where_it_is_needed(
     assert out.batch is not None
     named = out.batch.samples[0].prompt_logprobs or []
     assert [(e.token_id, e.logprob) for e in named] == [(prompt[1], -1.0), (prompt[2], -2.0)]
-    # Tokens the tokenizer made from text go on to the gateway, once.
-    from_text = SubmitRequest("t", 0, prompt, SamplingParams(), seed=1, prompt_from_text=True)
-    out = detokenizer.handle([text_start(from_text)])
-    assert out.batch is not None
-    assert out.batch.prompts[0].prompt_token_ids == prompt
 
 
 def test_engine_text_does_not_import_torch() -> None:

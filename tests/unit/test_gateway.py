@@ -2,8 +2,9 @@ from __future__ import annotations
 
 from engine.gateway.registry import Gateway
 from engine.messages.failures import RequestFailed
-from engine.messages.outputs import OutputBatch, PromptInfo, SampleDeltaText
+from engine.messages.outputs import OutputBatch, SampleDeltaText, TextStarted
 from engine.messages.params import SamplingParams
+from engine.messages.requests import GenerateRequest, PromptTokens
 from engine.messages.scheduling import AbortRequests
 from engine.outputs import EngineError, RequestOutput
 
@@ -29,7 +30,7 @@ def test_a_request_gets_a_seed_even_without_one_so_resubmission_is_exact() -> No
 def test_outputs_of_a_stale_epoch_are_dropped_and_resume_carries_what_was_delivered() -> None:
     gateway = Gateway()
     record, _ = gateway.register(SamplingParams(n=2, max_tokens=8), prompt="hi", request_id="r")
-    gateway.deliver(OutputBatch([PromptInfo("r", 0, [1, 2, 3])], [], []))
+    gateway.learn_prompt(PromptTokens("r", 0, [1, 2, 3]))
     gateway.deliver(
         OutputBatch([], [_delta("r", 0, 0, [7], "a"), _delta("r", 0, 1, [8], "b", "stop")], [])
     )
@@ -52,7 +53,7 @@ def test_deltas_of_one_sample_that_arrive_together_make_one_output() -> None:
     not come as two outputs of the same sample (the second was missed by such a reader)."""
     gateway = Gateway()
     record, _ = gateway.register(SamplingParams(n=2, max_tokens=8), prompt="hi", request_id="r")
-    gateway.deliver(OutputBatch([PromptInfo("r", 0, [1, 2, 3])], [], []))
+    gateway.learn_prompt(PromptTokens("r", 0, [1, 2, 3]))
     batch = [_delta("r", 0, 0, [7], "a"), _delta("r", 0, 1, [5], "x"), _delta("r", 0, 0, [8], "b")]
     gateway.deliver(OutputBatch([], batch, []))
     [out] = _drain(record)
@@ -85,10 +86,9 @@ def test_abort_finishes_the_stream_and_returns_the_abort_to_send() -> None:
 def test_a_stream_left_full_and_unread_past_the_timeout_is_aborted() -> None:
     # Timeout 0: the output that fills the buffer already finds it stalled.
     gateway = Gateway(stream_buffer=2, stalled_stream_timeout=0.0)
-    record, _ = gateway.register(SamplingParams(max_tokens=100), prompt="x", request_id="slow")
-    reader_keeps_up, _ = gateway.register(
-        SamplingParams(max_tokens=100), prompt="x", request_id="ok"
-    )
+    params = SamplingParams(max_tokens=100)
+    record, _ = gateway.register(params, prompt_token_ids=[1], request_id="slow")
+    reader_keeps_up, _ = gateway.register(params, prompt_token_ids=[1], request_id="ok")
     for step in range(3):
         gateway.deliver(
             OutputBatch(
@@ -111,3 +111,44 @@ def test_unseeded_requests_draw_their_seeds_from_the_engine_seed() -> None:
     assert first == again and len(set(first)) == 3  # reproducible, yet distinct per request
     assert first != other
     assert Gateway(seed=0).register(SamplingParams(seed=7), prompt="x")[0].seed == 7
+
+
+def test_outputs_that_come_before_the_ids_of_their_text_prompt_wait_for_them() -> None:
+    """The ids come from the tokenizer on a ring of their own: a request's outputs, even its
+    finish, may be read first. Its client gets them with the ids, never without."""
+    gateway = Gateway()
+    record, _ = gateway.register(SamplingParams(max_tokens=2), prompt="hi", request_id="r")
+    gateway.deliver(OutputBatch([TextStarted("r", 0)], [_delta("r", 0, 0, [7], "a")], []))
+    gateway.deliver(OutputBatch([], [_delta("r", 0, 0, [8], "b", "length")], []))
+    assert _drain(record) == [] and "r" in gateway
+    gateway.learn_prompt(PromptTokens("r", 1, [9, 9]))  # of an epoch it is not in: dropped
+    assert _drain(record) == []
+    gateway.learn_prompt(PromptTokens("r", 0, [4, 5, 6]))
+    [out] = _drain(record)
+    assert out.finished and out.prompt_token_ids == [4, 5, 6]
+    assert [(o.token_ids, o.text) for o in out.outputs] == [([7, 8], "ab")]
+    assert "r" not in gateway
+
+
+def test_a_restarted_tokenizer_costs_the_requests_whose_ids_the_gateway_lacks() -> None:
+    """Past the tokenizer (acknowledged) but without the ids of its text: resubmitted as text,
+    under a new epoch whose outputs alone count; with its ids, a request runs on untouched."""
+    gateway = Gateway()
+    tokenized, _ = gateway.register(SamplingParams(), prompt="a", request_id="known")
+    lacking, _ = gateway.register(SamplingParams(), prompt="b", request_id="lacking")
+    gateway.register(SamplingParams(), prompt_token_ids=[3], request_id="waiting")
+    gateway.deliver(OutputBatch([TextStarted("known", 0), TextStarted("lacking", 0)], [], []))
+    gateway.learn_prompt(PromptTokens("known", 0, [1]))
+    gateway.deliver(OutputBatch([], [_delta("lacking", 0, 0, [7], "x")], []))  # kept back
+    lost = gateway.lost_with_tokenizer()
+    assert lost == {"lacking", "waiting"}
+    again = {s.request_id: s for s in gateway.resubmit_all(lost) if isinstance(s, GenerateRequest)}
+    assert again["lacking"].prompt == "b" and again["lacking"].prompt_token_ids is None
+    # What was kept back never reached the client: the sample starts again from nothing.
+    assert [(r.index, r.delivered_token_ids) for r in again["lacking"].resume] == [(0, [])]
+    assert tokenized.epoch == 0 and lacking.epoch == 1
+    gateway.learn_prompt(PromptTokens("lacking", 0, [2]))  # the old epoch's, late: dropped
+    assert lacking.prompt_token_ids is None
+    gateway.learn_prompt(PromptTokens("lacking", 1, [2]))
+    assert _drain(lacking) == []  # the old epoch's early output went with it
+    assert lacking.prompt_token_ids == [2]

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from engine.gateway.registry import Gateway
-from engine.messages.outputs import OutputBatch, PromptInfo, SampleDeltaText
+from engine.messages.outputs import OutputBatch, SampleDeltaText
 from engine.messages.params import SamplingParams
+from engine.messages.requests import PromptTokens
 from engine.messages.scheduling import FirstScheduled
 from engine.outputs import EngineError
 from engine.telemetry import attributes as attr
@@ -42,7 +43,7 @@ def test_a_restart_is_an_event_and_a_failure_the_status() -> None:
         headers = {"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"}
         gateway.register(SamplingParams(max_tokens=3), prompt="hi", request_id="r",
                          trace_headers=headers)  # fmt: skip
-        gateway.deliver(OutputBatch([PromptInfo("r", 0, [1, 2])], [], []))
+        gateway.learn_prompt(PromptTokens("r", 0, [1, 2]))
         gateway.deliver(OutputBatch([], [_delta(0, [7], first=FirstScheduled(0, 0.01, 0.02))], []))
         gateway.resubmit_all()  # as after an actor's restart on the request path
         gateway.deliver(OutputBatch([], [_delta(1, [8, 9], "length")], []))
