@@ -2,13 +2,14 @@
 # The engine on the CPU, serving the default model (SmolLM2-135M-Instruct, Q4_1 GGUF) on :8000.
 #
 #   docker build -t engine .
-#   docker run --rm -p 8000:8000 --shm-size 1g engine
-#   docker run --rm -p 8000:8000 --shm-size 1g -e ENGINE_SCHEDULER__MAX_NUM_SEQS=64 engine
+#   docker run --rm -p 8000:8000 --shm-size 3g engine
+#   docker run --rm -p 8000:8000 --shm-size 3g -e ENGINE_SCHEDULER__MAX_NUM_SEQS=64 engine
 #   docker run --rm engine config show
 #
 # Settings come from ENGINE_SECTION__FIELD variables (or flags after the image name). The
-# engine's rings live in /dev/shm and take about 65 MiB, more than Docker's default 64 MiB:
-# hence --shm-size (a P/D instance also keeps its KV cache there).
+# engine's rings (about 65 MiB, more than Docker's default 64 MiB) and its KV cache (up to 2 GiB
+# per rank by default, less with ENGINE_CACHE__KV_CACHE_MEMORY) live in /dev/shm: hence
+# --shm-size. Its pages cost memory only once written.
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import msgspec
 
+from engine.kvcache.prefix_index import PrefixIndex
 from engine.messages.codec import encode_in_frames, too_large_for_one_frame
 from engine.messages.failures import RequestFailed
 from engine.messages.kv_transfer import KV_EVENTS
@@ -52,6 +53,7 @@ from engine.messages.scheduling import (
 )
 from engine.messages.steps import STEP_RESULTS, StepPlan, StepResult
 from engine.runtime.actor import Actor
+from engine.runtime.segments import map_segment
 from engine.scheduler.admission import failed
 from engine.scheduler.config import SchedulerConfig
 from engine.scheduler.scheduler import Scheduler
@@ -69,7 +71,12 @@ class SchedulerActor(Actor):
     async def on_start(self) -> dict[str, Any] | None:
         config = msgspec.msgpack.decode(self.config, type=SchedulerConfig)
         # Ids past any a former generation can have used (the workers may still answer it).
-        self.scheduler = Scheduler(config, first_id=self.generation << 40)
+        self.scheduler = Scheduler(
+            config, first_id=self.generation << 40, prefix_index=self._prefix_index(config)
+        )
+        if self.generation:
+            cached = self.scheduler.kv.pool.num_cached_free_blocks
+            self.log.info("restarted with %d cached KV blocks from the prefix index", cached)
         self._max_frame_bytes = self.rings.writer(TOKENS_RING.name).spec.max_frame_bytes
         self._last_report = 0.0
         self._reported_stats: SchedulerStats | None = None
@@ -80,6 +87,13 @@ class SchedulerActor(Actor):
         if self.scheduler.kv_transfer is not None:
             self._kv_ticker = asyncio.get_running_loop().create_task(self._tick_kv_transfer())
         return {"num_blocks": config.num_blocks}
+
+    def _prefix_index(self, config: SchedulerConfig) -> PrefixIndex | None:
+        """The prefix cache's record in its segment of the run, when the plan gave it one."""
+        if not config.prefix_index_segment:
+            return None
+        memory = map_segment(self.segments[config.prefix_index_segment])
+        return PrefixIndex(memoryview(memory), config.num_blocks)
 
     async def handle(self, ring: str, frames: list[bytes]) -> None:
         to_detokenizer: list[bytes] = []
@@ -153,10 +167,11 @@ class SchedulerActor(Actor):
 
     async def on_rings_swapped(self, peer: str, rings: list[str]) -> None:
         if PLAN_RING.name in rings or RESULTS_RING.name in rings:
-            # The workers restarted: their KV cache and sequences are gone, and the gateway is
-            # about to resubmit every unfinished request under a new epoch. Keep none of the
-            # old epochs: rerunning them would recompute what is about to be replaced, and run
-            # requests the gateway holds back while it retries a crash suspect alone.
+            # The workers restarted: their sequences are gone (their KV too, unless it lives in
+            # the run's segments), and the gateway is about to resubmit every unfinished request
+            # under a new epoch. Keep none of the old epochs: rerunning them would recompute
+            # what is about to be replaced, and run requests the gateway holds back while it
+            # retries a crash suspect alone.
             self.scheduler.on_workers_restarted()
             self.scheduler.abort(self.scheduler.request_ids())
             await self._plan_next()

@@ -46,7 +46,7 @@ from engine.settings import Settings, resolve_home
 from engine.telemetry.tracer import open_request_tracer
 
 log = logging.getLogger("engine")
-SHM_REMEDY = ("lower cache.kv_cache_memory (a P/D rank's KV cache is a segment there)",)
+SHM_REMEDY = ("lower cache.kv_cache_memory (each CPU rank's KV cache is a segment there)",)
 MAX_FRAME_BYTES = REQUESTS_RING.max_frame_bytes  # the most the root sends the tokenizer at once
 
 

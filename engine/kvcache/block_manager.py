@@ -12,13 +12,22 @@ from collections.abc import Sequence
 from engine.kvcache.block_pool import BlockPool
 from engine.kvcache.block_table import BlockTable
 from engine.kvcache.prefix_cache import BlockHashChain, PrefixCacheStats
+from engine.kvcache.prefix_index import PrefixIndex
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool,
+        record: PrefixIndex | None = None,
+    ) -> None:
+        """`record`: where the prefix cache's index is mirrored, and restored from (a restarted
+        scheduler's view of the KV its predecessor left in the workers' cache)."""
         if block_size < 1:
             raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, record if enable_prefix_caching else None)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_stats = PrefixCacheStats()

@@ -9,11 +9,16 @@ A block is in exactly one of three states:
 
 Allocation takes clean blocks first and only then evicts the least recently freed cached block,
 so cached prefixes survive as long as there is room for them.
+
+With a `PrefixIndex` (engine/kvcache/prefix_index.py) the pool mirrors its index there, and a
+new pool starts from what it holds: those blocks are cached, free and evictable.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+
+from engine.kvcache.prefix_index import PrefixIndex
 
 
 class OutOfBlocksError(RuntimeError):
@@ -21,9 +26,11 @@ class OutOfBlocksError(RuntimeError):
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, record: PrefixIndex | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be an integer >= 1, got {num_blocks!r}")
+        if record is not None and record.num_blocks != num_blocks:
+            raise ValueError(f"a prefix index of {record.num_blocks} blocks for {num_blocks}")
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
         self.block_hashes: list[bytes | None] = [None] * num_blocks
@@ -32,6 +39,9 @@ class BlockPool:
         self._clean: list[int] = list(range(num_blocks - 1, -1, -1))
         # Cached free blocks in eviction order (least recently freed first).
         self._cached: OrderedDict[int, None] = OrderedDict()
+        self._record = record
+        if record is not None:
+            self._restore(record)
 
     # ---- capacity ------------------------------------------------------------------------------
 
@@ -113,6 +123,8 @@ class BlockPool:
             return False
         self.block_hashes[block_id] = block_hash
         self.hash_to_block[block_hash] = block_id
+        if self._record is not None:
+            self._record.put(block_id, block_hash)
         return True
 
     def clear_cache(self) -> None:
@@ -122,12 +134,29 @@ class BlockPool:
         self.hash_to_block.clear()
         self._clean.extend(reversed(self._cached))
         self._cached.clear()
+        if self._record is not None:
+            self._record.drop_all()
+
+    def _restore(self, record: PrefixIndex) -> None:
+        """Take the record's blocks as cached and free (a fresh pool: nothing is owned)."""
+        restored = set()
+        for block_id, block_hash in record.entries():
+            if block_hash in self.hash_to_block:  # one key in two slots: the first keeps it
+                record.drop(block_id)
+                continue
+            self.block_hashes[block_id] = block_hash
+            self.hash_to_block[block_hash] = block_id
+            self._cached[block_id] = None
+            restored.add(block_id)
+        self._clean = [block_id for block_id in self._clean if block_id not in restored]
 
     def _forget_hash(self, block_id: int) -> None:
         block_hash = self.block_hashes[block_id]
         if block_hash is None:
             return
         self.block_hashes[block_id] = None
+        if self._record is not None:  # before the block is handed out for other KV
+            self._record.drop(block_id)
         # Only the block that owns the entry may remove it.
         if self.hash_to_block.get(block_hash) == block_id:
             del self.hash_to_block[block_hash]

@@ -28,6 +28,11 @@ import msgspec
 from engine.actors.configs import DetokenizerConfig, TokenizerConfig, WorkerConfig
 from engine.actors.roles import Role
 from engine.launch.draft import draft_footprint, draft_worker_fields
+from engine.launch.lasting_kv import (
+    kv_outlives_workers,
+    lasting_kv_scheduler,
+    lasting_kv_segments,
+)
 from engine.launch.lora import lora_worker_fields
 from engine.launch.pd_plan import cache_segment, kv_transfer_parts, replica_roles
 from engine.launch.sizing import (
@@ -217,25 +222,33 @@ def _replica_spec(
     num_replicas = len(replica_roles(settings))
     suffix = replica_suffix(replica, num_replicas)
     moves_kv = role != "both"
-    workers = _worker_specs(settings, placement, replica, worker, moves_kv)
+    keeps_kv = kv_outlives_workers(worker.device, placement)
+    workers = _worker_specs(settings, placement, replica, worker, moves_kv or keeps_kv)
     if moves_kv:
         scheduler = msgspec.structs.replace(
             scheduler,
             kv_transfer_ranks=len(workers),
             kv_hold_timeout=settings.kv_transfer.hold_timeout,
         )
+    if keeps_kv:
+        scheduler = lasting_kv_scheduler(scheduler)
     pipeline = _pipeline_specs(settings, config, worker, scheduler, suffix)
     children: tuple[ChildSpec, ...] = (*workers, *pipeline)
     sched, detok, tokenizer = (child.name for child in pipeline)
     rings = _pipeline_rings(settings, placement, [w.name for w in workers], sched, detok, tokenizer)
     segments: list[SegmentDecl] = []
+    if keeps_kv:  # P/D declares the caches' segments below, with their kv_transfer actors
+        segments = lasting_kv_segments(
+            scheduler, sched, config, worker.dtype, [w.name for w in workers], caches=not moves_kv
+        )
     if moves_kv:
-        transfers, kv_rings, segments = kv_transfer_parts(
+        transfers, kv_rings, cache_segments = kv_transfer_parts(
             settings, config, worker.dtype, worker.block_size, scheduler.num_blocks, replica,
             suffix, sched, [w.name for w in workers],
         )  # fmt: skip
         children = (*children, *transfers)
         rings += kv_rings
+        segments += cache_segments
     return _supervisor_spec(settings, children, tuple(rings), tuple(segments))
 
 
@@ -318,10 +331,10 @@ def _worker_specs(
     placement: Placement,
     replica: int,
     worker: WorkerConfig,
-    moves_kv: bool = False,
+    kv_in_segments: bool = False,
 ) -> list[ChildSpec]:
     """This host's ranks of one replica, one group (they restart together: one_for_all).
-    `moves_kv`: each rank's KV cache lives in its segment, shared with its kv_transfer actor."""
+    `kv_in_segments`: each rank's KV cache lives in its segment of the run (lasting_kv.py)."""
     parallel = settings.parallel
     tp = parallel.tensor_parallel_size
     suffix = replica_suffix(replica, len(replica_roles(settings)))
@@ -349,7 +362,7 @@ def _worker_specs(
             worker,
             rank=rank,
             tensor_parallel=group_config,
-            kv_cache_segment=cache_segment(rank) if moves_kv else "",
+            kv_cache_segment=cache_segment(rank) if kv_in_segments else "",
         )
         specs.append(
             ChildSpec(

@@ -1,10 +1,10 @@
-"""Shared-memory segments of a run that are not rings (`SegmentDecl`): a worker's KV cache,
-mapped by the worker and by its kv_transfer actor.
+"""Shared-memory segments of a run that are not rings (`SegmentDecl`): a CPU worker's KV cache
+(mapped by its kv_transfer actor too, under P/D) and the scheduler's prefix index.
 
 They live like rings: named `<run prefix>s.<name>` (so a crashed run's are swept at the next
 start), owner-only, created by the supervisor before any child starts and unlinked at its
-shutdown. Unlike a ring's, a segment is kept when a party restarts: what it holds then is
-stale, and its users know (the scheduler forgets every cached block when the workers restart).
+shutdown. Unlike a ring's, a segment is kept when a party restarts, and what it holds with it: a
+restarted worker finds the KV its predecessor wrote (engine/launch/lasting_kv.py).
 Pages are not populated up front: a large KV cache costs memory only as blocks are used.
 """
 

@@ -23,6 +23,11 @@ class SchedulerConfig(msgspec.Struct, kw_only=True):
     kv_hold_timeout: float = 30.0
     max_loras: int = 0  # distinct LoRA adapters in one step; 0: no limit (or LoRA off)
     speculative_config: str = ""  # vLLM's --speculative-config JSON (speculation.py); "": off
+    # The workers' KV cache lives in segments of the run (CPU), so it outlives a worker's
+    # restart; the prefix cache's index is mirrored in the segment named here ("": none), so
+    # that it outlives the scheduler's (engine/kvcache/prefix_index.py, launch/lasting_kv.py).
+    kv_outlives_workers: bool = False
+    prefix_index_segment: str = ""
 
     def validate(self) -> None:
         """Raise ValueError naming the offending setting, its value and the allowed range."""

@@ -16,6 +16,7 @@ from typing import NamedTuple
 import msgspec
 
 from engine.kvcache.block_manager import BlockManager
+from engine.kvcache.prefix_index import PrefixIndex
 from engine.messages.failures import RequestFailed
 from engine.messages.kv_transfer import KvSource
 from engine.messages.scheduling import (
@@ -53,14 +54,15 @@ class Scheduler:
         config: SchedulerConfig,
         clock: Callable[[], float] = time.monotonic,
         first_id: int = 0,
+        prefix_index: PrefixIndex | None = None,
     ) -> None:
         """`first_id`: where step and sequence ids start; a restarted scheduler starts past its
         predecessor's, so that a late result of a dead one's step never passes for one of its
-        own (the workers outlive a scheduler restart)."""
+        own (the workers outlive it). `prefix_index`: the prefix cache's lasting record."""
         config.validate()
-        self.config = config
-        self.clock = clock
-        self.kv = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.config, self.clock = config, clock
+        caching = config.enable_prefix_caching
+        self.kv = BlockManager(config.num_blocks, config.block_size, caching, prefix_index)
         limits = (config.max_num_seqs, config.max_num_batched_tokens, config.max_plan_bytes)
         self.planner = BatchPlanner(self.kv, *limits, config.max_loras)
         self._eos_token_ids = frozenset(config.eos_token_ids)
@@ -198,7 +200,8 @@ class Scheduler:
         return failures
 
     def on_workers_restarted(self) -> None:
-        """The workers lost their KV cache and sequences: recompute everything from scratch."""
+        """The workers lost their sequences, and their KV unless it outlives them (then what is
+        indexed stays: only steps that came back index blocks); the requests go again."""
         self._in_flight = None
         for seq in reversed(list(self.planner.running)):
             self.planner.preempt(seq, count=False)
@@ -211,7 +214,8 @@ class Scheduler:
         self._retired_request_keys.clear()
         if self.kv_transfer is not None:
             self.kv_transfer.on_workers_restarted()
-        self.kv.reset_prefix_cache()
+        if not self.config.kv_outlives_workers:
+            self.kv.reset_prefix_cache()
 
     # ---- steps ---------------------------------------------------------------------------------
 

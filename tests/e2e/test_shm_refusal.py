@@ -17,11 +17,11 @@ GIB = 1 << 30
 
 
 def test_a_kv_cache_larger_than_free_dev_shm_is_a_one_line_refusal(model_args: list[str]) -> None:
-    too_big = shm_free() + 4 * GIB  # a P/D rank's KV cache is a segment in /dev/shm
+    too_big = shm_free() + 4 * GIB  # a CPU rank's KV cache is a segment in /dev/shm
     proc = subprocess.Popen(
         [
             sys.executable, "-m", "engine", *model_args, "--host", "127.0.0.1", "--port", "0",
-            "--device", "cpu", "--kv-role", "prefill", "--kv-cache-memory", str(too_big),
+            "--device", "cpu", "--kv-cache-memory", str(too_big),
         ],
         cwd=REPO,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -40,6 +40,7 @@ POISON_EXIT = 502
 SLOW = 503  # a prompt holding it makes each of its steps take SLOW_STEP_S
 SLOW_STEP_S = 5.0  # longer than the heartbeat timeout below
 STREAMS = 8
+BLOCK_SIZE = 16  # the default cache.block_size: each stream has a full block when disturbed
 MAX_TOKENS = 300
 WAIT_S = 180.0  # any wait here; a restart takes seconds on a busy machine
 EMBEDDINGS = [  # a mean over a long prompt, the last token's hidden state of a short one
@@ -260,10 +261,19 @@ async def test_sigkill_under_load_every_stream_completes_as_if_undisturbed(
     undisturbed = [await embed(engine, *job) for job in EMBEDDINGS] if embedded is not None else []
     before = actor(engine, victim)
     resubmitted = engine.gateway.resubmissions
+    # A restarted scheduler counts from zero; a worker's restart leaves the count going on.
+    hits_before = 0 if victim == "scheduler" else engine.stats().prefix_cache_hit_tokens
     outcomes = await disturb_under_load(
         shared, lambda: os.kill(before.pid, signal.SIGKILL), embedded
     )
     assert outcomes == [*shared.reference, shared.reference[0]]
+    if victim in ("scheduler", "worker0"):  # the KV outlived the victim: no full block again
+        wanted = hits_before + STREAMS * BLOCK_SIZE
+        await wait_for(
+            lambda: engine.stats().prefix_cache_hit_tokens >= wanted,
+            "every resubmitted stream found its full blocks in the prefix cache",
+            timeout=5,
+        )
     for ours, reference in zip(embedded or [], undisturbed, strict=True):
         assert ours.outputs.embedding == pytest.approx(reference.outputs.embedding, abs=1e-5)
     if embedded is not None:  # the streams and the embeddings went again

@@ -12,12 +12,14 @@ import pytest
 
 from engine.actors.configs import KvTransferConfig, WorkerConfig
 from engine.api.llm import build_settings
+from engine.launch.lasting_kv import kv_outlives_workers
 from engine.launch.plan import plan_engine, plan_worker_node
 from engine.launch.sizing import check_parallel
 from engine.messages.ring_catalogue import KV_EVENTS_RING, KV_ORDERS_RING
 from engine.model.config import ModelConfig, load_model_config
 from engine.model.parallel.config import Placement
 from engine.model.parallel.layout import check_tensor_parallel, rank_shape
+from engine.scheduler.config import SchedulerConfig
 from engine.settings import Settings
 from tests.checkpoints import tiny_checkpoint
 
@@ -182,11 +184,41 @@ def test_a_pd_plan_gives_each_replica_kv_transfer_actors_sharing_each_rank_cache
     assert ports == list(range(7100, 7106))  # no two ranks of the launch share a port
 
 
-def test_a_plan_without_pd_has_no_kv_transfer_actor_or_segment(path: Path) -> None:
-    plan = plan_engine(build_settings(**{"model.path": str(path)}), str(path))
+def test_a_cpu_plan_keeps_each_rank_kv_cache_and_the_prefix_index_in_segments_of_the_run(
+    path: Path, config: ModelConfig
+) -> None:
+    settings = build_settings(
+        **{
+            "model.path": str(path),
+            "cache.kv_cache_memory": 2**20,
+            "parallel.tensor_parallel_size": 2,
+        }
+    )
+    plan = plan_engine(settings, str(path))
     assert plan.replica_roles == ("both",)
-    assert not plan.spec.segments
     assert not [c for c in plan.spec.children if c.role == "kv_transfer"]
+    segments = {segment.name: segment for segment in plan.spec.segments}
+    # K and V of every layer, this rank's KV heads, every block's slots and the padding slot.
+    slots = plan.num_blocks * settings.cache.block_size + 1
+    rank_bytes = 2 * config.num_layers * slots * (config.num_kv_heads // 2) * config.head_dim * 4
+    for rank in range(2):
+        worker = next(c for c in plan.spec.children if c.name == f"worker{rank}")
+        worker_config = msgspec.msgpack.decode(worker.config, type=WorkerConfig)
+        segment = segments[worker_config.kv_cache_segment]
+        assert (segment.parties, segment.size) == ((f"worker{rank}",), rank_bytes)
+    scheduler = next(c for c in plan.spec.children if c.name == "scheduler")
+    scheduler_config = msgspec.msgpack.decode(scheduler.config, type=SchedulerConfig)
+    assert scheduler_config.kv_outlives_workers
+    index = segments[scheduler_config.prefix_index_segment]
+    assert (index.parties, index.size) == (("scheduler",), 16 * plan.num_blocks)
+
+
+def test_only_the_cpu_of_one_host_keeps_the_kv_cache_in_the_run_segments() -> None:
+    assert kv_outlives_workers("cpu", Placement(tensor_parallel_size=2, data_parallel_size=1))
+    assert not kv_outlives_workers(
+        "cuda:0", Placement(tensor_parallel_size=1, data_parallel_size=1)
+    )
+    assert not kv_outlives_workers("cpu", Placement(2, 1, nnodes=2))
 
 
 def test_every_worker_rank_is_told_the_engine_home_its_cpu_kernel_is_built_in(
