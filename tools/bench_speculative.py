@@ -5,20 +5,25 @@ Engines run side by side (an idle one costs no CPU), one without --speculative-c
 per method measured; each round sends every prompt to each engine in turn, the order rotating
 from round to round, so all see the same machine load. A prompt's decode rate is (output tokens
 - 1) over the time from its first token to its last. Prompts: where lookup helps (repeating or
-editing a given text, refactoring code) and where it does not (free writing). Greedy, so all
-engines produce the same tokens (checked). The speculating engines' acceptance figures come
-from their stats.
+editing a given text, refactoring code) and where it does not (free writing). Greedy, or with
+--temperature sampled with one seed (--seed): either way all engines produce the same tokens
+(checked), except a draft engine verifying by vLLM's rejection sampler when sampling (another
+draw of the same distribution). The speculating engines' acceptance figures come from their
+stats.
 
     python tools/bench_speculative.py                      # the default model (SmolLM2-135M)
     python tools/bench_speculative.py --rounds 5 --max-tokens 200
     python tools/bench_speculative.py --draft random       # and a draft model
     python tools/bench_speculative.py --llama-server       # also llama-server's ngram-simple
+    python tools/bench_speculative.py --draft same --methods draft --temperature 0.8 \
+        --acceptance-methods target_draw rejection_sampler  # both rules, sampled
 
 --draft names the draft model: a checkpoint or GGUF sharing the model's tokenizer; `same` (the
 model drafts for itself: every proposal accepted, at the cost of a second full model), or
 `random` (a 2-layer random model with the model's vocabulary and tokenizer, built once under
 $ENGINE_HOME/bench/: nothing accepted, so it measures what drafting costs). --methods ngram
-leaves the draft engine out, --methods draft the n-gram one.
+leaves the draft engine out, --methods draft the n-gram one. --acceptance-methods runs a draft
+engine per rule: `target_draw` (the default: "draft") and `rejection_sampler` ("draft-rs").
 
 With --llama-server, llama.cpp's server (tools/llamacpp_peer.py) serves the same GGUF file with
 and without `--spec-type ngram-simple` over the same chat prompts, one request at a time, and its
@@ -42,10 +47,12 @@ from engine.api.async_llm import AsyncLLM
 from engine.api.llm import engine_settings
 from engine.hf_cache import with_resolved_model
 from engine.messages.params import SamplingParams
+from engine.scheduler.speculation import ACCEPTANCE_METHODS
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
          "prompt_lookup_min": 2}  # fmt: skip
 DRAFT_TOKENS = 4  # num_speculative_tokens with a draft model
+REJECTION = "draft-rs"  # the draft engine verifying by vLLM's rejection sampler
 
 PARAGRAPH = (
     "The river begins high in the mountains, where snow melts each spring and feeds a hundred "
@@ -80,9 +87,10 @@ PROMPTS = {
 }
 
 
-async def one_stream(engine: AsyncLLM, text: str, max_tokens: int) -> tuple[list[int], float]:
+async def one_stream(
+    engine: AsyncLLM, text: str, params: SamplingParams
+) -> tuple[list[int], float]:
     """Output tokens and the decode rate (tokens after the first per second)."""
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     tokens: list[int] = []
     first = last = 0.0
     async for output in engine.stream(messages=[{"role": "user", "content": text}], params=params):
@@ -108,6 +116,9 @@ async def bench_ours(args: argparse.Namespace) -> dict[str, dict[str, list[float
     chosen = {name: PROMPTS[name] for name in args.prompts}
     rates: dict[str, dict[str, list[float]]] = {p: {n: [] for n in names} for p in chosen}
     counted = {p: {n: dict.fromkeys(COUNTS, 0) for n in names} for p in chosen}
+    params = SamplingParams(
+        temperature=args.temperature, seed=args.seed, max_tokens=args.max_tokens
+    )
     try:
         for round_index in range(args.rounds + 1):  # round 0 warms up, not counted
             shift = round_index % len(names)
@@ -116,7 +127,7 @@ async def bench_ours(args: argparse.Namespace) -> dict[str, dict[str, list[float
                 outputs = {}
                 for name in order:
                     before = await _counts(engines[name])
-                    outputs[name], rate = await one_stream(engines[name], text, args.max_tokens)
+                    outputs[name], rate = await one_stream(engines[name], text, params)
                     if round_index:
                         rates[prompt][name].append(rate)
                         after = await _counts(engines[name])
@@ -125,8 +136,9 @@ async def bench_ours(args: argparse.Namespace) -> dict[str, dict[str, list[float
                         counted[prompt][name]["tokens"] += len(outputs[name])
                 for name in names[1:]:
                     if outputs[name] != outputs["plain"]:
-                        print(f"NOTE {prompt}: {name}'s output differs from plain's (near-tie "
-                              "logits?)", file=sys.stderr)  # fmt: skip
+                        why = "another draw" if name == REJECTION else "near-tie logits?"
+                        print(f"NOTE {prompt}: {name}'s output differs from plain's ({why})",
+                              file=sys.stderr)  # fmt: skip
         print_acceptance(counted)
     finally:
         for engine in engines.values():
@@ -156,8 +168,12 @@ def _engine_configs(args: argparse.Namespace) -> dict[str, str]:
     if "ngram" in args.methods:
         configs["ngram"] = json.dumps(NGRAM)
     if args.draft is not None and "draft" in args.methods:
-        draft = {"model": _draft_path(args), "num_speculative_tokens": DRAFT_TOKENS}
-        configs["draft"] = json.dumps(draft)
+        path = _draft_path(args)
+        for method in args.acceptance_methods:
+            name = REJECTION if method == "rejection_sampler" else "draft"
+            draft = {"model": path, "num_speculative_tokens": DRAFT_TOKENS,
+                     "acceptance_method": method}  # fmt: skip
+            configs[name] = json.dumps(draft)
     return configs
 
 
@@ -209,7 +225,7 @@ async def _counts(engine: AsyncLLM) -> dict[str, int]:
 
 
 def report(rates: dict[str, dict[str, list[float]]]) -> None:
-    print(f"{'prompt':10} {'method':7} {'lookup helps':>12} {'plain tok/s':>12} "
+    print(f"{'prompt':10} {'method':8} {'lookup helps':>12} {'plain tok/s':>12} "
           f"{'spec tok/s':>11} {'ratio':>7} {'min-max':>11}  per-round ratios")  # fmt: skip
     for prompt, by_engine in rates.items():
         plain = by_engine["plain"]
@@ -218,7 +234,7 @@ def report(rates: dict[str, dict[str, list[float]]]) -> None:
                 continue
             ratios = [n / p for n, p in zip(spec, plain, strict=True) if p]
             print(
-                f"{prompt:10} {name:7} {PROMPTS[prompt][0]!s:>12} "
+                f"{prompt:10} {name:8} {PROMPTS[prompt][0]!s:>12} "
                 f"{statistics.median(plain):12.1f} {statistics.median(spec):11.1f} "
                 f"{statistics.median(ratios):7.2f} {min(ratios):5.2f}-{max(ratios):<5.2f}  "
                 + " ".join(f"{r:.2f}" for r in ratios)
@@ -236,6 +252,15 @@ def main() -> None:
     parser.add_argument(
         "--methods", nargs="+", choices=["ngram", "draft"], default=["ngram", "draft"]
     )
+    parser.add_argument(
+        "--acceptance-methods",
+        nargs="+",
+        choices=list(ACCEPTANCE_METHODS),
+        default=["target_draw"],
+        help="a draft engine per rule for sampled proposals",
+    )
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--seed", type=int, default=0, help="every request's, when sampling")
     args = parser.parse_args()
     report(asyncio.run(bench_ours(args)))
     if args.llama_server:

@@ -188,7 +188,9 @@ class SchedulerSettings(_Section, frozen=True):
             description="speculative decoding, vLLM's JSON: n-gram (prompt-lookup) proposals, "
             'e.g. {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
             '"prompt_lookup_min": 2}, or a draft model sharing the tokenizer, e.g. {"model": '
-            '"/path/to/draft", "num_speculative_tokens": 4}; empty: off'
+            '"/path/to/draft", "num_speculative_tokens": 4} (its sampled proposals verified '
+            'against the target\'s own draws, or with "acceptance_method": "rejection_sampler" '
+            "by vLLM's rule); empty: off"
         ),
     ] = ""
 
