@@ -144,7 +144,7 @@ def plan_engine(settings: Settings, model_path: str) -> EnginePlan:
     weights = weight_bytes_by_format(
         config, dtype, tp, device, {n: (f.source, f.bits) for n, f in quantized.items()}
     )
-    log_memory(settings, placement, weights, num_blocks, block_bytes, dtype)
+    log_memory(settings, placement, weights, num_blocks, block_bytes, dtype, footprint)
     worker = WorkerConfig(
         model_path=model_path,
         rank=0,

@@ -168,8 +168,10 @@ def log_memory(
     num_blocks: int,
     block_bytes: int,
     dtype: str,
+    draft: DraftFootprint | None = None,
 ) -> None:
-    """What one rank's weights and KV cache take, as the start log shows it."""
+    """What one rank's weights and KV cache take, as the start log shows it; a draft model's
+    apart (on each rank 0)."""
     log.info(
         "weights: %.1f MiB per rank (%s)",
         sum(weights.values()) / 2**20,
@@ -188,6 +190,13 @@ def log_memory(
         if placement.local_ranks > 1 or placement.nnodes > 1
         else "",
     )
+    if draft is not None:
+        log.info(
+            "draft model: weights %.1f MiB, KV cache %.1f MiB (%d blocks)",
+            draft.weight_bytes / 2**20,
+            num_blocks * draft.block_bytes / 2**20,
+            num_blocks,
+        )
 
 
 def kernel_backend_of(settings: Settings) -> str:
