@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
+from transformers import AutoTokenizer
 
 from engine import AsyncLLM, EngineError, SamplingParams
 from engine.api.embeddings import embed
@@ -249,6 +250,13 @@ async def test_the_undisturbed_workload_runs_clean_of_poison(shared: Shared) -> 
     for outcome in shared.reference:
         assert outcome.error is None and len(outcome.token_ids) == MAX_TOKENS
         assert not {POISON_RAISE, POISON_EXIT, SLOW} & set(outcome.prompt_token_ids)
+    # The ids the gateway learnt of each text prompt (from the tokenizer actor, on their own
+    # ring) are transformers' own; every SIGKILL test below expects them again in its outputs,
+    # the late request's among them, tokenized by a restarted tokenizer or while the
+    # detokenizer was down.
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint(arch="qwen3"))
+    for job, outcome in zip(workload(), shared.reference, strict=True):
+        assert outcome.prompt_token_ids == tokenizer(job.prompt)["input_ids"]
 
 
 @pytest.mark.parametrize("victim", ["tokenizer", "scheduler", "worker0", "detokenizer"])
