@@ -3,12 +3,20 @@
 A restarted child's recovery is mostly its new process's start: the interpreter, the engine's
 modules, and what its actor imports to start (torch, for a worker). So a supervisor may keep one
 spare per entry ("module:Class") of its restartable children: a process spawned as a child is,
-that has imported its actor's module and runs the class's `preload()` on a thread, while it waits,
-blocked in one read of a pipe (no polling: it uses no CPU), for the ChildBoot of the child it is
-to become. A restart writes the boot into that pipe (msgspec bytes, as a fresh child gets them:
-nothing is unpickled) and the spare goes on as `child_main` would, so the restart pays only the
-actor's own `on_start`. A boot may be handed to a spare still starting: it reads it once its
-actor's module is imported, never later than a fresh process would have.
+whose thread imports its actor's module and runs the class's `preload()` while the main thread
+waits, blocked in one read of a pipe (no polling: it uses no CPU), for the ChildBoot of the
+child it is to become. A restart writes the boot into that pipe (msgspec bytes, as a fresh child
+gets them: nothing is unpickled) and the spare goes on as `child_main` would, so the restart
+pays only the actor's own `on_start`.
+
+A spare must never compete with the children it stands behind: spares start as serving starts,
+and a worker's preload (torch) costs seconds of CPU that a 2-core host would otherwise spend on
+the first requests. So the preload thread runs at idle priority (SCHED_IDLE, a per-thread
+setting on Linux: it runs only on a core nothing else wants) and tells the root when it is done,
+on a second pipe. A restart hands its boot only to a spare that is done: an unprivileged process
+cannot raise a thread's priority back, and a child waiting on the module locks of an idle
+thread would start later than a fresh process, so a spare still preloading is discarded and the
+child spawned anew.
 
 A spare holds nothing of the run (its rings, segments and weights come with the boot, or from
 /dev/shm), only imported modules. It dies with the root: the kernel's parent-death signal, armed
@@ -47,14 +55,16 @@ class Spare:
     def __init__(self, entry: str) -> None:
         self.entry = entry
         reader, self._writer = _SPAWN.Pipe(duplex=False)
+        self._preloaded, preloaded_writer = _SPAWN.Pipe(duplex=False)
         self.process: BaseProcess = _SPAWN.Process(
             target=spare_main,
-            args=(entry, os.getpid(), reader),
+            args=(entry, os.getpid(), reader, preloaded_writer),
             name=f"spare {entry}",
             daemon=True,  # as children: multiprocessing's exit hook ends it with the root
         )
         self.process.start()
         reader.close()  # only the spare holds the read end: it sees EOF when the root is gone
+        preloaded_writer.close()
 
     @property
     def pid(self) -> int | None:
@@ -64,10 +74,21 @@ class Spare:
     def alive(self) -> bool:
         return self.process.exitcode is None
 
+    @property
+    def preloaded(self) -> bool:
+        """Its preload is done (the spare said so on its second pipe); never blocks."""
+        try:
+            return self._preloaded.poll()
+        except OSError:  # closed by discard()
+            return False
+
     def hand_over(self, boot_frame: bytes) -> BaseProcess | None:
         """The spare's process, now becoming the child `boot_frame` describes; None when it
-        cannot (it died, or the frame does not fit the pipe's buffer): then spawn afresh."""
-        if not self.alive or len(boot_frame) > MAX_BOOT_BYTES:
+        cannot (it died, it is still preloading, or the frame does not fit the pipe's buffer):
+        then spawn afresh."""
+        if not self.alive or not self.preloaded or len(boot_frame) > MAX_BOOT_BYTES:
+            if self.alive:
+                log.info("spare %s (pid %s) not ready: a new process instead", self.entry, self.pid)
             self.discard()
             return None
         try:
@@ -77,12 +98,14 @@ class Spare:
             self.discard()
             return None
         self._writer.close()
+        self._preloaded.close()
         return self.process
 
     def discard(self) -> None:
         """Kill it, if it runs still (it holds nothing to clean up)."""
-        if not self._writer.closed:
-            self._writer.close()
+        for end in (self._writer, self._preloaded):
+            if not end.closed:
+                end.close()
         if self.alive:
             self.process.kill()
 
@@ -137,15 +160,22 @@ class Spares:
         spare.process.join(0)  # reaps it: it is dead already
 
 
-def spare_main(entry: str, root_pid: int, boot_reader: Connection) -> None:
+def spare_main(
+    entry: str, root_pid: int, boot_reader: Connection, preloaded_writer: Connection
+) -> None:
     """Entry of a spare process: import, wait for a boot, then run that child."""
     exit_with_root(root_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a child: the root decides about Ctrl-C
-    actor_class = load_actor_class(entry)
-    # On a thread, so that a boot handed over meanwhile is not held up by imports its actor may
-    # not need before it is ready (the tokenizer's transformers); imports of the same modules by
-    # the actor wait for this thread's instead of repeating them.
-    threading.Thread(target=actor_class.preload, name="preload", daemon=True).start()
+
+    def preload() -> None:
+        # Idle priority on this thread only: the main thread, which becomes the child, keeps
+        # its own (an unprivileged process could not raise this thread's back).
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        load_actor_class(entry).preload()
+        preloaded_writer.send_bytes(b"")
+        preloaded_writer.close()
+
+    threading.Thread(target=preload, name="preload", daemon=True).start()
     try:
         boot_frame = boot_reader.recv_bytes()
     except EOFError:  # the root is gone, or let the spare go

@@ -12,6 +12,7 @@ from engine.runtime.events import ChildRestarted
 from tests.integration.sample_actors import (
     ECHO,
     EVENT_TIMEOUT,
+    SLOW_PRELOAD,
     async_wait_until,
     child,
     echo_rings,
@@ -58,7 +59,8 @@ async def test_a_restart_runs_in_the_parked_spare_and_a_new_spare_replaces_it() 
         )
         second_spare = run.supervisor.spare_pids()[ECHO]
 
-        # Back to back, the new spare perhaps still importing: the boot waits in its pipe.
+        # The next restart takes the new spare once it is done preloading.
+        await async_wait_until(lambda: _parked(second_spare), EVENT_TIMEOUT, "it to park")
         os.kill(run.pid("echo"), signal.SIGKILL)
         again = await run.next(ChildRestarted, "echo")
         assert again.pid == second_spare
@@ -70,3 +72,29 @@ async def test_a_restart_runs_in_the_parked_spare_and_a_new_spare_replaces_it() 
         )
         last_spare = run.supervisor.spare_pids()[ECHO]
     assert last_spare is not None and not pid_running(last_spare)  # shut down with the rest
+
+
+def _thread_policies(pid: int) -> list[int]:
+    """The scheduling policy of each of its threads (/proc/<pid>/task/<tid>/stat, field 41)."""
+    return [int(_stat_of(task / "stat")[38]) for task in Path(f"/proc/{pid}/task").iterdir()]
+
+
+def _stat_of(path: Path) -> list[str]:
+    return path.read_text().rpartition(")")[2].split()
+
+
+async def test_a_spare_preloads_at_idle_priority_and_is_not_waited_for() -> None:
+    spec = supervisor_spec(child("echo", entry=SLOW_PRELOAD), rings=echo_rings(), spares=True)
+    async with supervised(spec) as run:
+        spare = run.supervisor.spare_pids()[SLOW_PRELOAD]
+        assert spare is not None
+
+        def preloading_at_idle_priority() -> bool:  # the main thread keeps its own
+            return sorted(_thread_policies(spare)) == [os.SCHED_OTHER, os.SCHED_IDLE]
+
+        await async_wait_until(preloading_at_idle_priority, EVENT_TIMEOUT, "the preload thread")
+        os.kill(run.pid("echo"), signal.SIGKILL)
+        restarted = await run.next(ChildRestarted, "echo")
+        assert restarted.pid != spare  # a new process, not one blocked behind a slow preload
+        assert await run.roundtrip("fresh") == "echo:fresh"
+        await async_wait_until(lambda: not pid_running(spare), EVENT_TIMEOUT, "it to be killed")
