@@ -47,6 +47,7 @@ _SPAWN = multiprocessing.get_context("spawn")
 # long as the frame fits the pipe's buffer (64 KiB on Linux), with room for the length header.
 MAX_BOOT_BYTES = 60 * 1024
 _REAP_WAIT_S = 5.0  # after SIGKILL, for a spare to be gone
+_DISCARD_REAP_S = 1.0  # the same, on the event loop: past it, multiprocessing reaps it later
 
 
 class Spare:
@@ -102,12 +103,14 @@ class Spare:
         return self.process
 
     def discard(self) -> None:
-        """Kill it, if it runs still (it holds nothing to clean up)."""
+        """Kill it, if it runs still (it holds nothing to clean up), and reap it: once taken from
+        Spares nothing else would, and it would stay a zombie child until the root exits."""
         for end in (self._writer, self._preloaded):
             if not end.closed:
                 end.close()
         if self.alive:
             self.process.kill()
+            self.process.join(_DISCARD_REAP_S)  # a SIGKILLed process is gone within milliseconds
 
 
 class Spares:
