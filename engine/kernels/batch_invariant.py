@@ -136,7 +136,8 @@ def paged_attention(
         scores.masked_fill_(hidden[:, None, None, :], float("-inf"))
         weights = (scores - scores.amax(-1, keepdim=True)).exp()  # [tile, kv_heads, group, keys]
         total = _sum_over_keys(weights)[..., None]
-        summed = _sum_over_keys(weights[:, :, :, None, :] * v.transpose(-1, -2)[:, :, None])
+        values_by_key = v.transpose(-1, -2).contiguous()  # [tile, kv_heads, head_dim, keys]
+        summed = _sum_over_keys(weights[:, :, :, None, :] * values_by_key[:, :, None])
         out[start:stop] = (summed / total).reshape(stop - start, heads * head_dim)
     return out
 
@@ -144,6 +145,9 @@ def paged_attention(
 def _sum_over_keys(x: torch.Tensor) -> torch.Tensor:
     """Sum over the last dim (keys, a multiple of KEY_PAD) in an order that padding cannot change:
     each KEY_PAD keys summed alike (a reduction of fixed length), then the partial sums added one
-    after the other (cumsum's running total), to which the all-padding tail adds exact zeros."""
-    partial = x.view(*x.shape[:-1], -1, KEY_PAD).sum(-1)
+    after the other (cumsum's running total), to which the all-padding tail adds exact zeros.
+
+    The keys must be adjacent in memory: over a strided dim torch picks its reduction order by the
+    whole tensor's shape, so the step's longest context (the padding) would change the sums."""
+    partial = x.contiguous().view(*x.shape[:-1], -1, KEY_PAD).sum(-1)
     return partial.cumsum(-1)[..., -1]

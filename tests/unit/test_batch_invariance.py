@@ -102,3 +102,38 @@ def test_a_sequences_logits_do_not_depend_on_its_batch_or_its_chunks(runner: Mod
         cases[f"decoded in a batch of {others + 1}"] = decoded_beside(others, where)
     different = [name for name, logits in cases.items() if not torch.equal(logits, reference)]
     assert different == []
+
+
+@pytest.mark.parametrize("neighbour_context", [10, 17, 40, 100])
+def test_attention_does_not_depend_on_the_steps_longest_context(neighbour_context: int) -> None:
+    """Keys are padded to the step's longest context: a token's attention must not change by a bit
+    whatever its neighbour's context (heads as the default model's: 9 over 3 KV heads of 64)."""
+    from engine.kernels import batch_invariant
+    from engine.kernels.kv_cache import PagedKVCache
+
+    heads, kv_heads, head_dim, context = 9, 3, 64, 10
+    cache = PagedKVCache(
+        num_layers=1, num_blocks=16, block_size=BLOCK, num_kv_heads=kv_heads,
+        head_dim=head_dim, dtype=torch.float32, device=torch.device("cpu"),
+    )  # fmt: skip
+    generator = torch.Generator().manual_seed(0)
+    rows = context + max(neighbour_context, 1)
+    inputs = [
+        torch.randn(rows, n, head_dim, generator=generator) for n in (heads, kv_heads, kv_heads)
+    ]
+
+    def attend(contexts: list[int], tables: list[list[int]]) -> torch.Tensor:
+        """Each sequence's whole context as one chunk (so every key is written); the last row of
+        the first sequence: its newest token's attention."""
+        query, key, value = (tensor[: sum(contexts)] for tensor in inputs)
+        meta = batch_invariant.build_attention_metadata(
+            contexts, [0] * len(contexts), tables, cache=cache,
+            queries_per_kv=heads // kv_heads, device=torch.device("cpu"),
+        )  # fmt: skip
+        out = batch_invariant.paged_attention(query, key, value, cache, 0, meta, head_dim**-0.5)
+        return out[context - 1]
+
+    alone = attend([context], [[0]])
+    neighbour_blocks = list(range(1, 1 + -(-neighbour_context // BLOCK)))
+    beside = attend([context, neighbour_context], [[0], neighbour_blocks])
+    assert torch.equal(beside, alone)
