@@ -32,11 +32,13 @@ import multiprocessing
 import os
 import signal
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
 from engine.runtime.actor import child_main, exit_with_root, load_actor_class
+from engine.runtime.events import ChildStatus
+from engine.runtime.process_cpu import cpu_seconds
 
 __all__ = ["Spare", "Spares", "spare_main"]
 
@@ -48,6 +50,12 @@ _SPAWN = multiprocessing.get_context("spawn")
 MAX_BOOT_BYTES = 60 * 1024
 _REAP_WAIT_S = 5.0  # after SIGKILL, for a spare to be gone
 _DISCARD_REAP_S = 1.0  # the same, on the event loop: past it, multiprocessing reaps it later
+# The first spares wait for a quiet run: its processes using under this many cores over one poll,
+# or at most _QUIET_WAIT_S. (Each spare's interpreter start costs ~0.3 CPU-seconds at the
+# priority it will keep as a child: started beside the first requests, they slow those.)
+_QUIET_CORES = 0.25
+_QUIET_POLL_S = 0.5
+_QUIET_WAIT_S = 30.0
 
 
 class Spare:
@@ -135,6 +143,19 @@ class Spares:
                 self._spares[entry] = spare = Spare(entry)
                 log.info("started a spare for %s as pid %s", entry, spare.pid)
 
+    async def refill_when_quiet(self, children: Callable[[], Iterable[ChildStatus]]) -> None:
+        """refill() once the run (this process and its `children()`, read at each poll) is
+        quiet, or after _QUIET_WAIT_S at the latest."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + _QUIET_WAIT_S
+        used = _cpu_of(children())
+        while loop.time() < deadline:
+            await asyncio.sleep(_QUIET_POLL_S)
+            before, used = used, _cpu_of(children())
+            if used - before < _QUIET_CORES * _QUIET_POLL_S:  # a restarted pid reads as quiet
+                break
+        self.refill()
+
     def take(self, entry: str) -> Spare | None:
         """The spare for `entry`, no longer kept (refill() replaces it), or None."""
         return self._spares.pop(entry, None)
@@ -161,6 +182,11 @@ class Spares:
         spare = self._spares.pop(entry)
         spare.discard()
         spare.process.join(0)  # reaps it: it is dead already
+
+
+def _cpu_of(children: Iterable[ChildStatus]) -> float:
+    pids = [os.getpid(), *(child.pid for child in children if child.pid is not None)]
+    return sum(cpu_seconds(pid) or 0.0 for pid in pids)
 
 
 def spare_main(

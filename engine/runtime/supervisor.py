@@ -108,7 +108,6 @@ class Supervisor:
             spawned = [[self._spawn(name) for name in unit] for unit in self._units]
             for processes in spawned:
                 await self._await_ready(processes)
-            self._spares.refill()  # once the children are up: their start has the cores
         except BaseException as exc:
             await self.shutdown(f"start-up failed: {exc}")
             raise
@@ -116,6 +115,7 @@ class Supervisor:
         self._tasks = [
             loop.create_task(self._supervise(), name="supervise"),
             loop.create_task(self._watch_heartbeats(), name="heartbeat-watchdog"),
+            loop.create_task(self._spares.refill_when_quiet(self.status), name="spares"),
         ]
         for task in self._tasks:
             task.add_done_callback(self._on_task_done)

@@ -215,6 +215,7 @@ async def serve_as_root(info_path: str) -> None:
     [pids], "spares": [pids]} when ready."""
     spec = supervisor_spec(child("one"), child("two"), rings=echo_rings("one"), spares=True)
     async with Supervisor(spec) as supervisor:
+        await async_wait_until(lambda: bool(supervisor.spare_pids()), 60, "its spare")
         info = {
             "root": os.getpid(),
             "children": [row.pid for row in supervisor.status()],

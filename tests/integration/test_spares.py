@@ -13,6 +13,7 @@ from tests.integration.sample_actors import (
     ECHO,
     EVENT_TIMEOUT,
     SLOW_PRELOAD,
+    Run,
     async_wait_until,
     child,
     echo_rings,
@@ -32,6 +33,15 @@ def _cpu_ticks(pid: int) -> int:
     return int(fields[11]) + int(fields[12])  # utime + stime
 
 
+async def _first_spare(run: Run, entry: str) -> int:
+    await async_wait_until(
+        lambda: run.supervisor.spare_pids().get(entry) is not None, EVENT_TIMEOUT, "a spare"
+    )
+    pid = run.supervisor.spare_pids()[entry]
+    assert pid is not None
+    return pid
+
+
 def _parked(pid: int) -> bool:
     """Blocked in a read of its pipe, its preload thread done."""
     threads = Path(f"/proc/{pid}/status").read_text().split("Threads:")[1].split()[0]
@@ -41,8 +51,8 @@ def _parked(pid: int) -> bool:
 async def test_a_restart_runs_in_the_parked_spare_and_a_new_spare_replaces_it() -> None:
     spec = supervisor_spec(child("echo"), rings=echo_rings(), spares=True)
     async with supervised(spec) as run:
-        spare = run.supervisor.spare_pids()[ECHO]
-        assert spare is not None and _stat(spare)[1] == str(os.getpid())  # a child of the root
+        spare = await _first_spare(run, ECHO)  # started once the run is quiet
+        assert _stat(spare)[1] == str(os.getpid())  # a child of the root
         await async_wait_until(lambda: _parked(spare), EVENT_TIMEOUT, "the spare to park")
         ticks = _cpu_ticks(spare)
         await asyncio.sleep(1.0)
@@ -86,8 +96,7 @@ def _stat_of(path: Path) -> list[str]:
 async def test_a_spare_preloads_at_idle_priority_and_is_not_waited_for() -> None:
     spec = supervisor_spec(child("echo", entry=SLOW_PRELOAD), rings=echo_rings(), spares=True)
     async with supervised(spec) as run:
-        spare = run.supervisor.spare_pids()[SLOW_PRELOAD]
-        assert spare is not None
+        spare = await _first_spare(run, SLOW_PRELOAD)
 
         def preloading_at_idle_priority() -> bool:  # the main thread keeps its own
             return sorted(_thread_policies(spare)) == [os.SCHED_OTHER, os.SCHED_IDLE]
