@@ -164,11 +164,13 @@ class Gateway:
         for failure in batch.failures:
             if self._current(failure.request_id, failure.epoch) is not None:
                 self.fail(failure.request_id, EngineError.from_failure(failure))
-        by_request: dict[str, list[SampleDeltaText]] = {}
+        # By epoch too: a late delta of the epoch a resubmission replaced may share a batch
+        # with the new epoch's first ones, which must not be dropped with it.
+        by_request: dict[tuple[str, int], list[SampleDeltaText]] = {}
         for delta in batch.samples:
-            by_request.setdefault(delta.request_id, []).append(delta)
-        for request_id, deltas in by_request.items():
-            record = self._current(request_id, deltas[0].epoch)
+            by_request.setdefault((delta.request_id, delta.epoch), []).append(delta)
+        for (request_id, epoch), deltas in by_request.items():
+            record = self._current(request_id, epoch)
             if record is not None and record.prompt_token_ids is None:
                 record.early += deltas
             elif record is not None:

@@ -48,6 +48,20 @@ def test_outputs_of_a_stale_epoch_are_dropped_and_resume_carries_what_was_delive
     assert outputs[-1].finished and "r" not in gateway
 
 
+def test_a_late_delta_of_the_old_epoch_does_not_take_the_new_epochs_with_it() -> None:
+    gateway = Gateway()
+    record, _ = gateway.register(SamplingParams(max_tokens=3), prompt="hi", request_id="r")
+    gateway.learn_prompt(PromptTokens("r", 0, [1, 2]))
+    gateway.deliver(OutputBatch([], [_delta("r", 0, 0, [7], "a")], []))
+    [resubmission] = gateway.resubmit_all()
+    assert resubmission.epoch == 1 and resubmission.resume[0].delivered_token_ids == [7]
+    batch = [_delta("r", 0, 0, [8], "b"), _delta("r", 1, 0, [9], "c")]  # one detokenizer batch
+    gateway.deliver(OutputBatch([], batch, []))
+    gateway.deliver(OutputBatch([], [_delta("r", 1, 0, [5], "d", "length")], []))
+    tokens = [o.token_ids for out in _drain(record) for o in out.outputs]
+    assert tokens == [[7], [9], [5]]
+
+
 def test_deltas_of_one_sample_that_arrive_together_make_one_output() -> None:
     """A reader takes outputs[i] as sample i's news: two steps' deltas read in one batch must
     not come as two outputs of the same sample (the second was missed by such a reader)."""
