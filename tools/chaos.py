@@ -101,6 +101,9 @@ async def main_async(args: argparse.Namespace) -> int:
     proxy_extra = tuple(shlex.split(args.proxy_args))
     with launched(args.launch, args.model, extra, logs, args.start_timeout, proxy_extra) as servers:
         args.url = servers.url
+        # As a deployed server, idle a while after its start: its spare processes start once
+        # it is quiet (engine/runtime/spares.py), and a fault before that measures a cold start.
+        await asyncio.sleep(args.warm_up)
         return await run_chaos(args, servers.sockets)
 
 
@@ -183,6 +186,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="with --launch: the instances' runtime.heartbeat_timeout (a hang is "
                    "found after it); 0 = the engine's default")  # fmt: skip
     p.add_argument("--start-timeout", type=float, default=600.0, help="with --launch")
+    p.add_argument("--warm-up", type=float, default=15.0,
+                   help="with --launch: seconds the servers idle before the workload")  # fmt: skip
     p.add_argument("--logs", help="with --launch: where the servers' logs go (default: a temp dir)")
     p.add_argument("--requests", type=int, default=200)
     p.add_argument("--concurrency", type=int, default=16, help="streams in flight at once")

@@ -3,20 +3,17 @@
 A restarted child's recovery is mostly its new process's start: the interpreter, the engine's
 modules, and what its actor imports to start (torch, for a worker). So a supervisor may keep one
 spare per entry ("module:Class") of its restartable children: a process spawned as a child is,
-whose thread imports its actor's module and runs the class's `preload()` while the main thread
-waits, blocked in one read of a pipe (no polling: it uses no CPU), for the ChildBoot of the
-child it is to become. A restart writes the boot into that pipe (msgspec bytes, as a fresh child
-gets them: nothing is unpickled) and the spare goes on as `child_main` would, so the restart
-pays only the actor's own `on_start`.
+that has imported its actor's module and runs the class's `preload()` on a thread, while it waits,
+blocked in one read of a pipe (no polling: it uses no CPU), for the ChildBoot of the child it is
+to become. A restart writes the boot into that pipe (msgspec bytes, as a fresh child gets them:
+nothing is unpickled) and the spare goes on as `child_main` would, so the restart pays only the
+actor's own `on_start`. A boot may be handed to a spare still starting: it reads it once its
+actor's module is imported, never later than a fresh process would have.
 
-A spare must never compete with the children it stands behind: spares start as serving starts,
-and a worker's preload (torch) costs seconds of CPU that a 2-core host would otherwise spend on
-the first requests. So the preload thread runs at idle priority (SCHED_IDLE, a per-thread
-setting on Linux: it runs only on a core nothing else wants) and tells the root when it is done,
-on a second pipe. A restart hands its boot only to a spare that is done: an unprivileged process
-cannot raise a thread's priority back, and a child waiting on the module locks of an idle
-thread would start later than a fresh process, so a spare still preloading is discarded and the
-child spawned anew.
+The first spares start once the run is quiet (refill_when_quiet): each spare's start costs CPU
+(its interpreter, then torch for a worker's), which beside the first requests of an engine just
+started would slow them. A spare started after a restart starts at once: the next restart of
+that actor should find it ready.
 
 A spare holds nothing of the run (its rings, segments and weights come with the boot, or from
 /dev/shm), only imported modules. It dies with the root: the kernel's parent-death signal, armed
@@ -51,8 +48,7 @@ MAX_BOOT_BYTES = 60 * 1024
 _REAP_WAIT_S = 5.0  # after SIGKILL, for a spare to be gone
 _DISCARD_REAP_S = 1.0  # the same, on the event loop: past it, multiprocessing reaps it later
 # The first spares wait for a quiet run: its processes using under this many cores over one poll,
-# or at most _QUIET_WAIT_S. (Each spare's interpreter start costs ~0.3 CPU-seconds at the
-# priority it will keep as a child: started beside the first requests, they slow those.)
+# or at most _QUIET_WAIT_S.
 _QUIET_CORES = 0.25
 _QUIET_POLL_S = 0.5
 _QUIET_WAIT_S = 30.0
@@ -64,16 +60,14 @@ class Spare:
     def __init__(self, entry: str) -> None:
         self.entry = entry
         reader, self._writer = _SPAWN.Pipe(duplex=False)
-        self._preloaded, preloaded_writer = _SPAWN.Pipe(duplex=False)
         self.process: BaseProcess = _SPAWN.Process(
             target=spare_main,
-            args=(entry, os.getpid(), reader, preloaded_writer),
+            args=(entry, os.getpid(), reader),
             name=f"spare {entry}",
             daemon=True,  # as children: multiprocessing's exit hook ends it with the root
         )
         self.process.start()
         reader.close()  # only the spare holds the read end: it sees EOF when the root is gone
-        preloaded_writer.close()
 
     @property
     def pid(self) -> int | None:
@@ -83,21 +77,10 @@ class Spare:
     def alive(self) -> bool:
         return self.process.exitcode is None
 
-    @property
-    def preloaded(self) -> bool:
-        """Its preload is done (the spare said so on its second pipe); never blocks."""
-        try:
-            return self._preloaded.poll()
-        except OSError:  # closed by discard()
-            return False
-
     def hand_over(self, boot_frame: bytes) -> BaseProcess | None:
         """The spare's process, now becoming the child `boot_frame` describes; None when it
-        cannot (it died, it is still preloading, or the frame does not fit the pipe's buffer):
-        then spawn afresh."""
-        if not self.alive or not self.preloaded or len(boot_frame) > MAX_BOOT_BYTES:
-            if self.alive:
-                log.info("spare %s (pid %s) not ready: a new process instead", self.entry, self.pid)
+        cannot (it died, or the frame does not fit the pipe's buffer): then spawn afresh."""
+        if not self.alive or len(boot_frame) > MAX_BOOT_BYTES:
             self.discard()
             return None
         try:
@@ -107,15 +90,13 @@ class Spare:
             self.discard()
             return None
         self._writer.close()
-        self._preloaded.close()
         return self.process
 
     def discard(self) -> None:
         """Kill it, if it runs still (it holds nothing to clean up), and reap it: once taken from
         Spares nothing else would, and it would stay a zombie child until the root exits."""
-        for end in (self._writer, self._preloaded):
-            if not end.closed:
-                end.close()
+        if not self._writer.closed:
+            self._writer.close()
         if self.alive:
             self.process.kill()
             self.process.join(_DISCARD_REAP_S)  # a SIGKILLed process is gone within milliseconds
@@ -189,22 +170,15 @@ def _cpu_of(children: Iterable[ChildStatus]) -> float:
     return sum(cpu_seconds(pid) or 0.0 for pid in pids)
 
 
-def spare_main(
-    entry: str, root_pid: int, boot_reader: Connection, preloaded_writer: Connection
-) -> None:
+def spare_main(entry: str, root_pid: int, boot_reader: Connection) -> None:
     """Entry of a spare process: import, wait for a boot, then run that child."""
     exit_with_root(root_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a child: the root decides about Ctrl-C
-
-    def preload() -> None:
-        # Idle priority on this thread only: the main thread, which becomes the child, keeps
-        # its own (an unprivileged process could not raise this thread's back).
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-        load_actor_class(entry).preload()
-        preloaded_writer.send_bytes(b"")
-        preloaded_writer.close()
-
-    threading.Thread(target=preload, name="preload", daemon=True).start()
+    actor_class = load_actor_class(entry)
+    # On a thread, so that a boot handed over meanwhile is not held up by imports its actor may
+    # not need before it is ready (the tokenizer's transformers); imports of the same modules by
+    # the actor wait for this thread's instead of repeating them.
+    threading.Thread(target=actor_class.preload, name="preload", daemon=True).start()
     try:
         boot_frame = boot_reader.recv_bytes()
     except EOFError:  # the root is gone, or let the spare go

@@ -25,7 +25,6 @@ from engine.runtime.events import ChildReady, ChildStatus, SupervisorEvent
 from engine.runtime.supervisor import Supervisor
 
 ECHO = "tests.integration.sample_actors:EchoActor"
-SLOW_PRELOAD = "tests.integration.sample_actors:SlowPreloadEchoActor"
 EVENT_TIMEOUT = 30.0  # generous: the machine is shared; no test measures time
 
 
@@ -78,15 +77,6 @@ class EchoActor(Actor):
         if self.settings.stop_log:
             with open(self.settings.stop_log, "a") as log:
                 log.write(f"{self.name}\n")
-
-
-class SlowPreloadEchoActor(EchoActor):
-    """An EchoActor whose spare stays preloading for a minute (as a worker's torch import on a
-    busy host), so its spare is never ready in a test's time."""
-
-    @classmethod
-    def preload(cls) -> None:
-        time.sleep(60)
 
 
 def echo_config(**fields: Any) -> bytes:
