@@ -16,6 +16,8 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
+from engine.runtime.shm import pid_alive
+
 SOCKET_NAME = "admin.sock"
 
 
@@ -46,16 +48,6 @@ def prepare_default_socket(environ: Mapping[str, str], pid: int) -> Path:
     run_dir = base / str(pid)
     make_private_dir(run_dir)
     return run_dir / SOCKET_NAME
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def sweep_stale(base: Path) -> list[Path]:

@@ -81,25 +81,29 @@ class Spare:
         """The spare's process, now becoming the child `boot_frame` describes; None when it
         cannot (it died, or the frame does not fit the pipe's buffer): then spawn afresh."""
         if not self.alive or len(boot_frame) > MAX_BOOT_BYTES:
-            self.discard()
+            self._give_up()
             return None
         try:
             self._writer.send_bytes(boot_frame)
         except OSError as exc:  # it died meanwhile: its read end is closed
             log.warning("spare %s (pid %s) could not take a boot: %s", self.entry, self.pid, exc)
-            self.discard()
+            self._give_up()
             return None
         self._writer.close()
         return self.process
 
+    def _give_up(self) -> None:
+        """Discard it and reap it: taken from Spares, nothing else would, and it would stay a
+        zombie child until the root exits."""
+        self.discard()
+        self.process.join(_DISCARD_REAP_S)  # a SIGKILLed process is gone within milliseconds
+
     def discard(self) -> None:
-        """Kill it, if it runs still (it holds nothing to clean up), and reap it: once taken from
-        Spares nothing else would, and it would stay a zombie child until the root exits."""
+        """Kill it, if it runs still (it holds nothing to clean up)."""
         if not self._writer.closed:
             self._writer.close()
         if self.alive:
             self.process.kill()
-            self.process.join(_DISCARD_REAP_S)  # a SIGKILLed process is gone within milliseconds
 
 
 class Spares:

@@ -63,8 +63,11 @@ def resubmit_and_finish(scheduler: Scheduler, worker: ReferenceWorker, outputs: 
     assert plan is not None
     assert [chunk.start_pos for chunk in plan.chunks] == full_blocks
     outputs.add(scheduler.update(worker.run(plan)))
-    while step(scheduler, worker, outputs) is not None:
-        pass
+    for _ in range(10 * MAX_TOKENS):  # a bound: a scheduler that never finishes fails, not hangs
+        if step(scheduler, worker, outputs) is None:
+            break
+    else:
+        raise AssertionError(f"not finished after {10 * MAX_TOKENS} steps")
     for request_id, prompt in PROMPTS.items():
         assert outputs.tokens[request_id, 0] == expected(prompt, 1, MAX_TOKENS)
     assert_no_state_left(scheduler, worker)
