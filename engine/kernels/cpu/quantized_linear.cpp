@@ -52,6 +52,12 @@ constexpr int64_t kPanel = 16;  // rows of w per panel (layout.PANEL)
 constexpr int64_t kGroup = 4;   // consecutive values per row in a group (layout.GROUP)
 constexpr int64_t kGroups = kBlock / kGroup;
 constexpr int64_t kBlockRows = 192;  // rows of x per work item: a multiple of every tile's rows
+constexpr int64_t kRunsPerThread = 4;  // work items per thread and row block (block_item)
+// How far ahead of the record in use a tile asks for the weight: the hardware prefetchers stop
+// at each 4 KB page, and a tile of several rows computes long enough per record to hide a
+// fetch from memory if it starts a page ahead. (A prefetch past the weight's end is harmless:
+// it never faults.)
+constexpr int64_t kPrefetchBytes = 4096;
 
 enum Path : int { kBest = 0, kScalar = 1, kAvx2 = 2, kVnni = 3 };
 enum Status : int { kOk = 0, kBadArgument = 1, kUnavailable = 2, kBadId = 3 };
@@ -75,6 +81,7 @@ struct Problem {
   int64_t n;
   const float* bias;  // [n] or null
   float* out;         // [m, n], contiguous
+  int64_t panels_per_item;
 };
 
 // ---- Activations ----------------------------------------------------------------------------
@@ -298,6 +305,9 @@ ENGINE_AVX2 void tile_avx2(const Problem& p, int64_t row, int64_t panel, float* 
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b, record += record_bytes(Bits)) {
+    for (int64_t line = 0; line < record_bytes(Bits); line += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(record + kPrefetchBytes + line), _MM_HINT_T0);
+    }
     const int8_t* q[R];
     const BlockStats* stats[R];
     for (int r = 0; r < R; ++r) {
@@ -422,14 +432,9 @@ void short_tile(const Problem& p, int64_t row, int rows, int64_t panel, float* s
   }
 }
 
-// One work item: a block of up to kBlockRows rows against one panel. Consecutive items share the
-// row block, whose activations stay in cache while the panels pass by.
+// One block of up to kBlockRows rows against one panel.
 template <class K, int Bits>
-void block_item(const void* context, int64_t item) {
-  const Problem& p = *static_cast<const Problem*>(context);
-  const int64_t panels = (p.n + kPanel - 1) / kPanel;
-  const int64_t panel = item % panels;
-  const int64_t first = item / panels * kBlockRows;
+void panel_rows(const Problem& p, int64_t first, int64_t panel) {
   const int64_t last = std::min(first + kBlockRows, p.m);
   const int64_t columns = std::min(p.n - panel * kPanel, kPanel);
   float sums[K::kRows * kPanel];
@@ -441,6 +446,23 @@ void block_item(const void* context, int64_t item) {
   if (row < last) {
     short_tile<K, Bits>(p, row, static_cast<int>(last - row), panel, sums);
     store_tile(p, row, static_cast<int>(last - row), panel, columns, sums);
+  }
+}
+
+// One work item: a block of up to kBlockRows rows against a run of p.panels_per_item
+// consecutive panels. A run, not one panel: the weight is read from memory as a contiguous
+// stream per thread, which the hardware prefetchers follow (panels dealt out one by one leave
+// each thread a stream with gaps, and it reads at a fraction of the bandwidth). The row
+// block's activations stay in cache while its panels pass by.
+template <class K, int Bits>
+void block_item(const void* context, int64_t item) {
+  const Problem& p = *static_cast<const Problem*>(context);
+  const int64_t panels = (p.n + kPanel - 1) / kPanel;
+  const int64_t runs = (panels + p.panels_per_item - 1) / p.panels_per_item;
+  const int64_t first_panel = item % runs * p.panels_per_item;
+  const int64_t last_panel = std::min(first_panel + p.panels_per_item, panels);
+  for (int64_t panel = first_panel; panel < last_panel; ++panel) {
+    panel_rows<K, Bits>(p, item / runs * kBlockRows, panel);
   }
 }
 
@@ -504,11 +526,15 @@ int engine_quantized_linear(const float* x, int64_t m, int64_t k, int64_t x_stri
   // Once, on the calling thread, before the others start: quantizing a row is one pass over its
   // k values, small against the matmul's pass over every column for it.
   const Activations& activations = quantize_rows(x, m, k, x_stride);
-  const Problem problem{activations.q.data(), activations.stats.data(), m, k, packed, n, bias, out};
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  // A few runs per thread: contiguous enough to stream, enough to even out a late helper.
+  const int64_t run = std::max<int64_t>(1, panels / (kRunsPerThread * std::max(threads, 1)));
+  const Problem problem{activations.q.data(), activations.stats.data(), m, k, packed, n, bias, out,
+                        run};
   engine_cpu::Task task;
   task.run = item;
   task.context = &problem;
-  task.items = (m + kBlockRows - 1) / kBlockRows * ((n + kPanel - 1) / kPanel);
+  task.items = (m + kBlockRows - 1) / kBlockRows * ((panels + run - 1) / run);
   engine_cpu::run_parallel(task, threads);
   return kOk;
 }

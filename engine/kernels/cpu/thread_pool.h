@@ -1,6 +1,14 @@
 // The CPU kernels' threads: one pool for the whole library (the attention and linear kernels
 // share it), whose idle threads sleep on a condition variable: the engine's actors share few
-// cores, and nothing here may spin.
+// cores, and nothing here may spin for long.
+//
+// But a decode step is ~150 calls of 10-100 us each, back to back, and a helper woken through
+// the condition variable each time arrives after the caller has done most of the call's work
+// alone (a futex wake-up on a busy VM costs tens of microseconds): a second thread then gained a
+// decode step nothing. So a helper that has just worked watches for the next call for kSpin
+// (long enough to bridge the gap between two calls of a step, short against the gap between two
+// steps) before it sleeps, and the caller watches for its helpers to finish for as long; an
+// idle pool is asleep within kSpin of its last call.
 //
 // A call's work is `items` independent pieces, handed out one at a time to whichever thread is
 // free. The calling thread always works too, and waits at the end only for helpers that joined
@@ -12,12 +20,17 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <mutex>
 #include <thread>
 
 #include <unistd.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 namespace engine_cpu {  // named, not anonymous: every source of the library shares one pool
 
@@ -32,6 +45,26 @@ struct Task {
   }
 };
 
+using Clock = std::chrono::steady_clock;
+constexpr auto kSpin = std::chrono::microseconds(50);
+
+inline void relax() {
+#if defined(__x86_64__)
+  _mm_pause();
+#endif
+}
+
+// Polls `ready` for up to kSpin; whether it came true.
+template <typename Ready>
+bool spin_until(Ready ready) {
+  const auto deadline = Clock::now() + kSpin;
+  for (int polls = 0;; ++polls) {
+    if (ready()) return true;
+    relax();
+    if (polls % 64 == 63 && Clock::now() > deadline) return false;
+  }
+}
+
 class Pool {
  public:
   void run(Task& task, int helpers) {
@@ -40,10 +73,11 @@ class Pool {
       std::lock_guard<std::mutex> lock(mutex_);
       task_ = &task;
       wanted_ = helpers;
-      ++generation_;
+      generation_.fetch_add(1, std::memory_order_release);
     }
-    wake_.notify_all();
+    wake_.notify_all();  // no system call when every helper is still spinning
     task.work();
+    spin_until([this] { return active_.load(std::memory_order_acquire) == 0; });
     std::unique_lock<std::mutex> lock(mutex_);
     // A helper joins (active_++) and leaves (active_--) under the mutex, and reads task_ only
     // in between: once none is active, withdrawing the task under the same mutex is safe.
@@ -63,6 +97,7 @@ class Pool {
     uint64_t seen = 0;
     for (;;) {
       Task* task;
+      spin_until([&] { return generation_.load(std::memory_order_acquire) != seen; });
       {
         std::unique_lock<std::mutex> lock(mutex_);
         wake_.wait(lock, [&] { return generation_ != seen; });
@@ -81,9 +116,9 @@ class Pool {
   std::condition_variable wake_;
   std::condition_variable done_;
   Task* task_ = nullptr;
-  uint64_t generation_ = 0;
+  std::atomic<uint64_t> generation_{0};  // changed under mutex_, polled outside it
   int wanted_ = 0;
-  int active_ = 0;
+  std::atomic<int> active_{0};  // likewise
   int started_ = 0;
 };
 
