@@ -15,7 +15,8 @@ import torch
 
 from engine.kernels.attention_metadata import TableRows
 from engine.kernels.cpu import attention
-from tests.unit.test_kernels import run_step
+from engine.kernels.registry import select_backend
+from tests.unit.test_kernels import make_cache, run_step
 
 # Long contexts over many shuffled blocks, decodes and short chunks, and a long chunk apart.
 MIXED_STEP = [(300, 1), (5, 1), (700, 1), (20, 3), (0, 50), (63, 1), (64, 1), (1, 30)]
@@ -35,6 +36,40 @@ def test_tokens_split_across_the_pool_attend_like_the_reference(
     two_threads: None, head_dim: int
 ) -> None:
     run_step(MIXED_STEP, seed=3, heads=8, kv_heads=2, backend="cpu", head_dim=head_dim)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_chunks_tokens_attend_bit_for_bit_as_each_would_alone(threads: int) -> None:
+    """The kernel takes a chunk's consecutive tokens as one run, block by block; each token's
+    output must still be the bits it gets alone, as a decode token: a speculative step's
+    verification then equals the steps it replaces (greedy output identical)."""
+    kernels = select_backend("cpu", "cpu")
+    heads, kv_heads, head_dim, start, new = 9, 3, 64, 300, 5  # the default model's head shape
+    cache = make_cache(kv_heads=kv_heads, head_dim=head_dim)
+    generator = torch.Generator().manual_seed(7)
+    table = torch.randperm(cache.num_blocks, generator=generator)[: -(-(start + new) // 4)]
+    k, v = (torch.randn(start + new, kv_heads, head_dim, generator=generator) for _ in "kv")
+    q = torch.randn(new, heads, head_dim, generator=generator)
+    cache.write(
+        0, table[torch.arange(start) // 4] * 4 + torch.arange(start) % 4, k[:start], v[:start]
+    )
+
+    def step(first: int, count: int) -> torch.Tensor:
+        meta = kernels.build_attention_metadata(
+            [count], [first], [table.tolist()], cache=cache, queries_per_kv=heads // kv_heads,
+            device=torch.device("cpu"),
+        )  # fmt: skip
+        rows = slice(first - start, first - start + count)
+        return kernels.paged_attention(q[rows], k[rows], v[rows], cache, 0, meta, head_dim**-0.5)
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        together = step(start, new)
+        alone = torch.cat([step(start + t, 1) for t in range(new)])
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(together, alone)
 
 
 def test_large_pieces_use_every_core_of_the_rank_small_ones_one() -> None:

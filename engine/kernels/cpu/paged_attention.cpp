@@ -2,8 +2,9 @@
 //
 // Each token reads the keys and values it may see where they lie in the paged KV cache, block
 // by block through its sequence's block table: no gather, no padding, no copy of the context.
-// One work item is one token: it reads each cache slot's row (every KV head) once, contiguously,
-// and scores every query head against it (grouped-query attention costs no extra traffic).
+// One work item is one token, or a run of tokens of one chunk (attend()): it reads each cache
+// slot's row (every KV head) once, contiguously, and scores every query head of every token of
+// the run against it (grouped-query attention and a speculative chunk cost no extra traffic).
 // Softmax is exact (max-subtracted; a pass over the keys for the scores, which stay in a
 // per-thread buffer, then one over the values), accumulated in float32 whatever the cache dtype.
 //
@@ -204,56 +205,115 @@ inline void softmax_rows(float* scores, int64_t heads, int64_t seen, int64_t pad
   }
 }
 
-// One token: both passes over its context, block by block through its block table.
+// Consecutive tokens of the piece that belong to one chunk (a speculative chunk's 1 + k tokens,
+// a short prefill chunk): each attends to its own context, but their contexts are the same
+// blocks, so attend() goes block by block and scores (then weighs) every token of the run
+// against a block while its rows are in the L1 cache. Token by token, each would read the
+// context from memory again (prefetched non-temporal, it is not kept).
+struct Run {
+  int64_t first;  // the run's first token in the piece
+  int64_t count;
+};
+
+// One run of tokens: both passes over their context, block by block through their chunk's block
+// table. A token's arithmetic is the same whatever run it is in (its scores padded further
+// with -inf only add zeros), so its output is the same bits as alone.
 template <typename T, int DIM>
-void attend(const Problem& p, int64_t token, Scratch& s) {
+void attend(const Problem& p, Run run, Scratch& s) {
   const int64_t heads = p.heads;
   const int64_t dim = p.head_dim;
-  const int64_t seen = p.seen[token];
-  const int64_t row = p.rows ? p.rows[token] : token;
-  const int64_t* table = p.block_tables + p.token_chunk[token] * p.table_width;
   const int64_t slot_stride = p.kv_heads * dim;
+  const int64_t* table = p.block_tables + p.token_chunk[run.first] * p.table_width;
+  const int64_t* seen = p.seen + run.first;
+  int64_t longest = 0;  // the token with the most keys: it goes first, prefetching for all
+  for (int64_t t = 1; t < run.count; ++t) longest = seen[t] > seen[longest] ? t : longest;
+  const int64_t keys = seen[longest];
+  const int64_t padded = (keys + 7) / 8 * 8;  // each head's scores, whole vectors
+  const int64_t query_size = heads * dim;
 
-  s.query.resize(heads * dim);
-  const int64_t padded = (seen + 7) / 8 * 8;  // each head's scores, whole vectors
-  s.scores.resize(heads * padded);
-  s.acc.assign(heads * dim, 0.0f);
-  s.inverse_sums.resize(heads);
-  const T* q = static_cast<const T*>(p.query) + row * p.query_token_stride;
-  for (int64_t i = 0; i < heads * dim; ++i) s.query[i] = to_float(q[i]) * p.scale;
+  s.query.resize(run.count * query_size);
+  s.scores.resize(run.count * heads * padded);
+  s.acc.assign(run.count * query_size, 0.0f);
+  s.inverse_sums.resize(run.count * heads);
+  for (int64_t t = 0; t < run.count; ++t) {
+    const int64_t row = p.rows ? p.rows[run.first + t] : run.first + t;
+    const T* q = static_cast<const T*>(p.query) + row * p.query_token_stride;
+    for (int64_t i = 0; i < query_size; ++i) s.query[t * query_size + i] = to_float(q[i]) * p.scale;
+  }
 
   for (int pass = 0; pass < 2; ++pass) {  // 0: scores from keys; 1: values weighted by them
     const T* cache = static_cast<const T*>(pass == 0 ? p.key_cache : p.value_cache);
-    for (int64_t start = 0; start < seen; start += p.block_size) {
+    for (int64_t start = 0; start < keys; start += p.block_size) {
       const int64_t block = start / p.block_size;
-      const int64_t count = std::min(p.block_size, seen - start);
-      const T* next = start + p.block_size < seen
+      const T* next = start + p.block_size < keys
                           ? cache + table[block + 1] * p.block_size * slot_stride
                           : nullptr;
       const T* first = cache + table[block] * p.block_size * slot_stride;
-      const float* rows = as_float(first, count * slot_stride, s.block);
-      if (pass == 0) {
-        score_rows<DIM>(p, s.query.data(), rows, count, s.scores.data() + start, padded, next);
-      } else {
-        accumulate_rows<DIM>(p, s.scores.data() + start, padded, rows, count, s.acc.data(),
-                             next);
+      const float* rows = as_float(first, std::min(p.block_size, keys - start) * slot_stride,
+                                   s.block);
+      for (int64_t i = 0; i < run.count; ++i) {
+        const int64_t t = i == 0 ? longest : i <= longest ? i - 1 : i;
+        if (seen[t] <= start) continue;
+        const int64_t count = std::min(p.block_size, seen[t] - start);
+        float* scores = s.scores.data() + t * heads * padded + start;
+        const T* prefetch = i == 0 ? next : nullptr;
+        if (pass == 0) {
+          score_rows<DIM>(p, s.query.data() + t * query_size, rows, count, scores, padded,
+                          prefetch);
+        } else {
+          accumulate_rows<DIM>(p, scores, padded, rows, count, s.acc.data() + t * query_size,
+                               prefetch);
+        }
       }
     }
-    if (pass == 0) softmax_rows(s.scores.data(), heads, seen, padded, s.inverse_sums.data());
+    if (pass == 0) {
+      for (int64_t t = 0; t < run.count; ++t) {
+        softmax_rows(s.scores.data() + t * heads * padded, heads, seen[t], padded,
+                     s.inverse_sums.data() + t * heads);
+      }
+    }
   }
 
-  T* out = static_cast<T*>(p.out) + row * heads * dim;
-  for (int64_t i = 0; i < heads * dim; ++i) store(out + i, s.acc[i] * s.inverse_sums[i / dim]);
+  for (int64_t t = 0; t < run.count; ++t) {
+    const int64_t row = p.rows ? p.rows[run.first + t] : run.first + t;
+    T* out = static_cast<T*>(p.out) + row * query_size;
+    const float* acc = s.acc.data() + t * query_size;
+    const float* inverse_sums = s.inverse_sums.data() + t * heads;
+    for (int64_t i = 0; i < query_size; ++i) store(out + i, acc[i] * inverse_sums[i / dim]);
+  }
 }
+
+struct Runs {
+  const Problem* problem;
+  const Run* runs;
+};
 
 template <typename T>
 void attend_item(const void* context, int64_t item) {
-  const Problem& p = *static_cast<const Problem*>(context);
+  const Runs& work = *static_cast<const Runs*>(context);
+  const Problem& p = *work.problem;
   thread_local Scratch scratch;
   switch (p.head_dim) {  // the usual head sizes get register-blocked code
-    case 64: return attend<T, 64>(p, item, scratch);
-    case 128: return attend<T, 128>(p, item, scratch);
-    default: return attend<T, 0>(p, item, scratch);
+    case 64: return attend<T, 64>(p, work.runs[item], scratch);
+    case 128: return attend<T, 128>(p, work.runs[item], scratch);
+    default: return attend<T, 0>(p, work.runs[item], scratch);
+  }
+}
+
+// The piece's tokens as runs of one chunk each, of at most an even share of the tokens per
+// thread: a lone speculative chunk still spreads over the threads (each thread then reads the
+// context once).
+void split_runs(const int64_t* token_chunk, int64_t num_tokens, int threads,
+                std::vector<Run>& runs) {
+  const int64_t share = (num_tokens + threads - 1) / std::max(threads, 1);
+  runs.clear();
+  for (int64_t token = 0; token < num_tokens; ++token) {
+    if (!runs.empty() && token_chunk[runs.back().first] == token_chunk[token] &&
+        runs.back().count < share) {
+      ++runs.back().count;
+    } else {
+      runs.push_back({token, 1});
+    }
   }
 }
 
@@ -278,8 +338,11 @@ int engine_paged_attention(int dtype, const void* query, int64_t query_token_str
     case kFloat16: task.run = attend_item<Float16>; break;
     default: return -1;
   }
-  task.context = &problem;
-  task.items = num_tokens;
+  thread_local std::vector<Run> runs;  // read by the pool's helpers during this call only
+  split_runs(token_chunk, num_tokens, num_threads, runs);
+  const Runs work{&problem, runs.data()};
+  task.context = &work;
+  task.items = static_cast<int64_t>(runs.size());
   engine_cpu::run_parallel(task, num_threads);
   return 0;
 }
