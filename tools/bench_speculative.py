@@ -4,17 +4,18 @@ the same model.
 Engines run side by side (an idle one costs no CPU), one without --speculative-config and one
 per method measured; each round sends every prompt to each engine in turn, the order rotating
 from round to round, so all see the same machine load. A prompt's decode rate is (output tokens
-- 1) over the time from its first token to its last. Prompts: where lookup helps (repeating or
-editing a given text, refactoring code) and where it does not (free writing). Greedy, or with
---temperature sampled with one seed (--seed): either way all engines produce the same tokens
-(checked), except a draft engine verifying by vLLM's rejection sampler when sampling (another
-draw of the same distribution). The speculating engines' acceptance figures come from their
-stats.
+- 1) over the time from its first token to its last. Prompts: where lookup helps (repeating a
+given text, correcting its spelling, refactoring code) and where it does not (free writing).
+Greedy, or with --temperature sampled with one seed (--seed): either way all engines produce the
+same tokens (checked), except a draft engine verifying by vLLM's rejection sampler when sampling
+(another draw of the same distribution). The speculating engines' acceptance figures come from
+their stats.
 
     python tools/bench_speculative.py                      # the default model (SmolLM2-135M)
     python tools/bench_speculative.py --rounds 5 --max-tokens 200
     python tools/bench_speculative.py --draft random       # and a draft model
     python tools/bench_speculative.py --llama-server       # also llama-server's ngram-simple
+    python tools/bench_speculative.py --ngram-tokens 4 8   # n-gram engines of 4 and 8 tokens
     python tools/bench_speculative.py --draft same --methods draft --temperature 0.8 \
         --acceptance-methods target_draw rejection_sampler  # both rules, sampled
 
@@ -35,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import signal
 import statistics
 import sys
 import time
@@ -77,8 +79,19 @@ def average_price(items):
             count = count + 1
     return result / count
 """
+# The paragraph with four words misspelt: editing a given text, as the issue names it.
+TYPOS = (
+    PARAGRAPH.replace("mountains", "mountians")
+    .replace("streams", "steams")
+    .replace("centuries", "centurys")
+    .replace("respect", "respekt")
+)
 PROMPTS = {
     "repeat": (True, f"Repeat the following text exactly, word for word:\n\n{PARAGRAPH}"),
+    "edit": (
+        True,
+        f"Correct the spelling mistakes in this text and write out the corrected text:\n\n{TYPOS}",
+    ),
     "refactor": (
         True,
         f"Rename the variable `result` to `total` in this code and show the whole code:\n\n{CODE}",
@@ -166,7 +179,9 @@ def _engine_configs(args: argparse.Namespace) -> dict[str, str]:
     """--speculative-config of each engine, by name ("plain": none)."""
     configs = {"plain": ""}
     if "ngram" in args.methods:
-        configs["ngram"] = json.dumps(NGRAM)
+        for tokens in args.ngram_tokens:
+            name = "ngram" if tokens == NGRAM["num_speculative_tokens"] else f"ngram-k{tokens}"
+            configs[name] = json.dumps({**NGRAM, "num_speculative_tokens": tokens})
     if args.draft is not None and "draft" in args.methods:
         path = _draft_path(args)
         for method in args.acceptance_methods:
@@ -259,9 +274,19 @@ def main() -> None:
         default=["target_draw"],
         help="a draft engine per rule for sampled proposals",
     )
+    parser.add_argument(
+        "--ngram-tokens",
+        type=int,
+        nargs="+",
+        default=[NGRAM["num_speculative_tokens"]],
+        help="num_speculative_tokens of each n-gram engine (and llama-server's --spec-draft-n-max:"
+        " the largest)",
+    )
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--seed", type=int, default=0, help="every request's, when sampling")
     args = parser.parse_args()
+    # SIGTERM unwinds like Ctrl-C, so that the engines and llama-servers started are stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     report(asyncio.run(bench_ours(args)))
     if args.llama_server:
         from tools.bench_speculative_llamacpp import bench_llama_server

@@ -19,7 +19,13 @@ from tests.e2e.harness import free_port
 from tools import llamacpp_peer
 from tools.serving_servers import http_server
 
-SPEC_ARGS = {"plain": [], "ngram": ["--spec-type", "ngram-simple", "--spec-draft-n-max", "4"]}
+
+def spec_args(draft_max: int) -> dict[str, list[str]]:
+    """Each server's extra arguments, by name."""
+    return {
+        "plain": [],
+        "ngram": ["--spec-type", "ngram-simple", "--spec-draft-n-max", str(draft_max)],
+    }
 
 
 def chat(url: str, text: str, max_tokens: int) -> dict[str, Any]:
@@ -41,7 +47,7 @@ def bench_llama_server(
     drafts = {"n": 0, "accepted": 0}
     with contextlib.ExitStack() as stack:
         urls = {}
-        for name, extra in SPEC_ARGS.items():
+        for name, extra in spec_args(max(args.ngram_tokens)).items():
             cmd = [str(llamacpp_peer.binaries() / "llama-server"), "-m", gguf,
                    "-t", str(llamacpp_peer.THREADS), "-np", "1", "-c", "4096",
                    "--host", "127.0.0.1", "--port", str(free_port()), *extra]  # fmt: skip

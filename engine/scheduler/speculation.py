@@ -141,10 +141,55 @@ class SpeculationTally:
 
 
 # A sequence whose proposals were all rejected proposes nothing for 2, 4, ... up to this many
-# steps, and then one token only until one is accepted: a step verifying k proposals costs more
-# than a plain decode step (and a draft model runs k times), so text where proposals keep
-# missing must not pay that price at every step.
+# steps, and then one token only until one is accepted (ProposalLength).
 MAX_PAUSE_STEPS = 32
+
+
+class ProposalLength:
+    """How many proposals each sequence gets at its next step, from how its last ones fared.
+
+    A step verifying k proposals costs more than a plain decode step (on the CPU each one is
+    another row through every matmul and another query through attention; a draft model runs
+    k times), so the length follows the text:
+    - at first, and after a draft accepted whole, twice the last length, up to `most`
+      (num_speculative_tokens): copying text, a run of proposals tends to hold;
+    - after a draft cut short with `a` accepted, a + 1: the text diverged from what it copied,
+      and the next match is less sure;
+    - after a draft rejected whole, none for 2, 4, ... MAX_PAUSE_STEPS steps, then one at a time
+      until one is accepted: text where proposals keep missing must not pay for them each step.
+    Proposals never change which tokens come out, so none of this changes the output."""
+
+    def __init__(self, most: int) -> None:
+        self.most = most
+        self._length: dict[int, int] = {}  # seq id -> its next draft's length (absent: most)
+        self._misses: dict[int, int] = {}  # seq id -> drafts rejected whole in a row
+        self._paused_until: dict[int, int] = {}  # seq id -> the step it may propose again
+
+    def limit(self, seq_id: int, step: int) -> int:
+        """Proposals `seq_id` may get at `step` (0 while paused)."""
+        if self._paused_until.get(seq_id, 0) > step:
+            return 0
+        return self._length.get(seq_id, self.most)
+
+    def record(self, seq_id: int, proposed: int, accepted: int, step: int) -> None:
+        """The outcome of `seq_id`'s draft of `proposed` tokens at `step`."""
+        if not accepted:
+            misses = self._misses.get(seq_id, 0) + 1
+            self._misses[seq_id] = misses
+            self._paused_until[seq_id] = step + min(2**misses, MAX_PAUSE_STEPS)
+            self._length[seq_id] = 1  # a probe
+            return
+        self._misses.pop(seq_id, None)
+        length = self._length.get(seq_id, self.most)
+        if accepted < proposed:
+            self._length[seq_id] = accepted + 1
+        elif proposed >= length:  # accepted whole at full length (not cut by lookup or room)
+            self._length[seq_id] = min(self.most, 2 * length)
+
+    def forget(self, seq_id: int) -> None:
+        self._length.pop(seq_id, None)
+        self._misses.pop(seq_id, None)
+        self._paused_until.pop(seq_id, None)
 
 
 class Proposal(NamedTuple):
@@ -166,13 +211,11 @@ class Speculator:
         self.kv = kv
         self.max_model_len = max_model_len
         self.tally = SpeculationTally(config.num_speculative_tokens)
+        self.lengths = ProposalLength(config.num_speculative_tokens)
         self._step = 0
-        self._misses: dict[int, int] = {}  # seq id -> drafts rejected whole in a row
-        self._paused_until: dict[int, int] = {}  # seq id -> the step it may propose again
 
     def forget(self, seq_id: int) -> None:
-        self._misses.pop(seq_id, None)
-        self._paused_until.pop(seq_id, None)
+        self.lengths.forget(seq_id)
 
     def plan(self, chunks: list[ScheduledChunk], token_budget: int) -> dict[int, Proposal]:
         """Proposals for the decode chunks among a step's `chunks`, by sequence id, within
@@ -185,8 +228,6 @@ class Speculator:
                 break
             if chunk.num_tokens != 1 or chunk.start + 1 != seq.num_tokens:
                 continue  # a prefill chunk, or one that does not end the sequence
-            if self._paused_until.get(seq.seq_id, 0) > self._step:
-                continue
             proposed = self.propose(seq, chunk.start, token_budget)
             if proposed.size:
                 proposals[seq.seq_id] = proposed
@@ -202,23 +243,13 @@ class Speculator:
             accepted[seq_id] = min(max(emitted[seq_id] - 1, 0), count)
             if emitted[seq_id]:
                 self.tally.record(count, accepted[seq_id])
-                self._pause_on_miss(seq_id, accepted[seq_id])
+                self.lengths.record(seq_id, count, accepted[seq_id], self._step)
         return accepted
-
-    def _pause_on_miss(self, seq_id: int, accepted: int) -> None:
-        if accepted:
-            self._misses.pop(seq_id, None)
-            return
-        misses = self._misses.get(seq_id, 0) + 1
-        self._misses[seq_id] = misses
-        self._paused_until[seq_id] = self._step + min(2**misses, MAX_PAUSE_STEPS)
 
     def propose(self, seq: SequenceState, start: int, budget: int) -> Proposal:
         """Proposals for `seq`'s decode chunk at `start` (its last token), within `budget`
         extra tokens; their KV blocks are reserved. Empty when none fit or none are found."""
-        limit = min(budget, self._room(seq))
-        if seq.seq_id in self._misses:
-            limit = min(limit, 1)  # a probe after misses
+        limit = min(budget, self._room(seq), self.lengths.limit(seq.seq_id, self._step))
         if limit < 1 or not _speculable(seq):
             return Proposal([])
         config = self.config

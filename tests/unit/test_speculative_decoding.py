@@ -16,7 +16,12 @@ from engine.model.step import StepExecutor
 from engine.model.step_inputs import SeqChunk, SequenceStart
 from engine.scheduler.config import SchedulerConfig
 from engine.scheduler.scheduler import Scheduler
-from engine.scheduler.speculation import parse_speculative_config, propose_ngram
+from engine.scheduler.speculation import (
+    MAX_PAUSE_STEPS,
+    ProposalLength,
+    parse_speculative_config,
+    propose_ngram,
+)
 from tests.checkpoints import tiny_checkpoint
 from tests.speculation_runs import run_to_end
 
@@ -34,6 +39,31 @@ def test_the_longest_suffix_proposes_what_followed_its_latest_occurrence() -> No
     assert propose_ngram(tokens, 2, 3, 2) == [9, 9]
     assert propose_ngram([5, 6, 7, 8], 1, 3, 4) == []  # nothing repeats
     assert propose_ngram([4, 4, 4], 2, 2, 3) == [4]  # what follows may reach the suffix
+
+
+def test_the_draft_length_follows_how_the_last_draft_fared() -> None:
+    """Whole drafts double the next one up to num_speculative_tokens, a cut one gives what it
+    accepted plus one, a rejected one pauses the sequence 2, 4, ... steps, then probes."""
+    lengths = ProposalLength(8)
+    assert lengths.limit(1, step=1) == 8  # a new sequence: the configured length
+    lengths.record(1, proposed=8, accepted=3, step=1)
+    assert lengths.limit(1, step=2) == 4
+    lengths.record(1, proposed=4, accepted=4, step=2)
+    assert lengths.limit(1, step=3) == 8
+    lengths.record(1, proposed=2, accepted=2, step=3)  # lookup found only 2: no evidence
+    assert lengths.limit(1, step=4) == 8
+    lengths.record(1, proposed=8, accepted=0, step=4)  # rejected whole: pause 2 steps
+    assert [lengths.limit(1, step) for step in (5, 6)] == [0, 1]
+    lengths.record(1, proposed=1, accepted=0, step=6)  # the probe missed: pause 4
+    assert [lengths.limit(1, step) for step in (7, 9, 10)] == [0, 0, 1]
+    lengths.record(1, proposed=1, accepted=1, step=10)  # a probe held: grow again
+    assert [lengths.limit(1, 11), lengths.limit(2, 11)] == [2, 8]  # sequences apart
+    for step in range(12, 30):
+        lengths.record(3, proposed=1, accepted=0, step=step * 100)
+    assert lengths.limit(3, 2900 + MAX_PAUSE_STEPS - 1) == 0
+    assert lengths.limit(3, 2900 + MAX_PAUSE_STEPS) == 1  # the pause is bounded
+    lengths.forget(1)
+    assert lengths.limit(1, 11) == 8
 
 
 def test_a_bad_speculative_config_is_refused_naming_the_field() -> None:
