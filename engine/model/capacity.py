@@ -1,7 +1,9 @@
-"""How many KV cache blocks fit in a memory budget (pure arithmetic, no torch import)."""
+"""How many KV cache blocks fit in a memory budget (pure arithmetic, no torch import), and how
+much memory this process has to give them."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from engine.model.config import ModelConfig
@@ -43,10 +45,79 @@ def kv_cache_blocks(
     return memory_bytes // kv_block_bytes(config, block_size, dtype, tensor_parallel_size)
 
 
-def available_cpu_memory() -> int:
-    """MemAvailable from /proc/meminfo, in bytes."""
-    with open("/proc/meminfo") as meminfo:
+def available_cpu_memory(proc: Path = Path("/proc"), cgroups: Path = Path("/sys/fs/cgroup")) -> int:
+    """Bytes this process can still take: MemAvailable from /proc/meminfo, or less where its
+    cgroup leaves less. In a container the host's free memory is not this process's to take:
+    past its memory limit the kernel kills it (Kubernetes' OOMKilled), so the KV cache is sized
+    from what the limit leaves."""
+    host = _meminfo_available(proc / "meminfo")
+    room = cgroup_memory_room(proc / "self" / "cgroup", cgroups)
+    return host if room is None else min(host, room)
+
+
+def _meminfo_available(meminfo_path: Path) -> int:
+    with open(meminfo_path) as meminfo:
         for line in meminfo:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/meminfo has no MemAvailable line")
+    raise RuntimeError(f"{meminfo_path} has no MemAvailable line")
+
+
+# cgroup v1 reports "no limit" as the largest page-aligned int64; anything this large is none.
+_NO_LIMIT = 1 << 60
+
+
+def cgroup_memory_room(membership: Path, cgroups: Path) -> int | None:
+    """The smallest room left under a memory limit of this process's cgroup or one above it
+    (limit - usage, usage not counting the page cache the kernel can drop: its inactive file
+    pages, as `docker stats` counts it); None where no limit is set or none can be read.
+    `membership`: /proc/self/cgroup; `cgroups`: where the hierarchies are mounted. Both cgroup
+    v2 (memory.max, memory.current) and v1 (memory/memory.limit_in_bytes, usage_in_bytes)."""
+    try:
+        lines = membership.read_text().splitlines()
+    except OSError:
+        return None
+    rooms = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2: one unified hierarchy
+            names = ("memory.max", "memory.current", "inactive_file")
+            rooms += _rooms_up(cgroups, cgroups / path.lstrip("/"), names)
+        elif "memory" in controllers.split(","):
+            names = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+            rooms += _rooms_up(cgroups / "memory", cgroups / "memory" / path.lstrip("/"), names)
+    return min(rooms) if rooms else None
+
+
+def _rooms_up(root: Path, leaf: Path, names: tuple[str, str, str]) -> list[int]:
+    """Room under each limited cgroup from `leaf` up to the hierarchy's `root` (a container
+    sees its own cgroup as the root, and the path in /proc/self/cgroup may not exist in it)."""
+    limit_name, usage_name, inactive_name = names
+    rooms = []
+    directory = leaf
+    while True:
+        try:
+            limit_text = (directory / limit_name).read_text().strip()
+            limit = _NO_LIMIT if limit_text == "max" else int(limit_text)
+            if limit < _NO_LIMIT:
+                usage = int((directory / usage_name).read_text())
+                rooms.append(
+                    max(0, limit - usage + _stat(directory / "memory.stat", inactive_name))
+                )
+        except (OSError, ValueError):
+            pass
+        if directory == root or root not in directory.parents:
+            return rooms
+        directory = directory.parent
+
+
+def _stat(path: Path, key: str) -> int:
+    """One counter of a memory.stat file (0 when absent)."""
+    try:
+        for line in path.read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key:
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0

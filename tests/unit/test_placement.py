@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
+from engine.model.capacity import available_cpu_memory
 from engine.model.config import load_model_config
 from engine.model.placement import (
     BUSY_STEP_KEYS,
@@ -132,6 +135,67 @@ def test_the_kv_budget_is_the_share_the_weights_leave() -> None:
     assert budget(device="cuda", available_memory=2**40) == 2**39 - 100 * MIB
     with pytest.raises(ValueError, match=r"kv_cache_fraction must be in \(0, 1\], got 1.5"):
         budget(memory_fraction=1.5)
+
+
+def write_files(root: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+
+
+MEMINFO = {"proc/meminfo": "MemTotal: 67108864 kB\nMemAvailable: 33554432 kB\n"}  # 32 GiB free
+
+
+def test_a_containers_memory_limit_bounds_the_memory_to_size_from(tmp_path: Path) -> None:
+    """In a container the host's free memory is not the process's: the KV cache is sized from
+    what the cgroup's limit leaves (usage minus the page cache it can drop), in cgroup v2 and v1
+    layouts, at the process's cgroup or one above it; without a limit, the host's."""
+    proc, cgroups = tmp_path / "proc", tmp_path / "sys"
+
+    def available(files: dict[str, str]) -> int:
+        for path in (proc, cgroups):
+            if path.exists():
+                shutil.rmtree(path)
+        write_files(tmp_path, {**MEMINFO, **files})
+        return available_cpu_memory(proc, cgroups)
+
+    host = 32 * 2**30
+    # cgroup v2, a pod's limit of 3 GiB: 1 GiB used, 256 MiB of it droppable page cache.
+    v2 = {
+        "proc/self/cgroup": "0::/kubepods/pod1/engine\n",
+        "sys/kubepods/pod1/engine/memory.max": f"{3 * 2**30}\n",
+        "sys/kubepods/pod1/engine/memory.current": f"{2**30}\n",
+        "sys/kubepods/pod1/engine/memory.stat": f"anon 1\ninactive_file {256 * MIB}\n",
+    }
+    assert available(v2) == 3 * 2**30 - 2**30 + 256 * MIB
+    # A tighter limit one level up (the pod's) wins; "max" is no limit.
+    pod = {"sys/kubepods/pod1/memory.max": f"{2**30}\n", "sys/kubepods/pod1/memory.current": "0"}
+    assert available({**v2, **pod}) == 2**30
+    assert available({**v2, "sys/kubepods/pod1/engine/memory.max": "max\n"}) == host
+    # A container that sees its own cgroup as the root (the path it is told is not mounted).
+    assert (
+        available(
+            {
+                "proc/self/cgroup": "0::/\n",
+                "sys/memory.max": f"{2**30}\n",
+                "sys/memory.current": "0",
+            }
+        )
+        == 2**30
+    )
+    # cgroup v1; its "no limit" is the largest page-aligned int64.
+    v1 = {
+        "proc/self/cgroup": "4:memory:/docker/abc\n3:cpu:/docker/abc\n",
+        "sys/memory/docker/abc/memory.limit_in_bytes": f"{2**31}\n",
+        "sys/memory/docker/abc/memory.usage_in_bytes": f"{2**30}\n",
+        "sys/memory/docker/abc/memory.stat": f"total_inactive_file {MIB}\n",
+    }
+    assert available(v1) == 2**31 - 2**30 + MIB
+    unlimited = {"sys/memory/docker/abc/memory.limit_in_bytes": "9223372036854771712\n"}
+    assert available({**v1, **unlimited}) == host
+    # A limit above what the host has free leaves the host's figure; no cgroup file: the host's.
+    assert available({**v2, "sys/kubepods/pod1/engine/memory.max": f"{2**40}\n"}) == host
+    assert available({}) == host
 
 
 def test_the_batch_invariant_backend_runs_small_steps_on_one_thread() -> None:
