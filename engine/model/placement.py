@@ -96,10 +96,11 @@ class ThreadPolicy:
     small step a core fewer, for the other actors, would cost more than it saves: idle OpenMP
     threads sleep (OMP_WAIT_POLICY=PASSIVE, set by the worker), so a waiting thread does not
     spin against the actors that need its core; a small decode step is one C++ call on the
-    kernels' own sleeping pool (model/fused_decode.py); and the other actors use only a sliver
-    of a core while serving (engine:actor_cpu_seconds_total). The README's Serving section has
-    the figures. Different light and busy counts remain for a caller that sets them
-    (ModelRunner's num_threads and busy_threads)."""
+    kernels' own pool, asleep within 50 us of its last call (model/fused_decode.py,
+    kernels/cpu/thread_pool.h); and the other actors use only a sliver of a core while serving
+    (engine:actor_cpu_seconds_total). The README's Serving section has the figures. Different
+    light and busy counts remain for a caller that sets them (ModelRunner's num_threads and
+    busy_threads)."""
 
     light: int
     busy: int
