@@ -305,7 +305,8 @@ void attend_item(const void* context, int64_t item) {
 // context once).
 void split_runs(const int64_t* token_chunk, int64_t num_tokens, int threads,
                 std::vector<Run>& runs) {
-  const int64_t share = (num_tokens + threads - 1) / std::max(threads, 1);
+  const int64_t most = std::max(threads, 1);
+  const int64_t share = (num_tokens + most - 1) / most;
   runs.clear();
   for (int64_t token = 0; token < num_tokens; ++token) {
     if (!runs.empty() && token_chunk[runs.back().first] == token_chunk[token] &&
