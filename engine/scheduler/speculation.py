@@ -99,18 +99,24 @@ def parse_speculative_config(text: str) -> SpeculativeConfig | None:
 
 
 def propose_ngram(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
-    """Up to k tokens that followed the latest earlier occurrence of the longest suffix of
-    `tokens` of length in [min_n, max_n]; [] when no such suffix occurred before."""
+    """Up to k tokens that followed the first earlier occurrence of the longest suffix of
+    `tokens` of length in [min_n, max_n]; [] when no such suffix occurred before.
+
+    The first occurrence, as vLLM's scan finds it: in a copy (repeating, editing or
+    refactoring a given text) the source is the prompt, which comes first, while a later
+    occurrence is often in the output's own rewording, which is what just diverged."""
     length = len(tokens)
     for n in range(min(max_n, length - 1), min_n - 1, -1):
         suffix = tokens[length - n :]
-        last = suffix[-1]
-        # Candidate ends: earlier positions holding the suffix's last token, latest first.
-        end = length - 2
-        while end >= n - 1:
-            if tokens[end] == last and tokens[end - n + 1 : end + 1] == suffix:
-                return tokens[end + 1 : end + 1 + k]
-            end -= 1
+        start = 0
+        while True:  # candidate starts: positions holding the suffix's first token, in order
+            try:
+                start = tokens.index(suffix[0], start, length - n)  # list.index: a C loop
+            except ValueError:
+                break
+            if tokens[start : start + n] == suffix:
+                return tokens[start + n : start + n + k]
+            start += 1
     return []
 
 

@@ -31,11 +31,12 @@ NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4
 # ---- proposals -----------------------------------------------------------------------------------
 
 
-def test_the_longest_suffix_proposes_what_followed_its_latest_occurrence() -> None:
+def test_the_longest_suffix_proposes_what_followed_its_first_occurrence() -> None:
     tokens = [1, 2, 3, 9, 9, 7, 2, 3, 4, 5, 6, 1, 2, 3]
     # [1, 2, 3] occurred at 0 (then 9, 9, 7, 2); [2, 3] alone later at 6 (then 4, 5): longest wins.
     assert propose_ngram(tokens, 2, 3, 4) == [9, 9, 7, 2]
-    assert propose_ngram(tokens, 2, 2, 4) == [4, 5, 6, 1]  # the latest [2, 3]
+    assert propose_ngram(tokens, 2, 2, 4) == [9, 9, 7, 2]  # the first [2, 3], at 1, not at 6
+    assert propose_ngram([7, 2, 3, 5, 2, 3, 8, 2, 3], 2, 2, 1) == [5]  # vLLM's scan: the first
     assert propose_ngram(tokens, 2, 3, 2) == [9, 9]
     assert propose_ngram([5, 6, 7, 8], 1, 3, 4) == []  # nothing repeats
     assert propose_ngram([4, 4, 4], 2, 2, 3) == [4]  # what follows may reach the suffix
