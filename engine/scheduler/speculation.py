@@ -157,8 +157,8 @@ class ProposalLength:
     A step verifying k proposals costs more than a plain decode step (on the CPU each one is
     another row through every matmul and another query through attention; a draft model runs
     k times), so the length follows the text:
-    - at first, and after a draft accepted whole, twice the last length, up to `most`
-      (num_speculative_tokens): copying text, a run of proposals tends to hold;
+    - at first, `most` (num_speculative_tokens); after a draft accepted whole at its full
+      length, twice that length, up to `most`: while text is being copied, runs hold;
     - after a draft cut short with `a` accepted, a + 1: the text diverged from what it copied,
       and the next match is less sure;
     - after a draft rejected whole, none for 2, 4, ... MAX_PAUSE_STEPS steps, then one at a time
