@@ -39,12 +39,14 @@ def test_tokens_split_across_the_pool_attend_like_the_reference(
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_a_chunks_tokens_attend_bit_for_bit_as_each_would_alone(threads: int) -> None:
-    """The kernel takes a chunk's consecutive tokens as one run, block by block; each token's
-    output must still be the bits it gets alone, as a decode token: a speculative step's
-    verification then equals the steps it replaces (greedy output identical)."""
+@pytest.mark.parametrize("start", [300, 1020])
+def test_a_chunks_tokens_attend_bit_for_bit_as_each_would_alone(threads: int, start: int) -> None:
+    """The kernel takes a chunk's consecutive tokens as one run, block by block, and a context
+    over 256 keys in parts (1020: the chunk's last token alone reaches a fifth part); each
+    token's output must still be the bits it gets alone, as a decode token: a speculative
+    step's verification then equals the steps it replaces (greedy output identical)."""
     kernels = select_backend("cpu", "cpu")
-    heads, kv_heads, head_dim, start, new = 9, 3, 64, 300, 5  # the default model's head shape
+    heads, kv_heads, head_dim, new = 9, 3, 64, 5  # the default model's head shape
     cache = make_cache(kv_heads=kv_heads, head_dim=head_dim)
     generator = torch.Generator().manual_seed(7)
     table = torch.randperm(cache.num_blocks, generator=generator)[: -(-(start + new) // 4)]

@@ -181,10 +181,11 @@ void accumulate_rows(const Problem& p, const float* weights, int64_t head_stride
 }
 
 // Each head's scores -> exp(score - max); returns nothing but writes each head's 1 / sum of
-// them into `inverse_sums` (the output is scaled once at the end rather than every weight).
+// them into `inverse_sums` (the output is scaled once at the end rather than every weight), and
+// where asked, each head's max and sum (a part of a context, merged later: merge_parts).
 // Scores are padded to a multiple of 8 by the caller.
 inline void softmax_rows(float* scores, int64_t heads, int64_t seen, int64_t padded,
-                         float* inverse_sums) {
+                         float* inverse_sums, float* peaks_and_sums = nullptr) {
   for (int64_t h = 0; h < heads; ++h) {
     float* sh = scores + h * padded;
     for (int64_t j = seen; j < padded; ++j) sh[j] = -INFINITY;  // exp8 makes them 0
@@ -201,7 +202,12 @@ inline void softmax_rows(float* scores, int64_t heads, int64_t seen, int64_t pad
       store8(sh + j, e);
       totals += e;
     }
-    inverse_sums[h] = 1.0f / sum8(totals);
+    const float total = sum8(totals);
+    inverse_sums[h] = 1.0f / total;
+    if (peaks_and_sums != nullptr) {
+      peaks_and_sums[2 * h] = peak;
+      peaks_and_sums[2 * h + 1] = total;
+    }
   }
 }
 
@@ -210,16 +216,35 @@ inline void softmax_rows(float* scores, int64_t heads, int64_t seen, int64_t pad
 // blocks, so attend() goes block by block and scores (then weighs) every token of the run
 // against a block while its rows are in the L1 cache. Token by token, each would read the
 // context from memory again (prefetched non-temporal, it is not kept).
+//
+// A run whose context is longer than kPartKeys is also split into parts of that many keys (whole
+// blocks), one work item each, so that one long decode token spreads over the threads; each part
+// leaves its tokens' per-head max, sum and unnormalised output, merged in part order
+// (merge_parts). The parts' bounds depend on the keys alone, never on the threads or the tokens
+// beside, so a token's output stays the same bits whatever the batch or the thread count.
 struct Run {
   int64_t first;  // the run's first token in the piece
   int64_t count;
+  int64_t begin = 0;      // the keys of this part: [begin, end) of each token's context
+  int64_t end = 0;        // (clipped to each token's own)
+  int64_t partial = -1;   // where the part leaves its result in the partials; -1: a whole run
 };
 
-// One run of tokens: both passes over their context, block by block through their chunk's block
-// table. A token's arithmetic is the same whatever run it is in (its scores padded further
-// with -inf only add zeros), so its output is the same bits as alone.
+// Fixed, so that a token's bits never depend on the threads. 256: a one-token decode at 1,500
+// keys spread over 2 cores took 5.7 ms of attention per step of the default model against
+// 8.7-10.6 ms unsplit (512-key parts: 6.4-8.5 ms, the threads' shares uneven); at 300 keys the
+// same within noise.
+constexpr int64_t kPartKeys = 256;
+constexpr int64_t kMaxHeadDim = 512;  // merge_parts' accumulator
+
+// Values per token of a part's partial result: each head's max and sum, then the output.
+inline int64_t partial_size(const Problem& p) { return p.heads * (2 + p.head_dim); }
+
+// One run of tokens, or one part of it: both passes over their context, block by block through
+// their chunk's block table. A token's arithmetic is the same whatever run it is in (its scores
+// padded further with -inf only add zeros), so its output is the same bits as alone.
 template <typename T, int DIM>
-void attend(const Problem& p, Run run, Scratch& s) {
+void attend(const Problem& p, const Run& run, Scratch& s, float* partials) {
   const int64_t heads = p.heads;
   const int64_t dim = p.head_dim;
   const int64_t slot_stride = p.kv_heads * dim;
@@ -227,8 +252,9 @@ void attend(const Problem& p, Run run, Scratch& s) {
   const int64_t* seen = p.seen + run.first;
   int64_t longest = 0;  // the token with the most keys: it goes first, prefetching for all
   for (int64_t t = 1; t < run.count; ++t) longest = seen[t] > seen[longest] ? t : longest;
-  const int64_t keys = seen[longest];
-  const int64_t padded = (keys + 7) / 8 * 8;  // each head's scores, whole vectors
+  const int64_t begin = run.begin;
+  const int64_t keys = run.partial < 0 ? seen[longest] : std::min(run.end, seen[longest]);
+  const int64_t padded = (keys - begin + 7) / 8 * 8;  // each head's scores, whole vectors
   const int64_t query_size = heads * dim;
 
   s.query.resize(run.count * query_size);
@@ -243,7 +269,7 @@ void attend(const Problem& p, Run run, Scratch& s) {
 
   for (int pass = 0; pass < 2; ++pass) {  // 0: scores from keys; 1: values weighted by them
     const T* cache = static_cast<const T*>(pass == 0 ? p.key_cache : p.value_cache);
-    for (int64_t start = 0; start < keys; start += p.block_size) {
+    for (int64_t start = begin; start < keys; start += p.block_size) {
       const int64_t block = start / p.block_size;
       const T* next = start + p.block_size < keys
                           ? cache + table[block + 1] * p.block_size * slot_stride
@@ -255,7 +281,7 @@ void attend(const Problem& p, Run run, Scratch& s) {
         const int64_t t = i == 0 ? longest : i <= longest ? i - 1 : i;
         if (seen[t] <= start) continue;
         const int64_t count = std::min(p.block_size, seen[t] - start);
-        float* scores = s.scores.data() + t * heads * padded + start;
+        float* scores = s.scores.data() + t * heads * padded + (start - begin);
         const T* prefetch = i == 0 ? next : nullptr;
         if (pass == 0) {
           score_rows<DIM>(p, s.query.data() + t * query_size, rows, count, scores, padded,
@@ -268,24 +294,68 @@ void attend(const Problem& p, Run run, Scratch& s) {
     }
     if (pass == 0) {
       for (int64_t t = 0; t < run.count; ++t) {
-        softmax_rows(s.scores.data() + t * heads * padded, heads, seen[t], padded,
-                     s.inverse_sums.data() + t * heads);
+        const int64_t count = std::min(seen[t], keys) - begin;
+        float* part = run.partial < 0 ? nullptr
+                                      : partials + (run.partial + t) * partial_size(p);
+        if (count > 0) {
+          softmax_rows(s.scores.data() + t * heads * padded, heads, count, padded,
+                       s.inverse_sums.data() + t * heads, part);
+        } else {  // no key of this part is the token's: it adds nothing (merge_parts skips it)
+          for (int64_t h = 0; h < heads; ++h) part[2 * h + 1] = 0.0f;
+        }
       }
     }
   }
 
   for (int64_t t = 0; t < run.count; ++t) {
+    const float* acc = s.acc.data() + t * query_size;
+    if (run.partial >= 0) {
+      float* part = partials + (run.partial + t) * partial_size(p) + 2 * heads;
+      std::memcpy(part, acc, query_size * sizeof(float));
+      continue;
+    }
     const int64_t row = p.rows ? p.rows[run.first + t] : run.first + t;
     T* out = static_cast<T*>(p.out) + row * query_size;
-    const float* acc = s.acc.data() + t * query_size;
     const float* inverse_sums = s.inverse_sums.data() + t * heads;
     for (int64_t i = 0; i < query_size; ++i) store(out + i, acc[i] * inverse_sums[i / dim]);
+  }
+}
+
+// The output of the tokens [first, first + count) of a run split into `parts` consecutive work
+// items, from their partial results: each part's output and sum rescaled to the largest max.
+template <typename T>
+void merge_parts(const Problem& p, const Run* parts, int64_t num_parts, const float* partials) {
+  const int64_t heads = p.heads, dim = p.head_dim, query_size = heads * dim;
+  const Run& whole = parts[0];
+  for (int64_t t = 0; t < whole.count; ++t) {
+    const int64_t row = p.rows ? p.rows[whole.first + t] : whole.first + t;
+    T* out = static_cast<T*>(p.out) + row * query_size;
+    for (int64_t h = 0; h < heads; ++h) {
+      float peak = -INFINITY;
+      for (int64_t k = 0; k < num_parts; ++k) {
+        const float* part = partials + (parts[k].partial + t) * partial_size(p);
+        if (part[2 * h + 1] > 0.0f) peak = std::max(peak, part[2 * h]);
+      }
+      float total = 0.0f;
+      float acc[kMaxHeadDim] = {};
+      for (int64_t k = 0; k < num_parts; ++k) {
+        const float* part = partials + (parts[k].partial + t) * partial_size(p);
+        if (!(part[2 * h + 1] > 0.0f)) continue;
+        const float factor = std::exp(part[2 * h] - peak);
+        total += part[2 * h + 1] * factor;
+        const float* values = part + 2 * heads + h * dim;
+        for (int64_t d = 0; d < dim; ++d) acc[d] += values[d] * factor;
+      }
+      const float inverse = 1.0f / total;
+      for (int64_t d = 0; d < dim; ++d) store(out + h * dim + d, acc[d] * inverse);
+    }
   }
 }
 
 struct Runs {
   const Problem* problem;
   const Run* runs;
+  float* partials;
 };
 
 template <typename T>
@@ -294,35 +364,53 @@ void attend_item(const void* context, int64_t item) {
   const Problem& p = *work.problem;
   thread_local Scratch scratch;
   switch (p.head_dim) {  // the usual head sizes get register-blocked code
-    case 64: return attend<T, 64>(p, work.runs[item], scratch);
-    case 128: return attend<T, 128>(p, work.runs[item], scratch);
-    default: return attend<T, 0>(p, work.runs[item], scratch);
+    case 64: return attend<T, 64>(p, work.runs[item], scratch, work.partials);
+    case 128: return attend<T, 128>(p, work.runs[item], scratch, work.partials);
+    default: return attend<T, 0>(p, work.runs[item], scratch, work.partials);
   }
 }
 
 // The piece's tokens as runs of one chunk each, of at most an even share of the tokens per
-// thread: a lone speculative chunk still spreads over the threads (each thread then reads the
-// context once).
-void split_runs(const int64_t* token_chunk, int64_t num_tokens, int threads,
-                std::vector<Run>& runs) {
+// thread (a lone speculative chunk still spreads over the threads: each thread then reads the
+// context once), each run of more than kPartKeys keys split into parts (Run). Returns the
+// partial results' size, in tokens.
+int64_t split_runs(const Problem& p, int64_t num_tokens, int threads, std::vector<Run>& runs) {
   const int64_t most = std::max(threads, 1);
   const int64_t share = (num_tokens + most - 1) / most;
-  runs.clear();
+  thread_local std::vector<Run> whole;
+  whole.clear();
   for (int64_t token = 0; token < num_tokens; ++token) {
-    if (!runs.empty() && token_chunk[runs.back().first] == token_chunk[token] &&
-        runs.back().count < share) {
-      ++runs.back().count;
+    if (!whole.empty() && p.token_chunk[whole.back().first] == p.token_chunk[token] &&
+        whole.back().count < share) {
+      ++whole.back().count;
     } else {
-      runs.push_back({token, 1});
+      whole.push_back({token, 1});
     }
   }
+  const int64_t part_keys = (kPartKeys + p.block_size - 1) / p.block_size * p.block_size;
+  int64_t partial_tokens = 0;
+  runs.clear();
+  for (const Run& run : whole) {
+    int64_t keys = 0;
+    for (int64_t t = 0; t < run.count; ++t) keys = std::max(keys, p.seen[run.first + t]);
+    if (keys <= part_keys) {
+      runs.push_back(run);
+      continue;
+    }
+    for (int64_t begin = 0; begin < keys; begin += part_keys) {
+      runs.push_back({run.first, run.count, begin, begin + part_keys, partial_tokens});
+      partial_tokens += run.count;
+    }
+  }
+  return partial_tokens;
 }
 
 }  // namespace
 
 extern "C" {
 
-// Returns 0, or -1 for an unknown dtype. Arguments are checked by the Python caller.
+// Returns 0, -1 for an unknown dtype, -2 for a head size over kMaxHeadDim. Arguments are checked
+// by the Python caller.
 int engine_paged_attention(int dtype, const void* query, int64_t query_token_stride,
                            const void* key_cache, const void* value_cache,
                            const int64_t* block_tables, int64_t table_width,
@@ -339,12 +427,28 @@ int engine_paged_attention(int dtype, const void* query, int64_t query_token_str
     case kFloat16: task.run = attend_item<Float16>; break;
     default: return -1;
   }
-  thread_local std::vector<Run> runs;  // read by the pool's helpers during this call only
-  split_runs(token_chunk, num_tokens, num_threads, runs);
-  const Runs work{&problem, runs.data()};
+  if (head_dim > kMaxHeadDim) return -2;
+  // Read and written by the pool's helpers during this call only.
+  thread_local std::vector<Run> runs;
+  thread_local std::vector<float> partials;
+  const int64_t partial_tokens = split_runs(problem, num_tokens, num_threads, runs);
+  partials.resize(partial_tokens * partial_size(problem));
+  const Runs work{&problem, runs.data(), partials.data()};
   task.context = &work;
   task.items = static_cast<int64_t>(runs.size());
   engine_cpu::run_parallel(task, num_threads);
+  for (size_t i = 0; i < runs.size();) {  // the split runs' parts are consecutive
+    size_t j = i + 1;
+    if (runs[i].partial >= 0) {
+      while (j < runs.size() && runs[j].partial >= 0 && runs[j].first == runs[i].first) ++j;
+      switch (dtype) {
+        case kFloat32: merge_parts<float>(problem, &runs[i], j - i, partials.data()); break;
+        case kBFloat16: merge_parts<BFloat16>(problem, &runs[i], j - i, partials.data()); break;
+        default: merge_parts<Float16>(problem, &runs[i], j - i, partials.data()); break;
+      }
+    }
+    i = j;
+  }
   return 0;
 }
 
