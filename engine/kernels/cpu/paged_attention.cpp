@@ -334,13 +334,15 @@ void merge_parts(const Problem& p, const Run* parts, int64_t num_parts, const fl
       float peak = -INFINITY;
       for (int64_t k = 0; k < num_parts; ++k) {
         const float* part = partials + (parts[k].partial + t) * partial_size(p);
-        if (part[2 * h + 1] > 0.0f) peak = std::max(peak, part[2 * h]);
+        if (part[2 * h + 1] != 0.0f) peak = std::max(peak, part[2 * h]);
       }
       float total = 0.0f;
       float acc[kMaxHeadDim] = {};
       for (int64_t k = 0; k < num_parts; ++k) {
         const float* part = partials + (parts[k].partial + t) * partial_size(p);
-        if (!(part[2 * h + 1] > 0.0f)) continue;
+        // A sum is 0 only for a part without the token's keys (else its max adds exp(0) = 1);
+        // a NaN sum is kept, so that a NaN in the context still makes the output NaN.
+        if (part[2 * h + 1] == 0.0f) continue;
         const float factor = std::exp(part[2 * h] - peak);
         total += part[2 * h + 1] * factor;
         const float* values = part + 2 * heads + h * dim;
