@@ -17,11 +17,14 @@ from engine.kernels.kv_cache import PagedKVCache
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # A piece that reads at least this many keys runs on every core given to the rank, even in a step
 # whose matmuls run on fewer (placement.ThreadPolicy): a second core adds bandwidth and
-# arithmetic, and the kernel's pool never waits for a helper whose core is taken. Below it,
-# waking a helper costs more than it saves. (The pool's helpers watch for the next call for a
-# moment after each, thread_pool.h, so within a step a helper is at hand: a speculative chunk
-# of 5 tokens at 300 keys, 1,500 keys, took 85 us on two threads against 117 us on one.)
-PARALLEL_KEYS = 1024
+# arithmetic, and the kernel's pool never waits for a helper whose core is taken. The pool's
+# helpers watch for the next call for a moment after each (thread_pool.h), so within a step a
+# helper is at hand; and the kernel splits a context into parts of this many keys (kPartKeys in
+# paged_attention.cpp), so from here even one decode token has work for two cores. One sequence
+# of the default model, attention per decode step, against the 1,024 keys this was before:
+# 1.5-2.2 ms against 2.8-2.9 at 520 keys, 3.1-3.4 against 4.1-4.3 at 700, 1.6-1.9 against
+# 1.8-1.9 at 300.
+PARALLEL_KEYS = 256
 
 
 class _Threads:

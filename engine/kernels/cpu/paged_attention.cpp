@@ -230,10 +230,11 @@ struct Run {
   int64_t partial = -1;   // where the part leaves its result in the partials; -1: a whole run
 };
 
-// Fixed, so that a token's bits never depend on the threads. 256: a one-token decode at 1,500
-// keys spread over 2 cores took 5.7 ms of attention per step of the default model against
-// 8.7-10.6 ms unsplit (512-key parts: 6.4-8.5 ms, the threads' shares uneven); at 300 keys the
-// same within noise.
+// Fixed, so that a token's bits never depend on the threads (engine/kernels/cpu/attention.py's
+// PARALLEL_KEYS is the same, so a context of two parts or more runs on every core). 256: a
+// one-token decode at 1,500 keys spread over 2 cores took 5.7 ms of attention per step of the
+// default model against 8.7-10.6 ms unsplit (512-key parts: 6.4-8.5 ms, the threads' shares
+// uneven).
 constexpr int64_t kPartKeys = 256;
 constexpr int64_t kMaxHeadDim = 512;  // merge_parts' accumulator
 
