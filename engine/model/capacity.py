@@ -79,7 +79,10 @@ def cgroup_memory_room(membership: Path, cgroups: Path) -> int | None:
         return None
     rooms = []
     for line in lines:
-        _, controllers, path = line.split(":", 2)
+        fields = line.split(":", 2)  # hierarchy-id:controllers:path
+        if len(fields) != 3:
+            continue
+        _, controllers, path = fields
         if controllers == "":  # v2: one unified hierarchy
             names = ("memory.max", "memory.current", "inactive_file")
             rooms += _rooms_up(cgroups, cgroups / path.lstrip("/"), names)

@@ -17,13 +17,10 @@ from engine.kernels.kv_cache import PagedKVCache
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # A piece that reads at least this many keys runs on every core given to the rank, even in a step
 # whose matmuls run on fewer (placement.ThreadPolicy): a second core adds bandwidth and
-# arithmetic, and the kernel's pool never waits for a helper whose core is taken. The pool's
-# helpers watch for the next call for a moment after each (thread_pool.h), so within a step a
-# helper is at hand; and the kernel splits a context into parts of this many keys (kPartKeys in
-# paged_attention.cpp), so from here even one decode token has work for two cores. One sequence
-# of the default model, attention per decode step, against the 1,024 keys this was before:
-# 1.5-2.2 ms against 2.8-2.9 at 520 keys, 3.1-3.4 against 4.1-4.3 at 700, 1.6-1.9 against
-# 1.8-1.9 at 300.
+# arithmetic, and the kernel's pool never waits for a helper whose core is taken; within a step a
+# helper is at hand (thread_pool.h watches for the next call before sleeping). Equal to the part
+# size the kernel splits a context into (kPartKeys in paged_attention.cpp), so that from here
+# even one decode token has work for two cores.
 PARALLEL_KEYS = 256
 
 

@@ -230,16 +230,52 @@ struct Run {
   int64_t partial = -1;   // where the part leaves its result in the partials; -1: a whole run
 };
 
-// Fixed, so that a token's bits never depend on the threads (engine/kernels/cpu/attention.py's
-// PARALLEL_KEYS is the same, so a context of two parts or more runs on every core). 256: a
-// one-token decode at 1,500 keys spread over 2 cores took 5.7 ms of attention per step of the
-// default model against 8.7-10.6 ms unsplit (512-key parts: 6.4-8.5 ms, the threads' shares
-// uneven).
+// Fixed, so that a token's bits never depend on the threads; engine/kernels/cpu/attention.py's
+// PARALLEL_KEYS must stay equal, so that a context of two parts or more runs on every core.
+// Small enough to split even a few hundred keys two ways, large enough that 2-6 parts even out
+// over two threads (README, CPU kernels, has the figures).
 constexpr int64_t kPartKeys = 256;
 constexpr int64_t kMaxHeadDim = 512;  // merge_parts' accumulator
 
 // Values per token of a part's partial result: each head's max and sum, then the output.
 inline int64_t partial_size(const Problem& p) { return p.heads * (2 + p.head_dim); }
+
+// The step row (query and output) of the piece's `token`.
+inline int64_t token_row(const Problem& p, int64_t token) {
+  return p.rows ? p.rows[token] : token;
+}
+
+// The run's queries as float32, scaled, into s.query [tokens, heads * head_dim].
+template <typename T>
+void load_queries(const Problem& p, const Run& run, Scratch& s) {
+  const int64_t query_size = p.heads * p.head_dim;
+  s.query.resize(run.count * query_size);
+  for (int64_t t = 0; t < run.count; ++t) {
+    const int64_t row = token_row(p, run.first + t);
+    const T* q = static_cast<const T*>(p.query) + row * p.query_token_stride;
+    float* scaled = s.query.data() + t * query_size;
+    for (int64_t i = 0; i < query_size; ++i) scaled[i] = to_float(q[i]) * p.scale;
+  }
+}
+
+// The run's outputs from s.acc and s.inverse_sums; a part's unnormalised output to `partials`.
+template <typename T>
+void finish_run(const Problem& p, const Run& run, const Scratch& s, float* partials) {
+  const int64_t query_size = p.heads * p.head_dim;
+  for (int64_t t = 0; t < run.count; ++t) {
+    const float* acc = s.acc.data() + t * query_size;
+    if (run.partial >= 0) {
+      float* part = partials + (run.partial + t) * partial_size(p) + 2 * p.heads;
+      std::memcpy(part, acc, query_size * sizeof(float));
+      continue;
+    }
+    T* out = static_cast<T*>(p.out) + token_row(p, run.first + t) * query_size;
+    const float* inverse_sums = s.inverse_sums.data() + t * p.heads;
+    for (int64_t i = 0; i < query_size; ++i) {
+      store(out + i, acc[i] * inverse_sums[i / p.head_dim]);
+    }
+  }
+}
 
 // One run of tokens, or one part of it: both passes over their context, block by block through
 // their chunk's block table. A token's arithmetic is the same whatever run it is in (its scores
@@ -258,15 +294,10 @@ void attend(const Problem& p, const Run& run, Scratch& s, float* partials) {
   const int64_t padded = (keys - begin + 7) / 8 * 8;  // each head's scores, whole vectors
   const int64_t query_size = heads * dim;
 
-  s.query.resize(run.count * query_size);
+  load_queries<T>(p, run, s);
   s.scores.resize(run.count * heads * padded);
   s.acc.assign(run.count * query_size, 0.0f);
   s.inverse_sums.resize(run.count * heads);
-  for (int64_t t = 0; t < run.count; ++t) {
-    const int64_t row = p.rows ? p.rows[run.first + t] : run.first + t;
-    const T* q = static_cast<const T*>(p.query) + row * p.query_token_stride;
-    for (int64_t i = 0; i < query_size; ++i) s.query[t * query_size + i] = to_float(q[i]) * p.scale;
-  }
 
   for (int pass = 0; pass < 2; ++pass) {  // 0: scores from keys; 1: values weighted by them
     const T* cache = static_cast<const T*>(pass == 0 ? p.key_cache : p.value_cache);
@@ -307,19 +338,7 @@ void attend(const Problem& p, const Run& run, Scratch& s, float* partials) {
       }
     }
   }
-
-  for (int64_t t = 0; t < run.count; ++t) {
-    const float* acc = s.acc.data() + t * query_size;
-    if (run.partial >= 0) {
-      float* part = partials + (run.partial + t) * partial_size(p) + 2 * heads;
-      std::memcpy(part, acc, query_size * sizeof(float));
-      continue;
-    }
-    const int64_t row = p.rows ? p.rows[run.first + t] : run.first + t;
-    T* out = static_cast<T*>(p.out) + row * query_size;
-    const float* inverse_sums = s.inverse_sums.data() + t * heads;
-    for (int64_t i = 0; i < query_size; ++i) store(out + i, acc[i] * inverse_sums[i / dim]);
-  }
+  finish_run<T>(p, run, s, partials);
 }
 
 // The output of the tokens [first, first + count) of a run split into `parts` consecutive work
@@ -329,8 +348,7 @@ void merge_parts(const Problem& p, const Run* parts, int64_t num_parts, const fl
   const int64_t heads = p.heads, dim = p.head_dim, query_size = heads * dim;
   const Run& whole = parts[0];
   for (int64_t t = 0; t < whole.count; ++t) {
-    const int64_t row = p.rows ? p.rows[whole.first + t] : whole.first + t;
-    T* out = static_cast<T*>(p.out) + row * query_size;
+    T* out = static_cast<T*>(p.out) + token_row(p, whole.first + t) * query_size;
     for (int64_t h = 0; h < heads; ++h) {
       float peak = -INFINITY;
       for (int64_t k = 0; k < num_parts; ++k) {
