@@ -13,6 +13,7 @@ from engine import LLM, AsyncLLM, EngineError, LoRARequest, RequestOutput, Sampl
 from engine.api.llm import build_settings
 from engine.messages.admin import EngineStats
 from tests.checkpoints import hf_greedy, tiny_checkpoint
+from tests.holds import held, holding
 from tests.lora_adapters import ALL_MODULES, lora_adapter, peft_greedy
 
 PROMPTS = ["the quick brown fox", "a b c d e f g", "hello there, general", "zz"]
@@ -180,34 +181,40 @@ async def test_streamed_deltas_add_up_and_abort_frees_every_block(model_path: st
     settings = build_settings(
         **{"model.path": model_path, "cache.kv_cache_memory": 4 * 2**20, "model.max_model_len": 512}
     )
-    async with AsyncLLM(settings) as engine:
-        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-        whole = await engine.complete(PROMPTS[0], params)
-        text, tokens = "", []
-        async for delta in engine.stream(PROMPTS[0], params):
-            for part in delta.outputs:
-                text += part.text
-                tokens += part.token_ids
-        assert (text, tokens) == (whole.outputs[0].text, whole.outputs[0].token_ids)
+    with holding():
+        async with AsyncLLM(settings) as engine:
+            await _deltas_add_up_then_abort_frees_every_block(engine)
 
-        # vLLM's generate: each output holds everything so far; the last one is finished.
-        seen: list[RequestOutput] = [out async for out in engine.generate(PROMPTS[0], params)]
-        lengths = [len(out.outputs[0].token_ids) for out in seen]
-        assert lengths == sorted(lengths) and seen[-1].finished
-        assert not any(out.finished for out in seen[:-1])
-        assert seen[-1].outputs[0].token_ids == whole.outputs[0].token_ids
-        assert seen[-1].outputs[0].text == whole.outputs[0].text
 
-        long_run = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
-        stream = engine.stream(list(range(5, 80)), long_run, request_id="to-abort")
-        await stream.__anext__()  # generating now
-        holding = await _stats_when(engine, lambda s: s.num_requests == 1)
-        assert holding.kv_usage > 0.0
-        assert await engine.abort("to-abort")
-        await stream.aclose()
-        stats = await _stats_when(engine, lambda s: s.num_requests == 0)
-        assert stats.kv_usage == 0.0
-        assert stats.num_free_blocks == stats.kv_cache_blocks
+async def _deltas_add_up_then_abort_frees_every_block(engine: AsyncLLM) -> None:
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    whole = await engine.complete(PROMPTS[0], params)
+    text, tokens = "", []
+    async for delta in engine.stream(PROMPTS[0], params):
+        for part in delta.outputs:
+            text += part.text
+            tokens += part.token_ids
+    assert (text, tokens) == (whole.outputs[0].text, whole.outputs[0].token_ids)
+
+    # vLLM's generate: each output holds everything so far; the last one is finished.
+    seen: list[RequestOutput] = [out async for out in engine.generate(PROMPTS[0], params)]
+    lengths = [len(out.outputs[0].token_ids) for out in seen]
+    assert lengths == sorted(lengths) and seen[-1].finished
+    assert not any(out.finished for out in seen[:-1])
+    assert seen[-1].outputs[0].token_ids == whole.outputs[0].token_ids
+    assert seen[-1].outputs[0].text == whole.outputs[0].text
+
+    # Held (tests/holds.py): still running after 8 s on any machine, when it is aborted.
+    long_run = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    stream = engine.stream(held(list(range(5, 80))), long_run, request_id="to-abort")
+    await stream.__anext__()  # generating now
+    running = await _stats_when(engine, lambda s: s.num_requests == 1)
+    assert running.kv_usage > 0.0
+    assert await engine.abort("to-abort")
+    await stream.aclose()
+    stats = await _stats_when(engine, lambda s: s.num_requests == 0)
+    assert stats.kv_usage == 0.0
+    assert stats.num_free_blocks == stats.kv_cache_blocks
 
 
 async def _stats_when(
