@@ -14,7 +14,7 @@ resumed stream could pick another token. Here every reduction has one order per 
   head_dim, and the softmax denominator and the weighted sum of values are sums over positions
   in an order that the padding cannot change (see _sum_over_keys).
 
-The cost is the padding and the copies of the context (tools/bench_offline.py shows it).
+The cost is the padding and the copies of the context (tools/bench/offline.py shows it).
 """
 
 from __future__ import annotations

@@ -70,7 +70,8 @@ def select_backend(device: torch.device | str, name: str = "auto") -> KernelBack
         raise ValueError(f"unsupported device {str(device)!r}; expected 'cpu' or 'cuda'")
     backend = TORCH_BACKEND
     # Our own kernels where they run: the CPU's compiled ones, Triton's on a GPU (the torch
-    # backend's decode path there is sparse products and gathers; tools/gpu_check.sh compares).
+    # backend's decode path there is sparse products and gathers; tools/bench/gpu_check.sh
+    # compares).
     own_kernels = cpu_kernels if device.type == "cpu" else triton_kernels
     reason = own_kernels.unavailable_reason(device)
     if reason is None:

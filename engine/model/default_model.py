@@ -1,7 +1,7 @@
 """The built-in demo model: a small random Qwen3 checkpoint, built once and cached.
 
 `ensure_default_model()` returns its directory under $ENGINE_HOME (default ~/.cache/engine),
-building it on first use with the same checkpoint maker as tools/make_model.py. The build goes
+building it on first use with the same checkpoint maker as tools/data/make_model.py. The build goes
 to a temporary directory that is renamed into place, so concurrent starters never see half a
 model. Checking the cache imports no torch.
 """

@@ -1,4 +1,4 @@
-"""tools/bench_serving.py: the figures it derives from replay results and from the engine's
+"""tools/bench/serving.py: the figures it derives from replay results and from the engine's
 /metrics, the direction of its ratios and a ratio row per peer, its loads, its argument parsing,
 and that stopping a server leaves nothing of it behind."""
 
@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-from bench_serving import (
+from engine.trace.client import ReplayResult
+from engine.trace.schedule import ScheduledRequest
+from tools.bench.serving import (
     EngineSteps,
     Figures,
     _counts,
@@ -32,10 +33,7 @@ from bench_serving import (
     render,
     summarize,
 )
-from serving_servers import stop_server
-
-from engine.trace.client import ReplayResult
-from engine.trace.schedule import ScheduledRequest
+from tools.servers import stop_server
 
 
 def _result(sent: float, ttft: float, end: float, tokens: int, itls: list[float]) -> ReplayResult:

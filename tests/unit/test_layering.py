@@ -11,7 +11,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "engine"
-TOOLS = ROOT / "tools"  # scripts: they import each other as `tools.name` or, run as scripts, `name`
+TOOLS = ROOT / "tools"  # scripts by purpose (bench/, chaos/, peers/, data/), importing `tools.x.y`
 
 
 def module_name(path: Path) -> str:
@@ -21,13 +21,12 @@ def module_name(path: Path) -> str:
 
 def modules() -> dict[str, Path]:
     found = {module_name(path): path for path in PACKAGE.rglob("*.py")}
-    return found | {module_name(path): path for path in TOOLS.glob("*.py")}
+    return found | {module_name(path): path for path in TOOLS.rglob("*.py")}
 
 
 def imported(path: Path, name: str, known: set[str]) -> Iterator[str]:
     """Modules of `engine` and `tools` that `path` imports anywhere in its body (a `from pkg
-    import mod` counts as importing `pkg.mod` when that is a module; a tool's bare `import
-    name` of a sibling script counts as `tools.name`)."""
+    import mod` counts as importing `pkg.mod` when that is a module)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
@@ -42,8 +41,6 @@ def imported(path: Path, name: str, known: set[str]) -> Iterator[str]:
         else:
             continue
         for target in targets:
-            if name.startswith("tools.") and f"tools.{target.partition('.')[0]}" in known:
-                target = f"tools.{target}"
             while target and target not in known:
                 target = target.rpartition(".")[0]
             if target and target != name:

@@ -1,4 +1,4 @@
-"""tools/make_model.py and the checkpoint maker: output loads in transformers, builds are
+"""tools/data/make_model.py and the checkpoint maker: output loads in transformers, builds are
 deterministic, and the built-in demo model is built once per engine home."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def test_cli_output_loads_in_transformers_with_chat_template(tmp_path: Path) -> 
 
     out = tmp_path / "llama"
     subprocess.run(
-        [sys.executable, "tools/make_model.py", "--out", str(out), "--arch", "llama",
+        [sys.executable, "tools/data/make_model.py", "--out", str(out), "--arch", "llama",
          "--layers", "1", "--hidden", "32", "--heads", "2", "--kv-heads", "1",
          "--vocab", "400", "--tie", "--seed", "7"],
         cwd=REPO, check=True, capture_output=True, timeout=120,
@@ -51,7 +51,7 @@ def test_cli_output_loads_in_transformers_with_chat_template(tmp_path: Path) -> 
 
 def test_cli_rejects_bad_sizes_naming_them(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "tools/make_model.py", "--out", str(tmp_path / "x"),
+        [sys.executable, "tools/data/make_model.py", "--out", str(tmp_path / "x"),
          "--heads", "3", "--kv-heads", "2"],
         cwd=REPO, capture_output=True, text=True, timeout=60,
     )  # fmt: skip

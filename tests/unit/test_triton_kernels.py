@@ -5,7 +5,7 @@ it decorates), so it is set here, at the top of the module. Shapes stay small: t
 runs every program of a grid one after the other in numpy.
 
 ENGINE_TEST_DEVICE=cuda runs the same checks compiled on a GPU against the torch backend there
-(torch's SDPA), with float16 added (tools/gpu_check.sh); the suite itself runs on the CPU.
+(torch's SDPA), with float16 added (tools/bench/gpu_check.sh); the suite itself runs on the CPU.
 """
 
 from __future__ import annotations

@@ -1,0 +1,389 @@
+"""Static-batch latency of the raw model (no scheduler, no processes), as SGLang's bench_one_batch.
+
+For each (batch size, input length, output length): prefill the whole batch in one step, then
+decode output_len - 1 steps; report prefill latency and throughput, median decode step latency
+and decode throughput, each next to this machine's limit for that step (tools/bench/step_limits.py:
+bytes read over the measured memory bandwidth, FLOPs over the measured matmul rate). A warm-up
+case runs first and is not reported; cases whose KV cache would not fit are skipped with a note.
+
+    python tools/bench/one_batch.py --batch-size 1 32 --input-len 128 --output-len 64
+    python tools/bench/one_batch.py --correct            # greedy text for a few real prompts
+    python tools/bench/one_batch.py --profile            # torch profiler trace of decode steps
+    python tools/bench/one_batch.py --compare-hf         # HF generate on the same batches
+    python tools/bench/one_batch.py --tp 2 --dp 2        # also on 2 x 2 rank processes
+    python tools/bench/one_batch.py --batch-size 1 --llama-bench   # beside llama.cpp's pp / tg
+
+With --tp or --dp above 1 the same cases also run on tp x dp rank processes (each replica a share
+of the batch; tools/bench/parallel_batch.py), printed against the TP=1 / DP=1 figures of the same
+run.
+With --llama-bench, llama.cpp's `llama-bench -t 2 -p 256 -n 128` on the same GGUF file
+(tools/peers/llamacpp_peer.py builds it once) runs before ours, and is printed beside our batch-1
+case of 256 in / 128 out: prompt processing and decode tokens/s and the ratios.
+
+The timing functions (`prefill_batch`, `raw_decode_step_seconds`, `bench_case`) live in
+tools/bench/raw_model.py, for other benchmarks to import.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make `engine` importable from the repo root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from engine.model.placement import sleeping_openmp_threads
+
+sleeping_openmp_threads()  # as the engine's workers do; before torch loads OpenMP
+
+import torch  # noqa: E402
+
+from engine.model.capacity import kv_block_bytes  # noqa: E402
+from engine.model.quantized_formats import describe_formats  # noqa: E402
+from engine.model.runner import ModelRunner, describe_threads  # noqa: E402
+from engine.model.step_inputs import SeqChunk  # noqa: E402
+from tools.bench.raw_model import (  # noqa: E402
+    CaseResult,
+    bench_case,
+    blocks_per_sequence,
+    decode_steps,
+    fits,
+    prefill_batch,
+    random_prompts,
+    raw_decode_step_seconds,
+    static_block_tables,
+)
+from tools.bench.step_limits import MachineRates, ModelCost  # noqa: E402
+
+CORRECTNESS_PROMPTS = [
+    "The harbour at first light",
+    "To make a simple loaf, start with",
+    "A ring buffer is the classic shape for",
+    "Dear Ana,",
+]
+
+
+def greedy_texts(runner: ModelRunner, prompts: Sequence[str], output_len: int) -> list[str]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(runner.model_path)
+    prompt_ids = [tokenizer(p)["input_ids"] for p in prompts]
+    longest = max(len(p) for p in prompt_ids) + output_len
+    tables = static_block_tables(runner, len(prompts), longest)
+    chunks = [
+        SeqChunk(i, p, 0, t, True) for i, (p, t) in enumerate(zip(prompt_ids, tables, strict=True))
+    ]
+    generated = [[t] for t in runner.forward(chunks).argmax(-1).tolist()]
+    for _ in range(output_len - 1):
+        chunks = [
+            SeqChunk(i, [seq[-1]], len(prompt_ids[i]) + len(seq) - 1, tables[i], True)
+            for i, seq in enumerate(generated)
+        ]
+        for seq, token in zip(generated, runner.forward(chunks).argmax(-1).tolist(), strict=True):
+            seq.append(token)
+    return [tokenizer.decode(seq) for seq in generated]
+
+
+def profile_decode(
+    runner: ModelRunner, batch_size: int, input_len: int, steps: int, out: Path
+) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    tables = static_block_tables(runner, batch_size, input_len + steps + 2)
+    tokens, _ = prefill_batch(runner, random_prompts(runner, batch_size, input_len), tables)
+    tokens = [seq[-1] for seq in decode_steps(runner, tokens, input_len, tables, 2)[0]]
+    activities = [ProfilerActivity.CPU]
+    if runner.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities, record_shapes=True) as profiler:
+        decode_steps(runner, tokens, input_len + 2, tables, steps)
+    profiler.export_chrome_trace(str(out))
+    print(f"wrote a trace of {steps} decode steps (batch {batch_size}) to {out}")
+
+
+def hf_generate_seconds(
+    model_path: str, prompts: Sequence[list[int]], output_len: int, hf_model: Any = None
+) -> float:
+    """Seconds transformers' generate(do_sample=False) takes for the same static batch."""
+    from transformers import AutoModelForCausalLM
+
+    model = hf_model or AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    ids = torch.tensor(prompts, device=model.device)
+    with torch.inference_mode():
+        start = time.perf_counter()
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=output_len,
+            min_new_tokens=output_len,
+        )
+        out.tolist()  # waits for a GPU's queued work
+        return time.perf_counter() - start
+
+
+def print_table(results: list[CaseResult], runner: ModelRunner, rates: MachineRates) -> None:
+    """Each figure with `limit`: the roofline time of that step on this machine (step_limits),
+    and the share of it reached (limit / measured; 100% = at the roofline)."""
+    cost = ModelCost.of(runner)
+    header = (
+        f"{'batch':>5} {'in':>5} {'out':>5} | {'prefill ms':>10} {'tok/s':>7} {'limit ms':>8} "
+        f"{'share':>5} | {'decode ms/step':>14} {'tok/s':>6} {'limit ms':>8} {'share':>5} | "
+        f"{'total s':>7}"
+    )
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        prefill_limit = cost.prefill(r.batch_size, r.input_len).limit_seconds(rates)
+        context = r.input_len + r.output_len // 2  # keys seen at the median decode step
+        decode_limit = cost.decode(r.batch_size, context).limit_seconds(rates)
+        print(
+            f"{r.batch_size:>5} {r.input_len:>5} {r.output_len:>5} | "
+            f"{r.prefill_seconds * 1e3:>10.2f} {r.prefill_tokens_per_second:>7.0f} "
+            f"{prefill_limit * 1e3:>8.2f} {prefill_limit / r.prefill_seconds:>5.0%} | "
+            f"{r.decode_step_seconds * 1e3:>14.3f} {r.decode_tokens_per_second:>6.0f} "
+            f"{decode_limit * 1e3:>8.2f} {decode_limit / r.decode_step_seconds:>5.0%} | "
+            f"{r.total_seconds:>7.3f}"
+        )
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--model",
+        help="checkpoint directory, .gguf file or 'demo' (default: SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument("--batch-size", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--input-len", type=int, nargs="+", default=[128])
+    parser.add_argument("--output-len", type=int, nargs="+", default=[64])
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument(
+        "--quantization",
+        default="auto",
+        help="model.quantization: auto (a GGUF file's block types), none (dequantized), q8_0, "
+        "q4_0, q4_1",
+    )
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--kernel-backend", default="auto", help="auto, torch, triton (GPU), cpu, batch_invariant"
+    )
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--kv-cache-memory", type=int, help="bytes (default: a fraction of free)")
+    parser.add_argument("--num-threads", type=int, help="torch intra-op threads (per rank)")
+    parser.add_argument(
+        "--tp", type=int, default=1, help="also run each case on this many TP ranks per replica"
+    )
+    parser.add_argument(
+        "--dp", type=int, default=1, help="... and this many replicas, each a share of the batch"
+    )
+    parser.add_argument("--correct", action="store_true", help="print greedy text for prompts")
+    parser.add_argument("--profile", action="store_true", help="trace a window of decode steps")
+    parser.add_argument("--profile-steps", type=int, default=8)
+    parser.add_argument("--profile-out", default="bench_one_batch.trace.json.gz")
+    parser.add_argument(
+        "--compare-hf", action="store_true", help="also time HF generate on the same batches"
+    )
+    parser.add_argument(
+        "--llama-bench",
+        action="store_true",
+        help="also run llama.cpp's llama-bench (pp256, tg128, 2 threads) on the same GGUF file",
+    )
+    parser.add_argument(
+        "--no-engine-overhead",
+        dest="engine_overhead",
+        action="store_false",
+        help="skip timing decode steps through the full actor system",
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = parse_args(argv)
+    model = args.model
+    from engine.home import default_engine_home
+    from engine.model_source import model_directory
+
+    # llama-bench runs first, while this process has no threads of its own: torch's and the
+    # kernels' idle workers would take cores from it.
+    llama_rates = run_llama_bench(model) if args.llama_bench else None
+    model, _ = model_directory(model, default_engine_home())
+    runner = ModelRunner(
+        model,
+        dtype=args.dtype,
+        device=args.device,
+        block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory,
+        num_threads=args.num_threads,
+        quantization=args.quantization,
+        kernel_backend=args.kernel_backend,
+    )
+    print(
+        f"model {model}: {runner.config.architecture}, {runner.dtype}, "
+        f"weights {describe_formats(runner.model.weight_formats, str(runner.dtype))}, "
+        f"{describe_threads(runner.threads)} threads, {runner.backend.name} kernels"
+    )
+    if args.correct:
+        texts = greedy_texts(runner, CORRECTNESS_PROMPTS, args.output_len[0])
+        for prompt, text in zip(CORRECTNESS_PROMPTS, texts, strict=True):
+            print(f"{prompt!r} -> {text!r}")
+        return
+    if args.profile:
+        profile_decode(
+            runner,
+            args.batch_size[-1],
+            args.input_len[0],
+            args.profile_steps,
+            Path(args.profile_out),
+        )
+        return
+    bench_case(runner, 1, 16, 4)  # warm-up: allocator, thread pool, first-call paths
+    results = []
+    for batch_size in args.batch_size:
+        for input_len in args.input_len:
+            for output_len in args.output_len:
+                reason = fits(runner, batch_size, input_len + output_len)
+                if reason:
+                    print(f"skip batch {batch_size} in {input_len} out {output_len}: {reason}")
+                    continue
+                results.append(bench_case(runner, batch_size, input_len, output_len))
+    # The limits are those of the most threads a step may use (a large step's matmuls, and the
+    # CPU attention kernel's share of a long context): the machine the model gets at its best.
+    most = runner.threads.busy if runner.threads is not None else torch.get_num_threads()
+    before = torch.get_num_threads()
+    torch.set_num_threads(most)
+    rates = MachineRates.measure(runner.dtype, runner.device)
+    torch.set_num_threads(before)
+    print(f"limits: {rates.describe()}, {most} threads")
+    print_table(results, runner, rates)
+    if (args.tp > 1 or args.dp > 1) and results:
+        print_parallel(runner, model, results, args)
+    if args.engine_overhead and results:
+        print_engine_overhead(runner, model, results, args)
+    if args.compare_hf:
+        compare_with_hf(runner, results)
+    if llama_rates is not None:
+        compare_with_llama_bench(runner, llama_rates)
+
+
+def print_parallel(
+    runner: ModelRunner, model: str, results: list[CaseResult], args: argparse.Namespace
+) -> None:
+    """The same cases on --tp x --dp rank processes, against the TP=1 / DP=1 figures above."""
+    from tools.bench.parallel_batch import parallel_cases, shares
+
+    cases = [(r.batch_size, r.input_len, r.output_len) for r in results]
+    num_blocks = max(
+        blocks_per_sequence(runner, 20),  # the warm-up case
+        *(shares(b, args.dp)[0] * blocks_per_sequence(runner, i + o) for b, i, o in cases),
+    )
+    split = parallel_cases(
+        model,
+        args.tp,
+        args.dp,
+        cases,
+        dtype=args.dtype,
+        device=args.device,
+        block_size=args.block_size,
+        num_blocks=num_blocks,
+        num_threads=args.num_threads,
+    )
+    print(
+        f"\nTP={args.tp} x DP={args.dp} ({args.tp * args.dp} processes); "
+        "ratio: throughput over TP=1 / DP=1 above (> 1: faster)"
+    )
+    print(
+        f"{'batch':>5} {'in':>5} {'out':>5} | {'prefill tok/s':>13} {'ratio':>6} | "
+        f"{'decode ms/step':>14} {'decode tok/s':>12} {'ratio':>6} | {'total s':>7} {'ratio':>6}"
+    )
+    for one, many in zip(results, split, strict=True):
+        print(
+            f"{many.batch_size:>5} {many.input_len:>5} {many.output_len:>5} | "
+            f"{many.prefill_tokens_per_second:>13.0f} "
+            f"{many.prefill_tokens_per_second / one.prefill_tokens_per_second:>6.2f} | "
+            f"{many.decode_step_seconds * 1e3:>14.3f} {many.decode_tokens_per_second:>12.0f} "
+            f"{many.decode_tokens_per_second / one.decode_tokens_per_second:>6.2f} | "
+            f"{many.total_seconds:>7.3f} {one.total_seconds / many.total_seconds:>6.2f}"
+        )
+
+
+def print_engine_overhead(
+    runner: ModelRunner, model: str, results: list[CaseResult], args: argparse.Namespace
+) -> None:
+    """A decode step through the whole actor system over the raw forward of the same batch."""
+    from tools.bench.engine_overhead import engine_decode_step_seconds
+
+    cases = sorted({(r.batch_size, r.input_len) for r in results})
+    output_len = max(args.output_len)
+    kv_bytes = runner.num_blocks * kv_block_bytes(runner.config, runner.block_size, runner.dtype)
+    engine = engine_decode_step_seconds(
+        model, cases, output_len, kv_bytes, args.num_threads, runner_settings(runner, args)
+    )
+    print(f"\n{'batch':>5} {'in':>5} | {'engine ms/step':>14} {'raw ms/step':>11} {'overhead':>8}")
+    for batch, input_len in cases:
+        raw = raw_decode_step_seconds(runner, batch, input_len + output_len // 2)
+        step = engine[(batch, input_len)]
+        print(
+            f"{batch:>5} {input_len:>5} | {step * 1e3:>14.3f} {raw * 1e3:>11.3f} {step / raw:>8.2f}"
+        )
+
+
+def runner_settings(runner: ModelRunner, args: argparse.Namespace) -> dict[str, object]:
+    """The actor system's model settings for what the raw runner above ran."""
+    return {
+        "model.device": runner.device.type,
+        "model.dtype": str(runner.dtype).removeprefix("torch."),
+        "model.kernel_backend": args.kernel_backend,
+        "model.quantization": args.quantization,
+    }
+
+
+def run_llama_bench(model: str | None) -> dict[str, float]:
+    """llama-bench's pp256 / tg128 tokens/s on the GGUF file --model names (or the default's)."""
+    from tools.peers import llamacpp_peer
+
+    return llamacpp_peer.llama_bench(llamacpp_peer.model_file(model), prompt=256, generate=128)
+
+
+def compare_with_llama_bench(runner: ModelRunner, theirs: dict[str, float]) -> None:
+    """Our batch-1 prefill of 256 tokens and decode of 128 beside llama-bench's pp256 / tg128
+    (ours decodes after the 256-token prompt, llama-bench's tg after none)."""
+    ours = bench_case(runner, 1, 256, 128)
+    print("\nllama-bench -t 2, run before ours, same file; ratio: ours / llama.cpp")
+    print(f"{'test':>6} | {'ours tok/s':>10} {'llama.cpp tok/s':>15} {'ratio':>6}")
+    for test, rate in (("pp256", ours.prefill_tokens_per_second),
+                       ("tg128", ours.decode_tokens_per_second)):  # fmt: skip
+        peer = theirs[test[:2]]
+        print(f"{test:>6} | {rate:>10.1f} {peer:>15.1f} {rate / peer:>6.2f}")
+
+
+def compare_with_hf(runner: ModelRunner, results: list[CaseResult]) -> None:
+    """Whole-batch throughput (prefill + decode) of ours and of HF generate, side by side: HF in
+    float32 on the CPU (its fastest there), in our dtype on a GPU."""
+    from transformers import AutoModelForCausalLM
+
+    on_gpu = runner.device.type == "cuda"
+    hf = AutoModelForCausalLM.from_pretrained(
+        runner.model_path, dtype=runner.dtype if on_gpu else torch.float32
+    )
+    hf = hf.to(runner.device).eval()
+    hf_generate_seconds(runner.model_path, random_prompts(runner, 1, 16), 4, hf)  # warm-up
+    print(f"\n{'batch':>5} {'in':>5} {'out':>5} | {'ours tok/s':>10} {'HF tok/s':>9} {'ratio':>6}")
+    for r in results:
+        prompts = random_prompts(runner, r.batch_size, r.input_len)
+        hf_seconds = hf_generate_seconds(runner.model_path, prompts, r.output_len, hf)
+        ours = r.batch_size * r.output_len / r.total_seconds
+        theirs = r.batch_size * r.output_len / hf_seconds
+        print(
+            f"{r.batch_size:>5} {r.input_len:>5} {r.output_len:>5} | "
+            f"{ours:>10.0f} {theirs:>9.0f} {ours / theirs:>6.2f}"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""The servers tools/chaos/run.py can start itself (--launch), each stopped on leaving.
+
+- single: one `python -m engine` instance.
+- pd:     a `--kv-role prefill` instance and a `--kv-role decode` instance behind
+          `python -m engine proxy`: the workload goes through the proxy, faults hit the actors of
+          both instances (kv_transfer ones included).
+
+Every instance gets a restart intensity that the fault rate cannot exhaust and its own admin
+socket in the log directory; without --model the engine serves its default model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from tools.servers import ServerFailed, stop_server
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.e2e.harness import read_line_starting
+
+REPO = Path(__file__).resolve().parents[2]
+# Restarts allowed per period: a fault every second or two must never escalate to a shutdown.
+RESTART_FLAGS = ["--runtime.restart_intensity", "1000", "--runtime.restart_period", "10"]
+
+
+@dataclass
+class Launched:
+    url: str  # where the workload goes
+    sockets: dict[str, str | None]  # instance -> admin socket
+    logs: Path
+
+
+def _spawn(command: list[str], log_path: Path) -> subprocess.Popen[str]:
+    with open(log_path, "w") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "engine", *command],
+            cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True,
+        )  # fmt: skip
+
+
+@contextlib.contextmanager
+def _started(command: list[str], log_path: Path, timeout: float) -> Iterator[str]:
+    """Yields the URL of the ready line; stops the process (and its session) on leaving."""
+    proc = _spawn(command, log_path)
+    try:
+        try:
+            line = read_line_starting(proc, "engine ready:", timeout)
+        except (RuntimeError, TimeoutError) as e:
+            raise ServerFailed(f"{command[0]} did not start ({e}); log: {log_path}") from None
+        yield line.split()[2]  # "engine ready: URL ..."
+    finally:
+        stop_server(proc)
+
+
+def _instance_args(model: str | None, socket: Path, extra: list[str]) -> list[str]:
+    model_args = ["--model", model] if model else []
+    return [
+        "serve", *model_args, "--host", "127.0.0.1", "--port", "0",
+        "--admin.socket", str(socket), *RESTART_FLAGS, *extra,
+    ]  # fmt: skip
+
+
+@contextlib.contextmanager
+def launched(
+    mode: str,
+    model: str | None,
+    extra: list[str],
+    logs: Path,
+    timeout: float,
+    proxy_extra: tuple[str, ...] = (),
+) -> Iterator[Launched]:
+    if mode == "single":
+        socket = logs / "admin.sock"
+        args = _instance_args(model, socket, extra)
+        with _started(args, logs / "engine.log", timeout) as url:
+            yield Launched(url, {"engine": str(socket)}, logs)
+        return
+    sockets = {role: logs / f"{role}.sock" for role in ("prefill", "decode")}
+    with contextlib.ExitStack() as stack:
+        urls = {
+            role: stack.enter_context(
+                _started(
+                    _instance_args(model, socket, ["--kv-role", role, *extra]),
+                    logs / f"{role}.log",
+                    timeout,
+                )
+            )
+            for role, socket in sockets.items()
+        }
+        proxy = ["proxy", "--prefill", urls["prefill"], "--decode", urls["decode"], "--port", "0"]
+        proxy += proxy_extra
+        url = stack.enter_context(_started(proxy, logs / "proxy.log", timeout))
+        yield Launched(url, {role: str(path) for role, path in sockets.items()}, logs)
