@@ -241,5 +241,6 @@ def stale_entries(directory: str, suffix: str = "") -> list[str]:
             for entry in entries
             if entry.name.startswith(SEGMENT_PREFIX)
             and entry.name.endswith(suffix)
+            and not entry.is_dir(follow_symlinks=False)  # not a segment: someone else's
             and stale(entry.name, entry.path)
         ]

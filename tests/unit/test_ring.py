@@ -284,6 +284,8 @@ def test_sweep_removes_rings_of_dead_runs_only(tmp_path: pathlib.Path) -> None:
         (shm_dir / name).write_bytes(b"")
     for name in (dead, alive):
         os.mkfifo(bells / f"{name}.w.bell", 0o600)
+    foreign = f"engine-{finished.pid}-a-directory"  # not a segment of ours: left as it is
+    (shm_dir / foreign).mkdir()
     assert sweep_stale_segments([str(bells)], shm_dir=str(shm_dir)) == [dead]
-    assert sorted(os.listdir(shm_dir)) == sorted([alive, "unrelated-file"])
+    assert sorted(os.listdir(shm_dir)) == sorted([alive, foreign, "unrelated-file"])
     assert os.listdir(bells) == [f"{alive}.w.bell"]
