@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from engine.client.process import stop_session
 from engine.trace.client import ReplayResult
 from engine.trace.schedule import ScheduledRequest
 from tools.bench.serving import (
@@ -33,7 +34,6 @@ from tools.bench.serving import (
     render,
     summarize,
 )
-from tools.servers import stop_server
 
 
 def _result(sent: float, ttft: float, end: float, tokens: int, itls: list[float]) -> ReplayResult:
@@ -233,7 +233,7 @@ def test_stopping_a_server_also_ends_what_it_left_in_its_session(tmp_path: Path)
         time.sleep(0.05)
     child = int(pid_file.read_text())
     try:
-        stop_server(proc, timeout=2.0)
+        stop_session(proc, timeout=2.0)
         assert proc.returncode is not None
         assert _gone(lambda: os.kill(child, 0), timeout=10.0)  # killed, then reaped by init
         assert _gone(lambda: os.killpg(proc.pid, 0), timeout=10.0)  # nothing else in its session

@@ -1,17 +1,19 @@
 """The package's layering, read from the source with `ast` (no imports run): no import cycles
-inside `engine/` or between the benchmarks and tools of `tools/`, lazy imports inside functions
-included, and the layering rules: the actor runtime knows nothing of LLMs, and messages know
-nothing of actors."""
+inside `engine/`, `tools/` or `tests/`, lazy imports inside functions included, and the layering
+rules: the actor runtime knows nothing of LLMs, messages know nothing of actors, the package
+imports neither tools nor tests, and tools never import tests."""
 
 from __future__ import annotations
 
 import ast
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "engine"
 TOOLS = ROOT / "tools"  # scripts by purpose (bench/, chaos/, peers/, data/), importing `tools.x.y`
+TESTS = ROOT / "tests"
 
 
 def module_name(path: Path) -> str:
@@ -21,7 +23,8 @@ def module_name(path: Path) -> str:
 
 def modules() -> dict[str, Path]:
     found = {module_name(path): path for path in PACKAGE.rglob("*.py")}
-    return found | {module_name(path): path for path in TOOLS.rglob("*.py")}
+    found |= {module_name(path): path for path in TOOLS.rglob("*.py")}
+    return found | {module_name(path): path for path in TESTS.rglob("*.py")}
 
 
 def imported(path: Path, name: str, known: set[str]) -> Iterator[str]:
@@ -47,6 +50,7 @@ def imported(path: Path, name: str, known: set[str]) -> Iterator[str]:
                 yield target
 
 
+@functools.cache  # read once for all the tests here (never mutated)
 def import_graph() -> dict[str, set[str]]:
     found = modules()
     known = set(found)
@@ -109,6 +113,8 @@ def test_there_is_no_cycle_between_engines_packages() -> None:
 
     packages: dict[str, set[str]] = {}
     for module, targets in import_graph().items():
+        if module.startswith("tests."):
+            continue  # the tests' folders share fixtures both ways; only modules must not cycle
         own = package(module)
         packages.setdefault(own, set()).update(package(t) for t in targets if package(t) != own)
     found = cycles(packages)
@@ -140,6 +146,14 @@ def test_the_actor_runtime_knows_nothing_of_llms() -> None:
 
 def test_messages_know_nothing_of_actors() -> None:
     assert violations(import_graph(), "engine.messages", ("engine.actors",)) == []
+
+
+def test_the_package_tools_and_tests_import_only_downwards() -> None:
+    """The package imports neither the scripts nor the tests, and the scripts never import the
+    tests: what both need (starting and stopping a server, say) lives in the package."""
+    graph = import_graph()
+    assert violations(graph, "engine", ("tools", "tests")) == []
+    assert violations(graph, "tools", ("tests",)) == []
 
 
 def test_the_checker_sees_a_cycle_and_a_lazy_import() -> None:

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tools.servers import engine_server
+from engine.client.servers import engine_server
 
 
 def process_tree(root: int) -> dict[int, str]:

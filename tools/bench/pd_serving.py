@@ -21,10 +21,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from engine.client.servers import ServerFailed, engine_server, served_model
 from engine.trace.client import ClientOptions, ReplayResult, replay
 from engine.trace.schedule import build_schedule
 from tools.bench.serving import Figures, render, summarize, trace_load, warmup_load
-from tools.servers import ServerFailed, engine_server, served_model
 
 SETUPS = {  # in this order: the ratio rows read disaggregated / colocated
     "disaggregated": ["--prefill-replicas", "1", "--decode-replicas", "1"],

@@ -56,6 +56,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from engine.client.servers import ServerFailed, engine_server, served_model
 from engine.trace.client import ClientOptions, ReplayResult, replay
 from engine.trace.format import TraceEntry
 from engine.trace.importers import (
@@ -71,8 +72,7 @@ from engine.trace.report import percentile, replay_figures
 from engine.trace.schedule import build_schedule
 from engine.trace.synth import PromptSynth
 from tools.peers import llamacpp_peer
-from tools.peers.vllm_peer import DEFAULT_VLLM_PYTHON, vllm_python
-from tools.servers import ServerFailed, engine_server, served_model, vllm_server
+from tools.peers.vllm_peer import DEFAULT_VLLM_PYTHON, vllm_python, vllm_server
 
 SERVER_NAMES = {"engine": "engine", "vllm": "vLLM", "llamacpp": "llama.cpp"}
 PEERS = ("llamacpp", "vllm")

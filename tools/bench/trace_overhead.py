@@ -15,17 +15,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import selectors
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from engine.client.servers import ServerFailed, start_engine
 from engine.trace.client import ClientOptions, replay
 from engine.trace.format import encode_record, parse_lines
 from engine.trace.importers import ImportOptions, poisson_workload
@@ -46,26 +45,16 @@ class Side:
 
 def start(name: str, args: argparse.Namespace, work: Path, extra: list[str]) -> Side:
     cmd = [
-        sys.executable, "-m", "engine", "serve", "--model", args.model, "--host", "127.0.0.1",
+        "serve", "--model", args.model, "--host", "127.0.0.1",
         "--port", "0", "--device", "cpu", "--max-model-len", "1024",
         "--max-num-seqs", str(args.concurrency), "--max-queued-samples", "1024",
         "--kv-cache-memory", "64MiB", "--admin.socket", str(work / f"{name}.sock"), *extra,
     ]  # fmt: skip
-    log = open(work / f"{name}.log", "w")  # noqa: SIM115 - lives as long as the server
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
-    assert proc.stdout is not None
-    deadline = time.monotonic() + 300
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        while time.monotonic() < deadline:
-            if sel.select(timeout=0.5):
-                line = proc.stdout.readline()
-                if line.startswith("engine ready:"):
-                    return Side(name, proc, line.split()[2])
-                if not line:
-                    break
-    proc.kill()
-    raise SystemExit(f"{name} server did not start; see {work / (name + '.log')}")
+    try:
+        server = start_engine(cmd, work / f"{name}.log", timeout=300.0)
+    except ServerFailed as e:
+        raise SystemExit(str(e)) from None
+    return Side(name, server.proc, server.url)
 
 
 def cpu_seconds(pid: int) -> float:

@@ -12,18 +12,12 @@ socket in the log directory; without --model the engine serves its default model
 from __future__ import annotations
 
 import contextlib
-import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from tools.servers import ServerFailed, stop_server
+from engine.client.servers import engine_running
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.e2e.harness import read_line_starting
-
-REPO = Path(__file__).resolve().parents[2]
 # Restarts allowed per period: a fault every second or two must never escalate to a shutdown.
 RESTART_FLAGS = ["--runtime.restart_intensity", "1000", "--runtime.restart_period", "10"]
 
@@ -35,26 +29,11 @@ class Launched:
     logs: Path
 
 
-def _spawn(command: list[str], log_path: Path) -> subprocess.Popen[str]:
-    with open(log_path, "w") as log:
-        return subprocess.Popen(
-            [sys.executable, "-m", "engine", *command],
-            cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True,
-        )  # fmt: skip
-
-
 @contextlib.contextmanager
 def _started(command: list[str], log_path: Path, timeout: float) -> Iterator[str]:
     """Yields the URL of the ready line; stops the process (and its session) on leaving."""
-    proc = _spawn(command, log_path)
-    try:
-        try:
-            line = read_line_starting(proc, "engine ready:", timeout)
-        except (RuntimeError, TimeoutError) as e:
-            raise ServerFailed(f"{command[0]} did not start ({e}); log: {log_path}") from None
-        yield line.split()[2]  # "engine ready: URL ..."
-    finally:
-        stop_server(proc)
+    with engine_running(command, log_path, timeout=timeout) as server:
+        yield server.url
 
 
 def _instance_args(model: str | None, socket: Path, extra: list[str]) -> list[str]:

@@ -23,9 +23,8 @@ import asyncio
 import json
 import os
 import random
-import signal
-import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -38,9 +37,10 @@ if __package__ in (None, ""):  # run as a script: make `engine` and `tools` impo
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from engine.cli.admin_client import send_command
+from engine.client.process import stop_process
+from engine.client.servers import EngineServer, ServerFailed, start_engine
 from tools.chaos.workload import WORDS
 
-READY_PREFIX = "engine ready: "
 # The KV cache is allocated at start but its pages enter RSS only as blocks are first written,
 # and the prefix cache keeps using fresh blocks until it has touched them all: a 2 GiB cache
 # takes tens of thousands of requests to settle. A cache the warm-up fills (--warmup) makes RSS
@@ -84,37 +84,18 @@ class Snapshot:
     restarts: dict[str, int]
 
 
-def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[str], str, str]:
-    """`python -m engine` on a free port; its process, URL and admin socket."""
-    cmd = [sys.executable, "-m", "engine", "serve", "--port", "0", *args.server_args]
+def start_server(args: argparse.Namespace) -> EngineServer:
+    """`python -m engine serve` on a free port, its log in a fresh temporary directory."""
+    cmd = ["serve", "--port", "0", *args.server_args]
     if not any(arg.startswith("--kv-cache-memory") for arg in args.server_args):
         cmd += ["--kv-cache-memory", SOAK_KV_CACHE]
     if args.model:
         cmd += ["--model", args.model]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + args.start_timeout
-    assert proc.stdout is not None
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        if line.startswith(READY_PREFIX):
-            # "engine ready: URL (model NAME; admin socket PATH)"
-            url = line[len(READY_PREFIX) :].split()[0]
-            socket_path = line.rsplit("admin socket ", 1)[1].rstrip(")\n")
-            return proc, url, socket_path
-    stop_server(proc)
-    raise SystemExit("soak: the server did not start (see its log above)")
-
-
-def stop_server(proc: subprocess.Popen[str]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+    log_path = Path(tempfile.mkdtemp(prefix="soak-")) / "engine.log"
+    try:
+        return start_engine(cmd, log_path, timeout=args.start_timeout)
+    except ServerFailed as e:
+        raise SystemExit(f"soak: {e}") from None
 
 
 def actors(socket_path: str) -> list[dict[str, Any]]:
@@ -305,7 +286,8 @@ async def main_async(args: argparse.Namespace) -> int:
     if args.url:
         url, socket_path, server_pid = args.url, args.socket, args.server_pid
     else:
-        proc, url, socket_path = start_server(args)
+        server = start_server(args)
+        proc, url, socket_path = server.proc, server.url, str(server.admin_socket)
         server_pid = proc.pid
     try:
         started = time.monotonic()
@@ -320,7 +302,7 @@ async def main_async(args: argparse.Namespace) -> int:
         summary = report(before, after, tally, time.monotonic() - started)
     finally:
         if proc is not None:
-            stop_server(proc)
+            stop_process(proc, 60.0)
     print_report(summary)
     if proc is not None:
         left = sum(1 for n in os.listdir("/dev/shm") if n.startswith(f"engine-{proc.pid}-"))

@@ -33,8 +33,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.e2e.harness import free_port
-from tools.servers import http_server
+from engine.client.process import free_port
+from engine.client.servers import http_server
 
 LLAMA_CPP_PYTHON = "0.3.36"
 TARGETS = ("llama-server", "llama-bench", "llama-tokenize", "llama-quantize")

@@ -15,9 +15,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from tests.e2e.harness import free_port
+from engine.client.process import free_port
+from engine.client.servers import http_server
 from tools.peers import llamacpp_peer
-from tools.servers import http_server
 
 
 def spec_args(draft_max: int) -> dict[str, list[str]]:
