@@ -4,7 +4,7 @@ panels): the kernels the layers call one at a time, called in the same order on 
 so the hidden states are bit-identical to the Python path's. What goes is the ~15 Python-level
 operations per layer around them (dispatch, checks, a new tensor each): at one sequence a step's
 kernels are short, so that overhead, paid in each of the default model's 30 layers, is a large
-share of the step (the README's quantized-weights paragraph gives the figures).
+share of the step (docs/models.md's quantized-weights paragraph gives the figures).
 
 It takes steps of decode tokens only (one TableRows piece: every token attends in place through
 its block table), of float32 activations, up to `max_tokens` of them: as many as keep every step

@@ -98,7 +98,7 @@ class ThreadPolicy:
     spin against the actors that need its core; a small decode step is one C++ call on the
     kernels' own pool, asleep within 50 us of its last call (model/fused_decode.py,
     kernels/cpu/thread_pool.h); and the other actors use only a sliver of a core while serving
-    (engine:actor_cpu_seconds_total). The README's Serving section has the figures. Different
+    (engine:actor_cpu_seconds_total). docs/parallelism.md has the figures. Different
     light and busy counts remain for a caller that sets them (ModelRunner's num_threads and
     busy_threads)."""
 

@@ -1,4 +1,4 @@
-"""The chat page on a real model: screenshots for the README and the page's time to first token
+"""The chat page on a real model: screenshots for docs/serving.md and the page's time to first token
 against the server's.
 
 Starts `python -m engine` (the default model unless --model), opens the page in a headless
