@@ -7,14 +7,15 @@
 
 Prompts are random token ids (seeded); every request decodes exactly its output length (greedy, EOS
 ignored), so both sides do the same work. Peers: `hf` (transformers' generate, batched, in this
-process), `vllm` (vLLM's LLM in its own virtual environment, PEERS.md; a subprocess), or `llamacpp`
-(llama.cpp's llama-server with 2 threads and one slot per request, every request sent at once;
-tools/peers/llamacpp_peer.py builds it once; both sides then read the GGUF file itself, not its
-float32 export), or `none`. With --tp or --dp above 1 the engine also runs the workload at TP=1 /
-DP=1 first, and the parallel figures are reported against it. The figures of one run are comparable;
-across runs on a 2-core machine they drift. `--repeats N` times the workload N times on each side,
-each time with fresh prompts (a prefix-cache hit would skip the prefill), and reports the median: a
-short workload (one sequence of 64 tokens takes ~0.3 s) timed once is mostly noise.
+process), `vllm` (vLLM's LLM in its own virtual environment, docs/benchmarks.md, Peers; a
+subprocess), or `llamacpp` (llama.cpp's llama-server with 2 threads and one slot per request, every
+request sent at once; tools/peers/llamacpp_peer.py builds it once; both sides then read the GGUF
+file itself, not its float32 export), or `none`. With --tp or --dp above 1 the engine also runs the
+workload at TP=1 / DP=1 first, and the parallel figures are reported against it. The figures of one
+run are comparable; across runs on a 2-core machine they drift. `--repeats N` times the workload N
+times on each side, each time with fresh prompts (a prefix-cache hit would skip the prefill), and
+reports the median: a short workload (one sequence of 64 tokens takes ~0.3 s) timed once is mostly
+noise.
 """
 
 from __future__ import annotations

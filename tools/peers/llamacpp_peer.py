@@ -1,5 +1,6 @@
-"""llama.cpp as a peer (PEERS.md): its binaries built once from the llama.cpp vendored in the
-`llama-cpp-python` source distribution, and `llama-server` started and stopped around a run.
+"""llama.cpp as a peer (docs/benchmarks.md, Peers): its binaries built once from the llama.cpp
+vendored in the `llama-cpp-python` source distribution, and `llama-server` started and stopped
+around a run.
 
     python tools/peers/llamacpp_peer.py build                    # prints the binaries' directory
     python tools/peers/llamacpp_peer.py serve --parallel 16      # until Ctrl-C
