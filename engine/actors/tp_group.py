@@ -17,7 +17,7 @@ from engine.actors.configs import WorkerConfig
 from engine.messages.parallel import Rendezvous
 from engine.messages.ring_catalogue import RENDEZVOUS_RING
 from engine.model.parallel.config import TensorParallelConfig
-from engine.model.placement import rank_device
+from engine.model.placement.policy import rank_device
 from engine.runtime.actor import Actor
 
 CONNECT_ATTEMPT_S = 2.0

@@ -24,7 +24,7 @@ from engine.messages.parallel import RENDEZVOUS
 from engine.messages.ring_catalogue import PLAN_RING, RESULTS_RING
 from engine.messages.roles import Role
 from engine.messages.steps import STEP_PLANS, StepPlan, StepResult, WorkerFailed
-from engine.model.placement import sleeping_openmp_threads
+from engine.model.placement.policy import sleeping_openmp_threads
 from engine.model.step_inputs import is_long
 from engine.runtime.actor import Actor
 from engine.testing.fault_injection import FaultInjection
@@ -135,7 +135,7 @@ def _drafter(config: WorkerConfig, runner: Any) -> Any:
     """Speculative decoding's draft model, on rank 0 (the launch allows it in groups of one)."""
     if not config.draft_model_path or config.rank != 0:
         return None
-    from engine.model.drafter import Drafter
+    from engine.model.speculation.drafter import Drafter
 
     return Drafter(
         config.draft_model_path,

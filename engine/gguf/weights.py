@@ -62,7 +62,7 @@ class GGUFTensors:
 
     def block_codes(self, name: str) -> BlockCodes:
         """The whole tensor as quantized codes, in the Hugging Face row order (its type must be
-        one of engine/model/quantized_formats.TYPE_BITS)."""
+        one of engine/model/quantized/formats.TYPE_BITS)."""
         info = self.gguf.info(self._names[name])
         rows, columns = info.shape
         codes = block_codes(self.gguf.raw(info.name), info.type_name, (rows, columns))

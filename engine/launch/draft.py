@@ -7,10 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import NamedTuple, TypedDict
 
-from engine.model.capacity import kv_block_bytes
 from engine.model.config import ModelConfig, load_model_config
-from engine.model.placement import device_type, resident_weight_bytes
-from engine.model.quantized_formats import quantized_formats
+from engine.model.placement.capacity import kv_block_bytes
+from engine.model.placement.policy import device_type, resident_weight_bytes
+from engine.model.quantized.formats import quantized_formats
 from engine.model_source import model_directory
 from engine.scheduler.speculation import parse_speculative_config
 from engine.settings import Settings, resolve_home

@@ -21,7 +21,7 @@ from engine.kvcache.prefix_index import prefix_index_bytes
 from engine.launch.pd_plan import cache_segment, kv_layout
 from engine.model.config import ModelConfig
 from engine.model.parallel.config import Placement
-from engine.model.placement import device_type
+from engine.model.placement.policy import device_type
 from engine.runtime.child_spec import SegmentDecl
 from engine.scheduler.config import SchedulerConfig
 

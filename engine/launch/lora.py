@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TypedDict
 
 from engine.model.config import ModelConfig
-from engine.model.lora_files import AdapterError, check_adapter
+from engine.model.lora.files import AdapterError, check_adapter
 from engine.settings.lora_schema import parse_lora_module
 from engine.settings.schema import Settings
 

@@ -20,9 +20,9 @@ from engine.kv_transfer.secret import instance_secret
 from engine.kv_transfer.tls import TlsFiles
 from engine.messages.kv_transfer import KvLayout
 from engine.messages.ring_catalogue import KV_EVENTS_RING, KV_ORDERS_RING
-from engine.model.capacity import dtype_bytes
 from engine.model.config import ModelConfig
 from engine.model.parallel.layout import kv_heads_per_rank
+from engine.model.placement.capacity import dtype_bytes
 from engine.runtime.child_spec import ChildSpec, RingDecl, SegmentDecl, declare_ring
 from engine.settings import Settings
 

@@ -58,16 +58,16 @@ from engine.messages.ring_catalogue import (
     SUBMIT_RING,
     TOKENS_RING,
 )
-from engine.model.capacity import kv_block_bytes
 from engine.model.config import ModelConfig, load_model_config
 from engine.model.parallel.config import Placement, TensorParallelConfig
-from engine.model.placement import (
+from engine.model.placement.capacity import kv_block_bytes
+from engine.model.placement.policy import (
     device_type,
     resolve_device,
     resolve_dtype,
     weight_bytes_by_format,
 )
-from engine.model.quantized_formats import quantized_formats
+from engine.model.quantized.formats import quantized_formats
 from engine.runtime.child_spec import (
     ROOT,
     ChildSpec,

@@ -1,6 +1,6 @@
 """Files a run keeps in /dev/shm only so that restarted actors start fast: the tokenizer a
 tokenizer built (engine/actors/tokenizer.py) and the weights a worker built
-(engine/model/weight_store.py), both named `engine-<root pid>-<kind>-<digest>`.
+(engine/model/loading/weight_store.py), both named `engine-<root pid>-<kind>-<digest>`.
 
 Their actors remove them when stopped in order, but an actor killed and not restarted (the
 engine gave up) removes nothing, so the root removes what is left when the engine stops. A

@@ -15,19 +15,19 @@ from engine.launch.draft import DraftFootprint
 from engine.launch.lora import max_loras_of
 from engine.launch.pd_plan import replica_roles
 from engine.messages.ring_catalogue import PLAN_RING
-from engine.model.capacity import available_cpu_memory, kv_block_bytes
 from engine.model.config import ModelConfig
 from engine.model.parallel.config import Placement
 from engine.model.parallel.layout import check_tensor_parallel
-from engine.model.placement import (
+from engine.model.placement.capacity import available_cpu_memory, kv_block_bytes
+from engine.model.placement.policy import (
     ThreadPolicy,
     available_cores,
     device_type,
     resident_weight_bytes,
     thread_policy,
 )
-from engine.model.placement import kv_cache_bytes as placement_kv_cache_bytes
-from engine.model.quantized_formats import WeightFormat
+from engine.model.placement.policy import kv_cache_bytes as placement_kv_cache_bytes
+from engine.model.quantized.formats import WeightFormat
 from engine.scheduler.config import SchedulerConfig
 from engine.settings import Settings
 
@@ -105,7 +105,7 @@ def kv_cache_bytes(
     available_memory: int | None = None,
 ) -> int:
     """One rank's KV cache budget (see placement.kv_cache_bytes), the draft's cache included;
-    `quantized`: the weights served quantized (engine/model/quantized_formats.py), counted by
+    `quantized`: the weights served quantized (engine/model/quantized/formats.py), counted by
     their packed bytes; `draft`: a draft model's, whose weights are counted with the target's;
     `available_memory`: the memory to size from (None: what the machine has free now)."""
     tp = settings.parallel.tensor_parallel_size

@@ -89,7 +89,7 @@ class PoolingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 class LoRARequest(msgspec.Struct, frozen=True):
     """A LoRA adapter to generate with, as vLLM's: its served name, a number naming it (any
-    positive int, unique per adapter) and its PEFT directory (engine/model/lora_files.py)."""
+    positive int, unique per adapter) and its PEFT directory (engine/model/lora/files.py)."""
 
     lora_name: str
     lora_int_id: int

@@ -50,10 +50,11 @@ class PlannedChunk(msgspec.Struct, array_like=True):
     sample: bool  # True when this chunk reaches the sequence's end: sample one token after it
     prompt_tokens: int = 0  # how many of the chunk's tokens, from start_pos on, are the prompt's
     # Speculative decoding: the last `num_proposed` of token_ids are proposed tokens, to be
-    # verified (engine/model/spec_verify.py); the result may then name the sequence repeatedly.
+    # verified (engine/model/speculation/verify.py); the result may then name the sequence
+    # repeatedly.
     num_proposed: int = 0
     # Speculative decoding with a draft model: rank 0's draft proposes this many tokens after
-    # the chunk (engine/model/drafter.py); its blocks are reserved.
+    # the chunk (engine/model/speculation/drafter.py); its blocks are reserved.
     num_draft: int = 0
 
     @property

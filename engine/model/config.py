@@ -1,7 +1,8 @@
 """ModelConfig: what the engine needs from a Hugging Face checkpoint's config.json.
 
-Parsed by hand (no transformers import) so that reading a config costs milliseconds. The three
-supported decoders differ only in a few flags, listed per architecture in `ARCHITECTURES`.
+Parsed by hand (no transformers import) so that reading a config costs milliseconds. Which
+architectures are supported, and by which family, is the registry's
+(engine/model/architectures/registry.py).
 """
 
 from __future__ import annotations
@@ -11,21 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-
-@dataclasses.dataclass(frozen=True)
-class ArchitectureFlags:
-    """How one architecture departs from the plain Llama decoder."""
-
-    qkv_bias: bool | None  # None: read `attention_bias` from config.json
-    o_bias: bool | None  # None: read `attention_bias`
-    qk_norm: bool  # RMSNorm over each head of q and k before RoPE (Qwen3)
-
-
-ARCHITECTURES: dict[str, ArchitectureFlags] = {
-    "LlamaForCausalLM": ArchitectureFlags(qkv_bias=None, o_bias=None, qk_norm=False),
-    "Qwen2ForCausalLM": ArchitectureFlags(qkv_bias=True, o_bias=False, qk_norm=False),
-    "Qwen3ForCausalLM": ArchitectureFlags(qkv_bias=None, o_bias=None, qk_norm=True),
-}
+from engine.model.architectures.registry import ARCHITECTURES, supported_architectures_message
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -63,10 +50,6 @@ class ModelConfig:
     torch_dtype: str | None  # the checkpoint's dtype name ("float32", "bfloat16", ...)
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
-
-
-def supported_architectures_message() -> str:
-    return ", ".join(sorted(ARCHITECTURES))
 
 
 def load_model_config(model_path: str | Path, max_model_len: int | None = None) -> ModelConfig:

@@ -21,16 +21,20 @@ import torch
 from engine.kernels.attention_metadata import AttentionMetadata, long_tensor
 from engine.kernels.kv_cache import PagedKVCache
 from engine.kernels.registry import select_backend
-from engine.model import placement
-from engine.model.capacity import available_cpu_memory, kv_block_bytes, kv_cache_blocks
 from engine.model.config import ModelConfig, load_model_config
-from engine.model.host_memory import keep_freed_memory, release_freed_memory
-from engine.model.loader import load_model, resolve_dtype
-from engine.model.lora_weights import AdapterCache, LoraStep
+from engine.model.loading.loader import load_model, resolve_dtype
+from engine.model.loading.weight_store import StoreSlot
+from engine.model.lora.weights import AdapterCache, LoraStep
 from engine.model.parallel.group import TensorParallelGroup
-from engine.model.quantized_formats import describe_formats
+from engine.model.placement import policy as placement
+from engine.model.placement.capacity import (
+    available_cpu_memory,
+    kv_block_bytes,
+    kv_cache_blocks,
+)
+from engine.model.placement.host_memory import keep_freed_memory, release_freed_memory
+from engine.model.quantized.formats import describe_formats
 from engine.model.step_inputs import SeqChunk
-from engine.model.weight_store import StoreSlot
 from engine.settings.schema import CacheSettings
 
 __all__ = ["ModelRunner", "kv_cache_blocks"]
@@ -75,7 +79,7 @@ class ModelRunner:
         """`kv_cache_buffer`: memory the KV cache must live in (a shared-memory segment its
         kv_transfer actor maps too); None: the cache allocates its own. `weights_of_run`: the
         root pid of the run whose restarts of this rank map its weights rather than read the
-        checkpoint again (engine/model/weight_store.py; CPU only); None: no store.
+        checkpoint again (engine/model/loading/weight_store.py; CPU only); None: no store.
         `max_lora_rank` > 0: chunks may name LoRA adapters of at most that rank, loaded on first
         use and `max_cpu_loras` of them kept loaded."""
         if block_size < 1:

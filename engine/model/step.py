@@ -27,13 +27,13 @@ from typing import Protocol
 import torch
 
 from engine.messages.steps import SampledLogprobs, StepPlan, StepResult, WorkerFailed
-from engine.model.drafter import Drafter
 from engine.model.parallel.group import CollectiveError
 from engine.model.pooling import Pooling, PoolingStep
-from engine.model.prompt_scoring import PromptScoring
 from engine.model.runner import ModelRunner
-from engine.model.sampler import Sampler
-from engine.model.spec_verify import verify_proposals
+from engine.model.sampling.prompt_scoring import PromptScoring
+from engine.model.sampling.sampler import Sampler
+from engine.model.speculation.drafter import Drafter
+from engine.model.speculation.verify import verify_proposals
 from engine.model.step_inputs import KnownSequences, SeqChunk, SequenceStart
 from engine.structured.grammars import GrammarService
 

@@ -4,13 +4,14 @@ proposals' reservations, and their tally.
 A decoding sequence whose last tokens occurred earlier in its prompt or output gets the tokens
 that followed that occurrence as proposals. The step then runs the sequence's decode token and
 the k proposals as one chunk of 1 + k tokens; worker rank 0 samples every position
-(engine/model/spec_verify.py) and returns the proposals it accepted plus one token of its own.
+(engine/model/speculation/verify.py) and returns the proposals it accepted plus one token of its
+own.
 The KV of rejected positions was written but is never read: the sequence's computed length is
 rolled back to what was accepted, and those slots are written again by later steps.
 
 With a draft model ("model" in the config) the scheduler proposes no tokens: it reserves the
 blocks of k more and asks worker rank 0 to draft them (PlannedChunk.num_draft), which it does
-before verifying them in the same step (engine/model/drafter.py). The rest is the same.
+before verifying them in the same step (engine/model/speculation/drafter.py). The rest is the same.
 
 Proposals never change which tokens come out, only how many come per step: a proposal stands
 where it equals the target's own draw. Only `"acceptance_method": "rejection_sampler"` (vLLM's
@@ -31,8 +32,8 @@ from engine.scheduler.policy import ScheduledChunk
 from engine.scheduler.requests import SequenceState
 
 METHODS = ("ngram", "draft_model")
-# How a sampled request's draft proposals are verified (engine/model/spec_verify.py): equal to
-# the target's own draw (the default), or vLLM's rejection sampling against the draft's q.
+# How a sampled request's draft proposals are verified (engine/model/speculation/verify.py):
+# equal to the target's own draw (the default), or vLLM's rejection sampling against the draft's q.
 ACCEPTANCE_METHODS = ("target_draw", "rejection_sampler")
 
 

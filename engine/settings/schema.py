@@ -26,7 +26,7 @@ __all__ = ["BYTES_UNIT", "KvTransferSettings", "LoraSettings", "ServerSettings"]
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]
 Device = Literal["auto", "cpu", "cuda"]
 KernelBackendName = Literal["auto", "torch", "cpu", "triton"]
-# engine/model/quantized_formats.CHOICES (a test keeps the two alike)
+# engine/model/quantized/formats.CHOICES (a test keeps the two alike)
 Quantization = Literal["auto", "none", "q8_0", "q4_0", "q4_1", "int8", "int4"]
 KvCacheDtype = Literal["auto"]
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]

@@ -105,8 +105,8 @@ def test_preemption_under_a_tiny_kv_cache_still_matches_transformers() -> None:
 
 
 def _bytes_for_blocks(path: str, blocks: int, block_size: int) -> int:
-    from engine.model.capacity import kv_block_bytes
     from engine.model.config import load_model_config
+    from engine.model.placement.capacity import kv_block_bytes
 
     return blocks * kv_block_bytes(load_model_config(path), block_size, "float32")
 

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.model.capacity import kv_block_bytes
 from engine.model.config import load_model_config
+from engine.model.placement.capacity import kv_block_bytes
 from engine.model.runner import ModelRunner
 from tests.checkpoints import TIE_TOLERANCE, greedy_generate, tiny_checkpoint
 from tests.e2e.harness import free_port

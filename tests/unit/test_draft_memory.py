@@ -23,8 +23,8 @@ from engine.launch.draft import draft_footprint
 from engine.launch.plan import plan_engine
 from engine.launch.sizing import kv_cache_blocks
 from engine.model.config import load_model_config
-from engine.model.drafter import Drafter
 from engine.model.runner import ModelRunner
+from engine.model.speculation.drafter import Drafter
 from engine.model.step_inputs import SeqChunk
 from tests.checkpoints import hf_model, tiny_checkpoint
 

@@ -26,8 +26,8 @@ from engine.launch.plan import plan_engine
 from engine.messages.params import SamplingParams, StructuredOutputsParams
 from engine.messages.steps import NewRequest, NewSeq, PlannedChunk, StepPlan, StepResult
 from engine.model.config import load_model_config
-from engine.model.drafter import Drafter
 from engine.model.runner import ModelRunner
+from engine.model.speculation.drafter import Drafter
 from engine.model.step import StepExecutor
 from engine.scheduler.config import SchedulerConfig
 from engine.scheduler.scheduler import Scheduler

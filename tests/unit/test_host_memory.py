@@ -11,7 +11,7 @@ import pytest
 
 SCRIPT = """
 import ctypes
-from engine.model.host_memory import keep_freed_memory
+from engine.model.placement.host_memory import keep_freed_memory
 
 class MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in (

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine.model.config import load_model_config, parse_model_config
-from engine.model.loader import resolve_dtype
+from engine.model.loading.loader import resolve_dtype
 from engine.model.runner import ModelRunner
 from engine.model.step_inputs import SeqChunk
 from tests.checkpoints import tiny_checkpoint

@@ -16,7 +16,7 @@ from engine.launch.lora import lora_worker_fields
 from engine.lora.registry import start_registry
 from engine.messages.params import LoRARequest
 from engine.model.config import load_model_config
-from engine.model.lora_files import AdapterError, check_adapter
+from engine.model.lora.files import AdapterError, check_adapter
 from engine.model.runner import ModelRunner
 from engine.model.step_inputs import SeqChunk
 from tests.checkpoints import (

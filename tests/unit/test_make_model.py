@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine.model.checkpoint_maker import CheckpointSpec, make_checkpoint
-from engine.model.tokenizer_maker import CHATML_TEMPLATE, train_bpe_tokenizer
+from engine.demo.checkpoint_maker import CheckpointSpec, make_checkpoint
+from engine.demo.tokenizer_maker import CHATML_TEMPLATE, train_bpe_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = {"num_layers": 1, "hidden_size": 32, "num_heads": 2, "num_kv_heads": 1}
@@ -82,7 +82,7 @@ def test_same_spec_gives_identical_files_and_another_seed_other_weights(tmp_path
 
 def test_tokenizer_training_is_deterministic_across_processes() -> None:
     code = (
-        "import hashlib; from engine.model.tokenizer_maker import train_bpe_tokenizer;"
+        "import hashlib; from engine.demo.tokenizer_maker import train_bpe_tokenizer;"
         "print(hashlib.sha256(train_bpe_tokenizer(1000).backend_tokenizer.to_str().encode())"
         ".hexdigest())"
     )
@@ -121,7 +121,7 @@ def test_sharded_save_writes_an_index(tmp_path: Path) -> None:
 def test_default_model_is_built_once_per_engine_home(tmp_path: Path) -> None:
     code = (
         "import logging, sys; logging.basicConfig(level=logging.INFO);"
-        "from engine.model.default_model import ensure_default_model;"
+        "from engine.demo.default_model import ensure_default_model;"
         "print(ensure_default_model(sys.argv[1]))"
     )
     runs = [
@@ -148,7 +148,7 @@ def test_default_model_is_built_once_per_engine_home(tmp_path: Path) -> None:
     config = json.loads((path / "config.json").read_text())
     assert config["architectures"] == ["Qwen3ForCausalLM"] and config["num_hidden_layers"] == 4
     made = (path / "model.safetensors").stat().st_mtime_ns
-    from engine.model.default_model import ensure_default_model
+    from engine.demo.default_model import ensure_default_model
 
     assert ensure_default_model(str(tmp_path)) == str(path)
     assert (path / "model.safetensors").stat().st_mtime_ns == made  # cached, not rebuilt

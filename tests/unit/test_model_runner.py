@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from engine import packed_weights
-from engine.model.capacity import kv_cache_blocks
 from engine.model.config import load_model_config
-from engine.model.placement import ThreadPolicy, packed_weight_bytes
+from engine.model.placement.capacity import kv_cache_blocks
+from engine.model.placement.policy import ThreadPolicy, packed_weight_bytes
 from engine.model.runner import ModelRunner
 from engine.model.step_inputs import SeqChunk
 from tests.checkpoints import tiny_checkpoint

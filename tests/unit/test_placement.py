@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.model.capacity import available_cpu_memory
 from engine.model.config import load_model_config
-from engine.model.placement import (
+from engine.model.placement.capacity import available_cpu_memory
+from engine.model.placement.policy import (
     BUSY_STEP_KEYS,
     BUSY_STEP_TOKENS,
     CPU_KV_CACHE_MAX_BYTES,

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from engine.gguf.checkpoint import prepare_checkpoint
-from engine.model import placement
 from engine.model.config import load_model_config
+from engine.model.loading.weight_names import matrix_shapes
+from engine.model.placement import policy as placement
 from engine.model.runner import ModelRunner
 from engine.model.step_inputs import SeqChunk
-from engine.model.weight_names import matrix_shapes
 from engine.quantization.layout import packed_bytes
 from engine.quantization.quantize import quantize
 from tests.checkpoints import BlockAllocator, tiny_checkpoint
@@ -113,7 +113,7 @@ def test_a_row_does_not_depend_on_its_batch_in_deterministic_mode(tmp_path: Path
 
 
 def test_unknown_schemes_and_tensor_parallel_quantization_are_refused() -> None:
-    from engine.model.quantized_formats import quantized_formats
+    from engine.model.quantized.formats import quantized_formats
 
     checkpoint = tiny_checkpoint("qwen3")
     config = load_model_config(checkpoint)
@@ -127,7 +127,7 @@ def test_unknown_schemes_and_tensor_parallel_quantization_are_refused() -> None:
 def test_the_setting_offers_every_choice_the_loader_takes() -> None:
     from typing import get_args
 
-    from engine.model.quantized_formats import CHOICES
+    from engine.model.quantized.formats import CHOICES
     from engine.settings.schema import Quantization
 
     assert set(get_args(Quantization)) == set(CHOICES)
@@ -142,9 +142,9 @@ FUSED_CASES = [  # (architecture, overrides, GGUF types or None for the float ch
 
 @pytest.mark.parametrize("case", FUSED_CASES, ids=lambda c: f"{c[0]}-{c[2] or 'float32'}")
 def test_the_fused_decode_step_equals_the_layers_bit_for_bit(case: tuple, tmp_path: Path) -> None:
-    """engine/model/fused_decode.py runs a decode step's layers in one C++ call: biases (qwen2),
-    q/k norms (qwen3), mixed code widths and float32 panels give the same logits as the layers
-    one by one."""
+    """engine/model/architectures/fused_decode.py runs a decode step's layers in one C++ call:
+    biases (qwen2), q/k norms (qwen3), mixed code widths and float32 panels give the same logits
+    as the layers one by one."""
     arch, overrides, quant = case
     if quant is None:
         model = runner(tiny_checkpoint(arch, **overrides), "none")
@@ -185,7 +185,7 @@ def test_bfloat16_activations_run_on_quantized_weights() -> None:
 
 
 def test_every_scheme_has_a_code_width() -> None:
-    from engine.model.quantized_formats import SCHEME_BITS
+    from engine.model.quantized.formats import SCHEME_BITS
     from engine.quantization.quantize import SCHEMES
 
     assert set(SCHEME_BITS) == set(SCHEMES)

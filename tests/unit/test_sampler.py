@@ -8,7 +8,7 @@ import torch
 
 from engine.kernels.registry import select_backend
 from engine.messages.params import SamplingParams
-from engine.model.sampler import Sampler, _apply_penalties, _top_k_top_p, uniform_noise
+from engine.model.sampling.sampler import Sampler, _apply_penalties, _top_k_top_p, uniform_noise
 from engine.model.step_inputs import SequenceStart
 
 EOS = 3

@@ -10,8 +10,8 @@ import torch
 
 from engine.messages.params import SamplingParams, StructuredOutputsParams
 from engine.model.runner import ModelRunner
-from engine.model.sampler import Sampler
-from engine.model.spec_verify import residual_distribution, verify_proposals
+from engine.model.sampling.sampler import Sampler
+from engine.model.speculation.verify import residual_distribution, verify_proposals
 from engine.model.step import StepExecutor
 from engine.model.step_inputs import SeqChunk, SequenceStart
 from engine.scheduler.config import SchedulerConfig

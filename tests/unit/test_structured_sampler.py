@@ -14,9 +14,9 @@ from transformers import AutoTokenizer
 
 from engine.messages.params import SamplingParams, StructuredOutputsParams
 from engine.model.config import load_model_config
-from engine.model.sampler import Sampler
+from engine.model.sampling.sampler import Sampler
+from engine.model.sampling.token_controls import bad_words_token_ids
 from engine.model.step_inputs import SequenceStart
-from engine.model.token_controls import bad_words_token_ids
 from engine.structured.bitmask import fill_bitmask
 from engine.structured.grammars import GrammarService, SequenceMatcher
 from tests.checkpoints import tiny_checkpoint

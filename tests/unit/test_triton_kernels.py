@@ -258,7 +258,7 @@ def test_triton_on_cpu_without_interpreter_fails_naming_what_works(
 # On a GPU the torch backend (SDPA) is checked against HF too: it is the default there.
 @pytest.mark.parametrize("backend", ["triton", *(["torch"] if ON_GPU else [])])
 def test_demo_sized_model_matches_hf_greedy(backend: str) -> None:
-    from engine.model.default_model import DEFAULT_MODEL_SPEC
+    from engine.demo.default_model import DEFAULT_MODEL_SPEC
     from engine.model.runner import ModelRunner
     from tests.checkpoints import assert_same_greedy, greedy_generate, hf_greedy, tiny_checkpoint
 

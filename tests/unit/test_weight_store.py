@@ -1,5 +1,5 @@
-"""A rank's weights kept for its restarts (engine/model/weight_store.py): the first start stores
-what it read from the checkpoint, a later start with the same settings maps that instead of
+"""A rank's weights kept for its restarts (engine/model/loading/weight_store.py): the first start
+stores what it read from the checkpoint, a later start with the same settings maps that instead of
 reading the checkpoint (here: the checkpoint is gone by then) and computes the same logits; other
 settings get a segment of their own, and a segment is refused for weights it does not hold."""
 
@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.model.loading.weight_store import StoreSlot
 from engine.model.runner import ModelRunner
 from engine.model.step_inputs import SeqChunk
-from engine.model.weight_store import StoreSlot
 from tests.checkpoints import tiny_checkpoint
 
 CHUNK = SeqChunk(

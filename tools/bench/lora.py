@@ -27,7 +27,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make `engine` importable from the repo root
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from engine.model.placement import sleeping_openmp_threads
+from engine.model.placement.policy import sleeping_openmp_threads
 
 sleeping_openmp_threads()  # as the engine's workers do; before torch loads OpenMP
 
@@ -36,7 +36,7 @@ from safetensors.torch import save_file  # noqa: E402
 
 from engine.messages.params import LoRARequest  # noqa: E402
 from engine.model.config import ModelConfig  # noqa: E402
-from engine.model.lora_files import SUPPORTED_MODULES, module_shapes  # noqa: E402
+from engine.model.lora.files import SUPPORTED_MODULES, module_shapes  # noqa: E402
 from engine.model.runner import ModelRunner, describe_threads  # noqa: E402
 from engine.model.step_inputs import SeqChunk  # noqa: E402
 from tools.bench.raw_model import random_prompts, static_block_tables  # noqa: E402

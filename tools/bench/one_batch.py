@@ -37,14 +37,14 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make `engine` importable from the repo root
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from engine.model.placement import sleeping_openmp_threads
+from engine.model.placement.policy import sleeping_openmp_threads
 
 sleeping_openmp_threads()  # as the engine's workers do; before torch loads OpenMP
 
 import torch  # noqa: E402
 
-from engine.model.capacity import kv_block_bytes  # noqa: E402
-from engine.model.quantized_formats import describe_formats  # noqa: E402
+from engine.model.placement.capacity import kv_block_bytes  # noqa: E402
+from engine.model.quantized.formats import describe_formats  # noqa: E402
 from engine.model.runner import ModelRunner, describe_threads  # noqa: E402
 from engine.model.step_inputs import SeqChunk  # noqa: E402
 from tools.bench.raw_model import (  # noqa: E402

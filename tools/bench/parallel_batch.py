@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from engine.model.placement import sleeping_openmp_threads
+from engine.model.placement.policy import sleeping_openmp_threads
 from tools.bench.raw_model import (
     CaseResult,
     bench_case,
@@ -126,10 +126,10 @@ def _rank_main(job: RankJob, barrier: Any, out: Any) -> None:
 
 
 def _run_rank(job: RankJob, barrier: Any) -> list[tuple[float, float] | None]:
-    from engine.model.capacity import kv_block_bytes
     from engine.model.config import load_model_config
     from engine.model.parallel.group import join_group, open_store, wait_for_ranks
-    from engine.model.placement import resolve_dtype
+    from engine.model.placement.capacity import kv_block_bytes
+    from engine.model.placement.policy import resolve_dtype
     from engine.model.runner import ModelRunner
 
     group = None

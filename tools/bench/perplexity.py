@@ -47,7 +47,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make `engine` and `tools` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from engine.model.placement import sleeping_openmp_threads
+from engine.model.placement.policy import sleeping_openmp_threads
 
 sleeping_openmp_threads()  # as the engine's workers do; before torch loads OpenMP
 

@@ -210,8 +210,8 @@ def _draft_path(args: argparse.Namespace) -> str:
 def _random_draft(target: Path, root: Path) -> str:
     import shutil
 
+    from engine.demo.checkpoint_maker import CheckpointSpec, make_checkpoint
     from engine.home import build_directory
-    from engine.model.checkpoint_maker import CheckpointSpec, make_checkpoint
 
     vocab = int(json.loads((target / "config.json").read_text())["vocab_size"])
     spec = CheckpointSpec(arch="llama", vocab_size=vocab, tie_word_embeddings=True)

@@ -14,9 +14,9 @@ from collections.abc import Callable
 
 import torch
 
-from engine.model.capacity import kv_block_bytes
+from engine.model.loading.weight_names import matrix_shapes
+from engine.model.placement.capacity import kv_block_bytes
 from engine.model.runner import ModelRunner
-from engine.model.weight_names import matrix_shapes
 from engine.quantization.layout import packed_bytes
 
 COPY_BYTES = 256 << 20  # large enough to stream through every cache level

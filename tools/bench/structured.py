@@ -118,7 +118,7 @@ def sampler_times(path: str, vocab: int, count: int, steps: int = 64) -> tuple[f
 
     from engine.messages.params import SamplingParams, StructuredOutputsParams
     from engine.model.config import load_model_config
-    from engine.model.sampler import Sampler
+    from engine.model.sampling.sampler import Sampler
     from engine.model.step_inputs import SequenceStart
     from engine.structured.grammars import GrammarService
 

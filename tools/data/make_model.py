@@ -24,7 +24,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make `engine` importable from the repo root
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from engine.model.checkpoint_maker import ARCH_CLASSES, DTYPES, CheckpointSpec, make_checkpoint
+from engine.demo.checkpoint_maker import ARCH_CLASSES, DTYPES, CheckpointSpec, make_checkpoint
 
 # flag -> CheckpointSpec field
 FLAGS = {
@@ -96,7 +96,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def spec_from_args(args: argparse.Namespace) -> CheckpointSpec:
     if args.preset == "demo":
-        from engine.model.default_model import DEFAULT_MODEL_SPEC
+        from engine.demo.default_model import DEFAULT_MODEL_SPEC
 
         spec = DEFAULT_MODEL_SPEC
     else:

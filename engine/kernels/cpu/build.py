@@ -154,8 +154,8 @@ _SIGNATURES: dict[str, list[type[Any]]] = {
     "engine_quantized_rows": [ptr, i64, i64, i32, ptr, i64, ptr],
     # (no arguments) -> bit p set where path p runs
     "engine_quantized_paths": [],
-    # engine/kernels/cpu/decode_step.cpp: layers (engine/model/fused_decode.py's structs),
-    # count, shape, step, h [m, hidden] in place, m
+    # engine/kernels/cpu/decode_step.cpp: layers (the structs of
+    # engine/model/architectures/fused_decode.py), count, shape, step, h [m, hidden] in place, m
     "engine_decode_layers": [ptr, i64, ptr, ptr, ptr, i64],
 }
 

@@ -1,5 +1,5 @@
 // Every decoder layer of a decode step in one call, for a model whose matmul weights the CPU
-// kernels hold (quantized codes, or float32 panels; engine/model/fused_decode.py decides when):
+// kernels hold (quantized codes, or float32 panels; engine/model/architectures/fused_decode.py decides when):
 // the same kernels the Python path calls one at a time (RMSNorm, rotary and SwiGLU from
 // pointwise.cpp, the quantized or float32 matmuls, the paged attention), in the same order on
 // the same values, so the hidden states come out bit-identical; only the Python between them
@@ -50,7 +50,7 @@ struct Matrix {
   const float* bias;  // or null
 };
 
-// One layer's weights and KV cache, as engine/model/fused_decode.py lays them out (ctypes).
+// One layer's weights and KV cache, as engine/model/architectures/fused_decode.py lays them out (ctypes).
 struct Layer {
   const float* input_norm;     // [hidden]
   const float* post_norm;      // [hidden]

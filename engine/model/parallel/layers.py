@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.kernels.backend import Linear
-from engine.model import quantized_weights
 from engine.model.parallel.group import TensorParallelGroup
+from engine.model.quantized import layers as quantized_layers
 
 
 class RowParallelLinear(nn.Linear):
@@ -57,13 +57,13 @@ class VocabParallelEmbedding(nn.Embedding):
         )
         self.vocab_start = vocab_start
         self.group = group
-        # The table kept quantized (engine/model/quantized_weights.py; one rank only): the
+        # The table kept quantized (engine/model/quantized/layers.py; one rank only): the
         # lookup decodes just the rows asked for, and `weight` is an empty placeholder.
         self.quantized: Any = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None:
-            return quantized_weights.embedding(self.quantized, ids, self.weight.dtype)
+            return quantized_layers.embedding(self.quantized, ids, self.weight.dtype)
         if self.group.size == 1:
             return super().forward(ids)
         local = ids - self.vocab_start

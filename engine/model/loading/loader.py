@@ -1,6 +1,6 @@
-"""Build a decoder from a Hugging Face checkpoint: dtype choice, safetensors (single file or
-sharded) or a GGUF file (engine/gguf/weights.py, dequantized as it is read), and the mapping from
-the checkpoint's tensor names onto our fused parameters.
+"""Build a model of its family (engine/model/architectures) from a Hugging Face checkpoint: dtype
+choice, safetensors (single file or sharded) or a GGUF file (engine/gguf/weights.py, dequantized
+as it is read), and the mapping from the checkpoint's tensor names onto our fused parameters.
 
 A tensor-parallel rank reads only its part of each tensor (engine/model/parallel/sharding.py)
 and places it by its own sizes (`RankShape`): the fused q|k|v rows of its heads, the gate|up
@@ -21,14 +21,15 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from engine.kernels.backend import KernelBackend
-from engine.model import placement
+from engine.model.architectures.decoder import CausalLM
+from engine.model.architectures.families import model_class
 from engine.model.config import ModelConfig
-from engine.model.decoder import DecoderForCausalLM
+from engine.model.loading.weight_names import expected_weight_keys, map_weight_name, matrix_shapes
+from engine.model.loading.weight_store import LoadedWeights, StoreSlot
 from engine.model.parallel.group import TensorParallelGroup
 from engine.model.parallel.sharding import read_shard
-from engine.model.quantized_formats import WeightFormat, quantized_formats, scheme_of
-from engine.model.weight_names import expected_weight_keys, map_weight_name, matrix_shapes
-from engine.model.weight_store import LoadedWeights, StoreSlot
+from engine.model.placement import policy as placement
+from engine.model.quantized.formats import WeightFormat, quantized_formats, scheme_of
 from engine.quantization.codes import BlockCodes, concatenate
 
 if TYPE_CHECKING:
@@ -49,7 +50,7 @@ DTYPE_NAMES: dict[str, torch.dtype] = {
 
 
 def resolve_dtype(requested: str, config: ModelConfig, device: torch.device) -> torch.dtype:
-    """The dtype to run in, by the placement rule (engine/model/placement.py)."""
+    """The dtype to run in, by the placement rule (engine/model/placement/policy.py)."""
     return DTYPE_NAMES[placement.resolve_dtype(requested, config.torch_dtype, device.type)]
 
 
@@ -63,14 +64,14 @@ def load_model(
     group: TensorParallelGroup | None = None,
     quantization: str = "auto",
     store: StoreSlot | None = None,
-) -> DecoderForCausalLM:
+) -> CausalLM:
     """The model (this rank's shard of it) with every parameter filled from the checkpoint (no
     random init is spent). Weights served quantized (`quantization`, the model.quantization
     setting) are packed for the CPU kernel and never held as floats. With a `store`, the
     weights come from it when a predecessor stored them (the checkpoint is not read), and are
     stored there for the successors otherwise."""
     with torch.device("meta"):
-        model = DecoderForCausalLM(config, ops, group)
+        model = model_class(config)(config, ops, group)
     weights = store.load() if store is not None else None
     if weights is None:
         weights = read_weights(model, model_path, config, dtype, device, quantization)
@@ -81,7 +82,7 @@ def load_model(
 
 
 def read_weights(
-    model: DecoderForCausalLM,
+    model: CausalLM,
     model_path: str | Path,
     config: ModelConfig,
     dtype: torch.dtype,
@@ -131,7 +132,7 @@ def read_weights(
     return LoadedWeights({name: p.data for name, p in params.items()}, packed, formats)
 
 
-def _install(model: DecoderForCausalLM, weights: LoadedWeights) -> None:
+def _install(model: CausalLM, weights: LoadedWeights) -> None:
     """Make `weights` the model's parameters (no copy) and prepare its matmuls."""
     modules = dict(model.named_modules())
     for full_name, _ in list(model.named_parameters()):
@@ -177,7 +178,8 @@ def _read_codes(tensors: Any, name: str, weight_format: WeightFormat) -> BlockCo
 
 
 def _parts_of(param_name: str) -> int:
-    """How many checkpoint tensors fill a parameter (q|k|v, gate|up: engine/model/weight_names)."""
+    """How many checkpoint tensors fill a parameter (q|k|v, gate|up:
+    engine/model/loading/weight_names)."""
     return 3 if ".qkv_proj." in param_name else 2 if ".gate_up_proj." in param_name else 1
 
 
@@ -255,7 +257,7 @@ def _copy_into(param: torch.nn.Parameter, row_start: int, tensor: torch.Tensor, 
     target.copy_(tensor)
 
 
-def _zero_vocab_padding(model: DecoderForCausalLM) -> None:
+def _zero_vocab_padding(model: CausalLM) -> None:
     """The last rank's vocabulary shard may end in padding rows no checkpoint row filled: zero
     them (their logits are cut off; zero keeps them finite)."""
     real = model.shape.vocab_end - model.shape.vocab_start

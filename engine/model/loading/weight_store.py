@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import torch
 
-from engine.model.quantized_formats import WeightFormat
+from engine.model.quantized.formats import WeightFormat
 
 if TYPE_CHECKING:
     from engine.kernels.cpu.quantized import PackedWeight

@@ -1,11 +1,11 @@
 """LoRA adapters on a worker: their tensors laid out for the decoder's fused projections, a
 bounded cache of loaded adapters, and one step's rows grouped by adapter.
 
-The decoder fuses q|k|v and gate|up into one matmul each (engine/model/decoder.py). An adapter's
-parts for one fused projection become one pair: A stacks the parts' A matrices along the rank,
-and B places each part's (scale * B) in its output rows and its rank columns, zeros elsewhere.
-So the rows of one adapter gain (x A^T) B^T with two matmuls per projection, whatever parts
-it targets: [tokens, in] x [in, parts * r] x [parts * r, out].
+The decoder fuses q|k|v and gate|up into one matmul each (engine/model/architectures/layers.py).
+An adapter's parts for one fused projection become one pair: A stacks the parts' A matrices
+along the rank, and B places each part's (scale * B) in its output rows and its rank columns,
+zeros elsewhere. So the rows of one adapter gain (x A^T) B^T with two matmuls per projection,
+whatever parts it targets: [tokens, in] x [in, parts * r] x [parts * r, out].
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from safetensors import safe_open
 
 from engine.messages.params import LoRARequest
 from engine.model.config import ModelConfig
-from engine.model.lora_files import (
+from engine.model.lora.files import (
     WEIGHTS_FILE,
     check_tensors,
     module_shapes,

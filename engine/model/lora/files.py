@@ -7,7 +7,7 @@ target_modules, ...) and `adapter_model.safetensors`, whose tensors are named
 
 The root reads the config and the safetensors header (a JSON object after an 8-byte length) to
 refuse, in one line, an adapter the workers could not apply; the workers load its tensors
-(engine/model/lora_weights.py), checked by the same rules.
+(engine/model/lora/weights.py), checked by the same rules.
 """
 
 from __future__ import annotations

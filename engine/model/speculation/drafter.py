@@ -12,9 +12,9 @@ sequence drafts never runs the draft.
 
 A greedy request's draft token is the draft's argmax. A sampled request's is drawn from q, the
 draft's distribution under the request's temperature, min_p, top_k and top_p, with the noise the
-target's own draw uses at that position (engine/model/randomness.py): where the two models
+target's own draw uses at that position (engine/model/sampling/randomness.py): where the two models
 agree, the draft token is the token the target will draw. The target keeps a proposal only where
-it equals its own draw (engine/model/spec_verify.py), so the output is the non-speculative
+it equals its own draw (engine/model/speculation/verify.py), so the output is the non-speculative
 output token for token, and a resumed stream continues as the undisturbed one would. With
 `rejection_sampling` (vLLM's rule, opted into) q goes with the proposals to the rejection
 sampler instead.
@@ -30,12 +30,12 @@ from collections.abc import Iterable, Mapping, Sequence
 import msgspec
 import torch
 
-from engine.model.capacity import kv_block_bytes
 from engine.model.config import load_model_config
-from engine.model.loader import resolve_dtype
-from engine.model.randomness import gumbel_argmax
+from engine.model.loading.loader import resolve_dtype
+from engine.model.placement.capacity import kv_block_bytes
 from engine.model.runner import ModelRunner
-from engine.model.sampler import Sampler, final_logits, is_greedy
+from engine.model.sampling.randomness import gumbel_argmax
+from engine.model.sampling.sampler import Sampler, final_logits, is_greedy
 from engine.model.step_inputs import SeqChunk
 
 

@@ -25,13 +25,13 @@ import torch
 from engine.kernels import torch_ops
 from engine.messages.params import SamplingParams
 from engine.messages.steps import SampledLogprobs
-from engine.model.randomness import gumbel_argmax, uniform_noise
-from engine.model.step_inputs import SequenceStart
-from engine.model.token_controls import (
+from engine.model.sampling.randomness import gumbel_argmax, uniform_noise
+from engine.model.sampling.token_controls import (
     TokenControls,
     apply_grammars,
     apply_token_controls,
 )
+from engine.model.step_inputs import SequenceStart
 from engine.structured.grammars import GrammarService
 
 __all__ = ["RandomDraw", "Sampler", "final_logits", "gumbel_argmax", "is_greedy", "uniform_noise"]
@@ -140,7 +140,7 @@ class Sampler:
 
         `draw` picks the random (non-greedy) rows' tokens from their final logits (after
         temperature and truncation) instead of the plain Gumbel-max draw: speculative
-        decoding's rejection sampling (engine/model/spec_verify.py)."""
+        decoding's rejection sampling (engine/model/speculation/verify.py)."""
         states = self._states(seq_ids, logits)
         logits = logits[:, : self.vocab_size]
         want_logprobs = any(state.params.logprobs is not None for state in states)

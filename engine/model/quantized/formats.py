@@ -20,7 +20,7 @@ from pathlib import Path
 
 from engine.gguf.block_codes import CONVERSIONS
 from engine.model.config import ModelConfig
-from engine.model.weight_names import map_weight_name, matrix_shapes
+from engine.model.loading.weight_names import map_weight_name, matrix_shapes
 from engine.quantization.quantize import ALIASES, SCHEMES
 
 # GGUF block types the kernels serve, by the width of the codes they map onto (Q6_K's 16-value

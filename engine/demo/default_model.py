@@ -14,8 +14,8 @@ import json
 import logging
 from pathlib import Path
 
+from engine.demo.checkpoint_maker import CheckpointSpec
 from engine.home import build_directory, default_engine_home
-from engine.model.checkpoint_maker import CheckpointSpec
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ def ensure_default_model(engine_home: str | None = None) -> str:
 
 
 def _build(target: Path) -> None:
-    from engine.model.checkpoint_maker import make_checkpoint
+    from engine.demo.checkpoint_maker import make_checkpoint
 
     log.info("building the built-in demo model (once) in %s", target)
     build_directory(
@@ -67,7 +67,7 @@ def _build(target: Path) -> None:
 
 
 def _fingerprint() -> str:
-    from engine.model.tokenizer_maker import DEFAULT_CORPUS
+    from engine.demo.tokenizer_maker import DEFAULT_CORPUS
 
     digest = hashlib.sha256()
     spec = json.dumps(dataclasses.asdict(DEFAULT_MODEL_SPEC), sort_keys=True)

@@ -73,7 +73,7 @@ def make_checkpoint(out_dir: str | Path, spec: CheckpointSpec, corpus: str | Non
     import torch
     import transformers
 
-    from engine.model.tokenizer_maker import END_OF_TEXT, IM_END, train_bpe_tokenizer
+    from engine.demo.tokenizer_maker import END_OF_TEXT, IM_END, train_bpe_tokenizer
 
     spec.validate()
     out = Path(out_dir)
@@ -100,7 +100,7 @@ def make_checkpoint(out_dir: str | Path, spec: CheckpointSpec, corpus: str | Non
     _make_tokenizer_config_portable(out)
     (out / "engine_checkpoint.json").write_text(
         json.dumps(
-            {"made_by": "engine.model.checkpoint_maker", **dataclasses.asdict(spec)}, indent=2
+            {"made_by": "engine.demo.checkpoint_maker", **dataclasses.asdict(spec)}, indent=2
         )
     )
     log.info("made a random %s checkpoint in %s", spec.arch, out)

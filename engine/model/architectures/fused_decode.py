@@ -28,7 +28,7 @@ from engine.kernels.kv_cache import PagedKVCache
 if TYPE_CHECKING:
     from engine.kernels.cpu.quantized import PackedWeight
 
-# engine/model/decoder.DecoderForCausalLM (which imports this module)
+# engine/model/architectures/llama.LlamaForCausalLM (whose base class imports this module)
 Decoder = Any
 
 FLOAT_PANELS = 32  # _Matrix.bits of a float32 weight in linear.cpp's panels

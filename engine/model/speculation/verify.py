@@ -9,7 +9,7 @@ history holding exactly the tokens accepted so far), and stops at the first samp
 differs from its proposal, or after its last proposal (the bonus token).
 
 Why this keeps the target distribution: sampling is a pure function of (seed, position,
-logits) (engine/model/sampler.py), so the token sampled at a position is the token the
+logits) (engine/model/sampling/sampler.py), so the token sampled at a position is the token the
 non-speculative step would have sampled there, given the same history. Accepting a proposal
 only when it equals that token gives the non-speculative output itself, token for token, with
 or without a seed. For a proposal drawn from a point mass (n-gram lookup) this is rejection
@@ -20,8 +20,8 @@ A rejected proposal never reaches the sampler's history, so a grammar never sees
 
 A draft model's proposal of a sampled request is verified the same way by default: the draft
 drew it from its distribution q with the noise of the target's own draw at that position
-(engine/model/drafter.py), a Gumbel coupling, so it stands where both models draw the same
-token: accepted at most sum(min(p, q)) of the time, always where p = q (independent draws
+(engine/model/speculation/drafter.py), a Gumbel coupling, so it stands where both models draw the
+same token: accepted at most sum(min(p, q)) of the time, always where p = q (independent draws
 would agree sum(p * q) of the time). The output is then the non-speculative output whatever
 was drafted; since a restart changes which positions are drafted, that is what makes a resumed
 stream continue exactly as the undisturbed one.
@@ -44,8 +44,8 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from engine.messages.steps import SampledLogprobs
-from engine.model.randomness import gumbel_argmax, uniform_noise
-from engine.model.sampler import RandomDraw, Sampler
+from engine.model.sampling.randomness import gumbel_argmax, uniform_noise
+from engine.model.sampling.sampler import RandomDraw, Sampler
 from engine.model.step_inputs import SeqChunk
 
 _NO_LOGPROBS = SampledLogprobs(0.0, [], [])  # rows of sequences that did not ask are never read

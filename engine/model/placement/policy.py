@@ -11,9 +11,9 @@ import os
 import re
 from collections.abc import Iterable, Mapping
 
-from engine.model.capacity import dtype_bytes
 from engine.model.config import ModelConfig
-from engine.model.weight_names import matrix_shapes
+from engine.model.loading.weight_names import matrix_shapes
+from engine.model.placement.capacity import dtype_bytes
 from engine.packed_weights import packed_copy_bytes, packs_decoder
 from engine.quantization.layout import packed_bytes
 
