@@ -1,5 +1,5 @@
 """Command line: `serve` (the default), `proxy`, `config show`, `admin`, `replay`, `trace import`,
-`export`.
+`export`, `bench`.
 
 Usage errors print one line to stderr and exit 2; invalid settings exit 2 the same way.
 """
@@ -25,6 +25,7 @@ usage: engine serve [MODEL] [flags]   (or python -m engine [serve] ...)  start t
            [--model NAME] [--compare] [--json] [--plot OUT.png]   re-send a trace, report
        python -m engine trace import mooncake|azure|poisson ... -o OUT   make a trace
        python -m engine export FILE.gguf|default DIR   a GGUF model as a float32 HF checkpoint
+       python -m engine bench serve [flags]   the engine's serving benchmark (bench --help)
 """
 
 
@@ -63,6 +64,10 @@ def main(argv: list[str]) -> int:
             from engine.cli.export_cmd import run_export
 
             return run_export(rest, os.environ)
+        if command == "bench":
+            from engine.cli.bench_cmd import run_bench
+
+            return run_bench(rest)
         if any(a in ("-h", "--help") for a in rest):
             _print_help()
             return 0
@@ -85,6 +90,7 @@ def _split_command(argv: list[str]) -> tuple[str, list[str]]:
         "replay",
         "trace",
         "export",
+        "bench",
         "help",
     ):
         return argv[0], argv[1:]

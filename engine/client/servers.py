@@ -106,11 +106,13 @@ def engine_running(
 
 @contextlib.contextmanager
 def engine_server(
-    model: str, logs: Path, extra_args: list[str], start_timeout: float
+    model: str | None, logs: Path, extra_args: list[str], start_timeout: float
 ) -> Iterator[str]:
-    """`engine serve --model MODEL` on a free port of 127.0.0.1 (its log: `logs`/engine.log);
-    yields its URL once ready, and stops it with everything it started on leaving."""
-    args = ["serve", "--model", model, "--host", "127.0.0.1", "--port", "0", *extra_args]
+    """`engine serve --model MODEL` (None: the default model) on a free port of 127.0.0.1 (its
+    log: `logs`/engine.log); yields its URL once ready, and stops it with everything it started
+    on leaving."""
+    model_args = [] if model is None else ["--model", model]
+    args = ["serve", *model_args, "--host", "127.0.0.1", "--port", "0", *extra_args]
     with engine_running(args, logs / "engine.log", timeout=start_timeout) as server:
         yield server.url
 

@@ -21,10 +21,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+from engine.bench.figures import Figures, render, summarize
+from engine.bench.loads import trace_load, warmup_load
 from engine.client.servers import ServerFailed, engine_server, served_model
 from engine.trace.client import ClientOptions, ReplayResult, replay
 from engine.trace.schedule import build_schedule
-from tools.bench.serving import Figures, render, summarize, trace_load, warmup_load
 
 SETUPS = {  # in this order: the ratio rows read disaggregated / colocated
     "disaggregated": ["--prefill-replicas", "1", "--decode-replicas", "1"],

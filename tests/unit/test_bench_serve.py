@@ -1,39 +1,19 @@
-"""tools/bench/serving.py: the figures it derives from replay results and from the engine's
-/metrics, the direction of its ratios and a ratio row per peer, its loads, its argument parsing,
-and that stopping a server leaves nothing of it behind."""
+"""engine/bench/ (`engine bench serve`, and tools/bench/serving.py over it): the figures it
+derives from replay results and from the engine's /metrics, the direction of its ratios and a
+ratio row per peer, its loads and its argument parsing."""
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 import re
-import signal
-import subprocess
-import sys
-import time
-from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 
-from engine.client.process import stop_session
+from engine.bench.engine_steps import EngineSteps, engine_steps, parse_metrics
+from engine.bench.figures import Figures, ratios, render, summarize
+from engine.bench.loads import _counts, _rates, _window, loads_of
 from engine.trace.client import ReplayResult
 from engine.trace.schedule import ScheduledRequest
-from tools.bench.serving import (
-    EngineSteps,
-    Figures,
-    _counts,
-    _peers,
-    _rates,
-    _window,
-    engine_steps,
-    loads_of,
-    parse_metrics,
-    ratios,
-    render,
-    summarize,
-)
 
 
 def _result(sent: float, ttft: float, end: float, tokens: int, itls: list[float]) -> ReplayResult:
@@ -200,55 +180,9 @@ def test_stream_loads_are_closed_loops_and_no_load_shares_a_prompt_with_another(
     assert len(set(starts)) == len(starts)
 
 
-def test_peers_and_stream_counts_parse_or_are_refused_with_the_text() -> None:
-    assert _peers("vllm") == ["vllm"]
-    assert _peers("llamacpp,vllm") == ["llamacpp", "vllm"]
-    assert _peers("llamacpp,llamacpp") == ["llamacpp"]
-    assert _peers("none") == []
+def test_stream_counts_parse_or_are_refused_with_the_text() -> None:
     assert _counts("1,4,16,64", "stream counts") == [1, 4, 16, 64]
     assert _counts("none", "stream counts") == [] and _rates("none") == []
-    for bad in ("sglang", "none,vllm", ""):
-        with pytest.raises(argparse.ArgumentTypeError, match=repr(bad)):
-            _peers(bad)
     for bad in ("0", "1,x", "2.5"):
         with pytest.raises(argparse.ArgumentTypeError, match=repr(bad)):
             _counts(bad, "stream counts")
-
-
-def test_stopping_a_server_also_ends_what_it_left_in_its_session(tmp_path: Path) -> None:
-    """A server whose child ignores SIGTERM and outlives it (as an actor or vLLM's engine core
-    might): the child is killed once the grace time is over."""
-    pid_file = tmp_path / "child.pid"
-    script = (
-        "import signal, subprocess, sys, time\n"
-        "child = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
-        "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(300)'])\n"
-        f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
-        "time.sleep(300)\n"
-    )
-    proc = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
-    deadline = time.monotonic() + 30
-    while not pid_file.exists() or not pid_file.read_text():
-        assert time.monotonic() < deadline, "the server did not start its child"
-        time.sleep(0.05)
-    child = int(pid_file.read_text())
-    try:
-        stop_session(proc, timeout=2.0)
-        assert proc.returncode is not None
-        assert _gone(lambda: os.kill(child, 0), timeout=10.0)  # killed, then reaped by init
-        assert _gone(lambda: os.killpg(proc.pid, 0), timeout=10.0)  # nothing else in its session
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(child, signal.SIGKILL)
-
-
-def _gone(probe: Callable[[], None], timeout: float) -> bool:
-    """Whether `probe` (a signal 0) finds nothing within `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            probe()
-        except ProcessLookupError:
-            return True
-        time.sleep(0.05)
-    return False
