@@ -25,7 +25,7 @@ usage: engine serve [MODEL] [flags]   (or python -m engine [serve] ...)  start t
            [--model NAME] [--compare] [--json] [--plot OUT.png]   re-send a trace, report
        python -m engine trace import mooncake|azure|poisson ... -o OUT   make a trace
        python -m engine export FILE.gguf|default DIR   a GGUF model as a float32 HF checkpoint
-       python -m engine bench serve [flags]   the engine's serving benchmark (bench --help)
+       python -m engine bench serve|offline|step [flags]   the engine's benchmarks (bench --help)
 """
 
 

@@ -82,8 +82,8 @@ def command_of(text: str) -> tuple[str, ...] | None:
             return None
         if words[0] == "trace" and len(words) > 2 and words[2] in TRACE_SOURCES:
             return ("-m", "engine", *words[:3])
-        if words[0] == "bench" and len(words) > 1 and not words[1].startswith("-"):
-            return ("-m", "engine", *words[:2])
+        if words[0] == "bench" and len(words) > 1 and words[1].isalpha() and words[1].islower():
+            return ("-m", "engine", *words[:2])  # not a placeholder: COMMAND, serve|step
         return ("-m", "engine", words[0])  # `config show --help` is `config --help`
     if (match := SCRIPT.match(text)) and is_script(match["path"]):
         return (match["path"],)
@@ -188,6 +188,8 @@ def test_every_repository_path_the_docs_name_exists() -> None:
         ("engine ready: http://127.0.0.1:8000 (model tiny)", None),
         ("tools/bench/serving.py --peer none", ("tools/bench/serving.py",)),
         ("tests/e2e/test_openai_api.py", None),
+        ("engine bench step --batch-size 1", ("-m", "engine", "bench", "step")),
+        ("engine bench serve|offline|step [flags]", ("-m", "engine", "bench")),
         ("--max-num-seqs", None),
     ],
 )

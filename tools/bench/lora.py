@@ -34,12 +34,12 @@ sleeping_openmp_threads()  # as the engine's workers do; before torch loads Open
 import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
+from engine.bench.raw_model import random_prompts, static_block_tables  # noqa: E402
 from engine.messages.params import LoRARequest  # noqa: E402
 from engine.model.config import ModelConfig  # noqa: E402
 from engine.model.lora.files import SUPPORTED_MODULES, module_shapes  # noqa: E402
 from engine.model.runner import ModelRunner, describe_threads  # noqa: E402
 from engine.model.step_inputs import SeqChunk  # noqa: E402
-from tools.bench.raw_model import random_prompts, static_block_tables  # noqa: E402
 
 ADAPTER_COUNTS = (0, 1, 2, 4)
 LAYERS = -1  # the base-only batch through the layers (no fused decode)

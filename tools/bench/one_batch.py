@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: make `engine` importable from the repo root
+if __package__ in (None, ""):  # run as a script: make `engine` and `tools` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from engine.model.placement.policy import sleeping_openmp_threads
@@ -43,67 +43,16 @@ sleeping_openmp_threads()  # as the engine's workers do; before torch loads Open
 
 import torch  # noqa: E402
 
-from engine.model.placement.capacity import kv_block_bytes  # noqa: E402
-from engine.model.quantized.formats import describe_formats  # noqa: E402
-from engine.model.runner import ModelRunner, describe_threads  # noqa: E402
-from engine.model.step_inputs import SeqChunk  # noqa: E402
-from tools.bench.raw_model import (  # noqa: E402
+from engine.bench.raw_model import (  # noqa: E402
     CaseResult,
     bench_case,
     blocks_per_sequence,
-    decode_steps,
-    fits,
-    prefill_batch,
     random_prompts,
     raw_decode_step_seconds,
-    static_block_tables,
 )
-from tools.bench.step_limits import MachineRates, ModelCost  # noqa: E402
-
-CORRECTNESS_PROMPTS = [
-    "The harbour at first light",
-    "To make a simple loaf, start with",
-    "A ring buffer is the classic shape for",
-    "Dear Ana,",
-]
-
-
-def greedy_texts(runner: ModelRunner, prompts: Sequence[str], output_len: int) -> list[str]:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(runner.model_path)
-    prompt_ids = [tokenizer(p)["input_ids"] for p in prompts]
-    longest = max(len(p) for p in prompt_ids) + output_len
-    tables = static_block_tables(runner, len(prompts), longest)
-    chunks = [
-        SeqChunk(i, p, 0, t, True) for i, (p, t) in enumerate(zip(prompt_ids, tables, strict=True))
-    ]
-    generated = [[t] for t in runner.forward(chunks).argmax(-1).tolist()]
-    for _ in range(output_len - 1):
-        chunks = [
-            SeqChunk(i, [seq[-1]], len(prompt_ids[i]) + len(seq) - 1, tables[i], True)
-            for i, seq in enumerate(generated)
-        ]
-        for seq, token in zip(generated, runner.forward(chunks).argmax(-1).tolist(), strict=True):
-            seq.append(token)
-    return [tokenizer.decode(seq) for seq in generated]
-
-
-def profile_decode(
-    runner: ModelRunner, batch_size: int, input_len: int, steps: int, out: Path
-) -> None:
-    from torch.profiler import ProfilerActivity, profile
-
-    tables = static_block_tables(runner, batch_size, input_len + steps + 2)
-    tokens, _ = prefill_batch(runner, random_prompts(runner, batch_size, input_len), tables)
-    tokens = [seq[-1] for seq in decode_steps(runner, tokens, input_len, tables, 2)[0]]
-    activities = [ProfilerActivity.CPU]
-    if runner.device.type == "cuda":
-        activities.append(ProfilerActivity.CUDA)
-    with profile(activities=activities, record_shapes=True) as profiler:
-        decode_steps(runner, tokens, input_len + 2, tables, steps)
-    profiler.export_chrome_trace(str(out))
-    print(f"wrote a trace of {steps} decode steps (batch {batch_size}) to {out}")
+from engine.bench.step import add_arguments, run_step  # noqa: E402
+from engine.model.placement.capacity import kv_block_bytes  # noqa: E402
+from engine.model.runner import ModelRunner  # noqa: E402
 
 
 def hf_generate_seconds(
@@ -127,64 +76,15 @@ def hf_generate_seconds(
         return time.perf_counter() - start
 
 
-def print_table(results: list[CaseResult], runner: ModelRunner, rates: MachineRates) -> None:
-    """Each figure with `limit`: the roofline time of that step on this machine (step_limits),
-    and the share of it reached (limit / measured; 100% = at the roofline)."""
-    cost = ModelCost.of(runner)
-    header = (
-        f"{'batch':>5} {'in':>5} {'out':>5} | {'prefill ms':>10} {'tok/s':>7} {'limit ms':>8} "
-        f"{'share':>5} | {'decode ms/step':>14} {'tok/s':>6} {'limit ms':>8} {'share':>5} | "
-        f"{'total s':>7}"
-    )
-    print(header)
-    print("-" * len(header))
-    for r in results:
-        prefill_limit = cost.prefill(r.batch_size, r.input_len).limit_seconds(rates)
-        context = r.input_len + r.output_len // 2  # keys seen at the median decode step
-        decode_limit = cost.decode(r.batch_size, context).limit_seconds(rates)
-        print(
-            f"{r.batch_size:>5} {r.input_len:>5} {r.output_len:>5} | "
-            f"{r.prefill_seconds * 1e3:>10.2f} {r.prefill_tokens_per_second:>7.0f} "
-            f"{prefill_limit * 1e3:>8.2f} {prefill_limit / r.prefill_seconds:>5.0%} | "
-            f"{r.decode_step_seconds * 1e3:>14.3f} {r.decode_tokens_per_second:>6.0f} "
-            f"{decode_limit * 1e3:>8.2f} {decode_limit / r.decode_step_seconds:>5.0%} | "
-            f"{r.total_seconds:>7.3f}"
-        )
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--model",
-        help="checkpoint directory, .gguf file or 'demo' (default: SmolLM2-135M-Instruct)",
-    )
-    parser.add_argument("--batch-size", type=int, nargs="+", default=[1, 8, 32])
-    parser.add_argument("--input-len", type=int, nargs="+", default=[128])
-    parser.add_argument("--output-len", type=int, nargs="+", default=[64])
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument(
-        "--quantization",
-        default="auto",
-        help="model.quantization: auto (a GGUF file's block types), none (dequantized), q8_0, "
-        "q4_0, q4_1",
-    )
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument(
-        "--kernel-backend", default="auto", help="auto, torch, triton (GPU), cpu, batch_invariant"
-    )
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--kv-cache-memory", type=int, help="bytes (default: a fraction of free)")
-    parser.add_argument("--num-threads", type=int, help="torch intra-op threads (per rank)")
+    add_arguments(parser)
     parser.add_argument(
         "--tp", type=int, default=1, help="also run each case on this many TP ranks per replica"
     )
     parser.add_argument(
         "--dp", type=int, default=1, help="... and this many replicas, each a share of the batch"
     )
-    parser.add_argument("--correct", action="store_true", help="print greedy text for prompts")
-    parser.add_argument("--profile", action="store_true", help="trace a window of decode steps")
-    parser.add_argument("--profile-steps", type=int, default=8)
-    parser.add_argument("--profile-out", default="bench_one_batch.trace.json.gz")
     parser.add_argument(
         "--compare-hf", action="store_true", help="also time HF generate on the same batches"
     )
@@ -205,62 +105,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
-    model = args.model
-    from engine.home import default_engine_home
-    from engine.model_source import model_directory
-
     # llama-bench runs first, while this process has no threads of its own: torch's and the
     # kernels' idle workers would take cores from it.
-    llama_rates = run_llama_bench(model) if args.llama_bench else None
-    model, _ = model_directory(model, default_engine_home())
-    runner = ModelRunner(
-        model,
-        dtype=args.dtype,
-        device=args.device,
-        block_size=args.block_size,
-        kv_cache_memory=args.kv_cache_memory,
-        num_threads=args.num_threads,
-        quantization=args.quantization,
-        kernel_backend=args.kernel_backend,
-    )
-    print(
-        f"model {model}: {runner.config.architecture}, {runner.dtype}, "
-        f"weights {describe_formats(runner.model.weight_formats, str(runner.dtype))}, "
-        f"{describe_threads(runner.threads)} threads, {runner.backend.name} kernels"
-    )
-    if args.correct:
-        texts = greedy_texts(runner, CORRECTNESS_PROMPTS, args.output_len[0])
-        for prompt, text in zip(CORRECTNESS_PROMPTS, texts, strict=True):
-            print(f"{prompt!r} -> {text!r}")
+    llama_rates = run_llama_bench(args.model) if args.llama_bench else None
+    measured = run_step(args)
+    if measured is None:
         return
-    if args.profile:
-        profile_decode(
-            runner,
-            args.batch_size[-1],
-            args.input_len[0],
-            args.profile_steps,
-            Path(args.profile_out),
-        )
-        return
-    bench_case(runner, 1, 16, 4)  # warm-up: allocator, thread pool, first-call paths
-    results = []
-    for batch_size in args.batch_size:
-        for input_len in args.input_len:
-            for output_len in args.output_len:
-                reason = fits(runner, batch_size, input_len + output_len)
-                if reason:
-                    print(f"skip batch {batch_size} in {input_len} out {output_len}: {reason}")
-                    continue
-                results.append(bench_case(runner, batch_size, input_len, output_len))
-    # The limits are those of the most threads a step may use (a large step's matmuls, and the
-    # CPU attention kernel's share of a long context): the machine the model gets at its best.
-    most = runner.threads.busy if runner.threads is not None else torch.get_num_threads()
-    before = torch.get_num_threads()
-    torch.set_num_threads(most)
-    rates = MachineRates.measure(runner.dtype, runner.device)
-    torch.set_num_threads(before)
-    print(f"limits: {rates.describe()}, {most} threads")
-    print_table(results, runner, rates)
+    runner, model, results = measured.runner, measured.model, measured.results
     if (args.tp > 1 or args.dp > 1) and results:
         print_parallel(runner, model, results, args)
     if args.engine_overhead and results:

@@ -22,8 +22,7 @@ from typing import Any
 
 import torch
 
-from engine.model.placement.policy import sleeping_openmp_threads
-from tools.bench.raw_model import (
+from engine.bench.raw_model import (
     CaseResult,
     bench_case,
     decode_steps,
@@ -31,6 +30,7 @@ from tools.bench.raw_model import (
     random_prompts,
     static_block_tables,
 )
+from engine.model.placement.policy import sleeping_openmp_threads
 
 RESULT_TIMEOUT_S = 1800.0
 JOIN_TIMEOUT_S = 30.0
