@@ -11,11 +11,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from engine.messages.params import LoRARequest, SamplingParams, StructuredOutputsParams
-from engine.outputs import CompletionOutput, EngineError, Logprob, RequestOutput, TokenLogprob
+from engine.request.outputs import (
+    CompletionOutput,
+    EngineError,
+    Logprob,
+    RequestOutput,
+    TokenLogprob,
+)
 
 if TYPE_CHECKING:
-    from engine.api.async_llm import AsyncLLM
-    from engine.api.llm import LLM
+    from engine.library.async_llm import AsyncLLM
+    from engine.library.llm import LLM
 
 __all__ = [
     "LLM",
@@ -35,11 +41,11 @@ def __getattr__(name: str) -> Any:
     # Lazy: `python -m engine admin ...` and the actor children import this package and must
     # not pay for the engine client's imports.
     if name == "LLM":
-        from engine.api.llm import LLM
+        from engine.library.llm import LLM
 
         return LLM
     if name == "AsyncLLM":
-        from engine.api.async_llm import AsyncLLM
+        from engine.library.async_llm import AsyncLLM
 
         return AsyncLLM
     raise AttributeError(f"module 'engine' has no attribute {name!r}")

@@ -24,9 +24,9 @@ from typing import Any
 import torch
 
 from engine.demo.checkpoint_maker import CheckpointSpec, make_checkpoint
-from engine.home import build_directory
 from engine.messages.params import LoRARequest
 from engine.model.step_inputs import SeqChunk
+from engine.settings.home import build_directory
 
 CACHE_ROOT = Path(os.environ.get("ENGINE_TEST_CHECKPOINTS", "/tmp/engine-test-checkpoints"))
 TINY = {

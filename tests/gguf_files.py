@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.home import build_directory
+from engine.settings.home import build_directory
 from tests.checkpoints import CACHE_ROOT
 
 ARCH_NAMES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}

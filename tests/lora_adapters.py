@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from engine.home import build_directory
+from engine.settings.home import build_directory
 from tests.checkpoints import CACHE_ROOT, generate_greedy
 
 ALL_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

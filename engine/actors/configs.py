@@ -58,10 +58,10 @@ class KvTransferConfig(msgspec.Struct, frozen=True, kw_only=True):
     advertised_host: str = ""  # what pullers connect to; "" means listen_host
     force_tcp: bool = False  # pull over TCP even from a same-host source (tests, benchmarks)
     idle_timeout: float = 30.0  # a connection with no request for this long is closed
-    # The deployment secret (engine/kv_transfer/secret.py); b"": this user's secret file in the
+    # The deployment secret (engine/kv/transfer/secret.py); b"": this user's secret file in the
     # default engine home, as an instance started with --kv-role finds it.
     secret: bytes = b""
-    tls_cert: str = ""  # all three set: connections run inside TLS (engine/kv_transfer/tls.py)
+    tls_cert: str = ""  # all three set: connections run inside TLS (engine/kv/transfer/tls.py)
     tls_key: str = ""
     tls_ca: str = ""
 

@@ -5,7 +5,7 @@ disaggregation: engine/messages/kv_transfer.py).
 Orders come on KV_ORDERS_RING (HoldBlocks, DropHolds, PullBlocks); events go out on
 its rank's KV_EVENTS_RING (TransferEndpoint at every start, BlocksReleased, BlocksPulled,
 ConnectionsRefused). Every connection, either way, first proves the deployment secret. The cache is
-the worker's shared-memory segment, mapped here too. The domain work is engine.kv_transfer;
+the worker's shared-memory segment, mapped here too. The domain work is engine.kv.transfer;
 sockets are served and pulls run on threads, so the loop (and its heartbeats) stays free while
 gigabytes move.
 """
@@ -24,16 +24,15 @@ from typing import Any, TypeVar
 import msgspec
 
 from engine.actors.configs import KvTransferConfig
-from engine.home import default_engine_home
-from engine.kv_transfer.cache_view import CacheView
-from engine.kv_transfer.holds import HoldTable
-from engine.kv_transfer.host import host_id
-from engine.kv_transfer.puller import Puller
-from engine.kv_transfer.refusals import RefusalLog
-from engine.kv_transfer.secret import deployment_secret
-from engine.kv_transfer.segment import Segments
-from engine.kv_transfer.server import BlockServer
-from engine.kv_transfer.tls import TlsFiles
+from engine.kv.transfer.cache_view import CacheView
+from engine.kv.transfer.holds import HoldTable
+from engine.kv.transfer.host import host_id
+from engine.kv.transfer.puller import Puller
+from engine.kv.transfer.refusals import RefusalLog
+from engine.kv.transfer.secret import deployment_secret
+from engine.kv.transfer.segment import Segments
+from engine.kv.transfer.server import BlockServer
+from engine.kv.transfer.tls import TlsFiles
 from engine.messages.kv_transfer import (
     KV_ORDERS,
     BlocksReleased,
@@ -49,6 +48,7 @@ from engine.messages.roles import Role
 from engine.runtime.actor import Actor
 from engine.runtime.segments import map_segment
 from engine.runtime.shm import SEGMENT_PREFIX, SHM_DIR
+from engine.settings.home import default_engine_home
 from engine.testing.fault_injection import KV_PULL_DELAY_ENV
 
 T = TypeVar("T")

@@ -25,7 +25,7 @@ from typing import Any
 
 import msgspec
 
-from engine.kvcache.prefix_index import PrefixIndex
+from engine.kv.cache.prefix_index import PrefixIndex
 from engine.messages.codec import encode_in_frames, too_large_for_one_frame
 from engine.messages.failures import RequestFailed
 from engine.messages.kv_transfer import KV_EVENTS

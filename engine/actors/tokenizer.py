@@ -26,7 +26,7 @@ from engine.messages.requests import GATEWAY_TO_TOKENIZER, GenerateRequest, Prom
 from engine.messages.ring_catalogue import PROMPTS_RING, REQUESTS_RING, SUBMIT_RING
 from engine.messages.roles import Role
 from engine.messages.scheduling import AbortRequests, SubmitRequest
-from engine.outputs import EngineError
+from engine.request.outputs import EngineError
 from engine.runtime.actor import Actor
 from engine.text.hf_tokenizer import (
     import_transformers_without_torch,

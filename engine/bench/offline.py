@@ -234,8 +234,8 @@ def main(argv: list[str]) -> int:
     add_arguments(p)
     args = p.parse_args(argv)
     check_arguments(p, args)
-    from engine.home import default_engine_home
-    from engine.model_source import model_directory
+    from engine.launch.model_source import model_directory
+    from engine.settings.home import default_engine_home
 
     path, _ = model_directory(args.model, default_engine_home())
     run_offline(args, path)

@@ -152,8 +152,8 @@ class Measured:
 def run_step(args: argparse.Namespace) -> Measured | None:
     """The runner loaded and described, then --correct's texts, --profile's trace, or every case
     timed and printed against this machine's limits (None: nothing was timed)."""
-    from engine.home import default_engine_home
-    from engine.model_source import model_directory
+    from engine.launch.model_source import model_directory
+    from engine.settings.home import default_engine_home
 
     model, _ = model_directory(args.model, default_engine_home())
     runner = ModelRunner(

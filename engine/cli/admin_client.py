@@ -1,7 +1,7 @@
 """`python -m engine admin [--socket PATH] COMMAND [ARGS] [--json]`: talk to a running server.
 
 Without --socket the client takes the newest admin socket of a live server in the runtime
-directory (see engine/admin/paths.py). Output is a readable table, or the raw JSON reply
+directory (see engine/http/admin/paths.py). Output is a readable table, or the raw JSON reply
 with --json. Exit status: 0 done, 1 the server refused the command, 2 usage or connection error.
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from engine.admin.paths import live_sockets, runtime_base
+from engine.http.admin.paths import live_sockets, runtime_base
 
 USAGE = (
     "usage: python -m engine admin [--socket PATH] [--timeout SECONDS] [--json] COMMAND [ARGS]\n"

@@ -8,7 +8,7 @@ from typing import Any
 
 import msgspec
 
-from engine.hf_cache import with_resolved_model
+from engine.launch.hf_cache import with_resolved_model
 from engine.request.defaults import load_generation_defaults
 from engine.settings import FIELDS, Settings, SettingsError, config_file_of, load_settings
 from engine.settings.describe import SECRET_KEYS, settings_help, settings_table

@@ -18,7 +18,7 @@ def run_export(argv: list[str], environ: Mapping[str, str]) -> int:
     parser.add_argument("out", type=Path, help="a new directory")
     args = parser.parse_args(argv)
     from engine.gguf.export import export_checkpoint
-    from engine.model_source import default_model_file
+    from engine.launch.model_source import default_model_file
 
     try:
         source = default_model_file() if args.gguf == "default" else Path(args.gguf)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from engine.hf_cache import with_resolved_model
+from engine.launch.hf_cache import with_resolved_model
 from engine.settings import load_settings
 
 
@@ -16,6 +16,6 @@ def run_serve(argv: list[str], environ: Mapping[str, str]) -> int:
         from engine.launch.worker_node import serve_worker_node
 
         return serve_worker_node(settings)
-    from engine.server.launcher import serve_forever
+    from engine.http.launcher import serve_forever
 
     return serve_forever(settings)

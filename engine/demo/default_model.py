@@ -15,7 +15,7 @@ import logging
 from pathlib import Path
 
 from engine.demo.checkpoint_maker import CheckpointSpec
-from engine.home import build_directory, default_engine_home
+from engine.settings.home import build_directory, default_engine_home
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from engine.gguf.hf_config import generation_config, hf_config
 from engine.gguf.hf_tokenizer import write_tokenizer
 from engine.gguf.metadata import GGUFError
 from engine.gguf.reader import GGUFFile, read_gguf
-from engine.home import build_directory
+from engine.settings.home import build_directory
 
 log = logging.getLogger(__name__)
 

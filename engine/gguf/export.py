@@ -14,7 +14,7 @@ from engine.gguf.checkpoint import write_hf_files
 from engine.gguf.metadata import GGUFError
 from engine.gguf.reader import read_gguf
 from engine.gguf.weights import GGUFTensors
-from engine.home import build_directory
+from engine.settings.home import build_directory
 
 
 def export_checkpoint(gguf_path: Path, out: Path) -> None:

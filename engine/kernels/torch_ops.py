@@ -12,7 +12,7 @@ from typing import cast
 import torch
 import torch.nn.functional as F
 
-from engine.packed_weights import PACKED_WEIGHT_LIMIT
+from engine.kernels.packed_weights import PACKED_WEIGHT_LIMIT
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -7,11 +7,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import NamedTuple, TypedDict
 
+from engine.launch.model_source import model_directory
 from engine.model.config import ModelConfig, load_model_config
 from engine.model.placement.capacity import kv_block_bytes
 from engine.model.placement.policy import device_type, resident_weight_bytes
 from engine.model.quantized.formats import quantized_formats
-from engine.model_source import model_directory
 from engine.scheduler.speculation import parse_speculative_config
 from engine.settings import Settings, resolve_home
 

@@ -4,7 +4,7 @@ On the CPU every worker rank keeps its KV cache in a segment of the run (`Segmen
 `kv-cache<rank>` a P/D rank's kv_transfer actor maps), owned by the root: a restarted worker maps
 the blocks its predecessor wrote, and the scheduler keeps its prefix cache across the restart.
 The scheduler mirrors its prefix-cache index in a small segment of its own
-(engine/kvcache/prefix_index.py), so that a restarted scheduler knows which blocks hold which
+(engine/kv/cache/prefix_index.py), so that a restarted scheduler knows which blocks hold which
 prefixes. Either way the requests resubmitted after a restart find their KV and compute only
 the tokens past their last full block.
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import msgspec
 
-from engine.kvcache.prefix_index import prefix_index_bytes
+from engine.kv.cache.prefix_index import prefix_index_bytes
 from engine.launch.pd_plan import cache_segment, kv_layout
 from engine.model.config import ModelConfig
 from engine.model.parallel.config import Placement

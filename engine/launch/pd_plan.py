@@ -5,7 +5,7 @@ A replica with a role other than `both` in a one-launch P/D engine, and the one 
 instance started with `--kv-role prefill|decode`, get one kv_transfer actor per worker rank.
 Each rank's KV cache then lives in a segment of the run (`SegmentDecl`), mapped by the worker and
 by its kv_transfer actor: the kv_transfer actor copies blocks in and out while the worker runs.
-Every kv_transfer actor of an instance gets its deployment secret (engine/kv_transfer/secret.py:
+Every kv_transfer actor of an instance gets its deployment secret (engine/kv/transfer/secret.py:
 one-launch P/D makes one for the run, so its replicas share it with no setup). This module never
 imports torch.
 """
@@ -16,8 +16,8 @@ import msgspec
 
 from engine.actors.configs import KvTransferConfig
 from engine.actors.roles import Role
-from engine.kv_transfer.secret import instance_secret
-from engine.kv_transfer.tls import TlsFiles
+from engine.kv.transfer.secret import instance_secret
+from engine.kv.transfer.tls import TlsFiles
 from engine.messages.kv_transfer import KvLayout
 from engine.messages.ring_catalogue import KV_EVENTS_RING, KV_ORDERS_RING
 from engine.model.config import ModelConfig

@@ -6,7 +6,7 @@ each rank checks it arrived at the same count. Under tensor parallelism a block'
 rank's (its KV heads only), and every rank holds that many blocks of its own heads.
 
 Data parallelism: each of the M replicas is a whole pipeline (tokenizer, scheduler, detokenizer
-and its TP group of worker ranks) under a supervisor of its own; engine/gateway/replicas.py puts
+and its TP group of worker ranks) under a supervisor of its own; engine/inflight/replicas.py puts
 them behind the one gateway. With M = 1 the one spec is the engine as it always was.
 
 Across hosts (nnodes > 1), node 0 runs everything above plus its share of every replica's ranks

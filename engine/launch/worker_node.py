@@ -21,8 +21,8 @@ from typing import Any
 
 import uvloop
 
+from engine.launch.model_source import model_directory
 from engine.launch.plan import plan_worker_node
-from engine.model_source import model_directory
 from engine.runtime.shm_space import ShmSpaceError, require_shm_space
 from engine.runtime.supervisor import Supervisor
 from engine.settings import Settings, resolve_home

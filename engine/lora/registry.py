@@ -20,7 +20,7 @@ import msgspec
 from engine.messages.params import LoRARequest, SamplingParams
 from engine.model.config import ModelConfig
 from engine.model.lora.files import AdapterError, check_adapter
-from engine.outputs import EngineError
+from engine.request.outputs import EngineError
 from engine.settings.lora_schema import LoraSettings, parse_lora_module
 
 

@@ -92,11 +92,11 @@ class KvSource(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     [i * block_size, (i + 1) * block_size) of the prompt, on every rank. Across instances it is
     the kv_transfer_params object a client carries from the prefill instance to the decode one
     (so these three structs are maps, not arrays: a JSON object with named fields), signed by
-    the prefill instance (engine/kv_transfer/signing.py): a client can carry it, not change it.
+    the prefill instance (engine/kv/transfer/signing.py): a client can carry it, not change it.
 
     `prompt_key` binds the blocks to the tokens they were computed for: the prefix-cache key
-    (engine/kvcache/prefix_cache.py, a hash chain) of the last held block. The decode side files the
-    pulled blocks under its own request's keys only when its last one is this one."""
+    (engine/kv/cache/prefix_cache.py, a hash chain) of the last held block. The decode side files
+    the pulled blocks under its own request's keys only when its last one is this one."""
 
     transfer_id: str
     endpoints: list[KvEndpoint]  # one per rank, by rank

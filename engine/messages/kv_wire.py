@@ -1,5 +1,5 @@
-"""Messages between two kv_transfer actors over TCP (engine/kv_transfer/wire.py frames them and
-says how a pull goes; engine/kv_transfer/handshake.py how a connection is authenticated first).
+"""Messages between two kv_transfer actors over TCP (engine/kv/transfer/wire.py frames them and
+says how a pull goes; engine/kv/transfer/handshake.py how a connection is authenticated first).
 They never travel over a ring."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ VIA_SHM = "shm"
 VIA_TCP = "tcp"
 
 
-# ---- the handshake, before any request (engine/kv_transfer/handshake.py) ----------------------
+# ---- the handshake, before any request (engine/kv/transfer/handshake.py) ----------------------
 
 
 class Challenge(msgspec.Struct, tag=True, array_like=True):

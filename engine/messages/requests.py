@@ -1,6 +1,6 @@
 """Channels gateway -> tokenizer, and tokenizer -> gateway (the ids of the prompts it tokenized).
 
-The gateway is the only place a request's truth lives (engine/gateway/registry.py), so actors
+The gateway is the only place a request's truth lives (engine/inflight/registry.py), so actors
 may restart without losing a request. Each submission carries an epoch; after a restart on the
 request path the gateway resubmits every unfinished request under a new epoch with `resume`
 naming each unfinished sample and what was already delivered of it.
@@ -71,7 +71,7 @@ NIL = msgspec.Raw(b"\xc0")  # msgpack's nil: a field left unset
 
 
 class RoutingView(msgspec.Struct, tag="GenerateRequest", array_like=True):
-    """A GenerateRequest frame as the data-parallel router reads it (engine/gateway/router.py),
+    """A GenerateRequest frame as the data-parallel router reads it (engine/inflight/router.py),
     field for field: what grows with the input (prompt ids, chat, resume points) stays raw
     msgpack, never built into objects, and the view encodes back to the same frame. The root
     encodes each request once; the router only peeks at it."""

@@ -32,7 +32,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from engine.entrypoints.streams import ReleasingStream
+from engine.http.streams import ReleasingStream
 from engine.proxy.client_side import (
     CLIENT_CLOSED_REQUEST,
     BodyTooLarge,

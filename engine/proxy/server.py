@@ -20,12 +20,12 @@ import uvicorn
 import uvloop
 from starlette.applications import Starlette
 
+from engine.http.connections import KEEP_ALIVE_S, guarded_http_protocol
 from engine.proxy.app import build_proxy_app
 from engine.proxy.config import ProxyConfig
 from engine.proxy.metrics import ProxyMetrics
 from engine.proxy.pool import InstancePool
 from engine.proxy.upstream import new_client, probe_all, probe_forever
-from engine.server.connections import KEEP_ALIVE_S, guarded_http_protocol
 
 log = logging.getLogger("engine.proxy")
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from engine.messages.params import SamplingParams
-from engine.outputs import EngineError
+from engine.request.outputs import EngineError
 from engine.settings.schema import LimitsSettings
 from engine.structured.spec import check_structured_outputs
 

@@ -20,7 +20,6 @@ import msgspec
 
 from engine.messages.params import PoolingParams, SamplingParams
 from engine.messages.requests import ChatMessage, ChatOptions
-from engine.outputs import EngineError
 from engine.request.defaults import (
     DEFAULTABLE_FIELDS,
     load_chat_template,
@@ -28,6 +27,7 @@ from engine.request.defaults import (
     with_defaults,
 )
 from engine.request.limits import check_params, check_prompt_size, check_queue
+from engine.request.outputs import EngineError
 from engine.request.prompts import Prompt, chat_messages, split_prompt
 from engine.settings import Settings
 from engine.settings.schema import LimitsSettings

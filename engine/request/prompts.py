@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from engine.messages.requests import ChatMessage
-from engine.outputs import EngineError
+from engine.request.outputs import EngineError
 
 Prompt = str | list[int] | Mapping[str, Any]
 

@@ -1,7 +1,7 @@
 """What the supervisor tells code in the root process: events to subscribe to, and a status table.
 
 The gateway subscribes because a restart on the request path means resubmitting every unfinished
-request (engine/gateway/registry.py); the admin socket shows `ChildStatus` rows.
+request (engine/inflight/registry.py); the admin socket shows `ChildStatus` rows.
 """
 
 from __future__ import annotations

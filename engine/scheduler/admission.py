@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from engine.messages.failures import RequestFailed
 from engine.messages.scheduling import SubmitRequest
-from engine.outputs import EngineError
 from engine.request.limits import check_prompt_length
+from engine.request.outputs import EngineError
 from engine.scheduler.requests import Request
 
 # What one prompt token's logprobs may take in a message, text included (a generous bound: id,

@@ -25,7 +25,7 @@ class SchedulerConfig(msgspec.Struct, kw_only=True):
     speculative_config: str = ""  # vLLM's --speculative-config JSON (speculation.py); "": off
     # The workers' KV cache lives in segments of the run (CPU), so it outlives a worker's
     # restart; the prefix cache's index is mirrored in the segment named here ("": none), so
-    # that it outlives the scheduler's (engine/kvcache/prefix_index.py, launch/lasting_kv.py).
+    # that it outlives the scheduler's (engine/kv/cache/prefix_index.py, launch/lasting_kv.py).
     kv_outlives_workers: bool = False
     prefix_index_segment: str = ""
 

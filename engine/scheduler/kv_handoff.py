@@ -5,7 +5,7 @@ Prefill side (`KvHolds`). When a request asked to hand off has its first token, 
 takes a reference on the request's full prompt blocks (so neither the request's end nor an
 eviction frees them), tells every rank's kv_transfer actor to serve them (`HoldBlocks`) under a
 fresh random transfer id, and returns a `KvSource` for the handoff, bound to the prompt's tokens
-by its `prompt_key` (the root signs it before a client sees it: engine/gateway/kv_params.py).
+by its `prompt_key` (the root signs it before a client sees it: engine/inflight/kv_params.py).
 The references go when every rank reports the puller's acknowledgement, or at the hold's
 deadline, whichever comes first.
 
@@ -28,8 +28,8 @@ import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from engine.kvcache.block_manager import BlockManager
-from engine.kvcache.prefix_cache import BlockHashChain
+from engine.kv.cache.block_manager import BlockManager
+from engine.kv.cache.prefix_cache import BlockHashChain
 from engine.messages.kv_transfer import (
     BlocksPulled,
     BlocksReleased,

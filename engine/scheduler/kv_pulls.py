@@ -6,9 +6,9 @@ Pulled blocks are filed in the shared prefix cache, where every later request wi
 prefix reuses them, so they must be what they claim, and the source's word is not enough:
 - the source is a verified one: across instances, a KvSource reaches a scheduler only once the
   root checked its signature (the prefill instance's, with the deployment secret), its expiry
-  and its endpoints against kv_transfer.peers (engine/gateway/kv_params.py); in one launch it
+  and its endpoints against kv_transfer.peers (engine/inflight/kv_params.py); in one launch it
   comes from a replica of the same root. The bytes come over a connection on which the source
-  proved the same secret (engine/kv_transfer/handshake.py);
+  proved the same secret (engine/kv/transfer/handshake.py);
 - the blocks are bound to this request's tokens: the signed `prompt_key` must be this prompt's
   own prefix-cache key of the last block, or nothing is pulled (a client cannot pair one
   prompt's KV with another prompt)."""
@@ -19,8 +19,8 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.kvcache.block_manager import BlockManager
-from engine.kvcache.prefix_cache import BlockHashChain
+from engine.kv.cache.block_manager import BlockManager
+from engine.kv.cache.prefix_cache import BlockHashChain
 from engine.messages.kv_transfer import BlocksPulled, KvOrder, KvSource, PullBlocks
 from engine.messages.scheduling import SubmitRequest
 from engine.scheduler.kv_tally import KvEndpoints, KvTransferFigures, Outcome, RankTally

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import deque
 from typing import NamedTuple
 
-from engine.kvcache.block_manager import BlockManager
+from engine.kv.cache.block_manager import BlockManager
 from engine.scheduler.requests import SeqStatus, SequenceState
 
 

@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 import msgspec
 
-from engine.kvcache.block_manager import BlockManager
+from engine.kv.cache.block_manager import BlockManager
 from engine.messages.scheduling import RequestStatus, SchedulerStats
 from engine.scheduler.kv_handoff import KvTransfer
 from engine.scheduler.policy import BatchPlanner

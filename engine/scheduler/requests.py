@@ -7,8 +7,8 @@ import logging
 
 import msgspec
 
-from engine.kvcache.block_table import BlockTable
-from engine.kvcache.prefix_cache import BlockHashChain
+from engine.kv.cache.block_table import BlockTable
+from engine.kv.cache.prefix_cache import BlockHashChain
 from engine.messages.params import SamplingParams
 from engine.messages.steps import NewRequest, NewSeq, PromptLogprobs, SampledLogprobs
 

@@ -15,8 +15,8 @@ from typing import NamedTuple
 
 import msgspec
 
-from engine.kvcache.block_manager import BlockManager
-from engine.kvcache.prefix_index import PrefixIndex
+from engine.kv.cache.block_manager import BlockManager
+from engine.kv.cache.prefix_index import PrefixIndex
 from engine.messages.failures import RequestFailed
 from engine.messages.kv_transfer import KvSource
 from engine.messages.scheduling import (

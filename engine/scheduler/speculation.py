@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import msgspec
 
-from engine.kvcache.block_manager import BlockManager
+from engine.kv.cache.block_manager import BlockManager
 from engine.scheduler.policy import ScheduledChunk
 from engine.scheduler.requests import SequenceState
 

@@ -6,7 +6,7 @@ Two ways to disaggregate:
 - several launches: `role` prefill or decode makes this instance one side, and `engine proxy`
   routes between instances over HTTP.
 
-Security (engine/kv_transfer/secret.py, handshake.py, signing.py, tls.py): every kv_transfer
+Security (engine/kv/transfer/secret.py, handshake.py, signing.py, tls.py): every kv_transfer
 connection proves the deployment secret, a prefill instance signs the kv_transfer_params it
 hands out, a decode instance pulls only from `peers`; the secret itself is never a setting.
 """

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from engine.telemetry import attributes as attr
 
 if TYPE_CHECKING:
-    from engine.gateway.records import RequestRecord
+    from engine.inflight.records import RequestRecord
 
 AttributeValue = str | int | float | list[str]
 

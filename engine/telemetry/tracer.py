@@ -20,7 +20,7 @@ from engine.telemetry import attributes as attr
 from engine.telemetry.spans import RequestSpan, request_span
 
 if TYPE_CHECKING:
-    from engine.gateway.records import RequestRecord
+    from engine.inflight.records import RequestRecord
 
 log = logging.getLogger("engine.telemetry")
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 
-from engine.home import default_engine_home
+from engine.settings.home import default_engine_home
 from tests.deploy_files import ROOT, image_command, image_env
 from tests.e2e.harness import READY_RE, leftover_ipc, read_line_starting, stop_process, wait_until
 

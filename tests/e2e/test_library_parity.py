@@ -12,7 +12,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.messages.params import StructuredOutputsParams
-from engine.outputs import EngineError
+from engine.request.outputs import EngineError
 from tests.e2e.conftest import MAX_MODEL_LEN
 from tests.e2e.harness import Server
 

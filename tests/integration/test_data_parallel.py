@@ -23,7 +23,7 @@ import pytest
 import pytest_asyncio
 
 from engine import AsyncLLM, SamplingParams
-from engine.api.llm import build_settings
+from engine.library.llm import build_settings
 from engine.messages.admin import Health
 from tests.checkpoints import tiny_checkpoint
 from tests.hf_reference import assert_greedy_matches_hf

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.gateway.registry import Gateway
-from engine.gateway.replicas import merge_reports
-from engine.gateway.router import LeastPendingRouter, pending_tokens
+from engine.inflight.registry import Gateway
+from engine.inflight.replicas import merge_reports
+from engine.inflight.router import LeastPendingRouter, pending_tokens
 from engine.messages.outputs import OutputBatch, SampleDeltaText, TextStarted
 from engine.messages.params import SamplingParams
 from engine.messages.reports import SchedulerReport

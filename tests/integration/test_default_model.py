@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.launch.model_source import DEFAULT_MODEL_NAME, default_model_file, model_directory
 from engine.model.runner import ModelRunner
 from engine.model.step_inputs import SeqChunk
-from engine.model_source import DEFAULT_MODEL_NAME, default_model_file, model_directory
 from engine.text.hf_tokenizer import load_tokenizer_without_torch
 from tests.checkpoints import BlockAllocator
 from tests.hf_reference import assert_greedy_matches_logits

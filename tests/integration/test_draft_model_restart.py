@@ -12,7 +12,7 @@ import signal
 from pathlib import Path
 
 from engine import AsyncLLM, SamplingParams
-from engine.api.llm import build_settings
+from engine.library.llm import build_settings
 from engine.model.runner import ModelRunner
 from engine.model.step import StepExecutor
 from engine.scheduler.config import SchedulerConfig

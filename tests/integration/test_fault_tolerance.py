@@ -25,10 +25,10 @@ import pytest_asyncio
 from transformers import AutoTokenizer
 
 from engine import AsyncLLM, EngineError, SamplingParams
-from engine.api.embeddings import embed
-from engine.api.llm import build_settings
+from engine.library.embeddings import embed
+from engine.library.llm import build_settings
 from engine.messages.params import PoolingParams
-from engine.outputs import EmbeddingRequestOutput
+from engine.request.outputs import EmbeddingRequestOutput
 from engine.runtime.doorbell import default_doorbell_dir
 from engine.runtime.stopped import STOPPED_FROM_OUTSIDE
 from engine.testing.fault_injection import FAULT_INJECTION_ENV

@@ -16,7 +16,7 @@ import pytest
 import pytest_asyncio
 
 from engine import AsyncLLM, EngineError, SamplingParams
-from engine.api.llm import build_settings
+from engine.library.llm import build_settings
 from tests.checkpoints import tiny_checkpoint
 from tests.integration.test_fault_tolerance import (
     Job,

@@ -20,9 +20,9 @@ import msgspec
 import numpy as np
 import pytest
 
-from engine.kv_transfer.handshake import admit_puller, prove_to_server
-from engine.kv_transfer.host import host_id
-from engine.kv_transfer.wire import TO_PULLER, TO_SERVER
+from engine.kv.transfer.handshake import admit_puller, prove_to_server
+from engine.kv.transfer.host import host_id
+from engine.kv.transfer.wire import TO_PULLER, TO_SERVER
 from engine.messages.kv_transfer import (
     BlocksPulled,
     BlocksReleased,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine import LLM, AsyncLLM, EngineError, LoRARequest, RequestOutput, SamplingParams
-from engine.api.llm import build_settings
+from engine.library.llm import build_settings
 from engine.messages.admin import EngineStats
 from tests.checkpoints import hf_greedy, tiny_checkpoint
 from tests.holds import held, holding

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from engine import LLM, AsyncLLM, SamplingParams
-from engine.api.llm import build_settings
+from engine.library.llm import build_settings
 from engine.text.hf_tokenizer import load_tokenizer_without_torch
 from tests.checkpoints import tiny_checkpoint
 

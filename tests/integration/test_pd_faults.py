@@ -21,7 +21,7 @@ import pytest
 import pytest_asyncio
 
 from engine import AsyncLLM, SamplingParams
-from engine.api.llm import build_settings
+from engine.library.llm import build_settings
 from engine.messages.admin import ReplicaRow
 from engine.testing.fault_injection import KV_PULL_DELAY_ENV
 from tests.checkpoints import tiny_checkpoint

@@ -28,13 +28,13 @@ import pytest
 import pytest_asyncio
 
 from engine import AsyncLLM, SamplingParams
-from engine.api.llm import build_settings
-from engine.kv_transfer.host import host_id
-from engine.kv_transfer.secret import instance_secret
-from engine.kv_transfer.signing import sign
+from engine.kv.transfer.host import host_id
+from engine.kv.transfer.secret import instance_secret
+from engine.kv.transfer.signing import sign
+from engine.library.llm import build_settings
 from engine.messages.kv_transfer import KvSource
 from engine.messages.kv_wire import Challenge, PullRequest, WireError
-from engine.outputs import EngineError
+from engine.request.outputs import EngineError
 from tests.checkpoints import tiny_checkpoint
 from tests.hf_reference import assert_greedy_matches_hf
 from tests.integration.test_kv_transfer_security import everything_said

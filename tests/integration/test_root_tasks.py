@@ -14,7 +14,7 @@ import pytest
 import pytest_asyncio
 
 from engine import AsyncLLM, EngineError, SamplingParams
-from engine.api.llm import build_settings
+from engine.library.llm import build_settings
 from tests.checkpoints import tiny_checkpoint
 
 WAIT_S = 60.0

@@ -12,9 +12,9 @@ import time
 from typing import Any
 
 from engine import AsyncLLM
-from engine.api.llm import build_settings
-from engine.entrypoints.openai.state import ServerState
-from engine.server.app import build_app
+from engine.http.app import build_app
+from engine.http.state import ServerState
+from engine.library.llm import build_settings
 from tests.checkpoints import tiny_checkpoint
 
 REQUEST_ID = "vanishing-client-1"

@@ -14,7 +14,7 @@ import pytest
 import pytest_asyncio
 
 from engine import AsyncLLM, SamplingParams
-from engine.api.llm import build_settings
+from engine.library.llm import build_settings
 from engine.messages.params import StructuredOutputsParams
 from tests.checkpoints import tiny_checkpoint
 from tests.conftest import _our_ipc_files

@@ -22,7 +22,7 @@ import pytest
 import pytest_asyncio
 
 from engine import AsyncLLM, SamplingParams
-from engine.api.llm import build_settings
+from engine.library.llm import build_settings
 from engine.testing.fault_injection import FAULT_INJECTION_ENV
 from tests.checkpoints import tiny_checkpoint
 from tests.integration.test_fault_tolerance import (

@@ -8,11 +8,11 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-from engine.entrypoints.anthropic.messages_api import MessagesAdapter
-from engine.entrypoints.openai.chat_relay import ChatResult, ChatStep, Failed, Finished, TextDelta
-from engine.entrypoints.openai.protocol import ErrorDetail, FunctionCallOut, ToolCallOut
-from engine.entrypoints.openai.response_store import ResponseStore
-from engine.entrypoints.openai.responses_api import ResponsesAdapter
+from engine.http.anthropic.adapter import MessagesAdapter
+from engine.http.openai.chat_relay import ChatResult, ChatStep, Failed, Finished, TextDelta
+from engine.http.openai.protocol import ErrorDetail, FunctionCallOut, ToolCallOut
+from engine.http.openai.responses.adapter import ResponsesAdapter
+from engine.http.openai.responses.store import ResponseStore
 
 
 async def replay(steps: list[ChatStep]) -> AsyncIterator[ChatStep]:

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.kvcache.block_pool import BlockPool, OutOfBlocksError
+from engine.kv.cache.block_pool import BlockPool, OutOfBlocksError
 
 
 def test_allocate_takes_free_blocks_and_release_returns_them() -> None:

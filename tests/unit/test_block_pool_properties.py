@@ -8,9 +8,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from engine.kvcache.block_manager import BlockManager
-from engine.kvcache.block_table import BlockTable
-from engine.kvcache.prefix_cache import BlockHashChain
+from engine.kv.cache.block_manager import BlockManager
+from engine.kv.cache.block_table import BlockTable
+from engine.kv.cache.prefix_cache import BlockHashChain
 
 BLOCK_SIZE = 2
 NUM_BLOCKS = 12

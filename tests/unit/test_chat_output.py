@@ -9,11 +9,11 @@ from typing import Any
 import msgspec
 import pytest
 
-from engine.entrypoints.openai.chat_output import ChatAnswer, split_reasoning
-from engine.entrypoints.openai.errors import ApiError
-from engine.entrypoints.openai.output_controls import output_controls, refuse_unimplemented
-from engine.entrypoints.openai.protocol import ChatCompletionRequest, ChatDelta
-from engine.entrypoints.openai.tool_calls import ToolPlan, plan_tools, template_tools
+from engine.http.openai.chat_output import ChatAnswer, split_reasoning
+from engine.http.openai.errors import ApiError
+from engine.http.openai.output_controls import output_controls, refuse_unimplemented
+from engine.http.openai.protocol import ChatCompletionRequest, ChatDelta
+from engine.http.openai.tool_calls import ToolPlan, plan_tools, template_tools
 
 TOOLS = [
     {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}},

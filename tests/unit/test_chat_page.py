@@ -10,8 +10,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.testclient import TestClient
 
-from engine.entrypoints.openai.errors import ApiError
-from engine.server.chat_page import chat_page_routes, read_page_files
+from engine.http.openai.errors import ApiError
+from engine.http.ui.page import chat_page_routes, read_page_files
 from engine.settings import load_settings
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from engine.cli import main
-from engine.hf_cache import resolve_model, with_resolved_model
+from engine.launch.hf_cache import resolve_model, with_resolved_model
 from engine.messages.params import SamplingParams
 from engine.request.defaults import load_generation_defaults, with_defaults
 from engine.settings import SettingsError, load_settings

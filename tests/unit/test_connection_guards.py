@@ -1,4 +1,4 @@
-"""The HTTP connection guards (engine/server/connections.py) end connections without resets and
+"""The HTTP connection guards (engine/http/connections.py) end connections without resets and
 without unsolicited answers (issue 31 item 3).
 
 Each test runs uvicorn in a thread with the guarded protocol, short deadlines and a small ASGI app
@@ -19,7 +19,7 @@ from typing import Any
 
 import uvicorn
 
-from engine.server.connections import KEEP_ALIVE_S, guarded_http_protocol
+from engine.http.connections import KEEP_ALIVE_S, guarded_http_protocol
 from tests.raw_http import read_response
 
 HEADER_TIMEOUT_S = 0.3

@@ -31,7 +31,7 @@ import yaml
 
 from engine.cli.proxy_cmd import _parser as proxy_parser
 from engine.cli.proxy_cmd import parse_proxy_args
-from engine.kv_transfer.secret import SECRET_ENV
+from engine.kv.transfer.secret import SECRET_ENV
 from engine.settings import Settings, SettingsError, load_settings
 from engine.settings.fields import FIELDS
 from engine.settings.loading import CONFIG_ENV, ENV_ALIASES

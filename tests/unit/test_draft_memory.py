@@ -18,10 +18,10 @@ import torch
 
 from engine.actors.configs import WorkerConfig
 from engine.actors.worker import _drafter
-from engine.api.llm import build_settings
 from engine.launch.draft import draft_footprint
 from engine.launch.plan import plan_engine
 from engine.launch.sizing import kv_cache_blocks
+from engine.library.llm import build_settings
 from engine.model.config import load_model_config
 from engine.model.runner import ModelRunner
 from engine.model.speculation.drafter import Drafter

@@ -20,9 +20,9 @@ import torch
 
 from engine.actors.configs import WorkerConfig
 from engine.actors.worker import _drafter
-from engine.api.llm import build_settings
 from engine.launch.draft import draft_model_path
 from engine.launch.plan import plan_engine
+from engine.library.llm import build_settings
 from engine.messages.params import SamplingParams, StructuredOutputsParams
 from engine.messages.steps import NewRequest, NewSeq, PlannedChunk, StepPlan, StepResult
 from engine.model.config import load_model_config

@@ -1,12 +1,12 @@
 from __future__ import annotations
 
-from engine.gateway.registry import Gateway
+from engine.inflight.registry import Gateway
 from engine.messages.failures import RequestFailed
 from engine.messages.outputs import OutputBatch, SampleDeltaText, TextStarted
 from engine.messages.params import SamplingParams
 from engine.messages.requests import GenerateRequest, PromptTokens
 from engine.messages.scheduling import AbortRequests
-from engine.outputs import EngineError, RequestOutput
+from engine.request.outputs import EngineError, RequestOutput
 
 
 def _delta(rid: str, epoch: int, index: int, tokens: list[int], text: str, finish=None):

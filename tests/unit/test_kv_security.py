@@ -18,14 +18,14 @@ from typing import Any
 import msgspec
 import pytest
 
-from engine.gateway.kv_params import KvParams
-from engine.kv_transfer.handshake import HandshakeFailed, admit_puller, prove_to_server
-from engine.kv_transfer.refusals import RefusalLog
-from engine.kv_transfer.secret import SECRET_ENV, SecretError, deployment_secret
-from engine.kv_transfer.signing import sign, signature_problem
+from engine.inflight.kv_params import KvParams
+from engine.kv.transfer.handshake import HandshakeFailed, admit_puller, prove_to_server
+from engine.kv.transfer.refusals import RefusalLog
+from engine.kv.transfer.secret import SECRET_ENV, SecretError, deployment_secret
+from engine.kv.transfer.signing import sign, signature_problem
 from engine.messages.kv_transfer import KvEndpoint, KvSource
 from engine.messages.kv_wire import Accepted, Challenge
-from engine.outputs import EngineError
+from engine.request.outputs import EngineError
 from tests.unit.test_kv_cache_view import layout
 
 SECRET = secrets.token_bytes(32)

@@ -17,13 +17,13 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from engine.kv_transfer.cache_view import CacheView
-from engine.kv_transfer.handshake import prove_to_server
-from engine.kv_transfer.holds import HoldTable
-from engine.kv_transfer.puller import Puller
-from engine.kv_transfer.segment import Segments
-from engine.kv_transfer.server import MAX_PER_PEER, BlockServer
-from engine.kv_transfer.wire import (
+from engine.kv.transfer.cache_view import CacheView
+from engine.kv.transfer.handshake import prove_to_server
+from engine.kv.transfer.holds import HoldTable
+from engine.kv.transfer.puller import Puller
+from engine.kv.transfer.segment import Segments
+from engine.kv.transfer.server import MAX_PER_PEER, BlockServer
+from engine.kv.transfer.wire import (
     MAX_FRAME_BYTES,
     TO_PULLER,
     TO_SERVER,

@@ -10,8 +10,8 @@ the scheduler had not indexed.
 
 from __future__ import annotations
 
-from engine.kvcache.block_pool import BlockPool
-from engine.kvcache.prefix_index import PrefixIndex, prefix_index_bytes
+from engine.kv.cache.block_pool import BlockPool
+from engine.kv.cache.prefix_index import PrefixIndex, prefix_index_bytes
 from engine.messages.scheduling import SampleResume
 from engine.scheduler import Scheduler, SchedulerConfig
 from tests.unit.test_scheduler import (

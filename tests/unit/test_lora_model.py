@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.api.llm import build_settings
 from engine.launch.lora import lora_worker_fields
+from engine.library.llm import build_settings
 from engine.lora.registry import start_registry
 from engine.messages.params import LoRARequest
 from engine.model.config import load_model_config

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import packed_weights
+from engine.kernels import packed_weights
 from engine.model.config import load_model_config
 from engine.model.placement.capacity import kv_cache_blocks
 from engine.model.placement.policy import ThreadPolicy, packed_weight_bytes

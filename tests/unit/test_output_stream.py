@@ -3,8 +3,8 @@ says how long it has been stalled."""
 
 from __future__ import annotations
 
-from engine.gateway.output_stream import OutputStream
-from engine.outputs import CompletionOutput, EngineError, RequestOutput
+from engine.inflight.output_stream import OutputStream
+from engine.request.outputs import CompletionOutput, EngineError, RequestOutput
 
 
 class Clock:

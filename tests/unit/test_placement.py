@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.kernels.packed_weights import PACKED_WEIGHT_LIMIT
 from engine.model.config import load_model_config
 from engine.model.placement.capacity import available_cpu_memory
 from engine.model.placement.policy import (
@@ -25,7 +26,6 @@ from engine.model.placement.policy import (
     weight_bytes,
     worker_threads,
 )
-from engine.packed_weights import PACKED_WEIGHT_LIMIT
 from tests.checkpoints import hf_model, tiny_checkpoint
 
 MIB = 2**20

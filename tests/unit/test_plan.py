@@ -11,10 +11,10 @@ import msgspec
 import pytest
 
 from engine.actors.configs import KvTransferConfig, WorkerConfig
-from engine.api.llm import build_settings
 from engine.launch.lasting_kv import kv_outlives_workers
 from engine.launch.plan import plan_engine, plan_worker_node
 from engine.launch.sizing import check_parallel
+from engine.library.llm import build_settings
 from engine.messages.ring_catalogue import KV_EVENTS_RING, KV_ORDERS_RING
 from engine.model.config import ModelConfig, load_model_config
 from engine.model.parallel.config import Placement

@@ -2,9 +2,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.kvcache.block_manager import BlockManager
-from engine.kvcache.block_table import BlockTable
-from engine.kvcache.prefix_cache import BlockHashChain, PrefixCacheStats, hash_block
+from engine.kv.cache.block_manager import BlockManager
+from engine.kv.cache.block_table import BlockTable
+from engine.kv.cache.prefix_cache import BlockHashChain, PrefixCacheStats, hash_block
 
 
 def _computed_table(kv: BlockManager, token_ids: list[int]) -> BlockTable:

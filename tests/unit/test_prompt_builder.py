@@ -10,7 +10,7 @@ import pytest
 
 from engine.messages.params import SamplingParams
 from engine.messages.requests import ChatMessage, ChatOptions, GenerateRequest
-from engine.outputs import EngineError
+from engine.request.outputs import EngineError
 from engine.text.hf_tokenizer import load_tokenizer_without_torch
 from engine.text.prompt import PromptBuilder
 from tests.checkpoints import tiny_checkpoint

@@ -8,11 +8,17 @@ from typing import Any
 import msgspec
 import pytest
 
-from engine.entrypoints.openai.errors import ApiError
-from engine.entrypoints.openai.parsing import PreparedRequest, parse_chat, parse_completion
-from engine.entrypoints.openai.responses import SSE_DONE, ResponseBuilder
-from engine.entrypoints.openai.runs import api_error_from
-from engine.outputs import CompletionOutput, EngineError, Logprob, RequestOutput, TokenLogprob
+from engine.http.openai.bodies import SSE_DONE, ResponseBuilder
+from engine.http.openai.errors import ApiError
+from engine.http.openai.parsing import PreparedRequest, parse_chat, parse_completion
+from engine.http.openai.runs import api_error_from
+from engine.request.outputs import (
+    CompletionOutput,
+    EngineError,
+    Logprob,
+    RequestOutput,
+    TokenLogprob,
+)
 from engine.request.policy import RequestPolicy
 
 MODEL = "tiny"

@@ -146,7 +146,7 @@ def test_the_command_exits_nonzero_with_one_line() -> None:
 def test_the_proxy_imports_no_model_code() -> None:
     """It starts in well under a second: torch and transformers stay out of it."""
     code = "import engine.cli.proxy_cmd, engine.proxy.server"
-    assert imported_after(code, ("torch", "transformers", "engine.api.async_llm")) == []
+    assert imported_after(code, ("torch", "transformers", "engine.library.async_llm")) == []
 
 
 def test_a_busy_port_is_one_line_and_status_1() -> None:

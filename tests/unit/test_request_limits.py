@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 
 from engine.messages.params import SamplingParams, StructuredOutputsParams
-from engine.outputs import EngineError
 from engine.request.limits import (
     check_params,
     check_prompt_size,
     check_queue,
     check_token_ids_named,
 )
+from engine.request.outputs import EngineError
 from engine.settings.schema import LimitsSettings
 
 LIMITS = LimitsSettings(max_n=8, max_stop_strings=4, max_stop_chars=40, max_request_tokens=1000)

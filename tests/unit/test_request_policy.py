@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from engine.messages.params import SamplingParams
-from engine.outputs import EngineError
+from engine.request.outputs import EngineError
 from engine.request.policy import RequestPolicy
 from engine.settings.schema import LimitsSettings
 

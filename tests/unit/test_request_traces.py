@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from engine.gateway.registry import Gateway
+from engine.inflight.registry import Gateway
 from engine.messages.outputs import OutputBatch, SampleDeltaText
 from engine.messages.params import SamplingParams
 from engine.messages.requests import PromptTokens
 from engine.messages.scheduling import FirstScheduled
-from engine.outputs import EngineError
+from engine.request.outputs import EngineError
 from engine.telemetry import attributes as attr
 from engine.telemetry.tracer import (
     RequestTracer,

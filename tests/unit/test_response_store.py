@@ -3,7 +3,7 @@ recently used dropped first."""
 
 from __future__ import annotations
 
-from engine.entrypoints.openai.response_store import ResponseStore
+from engine.http.openai.responses.store import ResponseStore
 
 
 def turn(text: str) -> list[dict[str, object]]:

@@ -11,10 +11,10 @@ import pkgutil
 import pytest
 
 import engine.actors
-from engine.api.llm import build_settings
-from engine.gateway.inbound import take_in
-from engine.gateway.registry import Gateway
+from engine.inflight.inbound import take_in
+from engine.inflight.registry import Gateway
 from engine.launch.plan import plan_engine
+from engine.library.llm import build_settings
 from engine.messages.outputs import OutputBatch, SampleDeltaText, TextStarted
 from engine.messages.params import SamplingParams
 from engine.messages.reports import SchedulerReport
@@ -35,7 +35,7 @@ from engine.messages.ring_catalogue import (
 )
 from engine.messages.roles import ROOT, Role
 from engine.messages.scheduling import SchedulerStats
-from engine.outputs import RequestOutput
+from engine.request.outputs import RequestOutput
 from engine.runtime.actor import Actor
 from tests.checkpoints import tiny_checkpoint
 

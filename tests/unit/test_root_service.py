@@ -1,5 +1,5 @@
-"""The root's service hooks without a server: sd_notify datagrams (engine/server/service_notify.py)
-and the pidfile lock (engine/server/pidfile.py)."""
+"""The root's service hooks without a server: sd_notify datagrams (engine/http/service_notify.py)
+and the pidfile lock (engine/http/pidfile.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.server.pidfile import PidFile, PidFileBusy
-from engine.server.service_notify import ServiceNotifier, watchdog_seconds
+from engine.http.pidfile import PidFile, PidFileBusy
+from engine.http.service_notify import ServiceNotifier, watchdog_seconds
 
 
 def test_the_watchdog_is_half_systemds_interval_and_only_for_the_pid_it_names() -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from engine.api.llm import build_settings
+from engine.library.llm import build_settings
 from engine.settings import FIELDS, Settings, SettingsError, load_settings
 
 REPO = Path(__file__).resolve().parents[2]

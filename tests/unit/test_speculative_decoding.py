@@ -181,8 +181,8 @@ def test_speculative_output_is_the_plain_output_token_for_token_in_fewer_steps(
 
 
 def test_spec_decode_counts_sum_over_replicas_and_reach_metrics_with_vllms_names() -> None:
-    from engine.entrypoints.openai.metrics import ServerMetrics
-    from engine.gateway.replicas import merge_reports
+    from engine.http.metrics import ServerMetrics
+    from engine.inflight.replicas import merge_reports
     from engine.messages.admin import EngineStats
     from engine.messages.reports import SchedulerReport
     from engine.messages.scheduling import SchedulerStats

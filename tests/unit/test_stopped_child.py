@@ -7,7 +7,7 @@ import signal
 import subprocess
 import time
 
-from engine.gateway.crashes import is_crash
+from engine.inflight.crashes import is_crash
 from engine.runtime.events import ChildDied
 from engine.runtime.stopped import STOPPED_FROM_OUTSIDE, is_stopped
 

@@ -23,10 +23,10 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make `engine` importable from the repo root
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from engine.api.async_llm import AsyncLLM
-from engine.api.embeddings import embed
-from engine.api.llm import engine_settings
-from engine.hf_cache import with_resolved_model
+from engine.launch.hf_cache import with_resolved_model
+from engine.library.async_llm import AsyncLLM
+from engine.library.embeddings import embed
+from engine.library.llm import engine_settings
 from engine.messages.params import PoolingParams, SamplingParams
 
 

@@ -13,7 +13,7 @@ import random
 import time
 
 from engine import AsyncLLM, SamplingParams
-from engine.api.llm import build_settings
+from engine.library.llm import build_settings
 
 
 async def _engine_step_seconds(

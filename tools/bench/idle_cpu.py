@@ -82,8 +82,8 @@ def main() -> int:
     p.add_argument("--settle", type=float, default=10.0, help="seconds after ready, first")
     p.add_argument("--seconds", type=float, default=30.0, help="seconds sampled")
     args = p.parse_args()
-    from engine.home import default_engine_home
-    from engine.model_source import model_directory
+    from engine.launch.model_source import model_directory
+    from engine.settings.home import default_engine_home
 
     model, _ = model_directory(args.model, default_engine_home())
     logs = Path(tempfile.mkdtemp(prefix="idle-cpu-"))

@@ -119,8 +119,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
-    from engine.home import default_engine_home
-    from engine.model_source import model_directory
+    from engine.launch.model_source import model_directory
+    from engine.settings.home import default_engine_home
 
     model, _ = model_directory(args.model, default_engine_home())
     runner = ModelRunner(

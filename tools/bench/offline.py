@@ -184,8 +184,8 @@ def main() -> None:
     args = parser.parse_args()
     check_arguments(parser, args)
 
-    from engine.home import default_engine_home
-    from engine.model_source import hf_checkpoint, model_directory
+    from engine.launch.model_source import hf_checkpoint, model_directory
+    from engine.settings.home import default_engine_home
 
     if args.peer == "llamacpp":  # the GGUF file itself: the float32 export is for the others
         path, _ = model_directory(args.model, default_engine_home())

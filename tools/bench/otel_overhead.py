@@ -90,8 +90,8 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=16)
     args = parser.parse_args()
-    from engine.home import default_engine_home
-    from engine.model_source import model_directory
+    from engine.launch.model_source import model_directory
+    from engine.settings.home import default_engine_home
 
     args.model, _ = model_directory(args.model, default_engine_home())
     work = Path(tempfile.mkdtemp(prefix="otel-overhead-"))

@@ -19,7 +19,7 @@ request to the acknowledgement confirmed), from BlocksPulled; each figure is the
 --repeats after one warm-up round, and `shm ms` / `tcp ms` are that median pull's milliseconds
 (for a small prompt, mostly the connection and handshake). Before the table: the handshake's
 cost alone (a connection to another process over loopback, with and without it) and the cost of
-signing and checking a prompt's kv_transfer_params (engine/kv_transfer/signing.py).
+signing and checking a prompt's kv_transfer_params (engine/kv/transfer/signing.py).
 Blocks are consecutive (a fresh pool) unless --scatter shuffles both sides' ids (no run longer
 than chance allows). Figures of one run compare; on a shared 2-core machine they drift between
 runs.
@@ -50,8 +50,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from engine.actors.configs import KvTransferConfig
 from engine.actors.roles import Role
-from engine.kv_transfer.handshake import admit_puller, prove_to_server
-from engine.kv_transfer.signing import sign, signature_problem
+from engine.kv.transfer.handshake import admit_puller, prove_to_server
+from engine.kv.transfer.signing import sign, signature_problem
 from engine.messages.kv_transfer import (
     KV_EVENTS,
     KV_ORDERS,

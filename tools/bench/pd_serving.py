@@ -67,8 +67,8 @@ def identical_outputs(a: list[ReplayResult], b: list[ReplayResult]) -> tuple[int
 
 
 def serving(args: argparse.Namespace) -> int:
-    from engine.home import default_engine_home
-    from engine.model_source import model_directory
+    from engine.launch.model_source import model_directory
+    from engine.settings.home import default_engine_home
 
     model, _ = model_directory(args.model, default_engine_home())
     figures: list[Figures] = []

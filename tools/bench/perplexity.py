@@ -75,7 +75,7 @@ class Score:
 
 def engine_tokens(gguf: Path, text: str, engine_home: Path) -> tuple[str, list[int]]:
     """The file's derived checkpoint directory, and the engine's tokens of `text` by it."""
-    from engine.model_source import model_directory
+    from engine.launch.model_source import model_directory
     from engine.text.hf_tokenizer import load_tokenizer_without_torch
 
     directory, _ = model_directory(str(gguf), engine_home)
@@ -239,8 +239,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    from engine.home import default_engine_home
-    from engine.model_source import default_model_file
+    from engine.launch.model_source import default_model_file
+    from engine.settings.home import default_engine_home
 
     args = parse_args(argv)
     engine_home = args.engine_home or default_engine_home()

@@ -24,12 +24,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from engine import AsyncLLM, SamplingParams
-from engine.api.llm import build_settings
-from engine.home import default_engine_home
+from engine.launch.model_source import hf_checkpoint
+from engine.library.llm import build_settings
 from engine.messages.requests import GenerateRequest
 from engine.messages.ring_catalogue import REQUESTS_RING
 from engine.model.config import load_model_config
-from engine.model_source import hf_checkpoint
+from engine.settings.home import default_engine_home
 
 PERIODIC_RINGS = ("reports",)  # on a timer: not a per-request cost
 WORDS = ["the", "of", "and", "a", "to", "in", "is", "was", "he", "for", "it", "with"]

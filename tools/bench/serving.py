@@ -89,8 +89,8 @@ class Files:
 
 
 def files_for(model: str | None, precision: str, peers: list[str]) -> Files:
-    from engine.home import default_engine_home
-    from engine.model_source import hf_checkpoint
+    from engine.launch.model_source import hf_checkpoint
+    from engine.settings.home import default_engine_home
 
     home = default_engine_home()
     export = hf_checkpoint(model, home) if precision == "float32" or "vllm" in peers else None

@@ -45,9 +45,9 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make `engine` importable from the repo root
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from engine.api.async_llm import AsyncLLM
-from engine.api.llm import engine_settings
-from engine.hf_cache import with_resolved_model
+from engine.launch.hf_cache import with_resolved_model
+from engine.library.async_llm import AsyncLLM
+from engine.library.llm import engine_settings
 from engine.messages.params import SamplingParams
 from engine.scheduler.speculation import ACCEPTANCE_METHODS
 
@@ -195,7 +195,7 @@ def _engine_configs(args: argparse.Namespace) -> dict[str, str]:
 def _draft_path(args: argparse.Namespace) -> str:
     """The draft: --draft's path; the model itself (`same`); or a random 2-layer model with the
     model's vocabulary and its tokenizer files (`random`), built once."""
-    from engine.model_source import model_directory
+    from engine.launch.model_source import model_directory
     from engine.settings import Settings, resolve_home
 
     if args.draft not in ("same", "random"):
@@ -211,7 +211,7 @@ def _random_draft(target: Path, root: Path) -> str:
     import shutil
 
     from engine.demo.checkpoint_maker import CheckpointSpec, make_checkpoint
-    from engine.home import build_directory
+    from engine.settings.home import build_directory
 
     vocab = int(json.loads((target / "config.json").read_text())["vocab_size"])
     spec = CheckpointSpec(arch="llama", vocab_size=vocab, tie_word_embeddings=True)
@@ -298,7 +298,7 @@ def main() -> None:
 def _llama_gguf(model: str | None) -> str:
     if model is not None:
         return model
-    from engine.model_source import default_model_file
+    from engine.launch.model_source import default_model_file
 
     return str(default_model_file())
 

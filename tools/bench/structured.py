@@ -54,10 +54,10 @@ def main() -> None:
     args = parser.parse_args()
 
     from engine import LLM, SamplingParams
-    from engine.home import default_engine_home
+    from engine.launch.model_source import model_directory
     from engine.messages.params import StructuredOutputsParams
     from engine.model.config import load_model_config
-    from engine.model_source import model_directory
+    from engine.settings.home import default_engine_home
 
     path, _ = model_directory(args.model, default_engine_home())
     vocab = load_model_config(path, None).vocab_size

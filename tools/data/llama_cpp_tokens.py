@@ -48,7 +48,7 @@ def main() -> None:
 
         args.llama_tokenize = binaries() / "llama-tokenize"
     if args.model is None:
-        from engine.model_source import default_model_file
+        from engine.launch.model_source import default_model_file
 
         args.model = default_model_file()
     texts = json.loads(args.texts.read_text())

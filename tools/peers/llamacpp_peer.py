@@ -48,7 +48,7 @@ THREADS = 2
 
 
 def peer_directory(engine_home: Path | None = None) -> Path:
-    from engine.home import default_engine_home
+    from engine.settings.home import default_engine_home
 
     home = engine_home or default_engine_home()
     return home / "peers" / f"llama.cpp-{LLAMA_CPP_PYTHON}"
@@ -59,7 +59,7 @@ def binaries(
 ) -> Path:
     """The directory of the built binaries, building them first when they are not there; any of
     `targets` missing from an existing directory is built alone and added to it."""
-    from engine.home import build_directory
+    from engine.settings.home import build_directory
 
     target = peer_directory(engine_home)
     marker = Path("bin") / TARGETS[0]
@@ -128,7 +128,7 @@ def download_sdist(into: Path) -> Path:
 def model_file(model: str | None) -> Path:
     """--model's GGUF file, or the default model's."""
     if model is None:
-        from engine.model_source import default_model_file
+        from engine.launch.model_source import default_model_file
 
         return default_model_file()
     path = Path(model).expanduser()

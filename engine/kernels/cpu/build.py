@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from engine.home import default_engine_home
+from engine.settings.home import default_engine_home
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,8 @@ for oneDNN instead, used by steps of two tokens or more; float16 weights use F.l
 
 The packed copies are a second copy of each weight (counted by the memory plan, and made for the
 decoder only while a rank's decoder weights take at most PACKED_DECODER_LIMIT:
-engine/packed_weights.py; a weight's packed rows are rounded up to 16, at most 15 rows more).
+engine/kernels/packed_weights.py; a weight's packed rows are rounded up to 16, at most 15 rows
+more).
 
 The kernel takes float32 steps of every size, from one row up: oneDNN's per-call work (packing x,
 choosing a kernel, a thread team) is a large share of a small step's short matmuls, and only at
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 from engine.kernels import torch_ops
 from engine.kernels.backend import Linear
 from engine.kernels.cpu.build import load_library
-from engine.packed_weights import PACKED_WEIGHT_LIMIT
+from engine.kernels.packed_weights import PACKED_WEIGHT_LIMIT
 
 PANEL = 16  # output columns per panel (linear.cpp's kPanel)
 PACKED_FROM_TOKENS = 2  # for oneDNN's packed weights

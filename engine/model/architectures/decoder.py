@@ -19,6 +19,7 @@ from torch import nn
 from engine.kernels.attention_metadata import AttentionMetadata
 from engine.kernels.backend import KernelBackend, Linear
 from engine.kernels.kv_cache import PagedKVCache
+from engine.kernels.packed_weights import packs_decoder
 from engine.model.architectures.fused_decode import FusedDecode
 from engine.model.architectures.layers import PreparedLinears, RMSNorm, StepContext
 from engine.model.architectures.rope import rope_inv_freq
@@ -29,7 +30,6 @@ from engine.model.parallel.layers import VocabParallelEmbedding
 from engine.model.parallel.layout import RankShape, rank_shape
 from engine.model.quantized import layers as quantized_layers
 from engine.model.quantized.formats import WeightFormat
-from engine.packed_weights import packs_decoder
 
 if TYPE_CHECKING:
     from engine.kernels.cpu.quantized import PackedWeight
@@ -96,7 +96,7 @@ class CausalLM(nn.Module):
         quantized = quantized or {}
         names = {module: name for name, module in self.named_modules()}
         # The decoder's float matmuls are prepared (packed, on the CPU) only while the copies
-        # stay small: the rule the memory plan counts them by (engine/packed_weights.py).
+        # stay small: the rule the memory plan counts them by (engine/kernels/packed_weights.py).
         matmuls = (m.weight for m in self.layers.modules() if isinstance(m, nn.Linear))
         prepare = packs_decoder(sum(w.numel() * w.element_size() for w in matmuls))
 

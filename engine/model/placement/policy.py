@@ -11,10 +11,10 @@ import os
 import re
 from collections.abc import Iterable, Mapping
 
+from engine.kernels.packed_weights import packed_copy_bytes, packs_decoder
 from engine.model.config import ModelConfig
 from engine.model.loading.weight_names import matrix_shapes
 from engine.model.placement.capacity import dtype_bytes
-from engine.packed_weights import packed_copy_bytes, packs_decoder
 from engine.quantization.layout import packed_bytes
 
 DEVICES = "'auto', 'cpu', 'cuda' or 'cuda:N'"
@@ -172,9 +172,9 @@ def weight_bytes(config: ModelConfig, dtype: str, tensor_parallel_size: int = 1)
 def packed_weight_bytes(
     config: ModelConfig, dtype: str, tensor_parallel_size: int = 1, quantized: Iterable[str] = ()
 ) -> int:
-    """Bytes of one rank's packed copies on the CPU (engine/packed_weights.py): the vocabulary
-    projection's, and the decoder's matmul weights' when they are small enough to be packed
-    (made by the compiled CPU backend; counted whichever backend runs, as the plan is made
+    """Bytes of one rank's packed copies on the CPU (engine/kernels/packed_weights.py): the
+    vocabulary projection's, and the decoder's matmul weights' when they are small enough to be
+    packed (made by the compiled CPU backend; counted whichever backend runs, as the plan is made
     before a worker chooses one). Weights served `quantized` (parameter names) have none."""
     skip = set(quantized)
     size = dtype_bytes(dtype)

@@ -1,0 +1,173 @@
+"""The admin socket: newline-delimited JSON commands on an owner-only Unix socket.
+
+Request: `{"cmd": "stats", "args": []}`. Reply: `{"ok": true, "result": ...}` or
+`{"ok": false, "error": "..."}`. Commands: health, stats, actors, requests, abort ID, drain,
+shutdown, log-level LEVEL. Lines are decoded with a typed msgspec decoder, never unpickled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from engine.http.openai.operations import abort_request
+from engine.http.state import ServerState
+from engine.settings.fields import FIELDS
+
+log = logging.getLogger("engine.http.admin")
+
+MAX_LINE = 64 * 1024
+COMMANDS = ("health", "stats", "actors", "requests", "abort", "drain", "shutdown", "log-level")
+LOG_LEVELS = FIELDS["runtime.log_level"].choices
+
+
+class AdminCommand(msgspec.Struct, forbid_unknown_fields=True):
+    cmd: str
+    args: list[str] = msgspec.field(default_factory=list)
+
+
+class AdminReply(msgspec.Struct, omit_defaults=True):
+    ok: bool
+    result: Any = None
+    error: str | None = None
+
+
+class AdminError(Exception):
+    pass
+
+
+_DECODER = msgspec.json.Decoder(AdminCommand)
+
+
+def _encode(reply: AdminReply) -> bytes:
+    return msgspec.json.encode(reply, enc_hook=str) + b"\n"
+
+
+class AdminServer:
+    def __init__(
+        self,
+        state: ServerState,
+        path: Path,
+        *,
+        drain: Callable[[], Awaitable[dict[str, Any]]],
+        shutdown: Callable[[], None],
+    ) -> None:
+        self.state = state
+        self.path = path
+        self._drain = drain
+        self._shutdown = shutdown
+        self._server: asyncio.AbstractServer | None = None
+
+    async def start(self) -> None:
+        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if self.path.exists() or self.path.is_symlink():
+            self.path.unlink()  # a leftover from a crashed run (the directory is ours)
+        old_umask = os.umask(0o177)  # the socket is born 0600: no window where others connect
+        try:
+            self._server = await asyncio.start_unix_server(
+                self._serve_client, path=str(self.path), limit=MAX_LINE
+            )
+        finally:
+            os.umask(old_umask)
+        os.chmod(self.path, 0o600)
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 2.0)
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+
+    async def _serve_client(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        try:
+            while True:
+                try:
+                    line = await reader.readline()
+                except (ValueError, asyncio.LimitOverrunError):
+                    writer.write(_encode(AdminReply(ok=False, error=f"line over {MAX_LINE} bytes")))
+                    break
+                if not line:
+                    break
+                if not line.strip():
+                    continue
+                writer.write(_encode(await self.handle_line(line)))
+                await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    async def handle_line(self, line: bytes) -> AdminReply:
+        try:
+            command = _DECODER.decode(line)
+        except msgspec.DecodeError as e:
+            return AdminReply(
+                ok=False, error=f'bad command line ({e}); send {{"cmd": ..., "args": [...]}}'
+            )
+        try:
+            return AdminReply(ok=True, result=await self.run(command.cmd, command.args))
+        except AdminError as e:
+            return AdminReply(ok=False, error=str(e))
+        except Exception as e:
+            log.exception("admin command %s failed", command.cmd)
+            return AdminReply(ok=False, error=f"{command.cmd} failed: {type(e).__name__}: {e}")
+
+    async def run(self, cmd: str, args: list[str]) -> Any:
+        llm = self.state.llm
+        _check_arity(cmd, args)
+        if cmd == "health":
+            return msgspec.structs.replace(llm.health(), draining=self.state.draining)
+        if cmd == "stats":
+            return msgspec.structs.replace(llm.stats(), draining=self.state.draining)
+        if cmd == "actors":
+            return llm.actors()
+        if cmd == "requests":
+            return llm.requests()
+        if cmd == "abort":
+            (request_id,) = args
+            # An engine request's id, or an API request's X-Request-Id (all of its prompts)
+            if not await abort_request(self.state, request_id):
+                raise AdminError(f"no in-flight request {request_id!r} (see the requests command)")
+            return {"aborted": request_id}
+        if cmd == "drain":
+            return await self._drain()
+        if cmd == "shutdown":
+            self._shutdown()
+            return {"shutting_down": True}
+        if cmd == "log-level":
+            return await _set_log_level(llm, args[0])
+        raise AdminError(f"unknown command {cmd!r}; commands: {', '.join(COMMANDS)}")
+
+
+def _check_arity(cmd: str, args: list[str]) -> None:
+    wanted = {"abort": ["ID"], "log-level": ["LEVEL"]}.get(cmd, [])
+    if cmd in COMMANDS and len(args) != len(wanted):
+        form = " ".join([cmd, *wanted])
+        raise AdminError(f"{cmd} takes {len(wanted)} argument(s): {form}; got {len(args)}")
+
+
+async def _set_log_level(llm: Any, level: str) -> dict[str, str]:
+    level = level.lower()
+    if level not in LOG_LEVELS:
+        raise AdminError(f"log level must be one of {', '.join(LOG_LEVELS)}, got {level!r}")
+    logging.getLogger().setLevel(level.upper())
+    logging.getLogger("engine").setLevel(level.upper())
+    set_actors_level = getattr(llm, "set_log_level", None)  # actors follow when the engine can
+    if callable(set_actors_level):
+        result = set_actors_level(level)
+        if inspect.isawaitable(result):
+            await result
+    return {"log_level": level}

@@ -1,0 +1,330 @@
+"""The Starlette app: OpenAI-compatible routes plus health, version and metrics.
+
+Every failure becomes an OpenAI error body (`{"error": {message, type, param, code}}`) with its
+status; a failed request leaves nothing behind, so the next one is served normally.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+from collections.abc import Awaitable, Callable
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any, TypeVar
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from engine.http.adapted_routes import adapted_api_routes
+from engine.http.metrics import CONTENT_TYPE
+from engine.http.openai.decoding import decode_request
+from engine.http.openai.embeddings import embedding_routes
+from engine.http.openai.errors import INTERNAL_ERROR_MESSAGE, ApiError, outcome_of
+from engine.http.openai.lora_routes import adapter_cards, lora_routes
+from engine.http.openai.operations import (
+    AbortRequest,
+    abort_request,
+    cors_middleware,
+    take_client_request_id,
+)
+from engine.http.openai.parsing import PreparedRequest, parse_chat, parse_completion
+from engine.http.openai.protocol import ModelCard, ModelList, encode
+from engine.http.openai.runs import RequestRun
+from engine.http.state import ServerState
+from engine.http.steps import HttpSteps
+from engine.http.streams import ReleasingStream
+from engine.http.ui.page import chat_page_routes
+from engine.telemetry.tracer import trace_headers
+from engine.testing.http_faults import HttpFaults
+
+log = logging.getLogger("engine.http")
+
+JSON = "application/json"
+_ABORT = msgspec.json.Decoder(AbortRequest)
+# Past this many bytes an oversized body is no longer read to the end before answering 413.
+_DISCARD_LIMIT = 256 * 1024 * 1024
+
+Parser = Callable[[bytes, tuple[str, ...]], PreparedRequest]
+T = TypeVar("T")
+
+
+def build_app(state: ServerState) -> Starlette:
+    if state.faults.rules:
+        log.warning("HTTP fault injection is on: %s", state.faults.rules)
+    routes = [
+        *_api_routes(state),
+        # /v1/responses and /v1/messages, run as chat requests
+        *adapted_api_routes(state, HttpSteps(_check_auth, _read_body, _until_disconnect)),
+        *embedding_routes(state, HttpSteps(_check_auth, _read_body, _until_disconnect)),
+        *_probe_routes(state),
+        *_token_routes(state),
+        *lora_routes(state, _check_auth, _read_body),  # /v1/load_lora_adapter, unload
+        *chat_page_routes(state, _check_auth),  # GET /: the chat page, unless --no-ui
+    ]
+    handlers: dict[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
+        ApiError: _api_error_response,
+        HTTPException: _http_exception_response,
+        Exception: _internal_error_response,
+    }
+    return Starlette(
+        routes=routes, exception_handlers=handlers, middleware=cors_middleware(state.settings)
+    )
+
+
+def _api_routes(state: ServerState) -> list[Route]:
+    """The OpenAI API, the version and the metrics."""
+
+    async def completions(request: Request) -> Response:
+        return await _generate(request, state, parse_completion, "completions")
+
+    async def chat_completions(request: Request) -> Response:
+        return await _generate(request, state, parse_chat, "chat_completions")
+
+    async def models(request: Request) -> Response:
+        _check_auth(request, state)
+        cards = [
+            ModelCard(id=name, created=state.started_at, max_model_len=state.max_model_len)
+            for name in state.base_names
+        ]
+        cards += adapter_cards(state)
+        return Response(encode(ModelList(data=cards)), media_type=JSON)
+
+    async def version_route(request: Request) -> Response:
+        return _json(200, {"version": engine_version()})
+
+    async def metrics(request: Request) -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    return [
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/version", version_route, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+
+
+def _probe_routes(state: ServerState) -> list[Route]:
+    """Liveness (/health) and readiness (/ready), as Kubernetes probes read them."""
+
+    async def health(request: Request) -> Response:
+        """Liveness: 503 only once the engine has given up. An actor being restarted is the
+        engine healing itself; a liveness probe that failed then would restart the pod."""
+        report = state.llm.health()
+        if report.reason is not None:
+            return _json(503, {"status": "failed", "reason": report.reason})
+        if state.draining:
+            return _json(200, {"status": "draining"})
+        if not report.ready:
+            return _json(200, {"status": "restarting", "not_ready": report.not_ready})
+        return _json(200, {"status": "ok"})
+
+    async def ready(request: Request) -> Response:
+        """Readiness: 200 only while new requests can be served now."""
+        report = state.llm.health()
+        if state.draining:
+            return _json(503, {"status": "draining"})
+        if report.ready:
+            return _json(200, {"status": "ready"})
+        body = {"status": "unavailable", "not_ready": report.not_ready, "reason": report.reason}
+        return _json(503, body)
+
+    return [Route("/health", health, methods=["GET"]), Route("/ready", ready, methods=["GET"])]
+
+
+def _token_routes(state: ServerState) -> list[Route]:
+    """vLLM's /tokenize, /detokenize and /abort."""
+
+    async def tokenize(request: Request) -> Response:
+        _check_auth(request, state)
+        body = await _read_body(request, state.settings.server.max_request_bytes)
+        return Response(await state.tokens.tokenize(body), media_type=JSON)
+
+    async def detokenize(request: Request) -> Response:
+        _check_auth(request, state)
+        body = await _read_body(request, state.settings.server.max_request_bytes)
+        return Response(await state.tokens.detokenize(body), media_type=JSON)
+
+    async def abort(request: Request) -> Response:
+        _check_auth(request, state)
+        body = await _read_body(request, state.settings.server.max_request_bytes)
+        request_id = decode_request(_ABORT, body).request_id
+        if not await abort_request(state, request_id):
+            raise ApiError(
+                404, f"no request {request_id!r} is in flight", param="request_id", code="not_found"
+            )
+        return _json(200, {"aborted": request_id})
+
+    return [
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/abort", abort, methods=["POST"]),
+    ]
+
+
+async def _generate(request: Request, state: ServerState, parse: Parser, endpoint: str) -> Response:
+    try:
+        if state.draining:
+            raise ApiError(503, "the server is shutting down", headers={"Retry-After": "5"})
+        _check_auth(request, state)
+        body = await _read_body(request, state.settings.server.max_request_bytes)
+        prepared = _parse(parse, body, state.served_names, request.url.path)
+        take_client_request_id(prepared, request.headers.get("x-request-id"), state.runs)
+        faults = state.faults.actions(body)
+        HttpFaults.trip(faults, "raise")
+    except ApiError as e:
+        state.metrics.count_request(endpoint, outcome_of(e.status))
+        raise
+    except Exception:  # answered by the generic 500; the run below counts its own end
+        state.metrics.count_request(endpoint, outcome_of(500))
+        raise
+    run = RequestRun(state, prepared, endpoint, body, faults)
+    run.trace_headers = trace_headers(request.headers)
+    if prepared.stream:
+        firsts = await _until_disconnect(request, run.open())
+        if firsts is None:  # left while queued or prefilling
+            run.abort_unfinished()
+            run.finish()
+            return Response(status_code=499)
+        # The run is released by the response, not (only) by its event generator: a client
+        # that leaves before the first body step leaves that generator never started.
+        return ReleasingStream(
+            run.sse(firsts),
+            run.release,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Request-Id": run.key},
+        )
+    result = await _until_disconnect(request, run.collect())
+    if result is None:  # the client left; its engine requests were aborted
+        run.abort_unfinished()
+        run.finish()  # once only: also when collect() was cancelled before it began
+        return Response(status_code=499)
+    return Response(result, media_type=JSON, headers={"X-Request-Id": run.key})
+
+
+def _parse(parse: Parser, body: bytes, model_name: tuple[str, ...], path: str) -> PreparedRequest:
+    """Parse a body; a failure the parser did not foresee is still the body's fault (a 400),
+    logged with its traceback so that the gap in the parser can be closed."""
+    try:
+        return parse(body, model_name)
+    except ApiError:
+        raise
+    except Exception:
+        log.exception("unforeseen failure parsing a %s request body", path)
+        raise ApiError(400, f"the request body is not a valid {path} request") from None
+
+
+def _check_auth(request: Request, state: ServerState) -> None:
+    key = state.settings.server.api_key
+    if not key:
+        return
+    header = request.headers.get("authorization", "")
+    if not header.isascii():  # a bearer token is ASCII (RFC 6750)
+        raise ApiError(
+            400,
+            "the Authorization header holds non-ASCII bytes; send 'Authorization: Bearer <key>'",
+            param="Authorization",
+        )
+    scheme, _, token = header.partition(" ")
+    # As bytes: compare_digest refuses a str holding non-ASCII, which the configured key may.
+    if scheme.lower() != "bearer" or not secrets.compare_digest(
+        token.strip().encode(), key.encode()
+    ):
+        raise ApiError(
+            401,
+            "missing or invalid API key: send 'Authorization: Bearer <key>'",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length", "")
+    too_big = declared.isdigit() and int(declared) > limit
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                too_big = True
+            if too_big:
+                # Read (and drop) the rest so the client sees the 413, not a reset connection.
+                if size > _DISCARD_LIMIT:
+                    break
+                continue
+            chunks.append(chunk)
+    except ClientDisconnect:
+        # Gone before its body ended (or closed at server.body_timeout, answered 408 already):
+        # a 4xx no one reads, not an internal error with a traceback.
+        raise ApiError(
+            400, "the client closed the connection before sending its whole body"
+        ) from None
+    if too_big:
+        raise ApiError(
+            413,
+            f"request body of {max(size, int(declared or 0))} bytes is over the limit of "
+            f"{limit} bytes (server.max_request_bytes)",
+        )
+    return b"".join(chunks)
+
+
+async def _until_disconnect(request: Request, work: Awaitable[T]) -> T | None:
+    """Run `work`, but cancel it (aborting its requests) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        watcher.cancel()
+    if task.cancelled():
+        return None
+    return task.result()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _json(status: int, body: Any) -> Response:
+    return Response(encode(body), status_code=status, media_type=JSON)
+
+
+async def _api_error_response(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    return Response(exc.encoded(), status_code=exc.status, media_type=JSON, headers=exc.headers)
+
+
+async def _http_exception_response(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    message = f"{request.method} {request.url.path}: {exc.detail}"
+    error = ApiError(exc.status_code, message, code=None if exc.status_code != 404 else "not_found")
+    return Response(error.encoded(), status_code=exc.status_code, media_type=JSON)
+
+
+async def _internal_error_response(request: Request, exc: Exception) -> Response:
+    # The details go to the server log (uvicorn logs the exception Starlette re-raises after
+    # this answer), not to the client: they may describe internals. uvicorn closes the
+    # connection once that exception reaches it; without `Connection: close` the client would
+    # keep the connection in its pool and could send its next request on it as it closes.
+    error = ApiError(500, INTERNAL_ERROR_MESSAGE)
+    return Response(
+        error.encoded(), status_code=500, media_type=JSON, headers={"Connection": "close"}
+    )
+
+
+def engine_version() -> str:
+    try:
+        return version("engine")
+    except PackageNotFoundError:
+        return "unknown"

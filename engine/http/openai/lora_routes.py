@@ -1,0 +1,92 @@
+"""vLLM's routes for LoRA adapters at run time: POST /v1/load_lora_adapter {"lora_name",
+"lora_path"} and POST /v1/unload_lora_adapter {"lora_name"}, answered as vLLM answers them (a
+plain-text success line; an OpenAI-style error otherwise), behind the API key when one is set.
+
+An adapter is checked (config and tensor shapes against the base model) before it is served; the
+workers load it when a request first names it (engine/lora/registry.py says why). Unloading an
+adapter that running requests use lets them finish with it; new requests naming it get 404.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
+from starlette.routing import Route
+
+from engine.http.openai.decoding import decode_request
+from engine.http.openai.errors import ApiError
+from engine.http.openai.protocol import ModelCard
+from engine.http.state import ServerState
+from engine.lora.registry import AdapterRegistry
+
+
+class LoadLoRAAdapterRequest(msgspec.Struct, kw_only=True):
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(msgspec.Struct, kw_only=True):
+    lora_name: str
+    lora_int_id: int | None = None  # accepted as vLLM does; the name says which
+
+
+_LOAD = msgspec.json.Decoder(LoadLoRAAdapterRequest)
+_UNLOAD = msgspec.json.Decoder(UnloadLoRAAdapterRequest)
+
+
+def lora_routes(
+    state: ServerState,
+    check_auth: Callable[[Request, ServerState], None],
+    read_body: Callable[[Request, int], Awaitable[bytes]],
+) -> list[Route]:
+    async def body_of(request: Request) -> bytes:
+        check_auth(request, state)
+        return await read_body(request, state.settings.server.max_request_bytes)
+
+    async def load(request: Request) -> Response:
+        body = decode_request(_LOAD, await body_of(request))
+        try:
+            _registry(state).load(body.lora_name, body.lora_path)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="lora_path") from None
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    async def unload(request: Request) -> Response:
+        body = decode_request(_UNLOAD, await body_of(request))
+        try:
+            _registry(state).unload(body.lora_name)
+        except KeyError as exc:
+            raise ApiError(404, exc.args[0], param="lora_name", code="not_found") from None
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+    return [
+        Route("/v1/load_lora_adapter", load, methods=["POST"]),
+        Route("/v1/unload_lora_adapter", unload, methods=["POST"]),
+    ]
+
+
+def _registry(state: ServerState) -> AdapterRegistry:
+    if state.llm.adapters is None:
+        raise ApiError(400, "LoRA adapters are not enabled: start the server with --enable-lora")
+    return state.llm.adapters
+
+
+def adapter_cards(state: ServerState) -> list[ModelCard]:
+    """/v1/models' entries for the adapters, as vLLM lists them: root = the adapter's path,
+    parent = its --lora-modules base_model_name, else the base model's served name."""
+    adapters = state.llm.adapters
+    if adapters is None:
+        return []
+    return [
+        ModelCard(
+            id=lora.lora_name,
+            created=state.started_at,
+            max_model_len=state.max_model_len,
+            root=lora.lora_path,
+            parent=adapters.parents.get(lora.lora_name, state.model_name),
+        )
+        for lora in adapters.adapters.values()
+    ]

@@ -1,0 +1,72 @@
+"""Request ids chosen by the client (X-Request-Id or the body's request_id), `POST /abort`, and
+CORS for browser clients (off unless server.allowed_origins names some)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+
+from engine.http.openai.errors import ApiError
+from engine.http.openai.parsing import PreparedRequest
+from engine.settings import Settings
+
+if TYPE_CHECKING:
+    from engine.http.state import ServerState
+
+MAX_REQUEST_ID_CHARS = 256
+
+
+class AbortRequest(msgspec.Struct, kw_only=True):
+    request_id: str
+
+
+def take_client_request_id(
+    prepared: PreparedRequest, header: str | None, in_flight: Mapping[str, Any]
+) -> None:
+    """Make the client's id (the header wins over the body's, as in vLLM) the request's id:
+    the engine request's, the response's X-Request-Id and, prefixed, its body id."""
+    request_id = header if header is not None else prepared.client_request_id
+    if request_id is None:
+        return
+    param = "X-Request-Id" if header is not None else "request_id"
+    if not request_id or len(request_id) > MAX_REQUEST_ID_CHARS or not request_id.isprintable():
+        raise ApiError(
+            400,
+            f"'{param}' must be 1 to {MAX_REQUEST_ID_CHARS} printable characters",
+            param=param,
+        )
+    if request_id in in_flight:
+        raise ApiError(400, f"request id {request_id!r} is already in flight", param=param)
+    prepared.client_request_id = request_id
+    kind = prepared.request_id.partition("-")[0]  # cmpl | chatcmpl
+    prepared.request_id = f"{kind}-{request_id}"
+
+
+async def abort_request(state: ServerState, request_id: str) -> bool:
+    """Abort an API request by the id its response carries in X-Request-Id (every engine
+    request of it), or an engine request by its own id; False if none is in flight."""
+    run = state.runs.get(request_id)
+    if run is None:
+        return await state.llm.abort(request_id)
+    engine_ids = [run.prepared.engine_request_id(i) for i in range(len(run.prepared.prompts))]
+    aborted = [await state.llm.abort(engine_id) for engine_id in engine_ids]
+    return any(aborted)
+
+
+def cors_middleware(settings: Settings) -> list[Middleware]:
+    server = settings.server
+    if not server.allowed_origins:
+        return []  # no CORS headers at all: browsers on other origins are refused
+    return [
+        Middleware(
+            CORSMiddleware,
+            allow_origins=list(server.allowed_origins),
+            allow_methods=list(server.allowed_methods),
+            allow_headers=list(server.allowed_headers),
+            allow_credentials=server.allow_credentials,
+        )
+    ]

@@ -1,0 +1,369 @@
+"""One API request's life on the engine: open its engine requests, relay their outputs, and
+abort whatever is left when the client goes away or something fails.
+
+A batched completions request (several prompts) becomes one engine request per prompt; their
+outputs are merged in arrival order. Engine refusals (prompt too long, queue full) arrive before
+the first output, so they surface here as `ApiError`s before any byte of a response is sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import TYPE_CHECKING
+
+from engine.http.openai.bodies import SSE_DONE, ResponseBuilder, sse_event
+from engine.http.openai.errors import INTERNAL_ERROR_MESSAGE, ApiError, outcome_of
+from engine.http.openai.parsing import PreparedRequest
+from engine.http.openai.protocol import Usage
+from engine.http.openai.recording import RequestRecording
+from engine.messages.scheduling import FirstScheduled
+from engine.request.outputs import EngineError, RequestOutput
+from engine.testing.http_faults import HttpFaults
+
+if TYPE_CHECKING:
+    from engine.http.metrics import ServerMetrics
+    from engine.http.state import ServerState
+
+log = logging.getLogger("engine.requests")
+
+# Detached abort tasks live here until done (the event loop keeps only weak references).
+_BACKGROUND: set[asyncio.Task[None]] = set()
+
+
+def api_error_from(error: EngineError) -> ApiError:
+    headers = {"Retry-After": "1"} if error.status == 429 else None
+    return ApiError(error.status, error.message, param=error.param, headers=headers)
+
+
+class RequestRun:
+    def __init__(
+        self,
+        state: ServerState,
+        prepared: PreparedRequest,
+        endpoint: str,
+        body: bytes = b"",
+        faults: frozenset[str] = frozenset(),
+    ) -> None:
+        self.state = state
+        self._faults = faults  # the injected faults this request trips (tests only)
+        self.prepared = prepared
+        self.endpoint = endpoint
+        server = state.settings.server
+        self.builder = ResponseBuilder(prepared, server.tool_call_parser, server.reasoning_parser)
+        self.arrival = time.monotonic()
+        self.arrival_wall = time.time()
+        self._streams: list[AsyncIterator[RequestOutput]] = []
+        self._finished: set[int] = set()
+        self.first_token_at: float | None = None
+        self._last_token_at: dict[int, float] = {}
+        self.scheduling: dict[int, FirstScheduled] = {}  # per prompt, once reported
+        self.key = prepared.client_request_id or prepared.request_id  # X-Request-Id, /abort
+        self.trace_headers: dict[str, str] | None = None  # W3C trace context its spans continue
+        state.runs[self.key] = self
+        self.outcome = "aborted"
+        self.status = 200  # the HTTP status answered; an engine refusal's otherwise
+        self._counted = False
+        self.recording = (
+            RequestRecording(endpoint, body, self.arrival_wall)
+            if state.trace is not None and state.trace.active
+            else None
+        )
+
+    # ------------------------------------------------------------ opening
+
+    async def open(self) -> list[tuple[int, RequestOutput]]:
+        """Submit every prompt and wait for each one's first output (or its refusal)."""
+        p = self.prepared
+        for i, prompt in enumerate(p.prompts):
+            stream = self.state.llm.stream(
+                prompt,
+                p.params,
+                messages=p.messages,
+                request_id=p.engine_request_id(i),
+                chat_template=self.state.chat_template if p.messages is not None else None,
+                chat_template_kwargs=p.chat_template_kwargs,
+                kv_transfer_params=p.kv_transfer_params,
+                trace_headers=self.trace_headers,
+                defaulted_fields=p.defaulted_fields,
+                field_names=p.field_names,
+                lora_request=self.state.adapter_of(p.model),
+            )
+            self._streams.append(aiter(stream))
+        results = await asyncio.gather(
+            *(anext(stream) for stream in self._streams), return_exceptions=True
+        )
+        firsts: list[tuple[int, RequestOutput]] = []
+        failure: BaseException | None = None
+        for i, result in enumerate(results):
+            if isinstance(result, RequestOutput):
+                firsts.append((i, result))
+                if result.finished:
+                    self._finished.add(i)
+            else:
+                self._finished.add(i)  # refused or ended: nothing to abort for this prompt
+                failure = failure or result
+        if failure is not None:
+            self.abort_unfinished()
+            status = failure.status if isinstance(failure, EngineError) else 500
+            self.status = status
+            self.outcome = outcome_of(status)
+            self.finish()
+            if isinstance(failure, EngineError):
+                raise api_error_from(failure)
+            if isinstance(failure, StopAsyncIteration):
+                raise ApiError(500, "the engine ended the request without any output")
+            raise failure
+        if p.echo:
+            for i, first in firsts:
+                prompt = p.prompts[i]
+                text = prompt if isinstance(prompt, str) else None
+                echoed = await self.state.tokens.echo(text, first.prompt_token_ids)
+                self.builder.echoed[i] = echoed
+        return firsts
+
+    # ------------------------------------------------------------ relaying
+
+    async def outputs(
+        self, firsts: list[tuple[int, RequestOutput]]
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Every output of every prompt, first ones included, with metrics observed."""
+        for item in firsts:
+            self._observe(*item)
+            yield item
+        pending = [i for i in range(len(self._streams)) if i not in self._finished]
+        if len(pending) == 1:
+            (i,) = pending
+            async for out in self._streams[i]:
+                self._observe(i, out)
+                yield i, out
+            return
+        queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+        pumps = [asyncio.create_task(self._pump(i, queue)) for i in pending]
+        try:
+            remaining = len(pumps)
+            while remaining:
+                i, got = await queue.get()
+                if got is None:
+                    remaining -= 1
+                elif isinstance(got, BaseException):
+                    raise got
+                else:
+                    self._observe(i, got)
+                    yield i, got
+        finally:
+            for pump in pumps:
+                pump.cancel()
+
+    async def _pump(
+        self, i: int, queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]]
+    ) -> None:
+        try:
+            async for out in self._streams[i]:
+                queue.put_nowait((i, out))
+        except Exception as e:
+            queue.put_nowait((i, e))
+        queue.put_nowait((i, None))
+
+    def _observe(self, i: int, out: RequestOutput) -> None:
+        now = time.monotonic()
+        metrics = self.state.metrics
+        model = metrics.model_name
+        if out.scheduling is not None:
+            self.scheduling.setdefault(i, out.scheduling)
+        for delta in out.outputs:
+            count = len(delta.token_ids)
+            if count == 0:
+                continue
+            metrics.add_generation_tokens(count)
+            if self.first_token_at is None:
+                self.first_token_at = now
+                metrics.ttft.labels(model).observe(now - self.arrival)
+            key = i * self.prepared.n + delta.index
+            if self.recording is not None:
+                self.recording.tokens_delivered(key, delta.token_ids, now - self.arrival)
+            last = self._last_token_at.get(key)
+            if last is not None:
+                per_token = (now - last) / count
+                itl = metrics.itl.labels(model)
+                for _ in range(count):
+                    itl.observe(per_token)
+            self._last_token_at[key] = now
+        if out.finished:
+            self._finished.add(i)
+
+    # ------------------------------------------------------------ the two response shapes
+
+    async def collect(self) -> bytes:
+        """Run to the end and return the one-shot JSON body."""
+        firsts = await self.open()
+        try:
+            async for i, out in self.outputs(firsts):
+                self.builder.absorb(i, out)
+        except EngineError as e:
+            self.outcome = "error"
+            raise api_error_from(e) from None
+        finally:
+            # Before abort_unfinished, which counts what it aborts as finished: a client that
+            # left before the end (this coroutine cancelled) leaves the outcome "aborted".
+            ran_to_end = len(self._finished) == len(self._streams)
+            self.abort_unfinished()
+            if self.outcome == "aborted" and ran_to_end:
+                self.outcome = self._ended_outcome()
+            self.finish()
+        return self.builder.final_body()
+
+    async def release(self) -> None:
+        """However the response ended (to its end, broken, or the client gone before its first
+        byte): abort what still runs, count the request, free its id. Idempotent."""
+        self.abort_unfinished()
+        self.finish()
+
+    async def sse(self, firsts: list[tuple[int, RequestOutput]]) -> AsyncGenerator[bytes, None]:
+        """The event stream; a client that goes away cancels it here and its requests abort.
+        However it fails, it ends with an error event and [DONE]: an exception let out would
+        make uvicorn cut the connection mid-body, which a client reads as a broken transfer."""
+        try:
+            for event in self.builder.opening_events():
+                yield event
+            HttpFaults.trip(self._faults, "raise-in-stream")
+            async for i, out in self.outputs(firsts):
+                for event in self.builder.delta_events(i, out):
+                    yield event
+            if self.prepared.include_usage:
+                yield self.builder.usage_event()
+            self.outcome = self._ended_outcome()
+        except EngineError as e:
+            self.outcome = "error"
+            yield sse_event(api_error_from(e).encoded())
+        except Exception:
+            log.exception("request %s: its %s stream failed", self.key, self.endpoint)
+            self.outcome = "error"
+            yield sse_event(ApiError(500, INTERNAL_ERROR_MESSAGE).encoded())
+        finally:
+            self.abort_unfinished()
+            self.finish()
+        yield SSE_DONE
+
+    # ------------------------------------------------------------ ending
+
+    def _ended_outcome(self) -> str:
+        """A request that ran to its end; aborted (admin, drain) if any sample was cut off."""
+        reasons = {c.finish_reason for c in self.builder.choices}
+        return "aborted" if "abort" in reasons else "success"
+
+    def abort_unfinished(self) -> None:
+        """Abort engine requests still running. Detached: this runs inside cancellations."""
+        for i, stream in enumerate(self._streams):
+            if i in self._finished:
+                continue
+            self._finished.add(i)
+            task = asyncio.get_running_loop().create_task(
+                self._abort(self.prepared.engine_request_id(i), stream)
+            )
+            _BACKGROUND.add(task)
+            task.add_done_callback(_BACKGROUND.discard)
+
+    async def _abort(self, engine_request_id: str, stream: AsyncIterator[RequestOutput]) -> None:
+        with contextlib.suppress(Exception):
+            await self.state.llm.abort(engine_request_id)
+        aclose = getattr(stream, "aclose", None)
+        if aclose is not None:
+            with contextlib.suppress(Exception):
+                await aclose()
+
+    def finish(self) -> None:
+        """Count the request once, by outcome, and record it in the trace when asked."""
+        if self._counted:
+            return
+        self._counted = True
+        if self.state.runs.get(self.key) is self:
+            del self.state.runs[self.key]
+        now = time.monotonic()
+        metrics = self.state.metrics
+        metrics.count_request(self.endpoint, self.outcome)
+        usage = self.builder.usage()
+        metrics.add_prompt_tokens(usage.prompt_tokens)
+        if self.status == 200:
+            observe_finished(metrics, self, now, usage)
+        if self.state.settings.server.enable_log_requests:
+            log_request(self, now, usage)
+        if self.recording is not None and self.state.trace is not None:
+            first = self.first_token_at
+            self.state.trace.submit(
+                self.recording.record(
+                    self.prepared,
+                    self.builder.choices if self.status == 200 else [],  # refused: none
+                    outcome=self.outcome,
+                    status=self.status,
+                    prompt_tokens=usage.prompt_tokens,
+                    completion_tokens=usage.completion_tokens,
+                    ttft=None if first is None else first - self.arrival,
+                    e2e=now - self.arrival,
+                )
+            )
+
+
+def observe_finished(metrics: ServerMetrics, run: RequestRun, now: float, usage: Usage) -> None:
+    """The per-request histograms of a request that was served (not refused)."""
+    model = metrics.model_name
+    generated = usage.completion_tokens
+    metrics.request_prompt_tokens.labels(model).observe(usage.prompt_tokens)
+    metrics.request_generation_tokens.labels(model).observe(generated)
+    for choice in run.builder.choices:
+        if choice.finish_reason is not None:
+            metrics.request_success.labels(model, choice.finish_reason).inc()
+    if run.outcome == "success":
+        metrics.e2e.labels(model).observe(now - run.arrival)
+    for scheduling in run.scheduling.values():
+        metrics.queue_time.labels(model).observe(scheduling.queue_s)
+        metrics.prefill_time.labels(model).observe(scheduling.prefill_s)
+    if run.first_token_at is not None:
+        decode = now - run.first_token_at
+        metrics.decode_time.labels(model).observe(decode)
+        later_tokens = generated - run.prepared.num_choices
+        if later_tokens > 0:
+            metrics.tpot.labels(model).observe(decode / later_tokens)
+
+
+def log_request(run: RequestRun, now: float, usage: Usage) -> None:
+    """One line: id, prompt length, parameters, outcome, timings; the prompt cut at
+    server.max_log_len characters (unset: whole)."""
+    p = run.prepared
+    limit = run.state.settings.server.max_log_len
+    prompt = _prompt_text(run)
+    if limit is not None and len(prompt) > limit:
+        prompt = prompt[:limit] + "..."
+    ttft = "-" if run.first_token_at is None else f"{run.first_token_at - run.arrival:.3f}s"
+    params = p.params
+    log.info(
+        "request %s: %s status=%d outcome=%s prompt_tokens=%d completion_tokens=%d "
+        "ttft=%s e2e=%.3fs params=(n=%d max_tokens=%s temperature=%g top_p=%g top_k=%d "
+        "seed=%s stop=%r) prompt=%r",
+        run.key,
+        run.endpoint,
+        run.status,
+        run.outcome,
+        usage.prompt_tokens,
+        usage.completion_tokens,
+        ttft,
+        now - run.arrival,
+        params.n,
+        params.max_tokens,
+        params.temperature,
+        params.top_p,
+        params.top_k,
+        params.seed,
+        params.stop,
+        prompt,
+    )
+
+
+def _prompt_text(run: RequestRun) -> str:
+    p = run.prepared
+    if p.messages is not None:
+        return "\n".join(f"{m['role']}: {m['content']}" for m in p.messages)
+    return " | ".join(str(prompt) for prompt in p.prompts)

@@ -1,0 +1,1 @@
+"""The chat page at `/`: its routes (page.py) and its static files (static/)."""
