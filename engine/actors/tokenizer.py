@@ -71,9 +71,9 @@ class TokenizerActor(Actor):
         self._tasks: set[asyncio.Task[None]] = set()
         self._max_frame_bytes = self.rings.writer(SUBMIT_RING.name).spec.max_frame_bytes
         # Where this run's tokenizer actors keep the built tokenizer for their successors: the
-        # root (our parent) owns the name, so a crashed run's is swept like its segments.
+        # root's run directory (owner-only), so a crashed run's is swept like its segments.
         digest = hashlib.sha256(config.model_path.encode()).hexdigest()[:20]
-        self._saved_path = os.path.join(SAVED_DIR, f"engine-{os.getppid()}-tokenizer-{digest}")
+        self._saved_path = os.path.join(SAVED_DIR, self.run_dir, f"tokenizer-{digest}")
         self._saving: asyncio.Future[bool] | None = None
         loop = asyncio.get_running_loop()
         if self.generation == 0:  # the first start proves the tokenizer loads, or fails the start
@@ -85,7 +85,11 @@ class TokenizerActor(Actor):
             # A restart: text prompts are tokenized by what the predecessor saved, and the
             # transformers tokenizer (seconds: its import and build) loads on the thread, ahead
             # of the chats (and big prompts) queued there behind it.
-            encoder = load_text_encoder(self._saved_path)
+            try:
+                encoder = load_text_encoder(self._saved_path)
+            except OSError as exc:  # not a file of ours: refused, the full tokenizer will do
+                self.log.warning("%s", exc)
+                encoder = None
             if encoder is not None:
                 self._text_builder = self._prompt_builder(encoder)
             loading = loop.run_in_executor(self._executor, self._load_builder)

@@ -81,14 +81,14 @@ class WorkerActor(Actor):
             quantization=config.quantization,
             tensor_parallel=group,
             kv_cache_buffer=cache_buffer,
-            # Our restarts map the weights this start read (the root is our parent).
-            weights_of_run=os.getppid(),
+            # Our restarts map the weights this start read, kept in the root's run directory.
+            weights_of_run=self.run_dir or None,
             max_lora_rank=config.max_lora_rank,
             max_cpu_loras=config.max_cpu_loras,
         )
         self.weight_slot = runner.weight_slot
         faults_hooks = faults if faults.rules else None
-        drafter = _drafter(config, runner)
+        drafter = _drafter(config, runner, self.run_dir or None)
         self.draft_weight_slot = None if drafter is None else drafter.runner.weight_slot
         self.executor = StepExecutor(runner, config.rank, faults_hooks, drafter)
         self._scheduler_generation = 0  # bumped when the scheduler restarts (fresh plan ring)
@@ -131,7 +131,7 @@ class WorkerActor(Actor):
             self._scheduler_generation += 1
 
 
-def _drafter(config: WorkerConfig, runner: Any) -> Any:
+def _drafter(config: WorkerConfig, runner: Any, run_dir: str | None) -> Any:
     """Speculative decoding's draft model, on rank 0 (the launch allows it in groups of one)."""
     if not config.draft_model_path or config.rank != 0:
         return None
@@ -145,5 +145,5 @@ def _drafter(config: WorkerConfig, runner: Any) -> Any:
         num_threads=config.num_threads,
         busy_threads=config.busy_threads,
         rejection_sampling=config.draft_rejection_sampling,
-        weights_of_run=os.getppid(),  # kept as the target's are (see on_start)
+        weights_of_run=run_dir,  # kept as the target's are (see on_start)
     )

@@ -15,7 +15,7 @@ import logging
 from pathlib import Path
 
 from engine.demo.checkpoint_maker import CheckpointSpec
-from engine.settings.home import build_directory, default_engine_home
+from engine.settings.home import build_directory, check_home_path, default_engine_home
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,8 @@ def ensure_default_model(engine_home: str | None = None) -> str:
     target = default_model_dir(engine_home)
     if not (target / "config.json").is_file():
         _build(target)
+    home = Path(engine_home).expanduser() if engine_home else default_engine_home()
+    check_home_path(target, home)  # weights another user could have replaced: refused
     log.info(
         "using the built-in demo model (random weights, %s, %d layers, hidden %d, vocab %d) at %s",
         DEFAULT_MODEL_SPEC.arch,

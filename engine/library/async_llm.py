@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from collections.abc import AsyncIterator, Collection, Mapping
 from typing import Any
 
@@ -146,7 +145,7 @@ class AsyncLLM:
         await asyncio.gather(*self._tasks, *self._sends, return_exceptions=True)
         if self._supervisor is not None:
             await self._supervisor.shutdown(reason)
-        remove_run_files(os.getpid())
+        remove_run_files()
 
     async def wait_closed(self) -> str:
         """Wait until the actor system has shut down (asked to, or given up); the reason."""

@@ -38,6 +38,9 @@ class ChildBoot(msgspec.Struct, frozen=True, kw_only=True):
     heartbeat_interval: float  # seconds between Heartbeats
     log_level: str
     segments: dict[str, str] = {}  # logical segment name -> shared-memory name (SegmentDecl)
+    # The root's run directory in /dev/shm (owner-only), where an actor may keep files for its
+    # successors; its name is the run's random token.
+    run_dir: str = ""
 
 
 # root -> child

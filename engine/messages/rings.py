@@ -31,13 +31,15 @@ _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 class RingSpec(msgspec.Struct, frozen=True):
     """Everything a process needs to open one end of a ring (plain data: crosses `spawn`)."""
 
-    name: str  # shm segment name; starts with the run prefix, e.g. "engine-4242-a1b2-tok2sched"
+    # shm segment name: the run prefix (the run's directory, then a part of its own), then the
+    # ring's, e.g. "engine-4242-0123456789abcdef/a1b2c3d4-r.tokens.0"
+    name: str
     capacity: int  # bytes of frame data
     readers: int = 1  # 1 = SPSC; N > 1 = broadcast (every reader sees every frame)
     doorbell_dir: str = ""  # owner-only directory of the doorbell FIFOs; "" = per-user default
 
     def __post_init__(self) -> None:
-        validate_name(self.name)
+        validate_segment_name(self.name)
         if not MIN_CAPACITY <= self.capacity <= MAX_CAPACITY:
             raise ValueError(
                 f"ring capacity must be {MIN_CAPACITY}..{MAX_CAPACITY} bytes, got {self.capacity!r}"
@@ -61,6 +63,18 @@ def validate_name(name: str) -> None:
             f"'-', starting with a letter or digit (e.g. 'engine-4242-a1b2-tok2sched'); "
             f"got {name!r}"
         )
+
+
+def validate_segment_name(name: str) -> None:
+    """A name, or a directory's name, '/' and a name: never more levels, never a path out."""
+    parts = name.split("/")
+    if len(parts) > 2 or len(name) > MAX_NAME_CHARS:
+        raise ValueError(
+            f"ring name must be a name or 'directory/name' (at most {MAX_NAME_CHARS} "
+            f"characters), got {name!r}"
+        )
+    for part in parts:
+        validate_name(part)
 
 
 class Ring(Generic[T]):

@@ -72,14 +72,15 @@ class ModelRunner:
         quantization: str = "auto",
         tensor_parallel: TensorParallelGroup | None = None,
         kv_cache_buffer: Any = None,
-        weights_of_run: int | None = None,
+        weights_of_run: str | None = None,
         max_lora_rank: int = 0,
         max_cpu_loras: int = 8,
     ) -> None:
         """`kv_cache_buffer`: memory the KV cache must live in (a shared-memory segment its
         kv_transfer actor maps too); None: the cache allocates its own. `weights_of_run`: the
-        root pid of the run whose restarts of this rank map its weights rather than read the
-        checkpoint again (engine/model/loading/weight_store.py; CPU only); None: no store.
+        run directory (engine/runtime/shm.py) whose restarts of this rank map its weights rather
+        than read the checkpoint again (engine/model/loading/weight_store.py; CPU only); None: no
+        store.
         `max_lora_rank` > 0: chunks may name LoRA adapters of at most that rank, loaded on first
         use and `max_cpu_loras` of them kept loaded."""
         if block_size < 1:

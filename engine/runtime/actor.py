@@ -74,6 +74,7 @@ class Actor:
         self.log = logging.getLogger(f"engine.actor.{boot.name}")
         self.rings = RingEnds(boot.inbound, boot.outbound)
         self.segments = boot.segments  # logical name -> shared-memory name (SegmentDecl)
+        self.run_dir = boot.run_dir  # the root's run directory in /dev/shm (a name)
         self._boot = boot
         self._control = RingReader(boot.control)
         self._status = RingWriter(boot.status)

@@ -33,6 +33,7 @@ from engine.messages.control import (
 from engine.runtime.actor import child_main
 from engine.runtime.child_spec import ChildSpec
 from engine.runtime.ring import RingReader, RingSpec, RingWriter, create_ring, destroy_ring
+from engine.runtime.shm import run_directory_of
 from engine.runtime.spares import Spare
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,7 @@ class ChildProcess:
     ) -> None:
         self.spec = spec
         self.generation = generation
+        self.run_dir = run_directory_of(prefix)
         tag = f"{spec.name}.{generation}"
         self.control_spec = RingSpec(f"{prefix}c.{tag}", CONTROL_RING_BYTES, 1, doorbell_dir)
         self.status_spec = RingSpec(f"{prefix}s.{tag}", CONTROL_RING_BYTES, 1, doorbell_dir)
@@ -122,6 +124,7 @@ class ChildProcess:
             heartbeat_interval=self.spec.heartbeat_interval,
             log_level=log_level,
             segments=dict(segments or {}),
+            run_dir=self.run_dir,
         )
         frame = BOOT.encode(boot)
         process = spare.hand_over(frame) if spare is not None else None

@@ -31,6 +31,8 @@ import time
 from collections.abc import Sequence
 from typing import Protocol
 
+from engine.runtime.private_files import open_private, taken
+
 SAFETY_RECHECK_S = 0.1
 MAX_SAFETY_RECHECK_S = 1.6
 # Readers: a peer's reply usually comes while they spin, sooner than parking and being woken.
@@ -73,40 +75,29 @@ def resolve_doorbell_dir(doorbell_dir: str) -> str:
     return doorbell_dir or default_doorbell_dir()
 
 
-def ensure_private_dir(path: str) -> None:
-    """Create `path` (mode 0700) if missing; refuse one that others could write or read."""
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    info = os.lstat(path)
-    mode = stat.S_IMODE(info.st_mode)
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or mode & 0o077:
-        raise PermissionError(
-            f"doorbell directory {path!r} must be a directory owned by uid {os.getuid()} with "
-            f"mode 0700; found uid {info.st_uid}, mode {oct(mode)}"
-            + ("" if stat.S_ISDIR(info.st_mode) else ", not a directory")
-        )
-
-
 def doorbell_path(doorbell_dir: str, ring_name: str, role: str) -> str:
-    """The FIFO of one waiting party of a ring: role "w" (writer) or "r<index>" (a reader)."""
-    return os.path.join(resolve_doorbell_dir(doorbell_dir), f"{ring_name}.{role}.bell")
+    """The FIFO of one waiting party of a ring: role "w" (writer) or "r<index>" (a reader).
+    The doorbell directory is already the user's own: a ring's run directory is flattened into
+    the file's name."""
+    flat = ring_name.replace("/", "-")
+    return os.path.join(resolve_doorbell_dir(doorbell_dir), f"{flat}.{role}.bell")
 
 
 def create_doorbell(path: str) -> None:
-    os.mkfifo(path, 0o600)
+    try:
+        os.mkfifo(path, 0o600)
+    except FileExistsError:
+        raise taken(path) from None
 
 
 def open_doorbell(path: str) -> int:
     try:
-        fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+        return open_private(path, os.O_RDWR | os.O_NONBLOCK, kind=stat.S_IFIFO)
     except FileNotFoundError:
         raise FileNotFoundError(
             f"doorbell {path!r} does not exist: was the ring created (create_ring) and not yet "
             "destroyed?"
         ) from None
-    if not stat.S_ISFIFO(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise ValueError(f"doorbell {path!r} is not a FIFO")
-    return fd
 
 
 def unlink_quietly(path: str) -> bool:

@@ -26,12 +26,12 @@ from engine.runtime.doorbell import (
     create_doorbell,
     default_doorbell_dir,
     doorbell_path,
-    ensure_private_dir,
     full_fence,
     open_doorbell,
     ring_doorbell,
     unlink_quietly,
 )
+from engine.runtime.private_files import ensure_private_dir
 from engine.runtime.shm import run_prefix
 
 __all__ = [
@@ -91,14 +91,15 @@ def destroy_ring(spec: RingSpec) -> None:
 def sweep_stale_segments(
     doorbell_dirs: Iterable[str] | None = None, *, shm_dir: str = shm.SHM_DIR
 ) -> list[str]:
-    """Unlink our `engine-*` segments and doorbells whose run's root process is dead.
+    """Remove our `engine-*` run directories (and older runs' loose segments) and doorbells
+    whose run's root process is dead.
 
     Doorbells are looked for in `doorbell_dirs` (default: the default doorbell directory).
     Returns the names of the segments removed.
     """
     removed: list[str] = []
     for path in shm.stale_entries(shm_dir):
-        if unlink_quietly(path):
+        if shm.remove_entry(path):
             removed.append(os.path.basename(path))
     for directory in [default_doorbell_dir()] if doorbell_dirs is None else doorbell_dirs:
         for path in shm.stale_entries(directory, suffix=".bell"):

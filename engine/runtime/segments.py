@@ -1,11 +1,12 @@
 """Shared-memory segments of a run that are not rings (`SegmentDecl`): a CPU worker's KV cache
 (mapped by its kv_transfer actor too, under P/D) and the scheduler's prefix index.
 
-They live like rings: named `<run prefix>s.<name>` (so a crashed run's are swept at the next
-start), owner-only, created by the supervisor before any child starts and unlinked at its
-shutdown. Unlike a ring's, a segment is kept when a party restarts, and what it holds with it: a
-restarted worker finds the KV its predecessor wrote (engine/launch/lasting_kv.py).
-Pages are not populated up front: a large KV cache costs memory only as blocks are used.
+They live like rings: named `<run prefix>s.<name>` in the run's directory (so a crashed run's are
+swept at the next start), owner-only, checked when mapped, created by the supervisor before any
+child starts and unlinked at its shutdown. Unlike a ring's, a segment is kept when a party
+restarts, and what it holds with it: a restarted worker finds the KV its predecessor wrote
+(engine/launch/lasting_kv.py). Pages are not populated up front: a large KV cache costs memory
+only as blocks are used.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 from collections.abc import Mapping, Sequence
 
 from engine.runtime.child_spec import SegmentDecl
+from engine.runtime.private_files import open_private
 from engine.runtime.shm import create_segment, segment_path, unlink_segment
 
 
@@ -41,7 +43,7 @@ def map_segment(name: str, *, writable: bool = True) -> mmap.mmap:
     """Map a segment of this run (a child's view of a `SegmentDecl`), without populating it."""
     flags = os.O_RDWR if writable else os.O_RDONLY
     try:
-        fd = os.open(segment_path(name), flags | os.O_CLOEXEC)
+        fd = open_private(segment_path(name), flags)
     except FileNotFoundError:
         raise FileNotFoundError(f"shared-memory segment {name!r} does not exist") from None
     try:

@@ -7,8 +7,14 @@ when that process exits and warns about a "leaked" segment. A ring outlives the 
 use it (a restarted actor reattaches by name) and its life belongs to the supervisor
 (`create_ring` / `destroy_ring` / `sweep_stale_segments`), so we use the same POSIX
 shared-memory objects directly: on Linux `shm_open(NAME)` is `open("/dev/shm/NAME")`, and
-mapping that file is what SharedMemory does, minus the tracker. Names carry their run,
-`engine-<root pid>-<random>-<ring>`, so a later run can sweep what a crashed one left.
+mapping that file is what SharedMemory does, minus the tracker.
+
+Every local user can create names in /dev/shm and list them, so a run keeps its segments in a
+directory of its own, `engine-<root pid>-<token>/` (mode 0700, made exclusively; <token> is 64
+random bits, drawn again should someone else hold the name), where nobody else can create,
+replace or link anything. Segment names are paths below /dev/shm, `<run directory>/<random>-<ring>`
+(one random part per supervisor); a later run sweeps the directory a crashed one left, by its pid.
+Segments are created exclusively and checked when opened (engine/runtime/private_files.py).
 
 Header: native 64-bit words; the hot ones each get their own 128-byte slot (a cache line plus
 the neighbour the adjacent-line prefetcher pulls in with it), so the writer's stores never
@@ -31,25 +37,82 @@ keeps the per-frame Python work to a `len`, a join and a slice.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import re
 import secrets
+import shutil
+import stat
 import struct
 from collections.abc import Sequence
 from functools import lru_cache
 
+from engine.runtime.private_files import (
+    ForeignFileError,
+    TakenNameError,
+    check_private,
+    create_private,
+    make_private_dir,
+    open_private,
+)
+
 SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "engine-"
 _OWNER_PID_RE = re.compile(r"engine-(\d+)-")
+_RUN_DIR_RE = re.compile(r"engine-\d+-[0-9a-f]{16}")
+_NAME_TRIES = 8  # random names drawn before giving up: each draw is 64 bits
+
+_run_directory = ""  # this process's run directory (a name in SHM_DIR), once made
 
 
-def run_prefix(root_pid: int | None = None) -> str:
-    """`engine-<pid>-<random>-`: the name prefix of every segment of one run."""
-    pid = os.getpid() if root_pid is None else root_pid
-    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
-        raise ValueError(f"root_pid must be a positive process id, got {root_pid!r}")
-    return f"{SEGMENT_PREFIX}{pid}-{secrets.token_hex(2)}-"
+def run_directory() -> str:
+    """`engine-<pid>-<token>`: this process's run directory in SHM_DIR, made (mode 0700) on
+    first use and again after `release_run_directory`; a name someone else took is skipped."""
+    global _run_directory
+    if _run_directory and _is_our_directory(segment_path(_run_directory)):
+        return _run_directory
+    for _ in range(_NAME_TRIES):
+        name = f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+        try:
+            make_private_dir(segment_path(name))
+        except TakenNameError:
+            continue
+        _run_directory = name
+        return name
+    raise TakenNameError(f"{_NAME_TRIES} random run directories in {SHM_DIR} were all taken")
+
+
+def current_run_directory() -> str:
+    """This process's run directory, "" when it has none now."""
+    return _run_directory
+
+
+def release_run_directory() -> None:
+    """Remove this process's run directory if nothing is left in it (else keep it)."""
+    global _run_directory
+    if _run_directory:
+        with contextlib.suppress(OSError):  # not empty: another supervisor of the root's
+            os.rmdir(segment_path(_run_directory))
+            _run_directory = ""
+
+
+def _is_our_directory(path: str) -> bool:
+    try:
+        check_private(os.lstat(path), path, stat.S_IFDIR)
+    except (OSError, ForeignFileError):
+        return False
+    return True
+
+
+def run_prefix() -> str:
+    """`<run directory>/<random>-`: the name prefix of one supervisor's segments."""
+    return f"{run_directory()}/{secrets.token_hex(4)}-"
+
+
+def run_directory_of(name: str) -> str:
+    """The run directory a segment name (`<run directory>/...`) lives in."""
+    return name.partition("/")[0]
 
 
 def segment_path(name: str) -> str:
@@ -58,14 +121,8 @@ def segment_path(name: str) -> str:
 
 def create_segment(name: str, size: int) -> mmap.mmap:
     """Create a new owner-only segment of `size` zero bytes and map it."""
+    fd = create_private(segment_path(name))
     try:
-        fd = os.open(segment_path(name), os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
-    except FileExistsError:
-        raise FileExistsError(
-            f"shared-memory segment {name!r} already exists: ring names must be unique per run"
-        ) from None
-    try:
-        os.fchmod(fd, 0o600)
         os.ftruncate(fd, size)
         return mmap.mmap(fd, size)
     except BaseException:
@@ -76,9 +133,9 @@ def create_segment(name: str, size: int) -> mmap.mmap:
 
 
 def open_segment(name: str, size: int) -> mmap.mmap:
-    """Map an existing segment, which must be exactly `size` bytes."""
+    """Map an existing segment of ours, which must be exactly `size` bytes."""
     try:
-        fd = os.open(segment_path(name), os.O_RDWR | os.O_CLOEXEC)
+        fd = open_private(segment_path(name), os.O_RDWR)
     except FileNotFoundError:
         raise FileNotFoundError(
             f"shared-memory segment {name!r} does not exist: create_ring must run first, and "
@@ -134,6 +191,19 @@ def stale(name: str, path: str) -> bool:
         return os.lstat(path).st_uid == os.getuid()
     except FileNotFoundError:
         return False
+
+
+def remove_entry(path: str) -> bool:
+    """Remove a stale entry: a run directory with what it holds, or a file (never a link's
+    target); False if it was gone."""
+    try:
+        if stat.S_ISDIR(os.lstat(path).st_mode):
+            shutil.rmtree(path)
+        else:
+            os.unlink(path)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 # -- header layout ---------------------------------------------------------------------------
@@ -241,6 +311,11 @@ def stale_entries(directory: str, suffix: str = "") -> list[str]:
             for entry in entries
             if entry.name.startswith(SEGMENT_PREFIX)
             and entry.name.endswith(suffix)
-            and not entry.is_dir(follow_symlinks=False)  # not a segment: someone else's
+            and (not entry.is_dir(follow_symlinks=False) or _is_run_directory(entry))
             and stale(entry.name, entry.path)
         ]
+
+
+def _is_run_directory(entry: os.DirEntry[str]) -> bool:
+    """A run directory of ours (another directory named like one is left alone: it is not)."""
+    return bool(_RUN_DIR_RE.fullmatch(entry.name)) and _is_our_directory(entry.path)

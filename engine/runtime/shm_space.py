@@ -55,24 +55,37 @@ def shm_free(directory: str = SHM_DIR) -> int:
     """Bytes still free for an unprivileged writer on `directory`'s filesystem, less what other
     runs' segments there have claimed and not yet touched."""
     stat = os.statvfs(directory)
-    return max(0, stat.f_bavail * stat.f_frsize - _claimed_untouched(directory))
+    return max(0, stat.f_bavail * stat.f_frsize - claimed_untouched(directory))
 
 
-def _claimed_untouched(directory: str) -> int:
+def claimed_untouched(directory: str) -> int:
+    """Bytes engine segments in `directory` (loose, or in run directories) have claimed and not
+    yet touched."""
     claimed = 0
-    try:
-        entries = list(os.scandir(directory))
-    except OSError:
-        return 0
-    for entry in entries:
+    for entry in _entries(directory):
         if not entry.name.startswith(SEGMENT_PREFIX):
             continue
-        try:
-            stat = entry.stat(follow_symlinks=False)
-        except OSError:  # removed meanwhile
-            continue
-        claimed += max(0, stat.st_size - stat.st_blocks * BLOCK_BYTES)
+        if entry.is_dir(follow_symlinks=False):  # unreadable (another user's): no entries
+            claimed += sum(_untouched(inner) for inner in _entries(entry.path))
+        else:
+            claimed += _untouched(entry)
     return claimed
+
+
+def _entries(directory: str) -> list[os.DirEntry[str]]:
+    try:
+        with os.scandir(directory) as entries:
+            return list(entries)
+    except OSError:
+        return []
+
+
+def _untouched(entry: os.DirEntry[str]) -> int:
+    try:
+        stat = entry.stat(follow_symlinks=False)
+    except OSError:
+        return 0
+    return max(0, stat.st_size - stat.st_blocks * BLOCK_BYTES)
 
 
 def check_shm_space(

@@ -50,6 +50,7 @@ from engine.runtime.ring import run_prefix, sweep_stale_segments
 from engine.runtime.ring_ends import RingEnds
 from engine.runtime.ring_table import RingTable
 from engine.runtime.segments import create_segments, destroy_segments
+from engine.runtime.shm import release_run_directory
 from engine.runtime.spares import Spares
 from engine.runtime.supervised_child import SupervisedChild, wait_for_dying_siblings
 
@@ -373,6 +374,7 @@ class Supervisor:
         if self._rings is not None:
             self._rings.destroy_all()
         destroy_segments(self._segments)
+        release_run_directory()  # kept while another supervisor's, or restart files, are there
         if self._closed is not None and not self._closed.done():
             self._closed.set_result(reason)
         log.info("shut down: %s", reason)

@@ -18,6 +18,8 @@ import os
 import sys
 from typing import Any
 
+from engine.runtime.private_files import create_private, open_private
+
 # Text whose tokens the saved state must reproduce before a successor may use it: words, spaces,
 # digits, non-ASCII, and a special token written as text.
 _SAMPLE = " Hello  world\n\t42 ünïcödé 日本語 🙂 <|im_start|>user <s> </s> the end."
@@ -95,7 +97,7 @@ def save_text_encoder(tokenizer: Any, path: str) -> bool:
             return False
     temporary = f"{path}.{os.getpid()}.tmp"
     try:
-        fd = os.open(temporary, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o600)
+        fd = create_private(temporary, os.O_WRONLY)
         with os.fdopen(fd, "w", encoding="utf-8") as file:
             file.write(backend.to_str())
         os.rename(temporary, path)
@@ -107,21 +109,27 @@ def save_text_encoder(tokenizer: Any, path: str) -> bool:
 
 
 def load_text_encoder(path: str) -> TextEncoder | None:
-    """The encoder a predecessor saved at `path`; None when there is none."""
+    """The encoder a predecessor saved at `path`; None when there is none. ForeignFileError
+    for a file that is not a regular file of ours with mode 0600."""
     from tokenizers import Tokenizer
 
     try:
-        with open(path, encoding="utf-8") as file:
-            state = file.read()
+        fd = open_private(path)
     except FileNotFoundError:
         return None
+    with os.fdopen(fd, encoding="utf-8") as file:
+        state = file.read()
     return TextEncoder(Tokenizer.from_str(state))
 
 
 def remove_text_encoder(path: str) -> None:
     """Remove what `save_text_encoder` wrote at `path`, and what a writer killed halfway left."""
     directory, name = os.path.split(path)
-    for entry in os.listdir(directory):
+    try:
+        entries = os.listdir(directory)
+    except FileNotFoundError:  # the run directory is gone already
+        return
+    for entry in entries:
         if entry == name or (entry.startswith(name + ".") and entry.endswith(".tmp")):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(directory, entry))

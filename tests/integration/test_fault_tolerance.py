@@ -29,10 +29,10 @@ from engine.library.embeddings import embed
 from engine.library.llm import build_settings
 from engine.messages.params import PoolingParams
 from engine.request.outputs import EmbeddingRequestOutput
-from engine.runtime.doorbell import default_doorbell_dir
 from engine.runtime.stopped import STOPPED_FROM_OUTSIDE
 from engine.testing.fault_injection import FAULT_INJECTION_ENV
 from tests.checkpoints import tiny_checkpoint
+from tests.ipc_files import ipc_files
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -112,16 +112,6 @@ async def wait_for(condition, what: str, timeout: float = WAIT_S) -> None:  # ty
 
 def actor(engine: AsyncLLM, name: str) -> dict:  # type: ignore[type-arg]
     return next(row for row in engine.actors() if row.name == name)
-
-
-def ipc_files() -> set[Path]:
-    """Segments and doorbells of runs rooted in this process."""
-    prefix = f"engine-{os.getpid()}-"
-    found: set[Path] = set()
-    for directory in (Path("/dev/shm"), Path(default_doorbell_dir())):
-        if directory.is_dir():
-            found.update(path for path in directory.iterdir() if path.name.startswith(prefix))
-    return found
 
 
 def alive(pid: int) -> bool:

@@ -41,7 +41,7 @@ from engine.messages.kv_wire import (
     ShmGrant,
     WireError,
 )
-from engine.runtime.shm import create_segment, unlink_segment
+from engine.runtime.shm import create_segment, run_prefix, unlink_segment
 from tests.integration.test_kv_transfer import KV, LAYOUT, Instance, block, instance, pull_order
 
 SECRET = secrets.token_bytes(32)
@@ -161,9 +161,9 @@ def mapped_by(pid: int, needle: str) -> bool:
 async def test_a_grant_naming_a_path_or_a_file_of_another_size_is_refused_unmapped(
     victim: Path,
 ) -> None:
-    small = f"engine-{os.getpid()}-fake-{secrets.token_hex(3)}"
+    prefix = run_prefix()
+    small, link = f"{prefix}fake", f"{prefix}link"
     create_segment(small, 4096)
-    link = f"engine-{os.getpid()}-link-{secrets.token_hex(3)}"
     os.symlink(victim, f"/dev/shm/{link}")
     grants = {
         str(victim): "is not a segment name",

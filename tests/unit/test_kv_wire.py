@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import itertools
-import os
 import secrets
 import socket
 import struct
@@ -36,7 +35,13 @@ from engine.kv.transfer.wire import (
     send_buffers,
 )
 from engine.messages.kv_transfer import KvEndpoint, KvLayout, KvSource, PullBlocks
-from engine.runtime.shm import SEGMENT_PREFIX, SHM_DIR, create_segment, unlink_segment
+from engine.runtime.shm import (
+    SEGMENT_PREFIX,
+    SHM_DIR,
+    create_segment,
+    run_prefix,
+    unlink_segment,
+)
 from tests.unit.test_kv_cache_view import layout
 
 HOST = "this-host"
@@ -49,7 +54,7 @@ class Served:
 
     def __init__(self) -> None:
         self.layout = layout(SRC_BLOCKS)
-        self.segment = f"engine-{os.getpid()}-kvwire-{secrets.token_hex(3)}"
+        self.segment = f"{run_prefix()}kvwire"
         self.view = CacheView(self.layout, create_segment(self.segment, self.layout.segment_bytes))
         rng = np.random.default_rng(0)
         self.view.slots[...] = rng.integers(0, 256, self.view.slots.shape, dtype=np.uint8)

@@ -32,10 +32,14 @@ MakeRing = Callable[..., RingSpec]
 
 
 def _ours(prefix: str) -> list[str]:
+    """Segments under `prefix` (in its run directory) and their doorbells."""
+    run_dir, _, part = prefix.partition("/")
+    segments = os.path.join(SHM_DIR, run_dir)
+    names = [name for name in os.listdir(segments) if name.startswith(part)]
     bells = default_doorbell_dir()
-    names = [name for name in os.listdir(SHM_DIR) if name.startswith(prefix)]
     if os.path.isdir(bells):
-        names += [name for name in os.listdir(bells) if name.startswith(prefix)]
+        flat = prefix.replace("/", "-")
+        names += [name for name in os.listdir(bells) if name.startswith(flat)]
     return names
 
 
@@ -235,7 +239,8 @@ def test_a_missing_doorbell_is_a_clear_error_that_leaks_nothing(make_ring: MakeR
 @pytest.mark.parametrize(
     ("fields", "complaint"),
     [
-        ({"name": "bad/name", "capacity": 1024}, "ring name"),
+        ({"name": "bad/deep/name", "capacity": 1024}, "ring name"),
+        ({"name": "../name", "capacity": 1024}, "ring name"),
         ({"name": "", "capacity": 1024}, "ring name"),
         ({"name": "engine-1-ab-x", "capacity": 10}, "capacity must be"),
         ({"name": "engine-1-ab-x", "capacity": 1024, "readers": 0}, "readers must be"),
@@ -263,12 +268,13 @@ def test_segments_are_owner_only_and_destroy_removes_everything(prefix: str) -> 
     assert _ours(prefix) == []
 
 
-def test_run_prefix_names_the_root_pid() -> None:
-    prefix = run_prefix(4242)
-    assert prefix.startswith("engine-4242-") and prefix.endswith("-")
-    assert run_prefix().startswith(f"engine-{os.getpid()}-")
-    with pytest.raises(ValueError, match="positive process id"):
-        run_prefix(0)
+def test_run_prefixes_are_in_a_private_run_directory_named_for_the_root() -> None:
+    first, second = run_prefix(), run_prefix()
+    assert first != second and first.startswith(f"engine-{os.getpid()}-")
+    assert first.partition("/")[0] == second.partition("/")[0]  # one directory per root
+    info = os.lstat(os.path.join(SHM_DIR, first.partition("/")[0]))
+    assert stat.S_ISDIR(info.st_mode) and stat.S_IMODE(info.st_mode) == 0o700
+    assert info.st_uid == os.getuid()
 
 
 def test_sweep_removes_rings_of_dead_runs_only(tmp_path: pathlib.Path) -> None:
@@ -279,13 +285,19 @@ def test_sweep_removes_rings_of_dead_runs_only(tmp_path: pathlib.Path) -> None:
     bells.mkdir(mode=0o700)
     finished = subprocess.Popen([sys.executable, "-c", "pass"])
     finished.wait(timeout=30)
-    dead, alive = f"{run_prefix(finished.pid)}old", f"{run_prefix()}live"
-    for name in (dead, alive, "unrelated-file"):
+    dead_dir = f"engine-{finished.pid}-0123456789abcdef"  # a crashed run's directory
+    dead_loose = f"engine-{finished.pid}-beef-r.old"  # a loose segment of an older version
+    alive = f"engine-{os.getpid()}-0123456789abcdef"
+    for name in (dead_dir, alive):
+        (shm_dir / name).mkdir(mode=0o700)
+        (shm_dir / name / "1234abcd-r.ring.0").write_bytes(b"")
+    for name in (dead_loose, "unrelated-file"):
         (shm_dir / name).write_bytes(b"")
-    for name in (dead, alive):
-        os.mkfifo(bells / f"{name}.w.bell", 0o600)
-    foreign = f"engine-{finished.pid}-a-directory"  # not a segment of ours: left as it is
+    for name in (dead_dir, alive):
+        os.mkfifo(bells / f"{name}-1234abcd-r.ring.0.w.bell", 0o600)
+    foreign = f"engine-{finished.pid}-a-directory"  # not a run directory of ours: left alone
     (shm_dir / foreign).mkdir()
-    assert sweep_stale_segments([str(bells)], shm_dir=str(shm_dir)) == [dead]
+    swept = sweep_stale_segments([str(bells)], shm_dir=str(shm_dir))
+    assert swept == sorted([dead_dir, dead_loose])
     assert sorted(os.listdir(shm_dir)) == sorted([alive, foreign, "unrelated-file"])
-    assert os.listdir(bells) == [f"{alive}.w.bell"]
+    assert os.listdir(bells) == [f"{alive}-1234abcd-r.ring.0.w.bell"]

@@ -7,6 +7,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
+from engine.runtime.private_files import ForeignFileError
 from engine.text.hf_tokenizer import (
     load_text_encoder,
     load_tokenizer_without_torch,
@@ -55,3 +58,18 @@ def test_a_tokenizer_whose_encode_is_not_its_backends_is_not_saved(tmp_path: Pat
     assert not save_text_encoder(Lowercasing(tokenizer), path)
     assert not save_text_encoder(object(), path)
     assert os.listdir(tmp_path) == []
+
+
+def test_a_saved_tokenizer_that_is_a_link_or_another_users_is_refused(tmp_path: Path) -> None:
+    """What a restarted tokenizer would encode prompts with: only a file this run wrote."""
+    tokenizer = load_tokenizer_without_torch(str(tiny_checkpoint("qwen3")))
+    saved, link = tmp_path / "tokenizer-saved", tmp_path / "tokenizer-link"
+    assert save_text_encoder(tokenizer, str(saved))
+    os.symlink(saved, link)
+    with pytest.raises(ForeignFileError, match="a symbolic link"):
+        load_text_encoder(str(link))
+    if os.getuid() != 0:
+        pytest.skip("needs root, to give the saved file to another uid")
+    os.chown(saved, 65534, 65534)
+    with pytest.raises(ForeignFileError, match=r"owned by .*65534"):
+        load_text_encoder(str(saved))

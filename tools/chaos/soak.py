@@ -117,10 +117,20 @@ def snapshot(server_pid: int, socket_path: str) -> Snapshot:
             fds[name] = len(os.listdir(f"/proc/{pid}/fd"))
         except FileNotFoundError:
             continue  # restarted in between: the restart count says so
-    prefix = f"engine-{server_pid}-"  # this server's segments, not other runs' on the host
-    segments = sum(1 for name in os.listdir("/dev/shm") if name.startswith(prefix))
+    segments = len(server_segments(server_pid))
     restarts = {row["name"]: row["restarts"] for row in rows}
     return Snapshot(rss, fds, segments, restarts)
+
+
+def server_segments(server_pid: int) -> list[str]:
+    """This server's segments (in its run directories), not other runs' on the host; a run
+    directory left behind empty counts as one."""
+    found = []
+    for entry in os.scandir("/dev/shm"):
+        if entry.name.startswith(f"engine-{server_pid}-"):
+            inside = os.listdir(entry.path) if entry.is_dir(follow_symlinks=False) else []
+            found.extend([f"{entry.name}/{name}" for name in inside] or [entry.name])
+    return found
 
 
 def prompt(rng: random.Random) -> str:
@@ -305,7 +315,7 @@ async def main_async(args: argparse.Namespace) -> int:
             stop_process(proc, 60.0)
     print_report(summary)
     if proc is not None:
-        left = sum(1 for n in os.listdir("/dev/shm") if n.startswith(f"engine-{proc.pid}-"))
+        left = len(server_segments(proc.pid))
         print(f"after the server stopped: {left} of its segments left (exit {proc.returncode})")
         summary["segments_after_stop"] = left
     if args.json:

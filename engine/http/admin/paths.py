@@ -11,11 +11,11 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import stat
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
+from engine.runtime.private_files import ensure_private_dir
 from engine.runtime.shm import pid_alive
 
 SOCKET_NAME = "admin.sock"
@@ -28,25 +28,13 @@ def runtime_base(environ: Mapping[str, str]) -> Path:
     return Path(tempfile.gettempdir()) / f"engine-{os.getuid()}"
 
 
-def make_private_dir(path: Path) -> None:
-    """Create `path` as 0700; refuse one that is a link or belongs to another user."""
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    with contextlib.suppress(FileExistsError):
-        path.mkdir(mode=0o700)
-    info = path.lstat()
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
-        raise PermissionError(f"{path} is not a directory owned by this user")
-    if info.st_mode & 0o077:
-        os.chmod(path, 0o700)
-
-
 def prepare_default_socket(environ: Mapping[str, str], pid: int) -> Path:
     """Sweep dead servers' directories, create `<base>/<pid>/` (both 0700), return the socket."""
     base = runtime_base(environ)
-    make_private_dir(base)
+    ensure_private_dir(str(base))
     sweep_stale(base)
     run_dir = base / str(pid)
-    make_private_dir(run_dir)
+    ensure_private_dir(str(run_dir))
     return run_dir / SOCKET_NAME
 
 

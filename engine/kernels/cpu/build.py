@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from engine.settings.home import default_engine_home
+from engine.settings.home import check_home_path, default_engine_home
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +167,10 @@ def load_library() -> ctypes.CDLL:
     if not target.is_file():
         log.info("building the CPU kernels (once) into %s", target)
         build(target)
+    try:  # a library another user could have written would run their code in ours
+        check_home_path(target, default_engine_home())
+    except OSError as exc:  # ForeignFileError among them
+        raise KernelBuildError(f"not loading the CPU kernels: {exc}") from None
     try:
         library = ctypes.CDLL(str(target))
     except OSError as exc:

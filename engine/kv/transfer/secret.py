@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from engine.settings import Settings
+from engine.settings.home import check_home_path
 from engine.settings.loading import resolve_home
 
 log = logging.getLogger(__name__)
@@ -95,6 +96,10 @@ def ensure_secret_file(path: Path) -> bytes:
             pass
         finally:
             draft.unlink()
+    try:  # a secret another user could have written would be theirs to sign with
+        check_home_path(path, path.parent)
+    except OSError as exc:
+        raise SecretError(f"the KV transfer secret file: {exc}") from None
     return read_secret_file(path, "the KV transfer secret file")
 
 

@@ -1,9 +1,10 @@
 """Mapping a same-host source's cache segment, named by its ShmGrant: only a segment of ours.
 
-The name is a name, never a path: the engine's segment prefix, then letters, digits, '.', '_'
-and '-' (no separator, so the file is directly in the shared-memory directory); opened without
-following a link; a regular file of this user, exactly as large as the grant's layout says its
-cache is. A grant that fails any of these is refused before anything is mapped.
+The name is a name, never a path: a run directory of the engine (`engine-<pid>-<token>`), '/',
+then letters, digits, '.', '_' and '-' (engine/runtime/shm.py). The directory is opened without
+following a link and must be ours with mode 0700; the segment in it is opened without following
+a link, and must be a regular file of this user with mode 0600, exactly as large as the grant's
+layout says its cache is. A grant that fails any of these is refused before anything is mapped.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import stat
 from dataclasses import dataclass
 
 from engine.messages.kv_transfer import KvLayout
+from engine.runtime.private_files import open_private
 
 
 @dataclass(frozen=True)
@@ -25,11 +27,12 @@ class Segments:
     prefix: str
 
     def check_name(self, name: str) -> None:
-        pattern = rf"{re.escape(self.prefix)}[A-Za-z0-9_.-]{{1,200}}"
+        pattern = rf"{re.escape(self.prefix)}[0-9]+-[0-9a-f]+/[A-Za-z0-9_.-]{{1,200}}"
         if not re.fullmatch(pattern, name) or ".." in name:
             raise ValueError(
-                f"the source's segment {name[:80]!r} is not a segment name ({self.prefix}... of "
-                f"letters, digits, '.', '_' and '-' in {self.directory}, never a path)"
+                f"the source's segment {name[:80]!r} is not a segment name ({self.prefix}<pid>-"
+                f"<token>/ then letters, digits, '.', '_' and '-', in {self.directory}, never a "
+                "path)"
             )
 
     def exists(self, name: str) -> bool:
@@ -38,18 +41,9 @@ class Segments:
     def map_source(self, name: str, layout: KvLayout) -> mmap.mmap:
         """The segment, read-only; ValueError (nothing mapped) if it is not a cache of `layout`."""
         self.check_name(name)
-        flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK  # a FIFO must not block
-        try:
-            descriptor = os.open(os.path.join(self.directory, name), flags)
-        except OSError as exc:
-            why = exc.strerror
-            raise ValueError(f"the source's segment {name!r} cannot be opened: {why}") from None
+        descriptor = self._open(name)
         try:
             info = os.fstat(descriptor)
-            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
-                raise ValueError(
-                    f"the source's segment {name!r} is not a shared-memory file of ours"
-                )
             if info.st_size != layout.segment_bytes:
                 raise ValueError(
                     f"the source's segment {name!r} is {info.st_size} bytes, but a cache of its "
@@ -58,3 +52,18 @@ class Segments:
             return mmap.mmap(descriptor, info.st_size, access=mmap.ACCESS_READ)
         finally:
             os.close(descriptor)
+
+    def _open(self, name: str) -> int:
+        """The segment's descriptor, read-only, through its checked run directory."""
+        run_dir, _, file = name.partition("/")
+        try:
+            directory = open_private(
+                os.path.join(self.directory, run_dir), os.O_RDONLY | os.O_DIRECTORY, stat.S_IFDIR
+            )
+            try:
+                return open_private(file, os.O_RDONLY, dir_fd=directory)
+            finally:
+                os.close(directory)
+        except OSError as exc:
+            why = exc.strerror or str(exc)
+            raise ValueError(f"the source's segment {name!r} cannot be opened: {why}") from None

@@ -9,12 +9,15 @@ same rank maps it instead of reading the checkpoint. The first worker maps it to
 own copies, so the segment costs no memory over the weights themselves, and every start runs the
 model on the same bytes.
 
-The segment is `engine-<root pid>-weights-<digest of what the weights depend on>` in /dev/shm,
-owner-only: the next start of the engine sweeps it when a crash left it (its root is dead), and
-the worker unlinks it when it is stopped in order (engine/actors/worker.py). It is written under
-a temporary name and renamed into place whole, so a writer killed halfway leaves nothing a
-successor would map. Its index is msgpack of plain values (never pickle); a successor maps the
-data copy-on-write, so nothing it does can change what the next one maps.
+The segment is `weights-<digest of what the weights depend on>` in the run's own directory in
+/dev/shm (engine/runtime/shm.py: owner-only, so nobody else can put a file under that name), and
+its index names the run (the directory's random token): a segment of any other run is refused,
+as is one that is not a regular file of ours with mode 0600. The next start of the engine sweeps
+it when a crash left it (its root is dead), and the worker unlinks it when it is stopped in order
+(engine/actors/worker.py). It is written under a temporary name and renamed into place whole, so
+a writer killed halfway leaves nothing a successor would map. Its index is msgpack of plain
+values (never pickle); a successor maps the data copy-on-write, so nothing it does can change
+what the next one maps.
 
 Layout: 8 bytes magic, 8 bytes index length, the index (msgpack, `StoreIndex`), then the
 tensors, each at a 64-byte aligned offset (the packed kernel's alignment).
@@ -35,6 +38,8 @@ import msgspec
 import torch
 
 from engine.model.quantized.formats import WeightFormat
+from engine.runtime.private_files import create_private, open_private
+from engine.runtime.shm_space import shm_free
 
 if TYPE_CHECKING:
     from engine.kernels.cpu.quantized import PackedWeight
@@ -42,7 +47,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
-MAGIC = b"engwts01"
+MAGIC = b"engwts02"
 ALIGNMENT = 64
 # The store takes at most this share of the free space (less the engine segments' untouched
 # claims): what the store takes, nothing else of the run or of other runs can have.
@@ -76,25 +81,32 @@ class StoredTensor(msgspec.Struct, frozen=True):
 
 
 class StoreIndex(msgspec.Struct, frozen=True):
+    run: str  # the run directory's name (its random token): another run's segment is refused
     identity: str  # what the weights were built from, in words: a mismatch is refused
     tensors: list[StoredTensor]
     formats: dict[str, WeightFormat]
 
 
 class StoreSlot:
-    """One rank's weights segment: `identity` says, in words, what the weights depend on (the
-    checkpoint, dtype, quantization, kernels, tensor-parallel rank); its digest names the
-    segment, and a segment holding other weights is refused."""
+    """One rank's weights segment in the run directory `run_dir`: `identity` says, in words,
+    what the weights depend on (the checkpoint, dtype, quantization, kernels, tensor-parallel
+    rank); its digest names the segment, and a segment holding other weights, or another run's,
+    is refused."""
 
-    def __init__(self, root_pid: int, identity: str, directory: str = SHM_DIR) -> None:
+    def __init__(self, run_dir: str, identity: str, directory: str = SHM_DIR) -> None:
+        if not run_dir or os.sep in run_dir or run_dir.startswith("."):
+            raise ValueError(f"run_dir must be a run directory's name, got {run_dir!r}")
         digest = hashlib.sha256(identity.encode()).hexdigest()[:20]
-        self.path = os.path.join(directory, f"engine-{root_pid}-weights-{digest}")
+        self.directory = directory
+        self.path = os.path.join(directory, run_dir, f"weights-{digest}")
+        self.run = run_dir
         self.identity = identity
 
     def load(self) -> LoadedWeights | None:
-        """The weights a predecessor stored, mapped; None when there are none."""
+        """The weights a predecessor stored, mapped; None when there are none. ForeignFileError
+        for a file that is not ours, ValueError for one that holds other weights."""
         try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = open_private(self.path)
         except FileNotFoundError:
             return None
         try:
@@ -104,7 +116,7 @@ class StoreSlot:
             memory = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE)
         finally:
             os.close(fd)
-        weights = _read(memory, self.identity)
+        weights = _read(memory, self.run, self.identity)
         log.info(
             "weights mapped from %s (%.1f MiB): the checkpoint is not read", self.path, size / 2**20
         )
@@ -113,20 +125,20 @@ class StoreSlot:
     def save(self, weights: LoadedWeights) -> LoadedWeights:
         """Store `weights` for the successors (unless a peer stored the same already) and
         return them mapped from the segment, so the caller can drop its own copies."""
-        if not os.path.exists(self.path):
+        if not os.path.lexists(self.path):
             size = _stored_bytes(weights)
-            free = _free_bytes(os.path.dirname(self.path))
+            free = shm_free(self.directory)
             if size > free * MAX_FREE_SHARE:
                 log.warning(
                     "weights not stored for restarts: %.1f MiB would take over half of the "
                     "%.1f MiB free in %s (less the untouched parts of engine segments)",
                     size / 2**20,
                     free / 2**20,
-                    os.path.dirname(self.path),
+                    self.directory,
                 )
                 return weights
             try:
-                _write(self.path, self.identity, weights)
+                _write(self.path, self.run, self.identity, weights)
             except OSError as exc:  # no room in /dev/shm: restarts read the checkpoint again
                 log.warning("weights not stored for restarts in %s: %s", self.path, exc)
                 return weights
@@ -135,10 +147,12 @@ class StoreSlot:
     def remove(self) -> None:
         """Unlink the segment (mappings stay valid) and what a killed writer left of it."""
         directory, name = os.path.split(self.path)
-        for entry in os.listdir(directory):
-            if entry == name or (entry.startswith(name + ".") and entry.endswith(".tmp")):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(directory, entry))
+        with contextlib.suppress(FileNotFoundError):
+            entries = os.listdir(directory)
+            for entry in entries:
+                if entry == name or (entry.startswith(name + ".") and entry.endswith(".tmp")):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(os.path.join(directory, entry))
 
 
 def _stored_bytes(weights: LoadedWeights) -> int:
@@ -146,21 +160,7 @@ def _stored_bytes(weights: LoadedWeights) -> int:
     return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
 
 
-def _free_bytes(directory: str) -> int:
-    """Free space in `directory`, less what engine segments there have claimed and not yet
-    touched (sparse files: their pages take room only when written)."""
-    stats = os.statvfs(directory)
-    claimed = 0
-    with os.scandir(directory) as entries:
-        for entry in entries:
-            if entry.name.startswith("engine-"):
-                with contextlib.suppress(OSError):
-                    info = entry.stat(follow_symlinks=False)
-                    claimed += max(0, info.st_size - info.st_blocks * 512)
-    return max(0, stats.f_bavail * stats.f_frsize - claimed)
-
-
-def _write(path: str, identity: str, weights: LoadedWeights) -> None:
+def _write(path: str, run: str, identity: str, weights: LoadedWeights) -> None:
     tensors: list[tuple[StoredTensor, torch.Tensor]] = []
     for name, tensor in weights.params.items():
         tensors.append((_entry(name, tensor), tensor))
@@ -169,16 +169,16 @@ def _write(path: str, identity: str, weights: LoadedWeights) -> None:
         fields = {"packed": weights.formats[name], "rows": packed.rows, "k": packed.k}
         entry = msgspec.structs.replace(entry, origin=packed.source, **fields)
         tensors.append((entry, packed.data))
-    index_size = len(_encode_index(identity, [entry for entry, _ in tensors], weights.formats))
+    index_size = len(_encode_index(run, identity, [entry for entry, _ in tensors], weights.formats))
     # Room for the offsets themselves: msgpack spends up to 8 more bytes on a large integer.
     offset = _aligned(_HEADER.size + index_size + 8 * len(tensors))
     placed: list[tuple[StoredTensor, torch.Tensor]] = []
     for entry, tensor in tensors:
         placed.append((msgspec.structs.replace(entry, offset=offset), tensor))
         offset = _aligned(offset + tensor.numel() * tensor.element_size())
-    index = _encode_index(identity, [entry for entry, _ in placed], weights.formats)
+    index = _encode_index(run, identity, [entry for entry, _ in placed], weights.formats)
     temporary = f"{path}.{os.getpid()}.tmp"
-    fd = os.open(temporary, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    fd = create_private(temporary)
     try:
         # Reserved whole now: a tmpfs without room fails here (ENOSPC), not with a SIGBUS at
         # the first write past its free space.
@@ -201,7 +201,7 @@ def _write(path: str, identity: str, weights: LoadedWeights) -> None:
     log.info("weights stored for restarts in %s (%.1f MiB)", path, offset / 2**20)
 
 
-def _read(memory: mmap.mmap, identity: str) -> LoadedWeights:
+def _read(memory: mmap.mmap, run: str, identity: str) -> LoadedWeights:
     from engine.kernels.cpu.quantized import PackedWeight
 
     magic, index_size = _HEADER.unpack_from(memory)
@@ -209,6 +209,8 @@ def _read(memory: mmap.mmap, identity: str) -> LoadedWeights:
         raise ValueError(f"not a weight segment (magic {magic!r})")
     raw = memory[_HEADER.size : _HEADER.size + index_size]
     index = msgspec.msgpack.decode(raw, type=StoreIndex)
+    if index.run != run:
+        raise ValueError(f"weight segment of another run ({index.run!r}), refused in {run!r}")
     if index.identity != identity:
         raise ValueError(f"weight segment holds {index.identity!r}, expected {identity!r}")
     params: dict[str, torch.Tensor] = {}
@@ -240,9 +242,10 @@ def _entry(name: str, tensor: torch.Tensor) -> StoredTensor:
 
 
 def _encode_index(
-    identity: str, tensors: list[StoredTensor], formats: dict[str, WeightFormat]
+    run: str, identity: str, tensors: list[StoredTensor], formats: dict[str, WeightFormat]
 ) -> bytes:
-    return msgspec.msgpack.encode(StoreIndex(identity=identity, tensors=tensors, formats=formats))
+    index = StoreIndex(run=run, identity=identity, tensors=tensors, formats=formats)
+    return msgspec.msgpack.encode(index)
 
 
 def _aligned(offset: int) -> int:

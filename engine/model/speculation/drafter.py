@@ -50,7 +50,7 @@ class Drafter:
         num_threads: int | None = None,
         busy_threads: int | None = None,
         rejection_sampling: bool = False,
-        weights_of_run: int | None = None,
+        weights_of_run: str | None = None,
     ) -> None:
         """`rejection_sampling`: sampled proposals verified by vLLM's rule against q (`probs`),
         not against the target's own draws. `weights_of_run`: as the target's (ModelRunner),
