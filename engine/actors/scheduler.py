@@ -118,8 +118,10 @@ class SchedulerActor(Actor):
                         result.seq_ids,
                         result.error,
                     )
-                    error = f"the model failed on this request: {result.error}"
-                    failures = self.scheduler.fail(result.seq_ids, error)
+                    error = result.error
+                    if result.status == 500:
+                        error = f"the model failed on this request: {error}"
+                    failures = self.scheduler.fail(result.seq_ids, error, result.status)
                     to_detokenizer.extend(TOKENS_RING.encode(f) for f in failures)
                     continue
                 # Start the next step before telling the detokenizer: the workers are idle now.

@@ -35,13 +35,14 @@ from engine.messages.reports import SchedulerReport
 from engine.messages.requests import GenerateRequest
 from engine.messages.ring_catalogue import REQUESTS_RING
 from engine.request.outputs import EngineError, RequestOutput, merge_outputs, snapshot
-from engine.request.policy import RequestPolicy
+from engine.request.policy import RequestPolicy, renamed
 from engine.request.prompts import Prompt
 from engine.runtime.events import actor_cpu, actor_rows, ring_traffic
 from engine.runtime.ring import RingClosed
 from engine.runtime.shm_space import require_shm_space
 from engine.runtime.supervision import Supervision
 from engine.settings import Settings, resolve_home
+from engine.structured.admission import admit_constraint
 from engine.telemetry.tracer import open_request_tracer
 
 log = logging.getLogger("engine")
@@ -208,6 +209,11 @@ class AsyncLLM:
             waiting_samples=self._waiting_samples(),
             one_token=kv_handoff == "hold",  # a prefill instance: the prompt and one token
         )
+        if accepted.params.structured_outputs is not None:
+            try:
+                await admit_constraint(accepted.params.structured_outputs)
+            except EngineError as error:
+                raise renamed(error, field_names or {}) from None
         record, submission = self.gateway.register(
             with_adapter(accepted.params, self.adapters, lora_request),
             prompt=accepted.prompt,

@@ -115,12 +115,14 @@ class StepResult(msgspec.Struct, tag=True, array_like=True):
 
 class WorkerFailed(msgspec.Struct, tag=True, array_like=True):
     """Rank 0 could not compute these sequences of a step (they failed even when run alone):
-    the scheduler fails their requests with status 500. The step's StepResult follows, with
-    the sequences that were computed; a plan without chunks gets no StepResult, as always."""
+    the scheduler fails their requests with `status`, 500, or 400 for a request's own fault (a
+    constraint the grammar library stopped on). The step's StepResult follows, with the
+    sequences that were computed; a plan without chunks gets no StepResult, as always."""
 
     step_id: int
     seq_ids: list[int]
     error: str
+    status: int = 500
 
 
 STEP_PLANS: Channel[StepPlan] = Channel("step-plan", StepPlan)

@@ -35,7 +35,8 @@ from engine.model.sampling.sampler import Sampler
 from engine.model.speculation.drafter import Drafter
 from engine.model.speculation.verify import verify_proposals
 from engine.model.step_inputs import KnownSequences, SeqChunk, SequenceStart
-from engine.structured.grammars import GrammarService
+from engine.structured.grammars import GrammarsBusy, GrammarService
+from engine.structured.limits import ConstraintError
 
 MAX_FAILED_STEPS = 3  # consecutive steps in which nothing succeeded: the worker is at fault
 
@@ -131,7 +132,7 @@ class StepExecutor:
         if self.drafter is not None:
             self.drafter.forget([*plan.finished_seq_ids, *(s.seq_id for s in starts)])
             self._num_draft = {c.seq_id: c.num_draft for c in plan.chunks if c.num_draft}
-        failed: dict[int, str] = {}
+        failed: dict[int, Exception] = {}
         for new_seq in starts:
             try:
                 self.sampler.add(new_seq)
@@ -139,7 +140,7 @@ class StepExecutor:
                 self.pooling.watch(new_seq)
                 self.faults.watch(new_seq)
             except Exception as exc:  # this sequence's parameters, not the step's
-                failed[new_seq.seq_id] = _describe(exc)
+                failed[new_seq.seq_id] = exc
         result = None
         if whole_chunks:
             chunks = [chunk for chunk in whole_chunks if chunk.seq_id not in failed]
@@ -150,14 +151,16 @@ class StepExecutor:
             except Exception as exc:
                 result = self._isolate(plan.step_id, chunks, exc, failed)
             computed = any(chunk.seq_id not in failed for chunk in chunks)
-            self._failed_steps = self._failed_steps + 1 if failed and not computed else 0
+            ours = [exc for exc in failed.values() if _status(exc) == 500]
+            self._failed_steps = self._failed_steps + 1 if ours and not computed else 0
             if self._failed_steps >= MAX_FAILED_STEPS:
                 raise RuntimeError(
                     f"{MAX_FAILED_STEPS} steps in a row failed with nothing computed; "
-                    f"last: {next(iter(failed.values()))}"
+                    f"last: {_describe(ours[-1])}"
                 )
         messages: list[StepResult | WorkerFailed] = [
-            WorkerFailed(plan.step_id, [seq_id], error) for seq_id, error in failed.items()
+            WorkerFailed(plan.step_id, [seq_id], _describe(exc), _status(exc))
+            for seq_id, exc in failed.items()
         ]
         if result is not None:
             messages.append(result)
@@ -235,7 +238,7 @@ class StepExecutor:
         step_id: int,
         chunks: Sequence[SeqChunk],
         error: Exception,
-        failed: dict[int, str],
+        failed: dict[int, Exception],
     ) -> StepResult:
         """Run a failed step's chunks one at a time; those that fail alone go to `failed`."""
         log.warning(
@@ -251,10 +254,12 @@ class StepExecutor:
             except CollectiveError:
                 raise
             except Exception as exc:
-                failed[chunk.seq_id] = _describe(exc)
-        if len(chunks) > 1 and not parts:
+                failed[chunk.seq_id] = exc
+        ours = [exc for exc in failed.values() if _status(exc) == 500]
+        if len(chunks) > 1 and not parts and ours:
             raise error  # every sequence fails alone: the worker is broken, not the requests
-        log.error("step %d: sequences %s failed alone: %s", step_id, sorted(failed), failed)
+        described = {seq_id: _describe(exc) for seq_id, exc in failed.items()}
+        log.error("step %d: sequences %s failed alone: %s", step_id, sorted(failed), described)
         return _merge(step_id, parts)
 
 
@@ -274,4 +279,14 @@ def _merge(step_id: int, parts: list[StepResult]) -> StepResult:
 
 
 def _describe(exc: BaseException) -> str:
+    if isinstance(exc, ConstraintError | GrammarsBusy):  # told as such, not as a crash
+        return str(exc)
     return f"{type(exc).__name__}: {exc}"
+
+
+def _status(exc: BaseException) -> int:
+    """400 for a constraint the grammar library stopped on (the request's fault), 503 for a
+    grammar still compiling behind others (the server is busy), else 500."""
+    if isinstance(exc, ConstraintError):
+        return 400
+    return 503 if isinstance(exc, GrammarsBusy) else 500

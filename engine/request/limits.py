@@ -26,7 +26,7 @@ def check_params(
     try:
         params.validate()
         if params.structured_outputs is not None:
-            check_structured_outputs(params.structured_outputs)
+            check_structured_outputs(params.structured_outputs, limits.max_grammar_chars)
     except ValueError as exc:  # the message starts with the field's name
         field = str(exc).split(" ", 1)[0].split(".", 1)[0]
         raise EngineError(str(exc), 400, field) from None

@@ -188,7 +188,7 @@ class Scheduler:
             if seq is not None:
                 self._retire(seq)
 
-    def fail(self, seq_ids: Iterable[int], message: str) -> list[RequestFailed]:
+    def fail(self, seq_ids: Iterable[int], message: str, status: int = 500) -> list[RequestFailed]:
         """Drop the requests of sequences the workers could not compute; their failures."""
         failures = []
         for seq_id in seq_ids:
@@ -196,7 +196,9 @@ class Scheduler:
             if seq is not None:
                 request = seq.request
                 self._drop_request(request)
-                failures.append(failed(request.request_id, request.epoch, 500, message, "worker"))
+                failures.append(
+                    failed(request.request_id, request.epoch, status, message, "worker")
+                )
         return failures
 
     def on_workers_restarted(self) -> None:

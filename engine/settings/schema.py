@@ -225,6 +225,14 @@ class LimitsSettings(_Section, frozen=True):
             "characters is refused before it is tokenized",
         ),
     ] = 32
+    max_grammar_chars: Annotated[
+        int,
+        Meta(
+            ge=1,
+            description="most characters in a request's structured-output constraint (its JSON "
+            "schema, regex, choices or grammar)",
+        ),
+    ] = 1 << 18
 
 
 class ParallelSettings(_Section, frozen=True):

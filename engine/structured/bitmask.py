@@ -9,6 +9,8 @@ import sys
 import llguidance
 import torch
 
+from engine.structured.limits import matcher_error
+
 
 def words_for(vocab_size: int) -> int:
     return -(-vocab_size // 32)
@@ -29,6 +31,9 @@ def fill_bitmask(
         executor.unsafe_compute_mask_ptr(
             running, bitmask.data_ptr(), bitmask.shape[1] * 4, bitmask.shape[0]
         )
+        for matcher, _ in running:  # a limit met computing the mask: never a finished grammar
+            if matcher.is_error():
+                raise matcher_error(matcher, "structured_outputs")
     for row, matcher in enumerate(matchers):
         if matcher.is_stopped():
             for token in eos_token_ids:

@@ -19,11 +19,19 @@ from typing import Any
 import llguidance
 
 from engine.messages.params import StructuredOutputsParams
-from engine.structured.spec import grammar_of, spec_key
+from engine.structured.limits import (
+    limits_met,
+    matcher_error,
+    parser_limits,
+    why_refused,
+)
+from engine.structured.spec import constraint_summary, grammar_of, spec_key
 
 log = logging.getLogger(__name__)
 
+FIELD = "structured_outputs"
 COMPILE_TIMEOUT_S = 60.0  # a step waits at most this for a grammar (then its sequence fails)
+COMPILE_THREADS = 4
 MAX_CACHED_GRAMMARS = 256
 
 
@@ -41,7 +49,10 @@ class GrammarService:
         self.vocab_size = vocab_size  # the logits' width: the bitmask covers every row column
         self.eos_token_ids = list(eos_token_ids)
         self.max_cached = max_cached
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        # Several at once (llguidance builds a grammar without the GIL): requests that arrive
+        # together with large constraints must not queue behind one another's compiles.
+        threads = max(1, min(COMPILE_THREADS, os.cpu_count() or 1))
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grammar")
         self._lock = threading.Lock()
         self._tokenizers: Future[tuple[Any, llguidance.LLTokenizer]] | None = None
         self._compiled: OrderedDict[bytes, Future[llguidance.LLMatcher]] = OrderedDict()
@@ -93,10 +104,19 @@ class GrammarService:
 
     def _compile(self, spec: StructuredOutputsParams) -> llguidance.LLMatcher:
         ll_tokenizer = self._load().result(timeout=COMPILE_TIMEOUT_S)[1]
-        matcher = llguidance.LLMatcher(ll_tokenizer, grammar_of(spec), log_level=0)
+        grammar = grammar_of(spec)
+        matcher = llguidance.LLMatcher(ll_tokenizer, grammar, log_level=0, limits=parser_limits())
         if matcher.is_error():
-            raise ValueError(f"structured_outputs could not be compiled: {matcher.get_error()}")
+            error = matcher_error(matcher, FIELD)
+            summary = constraint_summary(spec)
+            log.warning("structured_outputs refused (%s): %s", summary, why_refused(str(error)))
+            raise error
         return matcher
+
+
+class GrammarsBusy(RuntimeError):
+    """A grammar still compiling when its sequence must be sampled: the server is busy (503),
+    not broken, and the request may be sent again."""
 
 
 class SequenceMatcher:
@@ -111,16 +131,27 @@ class SequenceMatcher:
     def ready(self, output: list[int]) -> llguidance.LLMatcher:
         """The matcher, caught up with `output` (waits for the grammar if it is still compiling)."""
         if self._matcher is None:
-            self._matcher = self._compiled.result(timeout=COMPILE_TIMEOUT_S).deep_copy()
+            try:
+                compiled = self._compiled.result(timeout=COMPILE_TIMEOUT_S)
+            except TimeoutError:
+                raise GrammarsBusy(
+                    f"structured_outputs: the grammar did not compile within "
+                    f"{COMPILE_TIMEOUT_S:g} s, behind others; try again"
+                ) from None
+            self._matcher = compiled.deep_copy()
         matcher = self._matcher
         while self._fed < len(output):
             token = output[self._fed]
-            self._fed += 1
             if matcher.is_stopped():
                 break  # EOS, or the grammar's end: later tokens (if any) are past the output
             if not matcher.consume_token(token):
+                if limits_met(matcher.get_error()):  # a limit met on the model's tokens
+                    raise matcher_error(matcher, FIELD)
                 raise ValueError(
-                    f"token {token} at output position {self._fed - 1} breaks the structured "
+                    f"token {token} at output position {self._fed} breaks the structured "
                     f"output constraint: {matcher.get_error()}"
                 )
+            self._fed += 1
+        if matcher.is_error():  # never taken for the grammar's end: that would free the output
+            raise matcher_error(matcher, FIELD)
         return matcher

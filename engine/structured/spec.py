@@ -10,6 +10,7 @@ both compile a JSON schema quickly.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any, cast
 
@@ -18,6 +19,7 @@ import msgspec
 from llguidance.gbnf_to_lark import any_to_lark
 
 from engine.messages.params import StructuredOutputsParams
+from engine.structured.limits import parser_limits, trial_run
 
 # JSON is generated compact (", " and ": " separators, no free whitespace): a model may not spend
 # its tokens on whitespace, which an unconstrained-whitespace grammar allows without end.
@@ -66,8 +68,10 @@ def _json_grammar(schema: dict[str, Any] | bool, field: str) -> str:
         raise ValueError(f"{field} is not a usable JSON schema: {exc}") from None
 
 
-def check_structured_outputs(spec: StructuredOutputsParams) -> None:
-    """ValueError starting with the offending field when `spec` cannot be enforced."""
+def check_structured_outputs(spec: StructuredOutputsParams, max_chars: int) -> None:
+    """The cheap checks, on the caller's thread: ValueError starting with the offending field
+    when `spec` sets no constraint or several, or one over `max_chars` characters
+    (limits.max_grammar_chars). `check_grammar` does the rest, off the event loop."""
     unsupported = spec.unsupported()
     if unsupported:
         raise ValueError(f"structured_outputs.{unsupported[0]} is not supported")
@@ -77,15 +81,48 @@ def check_structured_outputs(spec: StructuredOutputsParams) -> None:
             "structured_outputs must set exactly one of json, json_object, regex, choice, "
             f"grammar; got {kinds or 'none'}"
         )
+    size = constraint_chars(spec)
+    if size > max_chars:
+        raise ValueError(
+            f"structured_outputs.{kinds[0]} has {size:,} characters, over the limit of "
+            f"{max_chars:,} (limits.max_grammar_chars)"
+        )
+
+
+def constraint_chars(spec: StructuredOutputsParams) -> int:
+    """The size of what a request gave as its constraint, in characters."""
+    if spec.json is not None:
+        return len(spec.json if isinstance(spec.json, str) else json.dumps(spec.json))
+    if spec.regex is not None:
+        return len(spec.regex)
+    if spec.choice is not None:
+        return sum(len(option) + 1 for option in spec.choice)
+    return len(spec.grammar or "")
+
+
+def check_grammar(spec: StructuredOutputsParams) -> str:
+    """The grammar of `spec` once the library has taken it within its limits (LIMITS) and run
+    it for a few bytes (`trial_run`); ValueError naming the field, and the limit met, when it
+    cannot be enforced. Seconds for the largest constraints `check_structured_outputs` lets
+    through: not for an event loop."""
+    field = f"structured_outputs.{spec.kinds()[0]}"
     try:
         grammar = grammar_of(spec)
-        error = llguidance.LLMatcher.validate_grammar(grammar)
+        error = llguidance.LLMatcher.validate_grammar(grammar, limits=parser_limits())
     except ValueError:
         raise
     except Exception as exc:  # the library's own refusal of an input it cannot take
-        raise ValueError(f"structured_outputs.{kinds[0]} is invalid: {exc}") from None
+        raise ValueError(f"{field} is invalid: {exc}") from None
     if error:
-        raise ValueError(f"structured_outputs.{kinds[0]} is invalid: {error.strip()}")
+        raise ValueError(f"{field} is invalid: {error.replace('<non-verbose/>', '').strip()}")
+    trial_run(grammar, field)
+    return grammar
+
+
+def constraint_summary(spec: StructuredOutputsParams) -> str:
+    """What the log may say of a constraint: its size and a hash, never its text."""
+    digest = hashlib.sha256(spec_key(spec)).hexdigest()[:16]
+    return f"{spec.kinds()[0]}, {constraint_chars(spec):,} characters, sha256 {digest}"
 
 
 def spec_key(spec: StructuredOutputsParams) -> bytes:

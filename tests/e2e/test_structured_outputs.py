@@ -354,6 +354,24 @@ def test_bad_output_controls_are_400_naming_the_field(
     assert response.json()["error"]["param"] == param, response.text
 
 
+@pytest.mark.parametrize(
+    ("constraint", "limit"),
+    [
+        ({"choice": [f"option {i}" for i in range(2500)]}, "max_items_in_row 2,000"),
+        ({"regex": "(a{1000}){1000}"}, "initial_lexer_fuel 100,000"),
+    ],
+    ids=["choice", "regex"],
+)
+def test_constraints_past_the_grammar_librarys_limits_are_400_naming_the_limit(
+    server: Server, constraint: dict[str, Any], limit: str
+) -> None:
+    """Both were answered 200 with `finish_reason: stop` and text that broke the constraint."""
+    body = {"messages": USER, "max_tokens": 4, "structured_outputs": constraint}
+    response = post(server, "/v1/chat/completions", body)
+    assert response.status_code == 400, response.text
+    assert limit in response.json()["error"]["message"]
+
+
 def test_completions_refuse_suffix_and_best_of_then_keep_serving(server: Server) -> None:
     for body, param in (({"suffix": "end"}, "suffix"), ({"best_of": 3}, "best_of")):
         response = post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 4, **body})

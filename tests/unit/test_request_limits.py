@@ -3,6 +3,11 @@ and the waiting queue counts samples."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import re
+
+import msgspec
 import pytest
 
 from engine.messages.params import SamplingParams, StructuredOutputsParams
@@ -14,6 +19,7 @@ from engine.request.limits import (
 )
 from engine.request.outputs import EngineError
 from engine.settings.schema import LimitsSettings
+from engine.structured.admission import admit_constraint
 
 LIMITS = LimitsSettings(max_n=8, max_stop_strings=4, max_stop_chars=40, max_request_tokens=1000)
 MAX_MODEL_LEN = 256
@@ -77,22 +83,42 @@ def test_prompts_that_could_never_fit_are_refused_before_tokenizing() -> None:
         assert str(MAX_MODEL_LEN) in caught.value.message
 
 
-def test_a_constraint_that_cannot_be_enforced_is_refused_before_any_compute() -> None:
+def test_a_constraint_that_cannot_be_enforced_is_refused_before_any_compute(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO)
+    huge_regex = "(a{1000}){1000}"
     for spec, problem in (
         (StructuredOutputsParams(json={"type": "nonsense"}), "nonsense"),
         (StructuredOutputsParams(regex="(ab"), "unclosed group"),
         (StructuredOutputsParams(grammar="root ::= missing"), "missing"),
+        # Past the grammar library's limits: these were answered 200 and unconstrained.
+        (StructuredOutputsParams(choice=[f"c{i}" for i in range(2500)]), "max_items_in_row 2,000"),
+        (StructuredOutputsParams(regex=huge_regex), "initial_lexer_fuel 100,000"),
+    ):
+        check_params(SamplingParams(structured_outputs=spec), LIMITS, MAX_MODEL_LEN)  # cheap
+        with pytest.raises(EngineError) as caught:
+            asyncio.run(admit_constraint(spec))
+        assert caught.value.status == 400 and caught.value.param == "structured_outputs"
+        assert problem in caught.value.message
+    refusals = [r.getMessage() for r in caplog.records if r.name.endswith("admission")]
+    assert len(refusals) == 5 and all(re.search(r"\d+ characters, sha256 \w+", r) for r in refusals)
+    assert "met llguidance's max_items_in_row" in refusals[3]
+    assert not any(s in r for r in caplog.messages for s in (huge_regex, "(ab", "c2499", "missing"))
+    for spec, problem in (
         (StructuredOutputsParams(regex="a", choice=["a"]), "exactly one"),
         (StructuredOutputsParams(regex="a", structural_tag="{}"), "structural_tag"),
     ):
         error = refusal(structured_outputs=spec)
         assert error.status == 400 and error.param == "structured_outputs"
         assert problem in error.message
-    check_params(
-        SamplingParams(structured_outputs=StructuredOutputsParams(choice=["x"])),
-        LIMITS,
-        MAX_MODEL_LEN,
-    )
+    small = msgspec.structs.replace(LIMITS, max_grammar_chars=500)
+    with pytest.raises(EngineError, match=r"has 501 characters.*limits.max_grammar_chars"):
+        params = SamplingParams(structured_outputs=StructuredOutputsParams(regex="a" * 501))
+        check_params(params, small, MAX_MODEL_LEN)
+    accepted = StructuredOutputsParams(choice=[f"c{i}" for i in range(1999)])
+    check_params(SamplingParams(structured_outputs=accepted), LIMITS, MAX_MODEL_LEN)
+    asyncio.run(admit_constraint(accepted))
 
 
 def test_token_controls_are_checked_against_their_ranges_and_the_vocabulary() -> None:

@@ -19,6 +19,7 @@ from engine.model.sampling.token_controls import bad_words_token_ids
 from engine.model.step_inputs import SequenceStart
 from engine.structured.bitmask import fill_bitmask
 from engine.structured.grammars import GrammarService, SequenceMatcher
+from engine.structured.limits import ConstraintError
 from tests.checkpoints import tiny_checkpoint
 
 SCHEMA = {
@@ -129,6 +130,22 @@ def test_a_regex_is_met_exactly_under_random_sampling(grammars: GrammarService, 
     for output in outputs:
         text = tokenizer.decode(until_eos(output, grammars.eos_token_ids)[:-1])
         assert re.fullmatch(r"[a-z]{3}-[0-9]{2}", text), text
+
+
+def test_a_grammar_that_meets_a_library_limit_fails_and_never_ends_as_if_met(
+    grammars: GrammarService,
+) -> None:
+    """A matcher in an error state looked finished: the sequence was given EOS, and the request
+    answered 200 with `finish_reason: stop` and text its constraint did not allow."""
+    spec = StructuredOutputsParams(regex="(a{1000}){1000}")  # admission refuses it, too
+    sampler = sampler_of(grammars)
+    sampler.add(SequenceStart(1, PROMPT, [], SamplingParams(structured_outputs=spec), 0))
+    logits = torch.zeros(1, grammars.vocab_size)
+    sampler.sample([1], logits)  # the first token fits
+    for _ in range(2):  # the step fails, and so does its rerun: no EOS is ever sampled
+        with pytest.raises(ConstraintError, match="initial_lexer_fuel 100,000"):
+            sampler.sample([1], logits)
+    assert not set(sampler.output_token_ids(1)) & set(grammars.eos_token_ids)
 
 
 def test_logit_bias_allowed_token_ids_and_bad_words(grammars: GrammarService, model: str) -> None:
