@@ -25,8 +25,10 @@ from engine.messages.ring_catalogue import PLAN_RING, RESULTS_RING
 from engine.messages.roles import Role
 from engine.messages.steps import STEP_PLANS, StepPlan, StepResult, WorkerFailed
 from engine.model.placement.policy import sleeping_openmp_threads
-from engine.model.step_inputs import is_long
+from engine.model.step_inputs import is_long, step_tokens
 from engine.runtime.actor import Actor
+from engine.runtime.work_rate import WorkRate
+from engine.structured.grammars import COMPILE_TIMEOUT_S
 from engine.testing.fault_injection import FaultInjection
 
 
@@ -91,6 +93,9 @@ class WorkerActor(Actor):
         drafter = _drafter(config, runner, self.run_dir or None)
         self.draft_weight_slot = None if drafter is None else drafter.runner.weight_slot
         self.executor = StepExecutor(runner, config.rank, faults_hooks, drafter)
+        # Each step's deadline: from its tokens and the rate measured on earlier steps, never
+        # under the wait for a grammar (tensor-parallel peers wait for rank 0's in the step).
+        self.step_rate = WorkRate(floor=COMPILE_TIMEOUT_S)
         self._scheduler_generation = 0  # bumped when the scheduler restarts (fresh plan ring)
         self.sequences_generation = 0  # the scheduler generation our sequences belong to
         return {"num_blocks": runner.num_blocks}
@@ -107,24 +112,33 @@ class WorkerActor(Actor):
         for plan in PLAN_RING.decode_many(frames):  # its one ring served by handle()
             if generation != self._scheduler_generation:
                 return  # the scheduler restarted meanwhile: the rest is a dead one's plans
-            started_at = time.monotonic()
             if self.sequences_generation != generation:
                 self.executor.reset_sequences()  # the new scheduler announces them again
                 self.sequences_generation = generation
+            await self._grammars_compiled(plan)
+            started_at = time.monotonic()
             if is_long(plan):
                 messages = await asyncio.to_thread(self.run_step, plan)
             else:
                 messages = self.run_step(plan)
+            finished_at = time.monotonic()
+            self.step_rate.observe(step_tokens(plan), finished_at - started_at)
             if messages and self.rank == 0 and generation == self._scheduler_generation:
-                finished_at = time.monotonic()
                 for message in messages:
                     if isinstance(message, StepResult):  # the scheduler's StepTimes read these
                         message.started_at, message.finished_at = started_at, finished_at
                 await self.send_all(RESULTS_RING, messages)
 
     def run_step(self, plan: StepPlan) -> list[StepResult | WorkerFailed]:
-        with self.busy():
+        with self.busy(self.step_rate.deadline(step_tokens(plan))):  # the root judges by it
             return self.executor.run(plan)
+
+    async def _grammars_compiled(self, plan: StepPlan) -> None:
+        """Wait for the grammars the plan's new requests need here, on the event loop, and not
+        inside the step, whose deadline is for the model's work alone."""
+        compiling = [asyncio.wrap_future(future) for future in self.executor.compiling(plan)]
+        if compiling:
+            await asyncio.wait(compiling, timeout=COMPILE_TIMEOUT_S)
 
     async def on_rings_swapped(self, peer: str, rings: list[str]) -> None:
         if PLAN_RING.name in rings:  # the scheduler restarted; a running step: handle() resets

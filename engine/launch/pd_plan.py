@@ -101,6 +101,8 @@ def kv_transfer_parts(
                 config=msgspec.msgpack.encode(transfer),
                 heartbeat_interval=runtime.heartbeat_interval,
                 heartbeat_timeout=runtime.heartbeat_timeout,
+                stall_timeout=runtime.stall_timeout,
+                stopped_timeout=runtime.stopped_timeout,
                 ready_timeout=runtime.start_timeout,
             )
         )

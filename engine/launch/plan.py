@@ -111,6 +111,8 @@ class EnginePlan:
 class ChildTiming(TypedDict):
     heartbeat_interval: float
     heartbeat_timeout: float
+    stall_timeout: float
+    stopped_timeout: float
     ready_timeout: float
 
 
@@ -264,6 +266,8 @@ def _pipeline_specs(
     timing: ChildTiming = {
         "heartbeat_interval": runtime.heartbeat_interval,
         "heartbeat_timeout": runtime.heartbeat_timeout,
+        "stall_timeout": runtime.stall_timeout,
+        "stopped_timeout": runtime.stopped_timeout,
         "ready_timeout": runtime.start_timeout,
     }
     tokenizer_config = TokenizerConfig(
@@ -373,6 +377,8 @@ def _worker_specs(
                 config=msgspec.msgpack.encode(config),
                 heartbeat_interval=runtime.heartbeat_interval,
                 heartbeat_timeout=runtime.heartbeat_timeout,
+                stall_timeout=runtime.stall_timeout,
+                stopped_timeout=runtime.stopped_timeout,
                 ready_timeout=runtime.start_timeout,
             )
         )

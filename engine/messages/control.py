@@ -87,6 +87,9 @@ class Heartbeat(msgspec.Struct, tag=True, array_like=True):
     bytes_sent: dict[str, int] = msgspec.field(default_factory=dict)
     # How full each outbound ring is at this beat (0 to 1): a sample, not a peak
     ring_fill: dict[str, float] = msgspec.field(default_factory=dict)
+    loop_lag: float = 0.0  # seconds since the actor's event loop last turned
+    busy_for: float = 0.0  # seconds inside busy() (a model step); 0: not busy
+    busy_limit: float = 0.0  # the deadline that work was given, in seconds; 0: none
 
 
 class SwapDone(msgspec.Struct, tag=True, array_like=True):

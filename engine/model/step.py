@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Sequence
-from typing import Protocol
+from concurrent.futures import Future
+from typing import Any, Protocol
 
 import torch
 
@@ -120,6 +121,15 @@ class StepExecutor:
         self.faults.reset()
         if self.drafter is not None:
             self.drafter.reset()
+
+    def compiling(self, plan: StepPlan) -> list[Future[Any]]:
+        """The grammars the plan's new requests need that are still compiling (their compiles
+        start now if they had not)."""
+        if self.grammars is None:
+            return []
+        specs = [r.params.structured_outputs for r in plan.new_requests]
+        found = [self.grammars.compile(spec) for spec in specs if spec is not None]
+        return [future for future in found if not future.done()]
 
     def run(self, plan: StepPlan) -> list[StepResult | WorkerFailed]:
         """The step's messages for the scheduler: WorkerFailed for sequences that could not be

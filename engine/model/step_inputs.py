@@ -20,7 +20,12 @@ LONG_STEP_TOKENS = 512
 
 
 def is_long(plan: StepPlan) -> bool:
-    return sum(chunk.num_tokens for chunk in plan.chunks) > LONG_STEP_TOKENS
+    return step_tokens(plan) > LONG_STEP_TOKENS
+
+
+def step_tokens(plan: StepPlan) -> int:
+    """The tokens a step runs through the model: its size, for its deadline."""
+    return sum(chunk.num_tokens + chunk.num_draft for chunk in plan.chunks)
 
 
 class SeqChunk(msgspec.Struct, array_like=True):

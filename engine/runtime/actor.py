@@ -82,7 +82,9 @@ class Actor:
         self._status_lock = threading.Lock()  # the status ring has one writer: either thread
         self._beats = 0
         self._busy_since: float | None = None  # set inside busy()
-        self._ended = threading.Event()  # tells the busy-beat thread to end
+        self._busy_limit = 0.0  # the deadline busy() was given, in seconds; 0: none
+        self._loop_seen = time.monotonic()  # when the event loop last turned
+        self._ended = threading.Event()  # tells the heartbeat thread to end
         self._status_closed = False
 
     # Hooks.
@@ -129,14 +131,17 @@ class Actor:
         return await self.rings.send_many(_name(ring), frames)
 
     @contextmanager
-    def busy(self) -> Iterator[None]:
-        """Mark work that may hold the event loop (or last) longer than the heartbeat timeout:
-        heartbeats go on from a thread meanwhile. Callable from any thread."""
+    def busy(self, limit: float = 0.0) -> Iterator[None]:
+        """Mark work that may hold the event loop longer than the stall timeout (a model step):
+        the root judges it by `limit` seconds instead (0: no deadline), which the work derives
+        from its own size. Heartbeats never stop: they come from a thread. Any thread."""
+        self._busy_limit = limit
         self._busy_since = time.monotonic()
         try:
             yield
         finally:
             self._busy_since = None
+            self._busy_limit = 0.0
 
     def stop(self, reason: str) -> None:
         """Ask for an orderly stop (also what a Stop message and SIGTERM do)."""
@@ -164,10 +169,8 @@ class Actor:
                 started = True
                 self._report(Ready(os.getpid(), info or {}))
                 self.log.info("ready (generation %d)", self.generation)
-                tasks.append(loop.create_task(self._beat_heart(), name="heartbeat"))
-                threading.Thread(
-                    target=self._beat_while_busy, name="busy-heartbeat", daemon=True
-                ).start()
+                tasks.append(loop.create_task(self._mark_loop_turns(), name="loop-turns"))
+                threading.Thread(target=self._beat_heart, name="heartbeat", daemon=True).start()
                 if self.rings.inbound_names:
                     tasks.append(loop.create_task(self._serve(), name="serve"))
                 waits: list[asyncio.Future[Any]] = [*tasks, self._stop_requested]
@@ -221,30 +224,36 @@ class Actor:
                 elif isinstance(message, LogLevel):
                     _set_log_level(message.level, self.log)
 
-    async def _beat_heart(self) -> None:
+    async def _mark_loop_turns(self) -> None:
+        """The event loop's sign of life, which heartbeats carry as `loop_lag`."""
         while True:
+            self._loop_seen = time.monotonic()
             await asyncio.sleep(self._boot.heartbeat_interval)
             if os.getppid() != self._boot.root_pid:  # backs up the death signal (non-Linux too)
                 self.stop("the root process is gone")
                 return
-            self._beat()
 
-    def _beat_while_busy(self) -> None:
-        """The busy-beat thread: beats while the actor is inside busy(), sleeps otherwise."""
+    def _beat_heart(self) -> None:
+        """The heartbeat thread: nothing the actor computes can hold it up (a step runs in
+        native code without the GIL, or on another thread), so silence means the process is
+        stopped or stuck as a whole; how the event loop and a step fare, the beats say."""
         while not self._ended.wait(self._boot.heartbeat_interval):
-            if self._busy_since is not None:
-                self._beat()
+            self._beat()
 
     def _beat(self) -> None:
         with self._status_lock:
             self._beats += 1
             rings = self.rings  # dict() copies are atomic: the loop may be sending meanwhile
+            now, since, limit = time.monotonic(), self._busy_since, self._busy_limit
             beat = Heartbeat(
                 self._beats,
                 self.decode_errors,
                 dict(rings.frames_sent),
                 dict(rings.bytes_sent),
                 rings.fill(),
+                loop_lag=now - self._loop_seen,
+                busy_for=0.0 if since is None else now - since,
+                busy_limit=limit,
             )
         self._report(beat)
 

@@ -74,6 +74,7 @@ class ChildProcess:
         self.last_seen = (
             time.monotonic()
         )  # of the last status frame: the heartbeat watchdog's input
+        self.last_beat: Heartbeat | None = None  # the liveness watchdog's other input
         self.decode_errors = 0
         self.frames_sent: dict[str, int] = {}  # as of its last heartbeat, by ring
         self.bytes_sent: dict[str, int] = {}
@@ -164,15 +165,15 @@ class ChildProcess:
     ) -> bool:
         """Hand the child fresh rings and wait until it confirms; False if it did not in time.
 
-        It gets heartbeat_timeout to answer: an actor that cannot serve its control ring that
-        long would be declared hung anyway.
+        It gets stall_timeout to answer: an actor whose event loop cannot serve its control
+        ring that long would be declared hung anyway.
         """
         swap_id = next(self._swap_ids)
         done = self._swaps[swap_id] = self._loop.create_future()
         try:
             if not self.send_control(SwapRings(swap_id, peer, dict(inbound), dict(outbound))):
                 return False
-            timeout = self.spec.heartbeat_timeout
+            timeout = self.spec.stall_timeout
             await asyncio.wait((done, self.exited), timeout=timeout, return_when="FIRST_COMPLETED")
             return done.done() or self.exited.done()  # a dead child gets new rings at restart
         finally:
@@ -252,6 +253,7 @@ class ChildProcess:
                 if not self.ready.done():
                     self.ready.set_result(message)
             elif isinstance(message, Heartbeat):
+                self.last_beat = message
                 self.decode_errors = message.decode_errors
                 self.frames_sent, self.bytes_sent = message.frames_sent, message.bytes_sent
                 self.ring_fill = message.ring_fill

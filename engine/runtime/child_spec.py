@@ -59,8 +59,11 @@ class ChildSpec(msgspec.Struct, frozen=True, kw_only=True):
     group: str = ""
     shutdown_timeout: float = 5.0  # Stop -> this long -> SIGTERM -> this long -> SIGKILL
     ready_timeout: float = 60.0  # spawn -> Ready
-    heartbeat_interval: float = 1.0
-    heartbeat_timeout: float = 10.0  # no status frame for this long: hung, SIGKILLed
+    heartbeat_interval: float = 0.5  # heartbeats come from a thread work cannot block
+    heartbeat_timeout: float = 2.0  # no status frame for this long: hung, SIGKILLed
+    # The event loop not turning for this long, outside work marked busy(): hung, SIGKILLed
+    stall_timeout: float = 10.0
+    stopped_timeout: float = 0.5  # stopped by a signal (SIGSTOP) this long: hung, SIGKILLed
 
 
 def declare_ring(ring: Ring[Any], writer: str, readers: Sequence[str]) -> RingDecl:
@@ -165,7 +168,8 @@ def _validate_child(child: ChildSpec) -> None:
         child.group,
         f"'' or {_NAME.pattern}",
     )
-    for field in ("shutdown_timeout", "ready_timeout", "heartbeat_interval", "heartbeat_timeout"):
+    timeouts = ("shutdown_timeout", "ready_timeout", "heartbeat_interval", "heartbeat_timeout")
+    for field in (*timeouts, "stall_timeout", "stopped_timeout"):
         _positive(f"{what} {field}", getattr(child, field))
     _require(
         child.heartbeat_timeout > child.heartbeat_interval,

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from engine.runtime.child_process import ChildProcess
 from engine.runtime.child_spec import ChildSpec
 from engine.runtime.events import ChildStatus
+from engine.runtime.liveness import Observed, Timeouts, why_hung
 from engine.runtime.stopped import STOPPED_FROM_OUTSIDE, is_stopped
 
 
@@ -28,21 +29,27 @@ class SupervisedChild:
     # Ring traffic of its earlier generations, by ring: with the current one's, a monotonic total
     frames_before: dict[str, int] = field(default_factory=dict)
     bytes_before: dict[str, int] = field(default_factory=dict)
+    stopped_since: float | None = None  # monotonic: when its process was first seen stopped
 
-    def kill_if_silent(self, now: float) -> None:
-        """A running child whose heartbeats stopped past its heartbeat_timeout is hung: kill it,
-        which makes the hang a death like any other. One stopped by a signal from outside
-        (SIGSTOP) is named so: its death is no evidence against the requests it held."""
+    def kill_if_hung(self, now: float) -> None:
+        """A running child that counts as hung (engine/runtime/liveness.py) is killed, which
+        makes the hang a death like any other. One stopped by a signal from outside (SIGSTOP)
+        is named so: its death is no evidence against the requests it held."""
         process = self.process
         if self.state != "running" or process is None or not process.alive:
+            self.stopped_since = None
             return
         process.read_status()  # what arrived while the watchdog was busy counts too
-        silent = now - process.last_seen
-        timeout = self.spec.heartbeat_timeout
-        if silent > timeout:
-            why = f"no heartbeat for {silent:.1f} s, heartbeat_timeout is {timeout:g} s"
-            if process.pid is not None and is_stopped(process.pid):
+        stopped = process.pid is not None and is_stopped(process.pid)
+        self.stopped_since = (self.stopped_since or now) if stopped else None
+        seen = Observed(now, process.last_seen, process.last_beat, self.stopped_since)
+        spec = self.spec
+        timeouts = Timeouts(spec.heartbeat_timeout, spec.stall_timeout, spec.stopped_timeout)
+        why = why_hung(seen, timeouts)
+        if why is not None:
+            if stopped and STOPPED_FROM_OUTSIDE not in why:
                 why = f"{STOPPED_FROM_OUTSIDE}, {why}"
+            self.stopped_since = None
             process.kill(why)
 
     def replace_process(self, process: ChildProcess) -> None:

@@ -57,6 +57,7 @@ from engine.runtime.supervised_child import SupervisedChild, wait_for_dying_sibl
 __all__ = ["ChildStartError", "Supervisor"]
 
 log = logging.getLogger(__name__)
+WATCH_TICK_S = 0.2  # the liveness watchdog's period (engine/runtime/liveness.py)
 
 
 class Supervisor:
@@ -337,12 +338,13 @@ class Supervisor:
                 process.kill(f"did not confirm the ring swap after {peer} restarted")
 
     async def _watch_heartbeats(self) -> None:
-        period = min(child.heartbeat_interval for child in self.spec.children)
+        # Ticks at most WATCH_TICK_S apart: a stopped process is seen within two of them.
+        period = min(WATCH_TICK_S, *(child.heartbeat_interval for child in self.spec.children))
         while True:
             await asyncio.sleep(period)
             now = time.monotonic()
             for child in self._children.values():
-                child.kill_if_silent(now)
+                child.kill_if_hung(now)
 
     # Ending.
 

@@ -285,12 +285,33 @@ class RuntimeSettings(_Section, frozen=True):
     ] = "~/.cache/engine"
     log_level: Annotated[LogLevel, Meta(description="log verbosity of every process")] = "info"
     heartbeat_interval: Annotated[
-        float, Meta(gt=0.0, description="seconds between an actor's heartbeats")
-    ] = 1.0
+        float,
+        Meta(gt=0.0, description="seconds between an actor's heartbeats (sent from a thread)"),
+    ] = 0.5
     heartbeat_timeout: Annotated[
         float,
-        Meta(gt=0.0, description="seconds without a heartbeat before an actor counts as hung"),
+        Meta(
+            gt=0.0,
+            description="seconds without a heartbeat before an actor counts as hung (a model "
+            "step is judged by a deadline from its own size instead; a stopped process at once)",
+        ),
+    ] = 2.0
+    stall_timeout: Annotated[
+        float,
+        Meta(
+            gt=0.0,
+            description="seconds an actor's event loop may go without turning, outside a model "
+            "step, before the actor counts as hung",
+        ),
     ] = 10.0
+    stopped_timeout: Annotated[
+        float,
+        Meta(
+            gt=0.0,
+            description="seconds an actor's process may stay stopped by a signal (SIGSTOP, a "
+            "debugger) before it counts as hung",
+        ),
+    ] = 0.5
     start_timeout: Annotated[
         float, Meta(gt=0.0, description="seconds each actor gets to report ready at start")
     ] = 300.0

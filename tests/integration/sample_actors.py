@@ -68,8 +68,23 @@ class EchoActor(Actor):
         for note in NOTES.decode_many(frames):
             if note.text.endswith(f"crash {self.name}"):
                 raise RuntimeError(f"{self.name} was asked to crash")
+            await self._work(note.text)
             for out in self.rings.outbound_names:
                 await self.send(out, NOTES.encode(Note(f"{self.name}:{note.text}")))
+
+    async def _work(self, text: str) -> None:
+        """ "step S LIMIT": a model step's stand-in, S seconds on a thread inside busy(LIMIT);
+        "block S": S seconds holding the event loop, as code stuck on it would."""
+        verb, *numbers = text.split()
+        if verb == "step":
+            seconds, limit = map(float, numbers)
+            await asyncio.to_thread(self._step, seconds, limit)
+        elif verb == "block":
+            time.sleep(float(numbers[0]))
+
+    def _step(self, seconds: float, limit: float) -> None:
+        with self.busy(limit):
+            time.sleep(seconds)
 
     async def on_stop(self) -> None:
         if self.settings.hang_on_stop:
@@ -138,6 +153,10 @@ class Run:
         pid = self.row(name).pid
         assert pid is not None, f"{name} is not running"
         return pid
+
+    async def send(self, text: str) -> None:
+        """Send a Note into ring "in", expecting no answer."""
+        assert await self.supervisor.root.send_many("in", [NOTES.encode(Note(text))])
 
     async def roundtrip(self, text: str) -> str:
         """Send a Note into ring "in"; the text of the Note that comes back on ring "out"."""

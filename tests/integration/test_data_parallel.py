@@ -113,6 +113,7 @@ async def shared() -> AsyncIterator[Shared]:
             "runtime.restart_period": 3600.0,
             # Long enough for replica 0's worker to sit stopped while replica 1's restarts.
             "runtime.heartbeat_timeout": 120.0,
+            "runtime.stopped_timeout": 120.0,
         }
     )
     ipc_before = ipc_files()

@@ -20,7 +20,8 @@ import pytest_asyncio
 from engine import AsyncLLM, Logprob, SamplingParams
 from engine.library.llm import build_settings
 from tests.checkpoints import tiny_checkpoint
-from tests.integration.test_fault_tolerance import actor, ipc_files, wait_for
+from tests.integration.test_fault_tolerance import actor, wait_for
+from tests.ipc_files import ipc_files
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

@@ -24,10 +24,10 @@ from tests.integration.test_fault_tolerance import (
     alive,
     children_of,
     children_started_since,
-    ipc_files,
     run_all,
     wait_for,
 )
+from tests.ipc_files import ipc_files
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

@@ -95,6 +95,7 @@ async def instance(
         ready_timeout=EVENT_TIMEOUT,
         heartbeat_interval=0.1,
         heartbeat_timeout=heartbeat_timeout,
+        stopped_timeout=600.0,  # the tests stop (SIGSTOP) a source to hold it, then kill it
     )
     rings = (
         RingDecl(name=KV_ORDERS_RING.name, writer=ROOT, readers=(KV,), capacity=1 << 16),

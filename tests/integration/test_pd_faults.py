@@ -32,11 +32,11 @@ from tests.integration.test_fault_tolerance import (
     alive,
     children_of,
     children_started_since,
-    ipc_files,
     no_leftover_segments,  # noqa: F401  (autouse here: the last test checks after shutdown)
     run_job,
     wait_for,
 )
+from tests.ipc_files import ipc_files
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -73,6 +73,9 @@ async def shared() -> AsyncIterator[Shared]:
             "kv_transfer.hold_timeout": 6.0,
             "runtime.restart_intensity": 3,
             "runtime.restart_period": 3600.0,
+            # A worker the tests stop (SIGSTOP) to hold it stays stopped until they kill it.
+            "runtime.heartbeat_timeout": 120.0,
+            "runtime.stopped_timeout": 120.0,
         }
     )
     ipc_before = ipc_files()

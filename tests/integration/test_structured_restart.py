@@ -17,7 +17,7 @@ from engine import AsyncLLM, SamplingParams
 from engine.library.llm import build_settings
 from engine.messages.params import StructuredOutputsParams
 from tests.checkpoints import tiny_checkpoint
-from tests.conftest import _our_ipc_files
+from tests.ipc_files import ipc_files
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -38,7 +38,7 @@ def no_leftover_segments() -> Iterator[None]:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine() -> AsyncIterator[AsyncLLM]:
-    before = _our_ipc_files()
+    before = ipc_files()
     settings = build_settings(
         **{
             "model.path": str(tiny_checkpoint(arch="qwen3")),
@@ -54,7 +54,7 @@ async def engine() -> AsyncIterator[AsyncLLM]:
         yield llm
     finally:
         await llm.shutdown()
-    left = _our_ipc_files() - before
+    left = ipc_files() - before
     assert not left, f"segments or doorbells left after shutdown: {sorted(left)}"
 
 

@@ -23,6 +23,7 @@ from engine.runtime.events import (
     RingsSwapped,
 )
 from engine.runtime.ring import sweep_stale_segments
+from engine.runtime.stopped import STOPPED_FROM_OUTSIDE
 from engine.runtime.supervisor import ChildStartError, Supervisor
 from tests.integration.sample_actors import (
     EVENT_TIMEOUT,
@@ -143,17 +144,40 @@ async def test_past_the_restart_intensity_everything_stops_in_order_with_the_rea
         assert all(row.pid is None for row in run.supervisor.status())
 
 
-async def test_a_hung_child_is_killed_and_restarted() -> None:
-    spec = supervisor_spec(child("echo", heartbeat_timeout=2.0), rings=echo_rings())
+async def test_a_stopped_child_is_found_by_its_process_state_not_its_heartbeat_timeout() -> None:
+    """SIGSTOP stopped every stream for the whole heartbeat timeout (10 s by default)."""
+    spec = supervisor_spec(child("echo", heartbeat_timeout=600.0), rings=echo_rings())
     async with supervised(spec) as run:
         hung = run.pid("echo")
 
         os.kill(hung, signal.SIGSTOP)
-        died = await run.next(ChildDied, "echo")
+        died = await run.next(ChildDied, "echo")  # within EVENT_TIMEOUT, far below 600 s
         await run.next(ChildRestarted, "echo")
 
-        assert died.exitcode == -signal.SIGKILL and "no heartbeat" in died.reason
+        assert died.exitcode == -signal.SIGKILL and STOPPED_FROM_OUTSIDE in died.reason
+        assert "process state is T" in died.reason
         assert not pid_running(hung)
+        assert await run.roundtrip("awake") == "echo:awake"
+
+
+async def test_a_step_is_judged_by_its_own_deadline_and_a_stuck_loop_by_the_stall_timeout() -> None:
+    timeouts = {"heartbeat_timeout": 1.0, "stall_timeout": 1.0}
+    spec = supervisor_spec(child("echo", **timeouts), rings=echo_rings())
+    async with supervised(spec) as run:
+        first = run.pid("echo")
+        # Longer than both timeouts, within its own deadline: no hang.
+        assert await run.roundtrip("step 2.5 30") == "echo:step 2.5 30"
+        assert run.pid("echo") == first
+
+        await run.send("step 600 1.5")  # past its deadline: hung
+        died = await run.next(ChildDied, "echo")
+        assert "past its deadline of 1.5 s" in died.reason
+        await run.next(ChildRestarted, "echo")
+
+        await run.send("block 600")  # the event loop held, outside any step: hung
+        died = await run.next(ChildDied, "echo")
+        assert "event loop has not turned" in died.reason and "stall_timeout is 1 s" in died.reason
+        await run.next(ChildRestarted, "echo")
         assert await run.roundtrip("awake") == "echo:awake"
 
 

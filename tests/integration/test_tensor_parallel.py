@@ -23,7 +23,7 @@ from engine.model.runner import ModelRunner
 from tests.checkpoints import TIE_TOLERANCE, greedy_generate, tiny_checkpoint
 from tests.e2e.harness import free_port
 from tests.hf_reference import assert_greedy_matches_hf
-from tests.integration.test_fault_tolerance import ipc_files
+from tests.ipc_files import ipc_files
 
 ARCHS = {
     "llama": {"arch": "llama"},

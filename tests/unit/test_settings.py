@@ -109,7 +109,8 @@ def test_every_setting_is_reachable_as_section_dot_field() -> None:
             if key == "scheduler.max_num_batched_tokens":  # must cover max_num_seqs (256)
                 text = "4096"
         else:
-            text = "0.5" if key != "runtime.heartbeat_timeout" else "50"
+            text = "0.25" if spec.default == 0.5 else "0.5"  # unlike the default, and valid
+            text = "50" if key == "runtime.heartbeat_timeout" else text
         # One-launch P/D needs both replica counts.
         partner = {
             "kv_transfer.prefill_replicas": ["--kv_transfer.decode_replicas", "1"],

@@ -3,10 +3,10 @@
 Three kinds, drawn at random among those asked for:
 
 - kill:  SIGKILL. The supervisor sees the death through the process sentinel and restarts it.
-- hang:  SIGSTOP, and left stopped. Nothing dies: only the missed heartbeats tell the supervisor
-         (runtime.heartbeat_timeout), which SIGKILLs the stopped child and restarts it.
-- pause: SIGSTOP for a while shorter than the heartbeat timeout, then SIGCONT. Nothing restarts;
-         the streams stall and must go on unharmed.
+- hang:  SIGSTOP, and left stopped. Nothing dies: the supervisor sees the process stopped in
+         /proc (runtime.stopped_timeout, 0.5 s by default), SIGKILLs it and restarts it.
+- pause: SIGSTOP for a while shorter than runtime.stopped_timeout, then SIGCONT. Nothing
+         restarts; the streams stall and must go on unharmed.
 
 Victims are drawn from the running actors the admin socket of each instance lists (`actors`);
 with several instances (a P/D pair) a victim is named `<instance>:<actor>`. A hung actor that is

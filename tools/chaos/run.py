@@ -184,9 +184,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", help="with --launch: the model (default: the engine's default)")
     p.add_argument("--engine-args", default="", help="with --launch: more flags for instances")
     p.add_argument("--proxy-args", default="", help="with --launch pd: more flags for the proxy")
-    p.add_argument("--heartbeat-timeout", type=float, default=6.0,
-                   help="with --launch: the instances' runtime.heartbeat_timeout (a hang is "
-                   "found after it); 0 = the engine's default")  # fmt: skip
+    p.add_argument("--heartbeat-timeout", type=float, default=0.0,
+                   help="with --launch: the instances' runtime.heartbeat_timeout; 0 = the "
+                   "engine's default (stopped actors: runtime.stopped_timeout)")  # fmt: skip
     p.add_argument("--start-timeout", type=float, default=600.0, help="with --launch")
     p.add_argument("--warm-up", type=float, default=15.0,
                    help="with --launch: seconds the servers idle before the workload")  # fmt: skip
@@ -197,7 +197,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=256, help="..to here")
     p.add_argument("--faults", "--kills", type=int, default=20, help="at most this many faults")
     p.add_argument("--kinds", default="kill", help=f"comma-separated fault kinds of {KINDS}")
-    p.add_argument("--pause", default="1:3", help="a pause lasts FROM:TO seconds (< heartbeat)")
+    p.add_argument(
+        "--pause", default="0.1:0.3", help="a pause lasts FROM:TO seconds (< stopped_timeout)"
+    )
     p.add_argument("--min-gap", type=float, default=0.5, help="seconds between faults, from..")
     p.add_argument("--max-gap", type=float, default=2.5, help="..to")
     p.add_argument("--actors", help="comma-separated actor names to hit (default: any)")
