@@ -13,7 +13,7 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 
 from engine.messages.params import StructuredOutputsParams
-from engine.outputs import EngineError
+from engine.request.outputs import EngineError
 from engine.structured.limits import why_refused
 from engine.structured.spec import check_grammar, constraint_summary
 
