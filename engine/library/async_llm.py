@@ -34,6 +34,7 @@ from engine.messages.params import LoRARequest, SamplingParams
 from engine.messages.reports import SchedulerReport
 from engine.messages.requests import GenerateRequest
 from engine.messages.ring_catalogue import REQUESTS_RING
+from engine.request.grammar_admission import admit_constraint
 from engine.request.outputs import EngineError, RequestOutput, merge_outputs, snapshot
 from engine.request.policy import RequestPolicy, renamed
 from engine.request.prompts import Prompt
@@ -42,7 +43,6 @@ from engine.runtime.ring import RingClosed
 from engine.runtime.shm_space import require_shm_space
 from engine.runtime.supervision import Supervision
 from engine.settings import Settings, resolve_home
-from engine.structured.admission import admit_constraint
 from engine.telemetry.tracer import open_request_tracer
 
 log = logging.getLogger("engine")

@@ -11,6 +11,7 @@ import msgspec
 import pytest
 
 from engine.messages.params import SamplingParams, StructuredOutputsParams
+from engine.request.grammar_admission import admit_constraint
 from engine.request.limits import (
     check_params,
     check_prompt_size,
@@ -19,7 +20,6 @@ from engine.request.limits import (
 )
 from engine.request.outputs import EngineError
 from engine.settings.schema import LimitsSettings
-from engine.structured.admission import admit_constraint
 
 LIMITS = LimitsSettings(max_n=8, max_stop_strings=4, max_stop_chars=40, max_request_tokens=1000)
 MAX_MODEL_LEN = 256
@@ -101,7 +101,7 @@ def test_a_constraint_that_cannot_be_enforced_is_refused_before_any_compute(
             asyncio.run(admit_constraint(spec))
         assert caught.value.status == 400 and caught.value.param == "structured_outputs"
         assert problem in caught.value.message
-    refusals = [r.getMessage() for r in caplog.records if r.name.endswith("admission")]
+    refusals = [r.getMessage() for r in caplog.records if r.name.endswith("grammar_admission")]
     assert len(refusals) == 5 and all(re.search(r"\d+ characters, sha256 \w+", r) for r in refusals)
     assert "met llguidance's max_items_in_row" in refusals[3]
     assert not any(s in r for r in caplog.messages for s in (huge_regex, "(ab", "c2499", "missing"))
