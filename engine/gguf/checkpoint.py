@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 WEIGHTS_LINK = "model.gguf"
 # Bump when what is derived from a file changes, so old directories are not reused.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",

@@ -71,9 +71,21 @@ def hf_config(gguf: GGUFFile) -> dict[str, Any]:
     return config
 
 
+# The sampling defaults a GGUF file may carry (llama.cpp's general.sampling.* keys, which
+# llama-server applies) → generation_config.json's keys.
+_SAMPLING_KEYS = {
+    "general.sampling.temp": "temperature",
+    "general.sampling.top_k": "top_k",
+    "general.sampling.top_p": "top_p",
+    "general.sampling.min_p": "min_p",
+    "general.sampling.penalty_repeat": "repetition_penalty",
+    "general.sampling.penalty_last_n": "repeat_last_n",
+}
+
+
 def generation_config(gguf: GGUFFile) -> dict[str, Any]:
     """The ids that end a generation: eos and, for chat models, end-of-turn (llama.cpp stops at
-    both)."""
+    both); and the sampling defaults the file carries, if any."""
     meta = gguf.metadata
     ends = [
         int(meta[key])
@@ -83,6 +95,15 @@ def generation_config(gguf: GGUFFile) -> dict[str, Any]:
     out: dict[str, Any] = {"eos_token_id": sorted(set(ends))}
     if meta.get("tokenizer.ggml.bos_token_id") is not None:
         out["bos_token_id"] = int(meta["tokenizer.ggml.bos_token_id"])
+    for key, name in _SAMPLING_KEYS.items():
+        value = meta.get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            out[name] = value if isinstance(value, int) else _decimal(value)
+    window = out.pop("repeat_last_n", None)
+    if window is not None and window >= 1:
+        out["repeat_last_n"] = window
+    elif window == 0:  # llama.cpp's "no penalty" (and -1, the whole context: vLLM's rule)
+        out["repetition_penalty"] = 1.0
     return out
 
 

@@ -202,10 +202,8 @@ async def _run(
     llm = AsyncLLM(settings)
     if not await _start_engine(llm, shutdown):
         return 0 if shutdown.requested.is_set() else 1
-    defaults, chat_template = llm.generation_defaults, llm.chat_template
-    if defaults:
-        log.info("sampling defaults from generation_config.json: %s", defaults)
-    state = ServerState.create(llm, settings, chat_template)
+    log.info("sampling defaults: %s", llm.policy.describe_defaults())
+    state = ServerState.create(llm, settings, llm.chat_template)
     background = [] if settings.server.disable_log_stats else [log_stats_forever(state)]
     stats_tasks = [asyncio.create_task(work) for work in background]
 

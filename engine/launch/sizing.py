@@ -215,6 +215,7 @@ def scheduler_config(
         max_num_seqs=settings.scheduler.max_num_seqs,
         max_num_batched_tokens=settings.scheduler.max_num_batched_tokens,
         max_model_len=max_model_len,
+        default_max_tokens=settings.limits.default_max_tokens,
         enable_prefix_caching=settings.cache.enable_prefix_caching,
         eos_token_ids=list(config.eos_token_ids),
         max_plan_bytes=PLAN_RING.capacity // 2,  # a plan frame leaves half the plan ring free

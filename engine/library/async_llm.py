@@ -282,11 +282,6 @@ class AsyncLLM:
         return True
 
     @property
-    def generation_defaults(self) -> dict[str, Any]:
-        """The model's generation_config.json defaults (model.generation_config)."""
-        return self.policy.generation_defaults
-
-    @property
     def chat_template(self) -> str | None:
         """model.chat_template's text, for chats that bring no template of their own."""
         return self.policy.chat_template

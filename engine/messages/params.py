@@ -107,6 +107,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     top_k: int = 0  # 0 or -1: disabled
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    # repetition_penalty looks at the last this many tokens of prompt + output (llama.cpp's and
+    # Ollama's repeat_last_n); None: at all of them (vLLM's rule).
+    repeat_last_n: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None
@@ -159,6 +162,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             "repetition_penalty",
             self.repetition_penalty,
             "a number > 0",
+        )
+        _check(
+            self.repeat_last_n is None or self.repeat_last_n >= 1,
+            "repeat_last_n",
+            self.repeat_last_n,
+            "an integer >= 1 (or null: the whole prompt and output)",
         )
         _check(
             -2.0 <= self.presence_penalty <= 2.0,

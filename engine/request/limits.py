@@ -43,12 +43,14 @@ def check_params(
     _within(len(params.stop), limits.max_stop_strings, "stop", "limits.max_stop_strings", "strings")
     stop_chars = sum(len(stop) for stop in params.stop)
     _within(stop_chars, limits.max_stop_chars, "stop", "limits.max_stop_chars", "characters")
-    max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len
+    max_tokens = params.max_tokens
+    if max_tokens is None:
+        max_tokens = min(limits.default_max_tokens or max_model_len, max_model_len)
     if params.n * max_tokens > limits.max_request_tokens:
         raise EngineError(
             f"n x max_tokens is {params.n} x {max_tokens} = {params.n * max_tokens} tokens, over "
-            f"the {limits.max_request_tokens} one request may ask for "
-            "(limits.max_request_tokens; max_tokens unset counts as max_model_len)",
+            f"the {limits.max_request_tokens} one request may ask for (limits.max_request_tokens; "
+            "max_tokens unset counts as limits.default_max_tokens, or max_model_len)",
             400,
             "n",
         )

@@ -22,9 +22,9 @@ from engine.messages.params import PoolingParams, SamplingParams
 from engine.messages.requests import ChatMessage, ChatOptions
 from engine.request.defaults import (
     DEFAULTABLE_FIELDS,
+    SamplingDefaults,
     load_chat_template,
-    load_generation_defaults,
-    with_defaults,
+    load_sampling_defaults,
 )
 from engine.request.limits import check_params, check_prompt_size, check_queue
 from engine.request.outputs import EngineError
@@ -50,9 +50,9 @@ class RequestPolicy:
     max_model_len: int = 0
     max_logprobs: int = 20
     max_queued_samples: int = 0
-    # As vLLM: what a request gets for the fields it leaves unset (the model's
-    # generation_config.json), and for a chat without a template of its own.
-    generation_defaults: dict[str, Any] = field(default_factory=dict)
+    # What a request gets for the fields it leaves unset (engine/request/defaults.py), and for a
+    # chat without a template of its own.
+    sampling: SamplingDefaults = field(default_factory=SamplingDefaults)
     chat_template: str | None = None
     pooling: PoolingParams = field(default_factory=PoolingParams)  # embeddings' default
 
@@ -60,19 +60,26 @@ class RequestPolicy:
     def load(cls, settings: Settings, model_path: str, max_model_len: int) -> RequestPolicy:
         """The policy of a started engine; ValueError naming the setting for a bad file."""
         model = settings.model
+        defaults = load_sampling_defaults(
+            model.generation_config, model_path, model.override_generation_config
+        )
         return cls(
             limits=settings.limits,
             max_model_len=max_model_len,
             max_logprobs=model.max_logprobs,
             max_queued_samples=settings.scheduler.max_queued_samples,
-            generation_defaults=load_generation_defaults(model.generation_config, model_path),
+            sampling=defaults,
             chat_template=load_chat_template(model.chat_template),
             pooling=PoolingParams.from_config(model.pooler_config),
         )
 
+    def describe_defaults(self) -> str:
+        """The sampling defaults and their origin, as the start log and `config show` say."""
+        return describe_defaults(self.sampling, self.limits)
+
     def default_params(self) -> SamplingParams:
         """What a request without SamplingParams samples with (vLLM's LLM does the same)."""
-        return with_defaults(SamplingParams(), self.generation_defaults, DEFAULTABLE_FIELDS)
+        return self.sampling.apply(SamplingParams(), DEFAULTABLE_FIELDS)
 
     def prepare(
         self,
@@ -114,7 +121,7 @@ class RequestPolicy:
     ) -> SamplingParams:
         if params is None:
             params, defaulted = SamplingParams(), DEFAULTABLE_FIELDS
-        params = with_defaults(params, self.generation_defaults, defaulted or ())
+        params = self.sampling.apply(params, defaulted or ())
         return msgspec.structs.replace(params, max_tokens=1) if one_token else params
 
     def _prepare(
@@ -138,6 +145,17 @@ class RequestPolicy:
         return PreparedPrompt(
             params, text, token_ids, chat_in, chat if chat_in is not None else None
         )
+
+
+def describe_defaults(defaults: SamplingDefaults, limits: LimitsSettings) -> str:
+    """The defaults in words, with the output bound of a request that sets no max_tokens."""
+    text = defaults.describe()
+    if "max_tokens" not in defaults.values:
+        bound = limits.default_max_tokens
+        text += "; max_tokens unset: " + (
+            f"{bound} (limits.default_max_tokens)" if bound else "up to max_model_len"
+        )
+    return text
 
 
 def renamed(error: EngineError, field_names: Mapping[str, str]) -> EngineError:

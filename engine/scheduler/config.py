@@ -13,6 +13,7 @@ class SchedulerConfig(msgspec.Struct, kw_only=True):
     max_num_seqs: int = 256  # sequences holding KV blocks at once
     max_num_batched_tokens: int = 2048  # tokens run through the model in one step
     max_model_len: int = 4096  # prompt + output tokens of one sequence
+    default_max_tokens: int = 0  # output tokens of a sample without max_tokens (0: no limit)
     enable_prefix_caching: bool = True
     eos_token_ids: list[int] = msgspec.field(default_factory=list)
     # Bytes one StepPlan may take: the frame must fit the plan ring (messages/steps.py).

@@ -66,6 +66,7 @@ class Scheduler:
         limits = (config.max_num_seqs, config.max_num_batched_tokens, config.max_plan_bytes)
         self.planner = BatchPlanner(self.kv, *limits, config.max_loras)
         self._eos_token_ids = frozenset(config.eos_token_ids)
+        self._length_limits = (config.max_model_len, config.default_max_tokens)  # finish_reason's
         self._requests: dict[str, Request] = {}
         self._seqs: dict[int, SequenceState] = {}
         self._next_seq_id = first_id
@@ -84,7 +85,7 @@ class Scheduler:
         )
         speculative = parse_speculative_config(config.speculative_config)
         self.speculator = (
-            None if speculative is None else Speculator(speculative, self.kv, config.max_model_len)
+            None if speculative is None else Speculator(speculative, self.kv, *self._length_limits)
         )
 
     # ---- inbound -------------------------------------------------------------------------------
@@ -143,9 +144,7 @@ class Scheduler:
             )
             self._next_seq_id += 1
             done = (
-                finish_reason(seq, self._eos_token_ids, self.config.max_model_len)
-                if delivered
-                else None
+                finish_reason(seq, self._eos_token_ids, *self._length_limits) if delivered else None
             )
             if done is not None:  # the delivered tokens already end it (its finish got lost)
                 self._outbox.append(
@@ -325,7 +324,7 @@ class Scheduler:
                 continue  # a sequence dropped (aborted, replaced) while the step ran
             seq = sampled
             seq.token_ids.append(result.token_ids[position])
-            reason = finish_reason(seq, self._eos_token_ids, self.config.max_model_len)
+            reason = finish_reason(seq, self._eos_token_ids, *self._length_limits)
             handoff = self._hand_off(seq, reason) if seq.request.kv_handoff else None
             items.append(
                 sample_delta(seq, result, position, logprobs, reason, handoff, self.clock())

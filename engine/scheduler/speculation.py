@@ -30,6 +30,7 @@ import msgspec
 from engine.kv.cache.block_manager import BlockManager
 from engine.scheduler.policy import ScheduledChunk
 from engine.scheduler.requests import SequenceState
+from engine.scheduler.stopping import max_output_tokens
 
 METHODS = ("ngram", "draft_model")
 # How a sampled request's draft proposals are verified (engine/model/speculation/verify.py):
@@ -213,8 +214,15 @@ class Proposal(NamedTuple):
 class Speculator:
     """Proposes tokens for a step's decode chunks and reserves KV blocks for them."""
 
-    def __init__(self, config: SpeculativeConfig, kv: BlockManager, max_model_len: int) -> None:
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        kv: BlockManager,
+        max_model_len: int,
+        default_max_tokens: int = 0,
+    ) -> None:
         self.config = config
+        self.default_max_tokens = default_max_tokens
         self.kv = kv
         self.max_model_len = max_model_len
         self.tally = SpeculationTally(config.num_speculative_tokens)
@@ -274,7 +282,7 @@ class Speculator:
     def _room(self, seq: SequenceState) -> int:
         """Proposals that fit before max_tokens or max_model_len (the step adds one more)."""
         room = min(self.config.num_speculative_tokens, self.max_model_len - seq.num_tokens - 1)
-        max_tokens = seq.params.max_tokens
+        max_tokens = max_output_tokens(seq.params, self.default_max_tokens)
         if max_tokens is not None:
             room = min(room, max_tokens - seq.num_output_tokens - 1)
         return room

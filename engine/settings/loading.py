@@ -85,6 +85,8 @@ FLAG_ALIASES: dict[str, str] = {
     "--admin-socket": "admin.socket",
     "--chat-template": "model.chat_template",
     "--generation-config": "model.generation_config",
+    "--override-generation-config": "model.override_generation_config",
+    "--default-max-tokens": "limits.default_max_tokens",
     "--max-logprobs": "model.max_logprobs",
     "--pooler-config": "model.pooler_config",
     "--override-pooler-config": "model.pooler_config",

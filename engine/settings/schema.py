@@ -63,10 +63,20 @@ class ModelSettings(_Section, frozen=True):
         str,
         Meta(
             min_length=1,
-            description="sampling defaults: auto = the model's generation_config.json, vllm = "
-            "none, or a directory holding a generation_config.json; request fields win",
+            description="sampling defaults for the fields a request leaves unset: auto = the "
+            "model's generation_config.json, or where it sets no sampling field, llama.cpp's "
+            "(temperature 0.8, top_k 40, top_p 0.95, min_p 0.05, repetition_penalty 1.1 over "
+            "the last 64 tokens); vllm = none; or a directory holding a generation_config.json",
         ),
     ] = "auto"
+    override_generation_config: Annotated[
+        str,
+        Meta(
+            description="vLLM's: a JSON object of generation_config keys merged over the "
+            'sampling defaults, e.g. {"temperature": 0.6, "max_new_tokens": 512} (with '
+            "model.generation_config vllm: the only defaults)"
+        ),
+    ] = ""
     max_logprobs: Annotated[
         int, Meta(ge=0, le=20, description="most logprobs / top_logprobs a request may ask for")
     ] = 20
@@ -214,9 +224,17 @@ class LimitsSettings(_Section, frozen=True):
         Meta(
             ge=1,
             description="most tokens one request may ask to generate: n x max_tokens "
-            "(max_tokens unset counts as max_model_len)",
+            "(max_tokens unset counts as default_max_tokens, or max_model_len)",
         ),
     ] = 1 << 20
+    default_max_tokens: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description="output tokens of a sample whose request sets no max_tokens (nor the "
+            "model's max_new_tokens); 0 = up to max_model_len, as vLLM",
+        ),
+    ] = 2048
     max_prompt_chars_per_token: Annotated[
         int,
         Meta(

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import msgspec
 import openai
 import pytest
 
@@ -47,7 +48,15 @@ def test_seeded_samples_equal_the_library_api(
         model=server.model, prompt=PROMPT, max_tokens=16, temperature=0.9, top_p=0.95,
         seed=1234, n=2,
     )  # fmt: skip
-    params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=1234, n=2)
+    # The fields the request leaves unset take the model's defaults in both (vLLM's idiom).
+    params = msgspec.structs.replace(
+        llm.get_default_sampling_params(),
+        max_tokens=16,
+        temperature=0.9,
+        top_p=0.95,
+        seed=1234,
+        n=2,
+    )
     (library,) = llm.generate(PROMPT, params)
     by_index = {c.index: c.text for c in served.choices}
     assert by_index == {o.index: o.text for o in library.outputs}

@@ -1,11 +1,10 @@
 """The command line as a vLLM user types it (issue 16): the `engine` console script, vLLM's
 flags and size suffixes, one line for an unknown flag, a model given as a Hugging Face repo id
-found in the local cache, and the model's generation_config.json defaults."""
+found in the local cache (the sampling defaults: tests/unit/test_sampling_defaults.py)."""
 
 from __future__ import annotations
 
 import importlib
-import json
 import sys
 import tomllib
 from pathlib import Path
@@ -14,8 +13,6 @@ import pytest
 
 from engine.cli import main
 from engine.launch.hf_cache import resolve_model, with_resolved_model
-from engine.messages.params import SamplingParams
-from engine.request.defaults import load_generation_defaults, with_defaults
 from engine.settings import SettingsError, load_settings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -165,30 +162,3 @@ def test_a_repo_id_not_in_the_cache_is_one_line_naming_it_and_the_cache(
     monkeypatch.setenv("HF_HUB_CACHE", str(hub))
     err = one_error_line(capsys, ["serve", "org/absent"])
     assert "org/absent" in err and str(hub) in err
-
-
-def test_generation_config_defaults_load_and_yield_to_the_request(tmp_path: Path) -> None:
-    (tmp_path / "generation_config.json").write_text(
-        json.dumps({"temperature": 0.6, "top_k": 20, "max_new_tokens": 99, "do_sample": True})
-    )
-    defaults = load_generation_defaults("auto", str(tmp_path))
-    assert defaults == {"temperature": 0.6, "top_k": 20, "max_tokens": 99}
-    assert load_generation_defaults("vllm", str(tmp_path)) == {}
-    assert load_generation_defaults(str(tmp_path), "/elsewhere") == defaults
-    params = with_defaults(SamplingParams(temperature=0.0), defaults, {"top_k", "max_tokens"})
-    assert (params.temperature, params.top_k, params.max_tokens) == (0.0, 20, 99)
-    with pytest.raises(ValueError, match="generation_config"):
-        load_generation_defaults(str(tmp_path / "missing"), "/elsewhere")
-
-
-def test_config_show_prints_the_generation_defaults(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    (tmp_path / "generation_config.json").write_text(json.dumps({"top_p": 0.8}))
-    assert main(["config", "show", str(tmp_path)]) == 0
-    out = capsys.readouterr().out
-    assert "sampling defaults (model.generation_config): top_p=0.8" in out
-    assert main(["config", "show", str(tmp_path), "--json"]) == 0
-    shown = json.loads(capsys.readouterr().out)
-    assert shown["generation_defaults"]["value"] == {"top_p": 0.8}
-    assert shown["model.generation_config"] == {"value": "auto", "source": "default"}

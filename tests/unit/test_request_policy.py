@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from engine.messages.params import SamplingParams
+from engine.request.defaults import SamplingDefaults
 from engine.request.outputs import EngineError
 from engine.request.policy import RequestPolicy
 from engine.settings.schema import LimitsSettings
@@ -16,7 +17,7 @@ POLICY = RequestPolicy(
     limits=LimitsSettings(max_n=4),
     max_model_len=256,
     max_queued_samples=8,
-    generation_defaults=DEFAULTS,
+    sampling=SamplingDefaults(DEFAULTS),
     chat_template="{{ messages }}",
 )
 

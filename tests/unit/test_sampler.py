@@ -81,6 +81,21 @@ def test_penalties_follow_the_formulas() -> None:
     assert penalized[0].tolist() == pytest.approx(expected)
 
 
+def test_repeat_last_n_penalizes_only_the_last_tokens_of_prompt_and_output() -> None:
+    """llama.cpp's window: with repeat_last_n 3 the context is the prompt's last token and the
+    two of output (5, 2, 3); 1, early in the prompt, and 4, never seen, keep their logits."""
+    vocab = 6
+    logits = torch.tensor([[1.0, -2.0, 3.0, 0.5, -0.5, 2.0]])
+    seq = new_seq(0, prompt=[1, 1, 5], output=[2, 3], repetition_penalty=2.0, repeat_last_n=3)
+    sampler = sampler_with(seq, vocab_size=vocab)
+    penalized = logits.clone()
+    _apply_penalties(penalized, [sampler._seqs[0]], vocab)
+    expected = [v / 2.0 if t in (2, 3, 5) else v for t, v in enumerate(logits[0].tolist())]
+    assert penalized[0].tolist() == pytest.approx(expected)
+    with pytest.raises(ValueError, match="repeat_last_n must be an integer >= 1"):
+        SamplingParams(repeat_last_n=0).validate()
+
+
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
 def test_greedy_takes_the_argmax_and_ignores_padded_vocabulary_columns(backend: str) -> None:
     argmax_rows = select_backend(torch.device("cpu"), backend).argmax_rows

@@ -196,6 +196,21 @@ def test_generation_stops_at_max_model_len_with_length() -> None:
     assert outputs.finish["r", 0] == "length"
 
 
+def test_a_request_without_max_tokens_stops_at_the_default_bound_or_the_context() -> None:
+    """limits.default_max_tokens bounds a sample that sets no max_tokens; max_model_len still
+    ends one that reaches it first, and an explicit max_tokens is the request's own."""
+    scheduler, worker = make(max_model_len=40, default_max_tokens=7)
+    scheduler.add(submit("unset", [1, 2, 3], max_tokens=None))
+    scheduler.add(submit("long-prompt", list(range(1, 36)), max_tokens=None))
+    scheduler.add(submit("own", [1, 2, 3], max_tokens=12))
+    outputs = run_to_end(scheduler, worker)
+    assert outputs.tokens["unset", 0] == expected([1, 2, 3], 1, 7)
+    assert len(outputs.tokens["long-prompt", 0]) == 40 - 35
+    assert len(outputs.tokens["own", 0]) == 12
+    assert {outputs.finish[r, 0] for r in ("unset", "long-prompt", "own")} == {"length"}
+    assert_no_state_left(scheduler, worker)
+
+
 def test_eos_stops_unless_ignored_and_only_after_min_tokens() -> None:
     def eos_at_third(seed: int, tokens: list[int]) -> int:
         return EOS if len(tokens) % 3 == 0 else 50

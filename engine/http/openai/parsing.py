@@ -37,9 +37,10 @@ _DEFAULTABLE = {
     "top_k": ("top_k",),
     "min_p": ("min_p",),
     "repetition_penalty": ("repetition_penalty",),
+    "repeat_last_n": ("repeat_last_n",),
     "max_tokens": ("max_tokens", "max_completion_tokens"),
 }
-_OPTIONAL = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+_OPTIONAL = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "repeat_last_n")
 
 _COMPLETION_DECODER = msgspec.json.Decoder(CompletionRequest)
 _CHAT_DECODER = msgspec.json.Decoder(ChatCompletionRequest)

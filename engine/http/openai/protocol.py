@@ -137,6 +137,7 @@ class _SamplingFields(_UnimplementedFields, kw_only=True):
     top_k: Count | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    repeat_last_n: Count | None = None  # llama.cpp's and Ollama's window for repetition_penalty
     min_tokens: Count = 0
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None

@@ -85,6 +85,16 @@ class _SeqState:
             self._prompt_mask = mask[:vocab_size]
         return self._prompt_mask
 
+    def recent_mask(self, count: int, vocab_size: int, device: torch.device) -> torch.Tensor:
+        """[vocab] bool: which tokens occur among the last `count` of prompt + output."""
+        tail = self.output[-count:]
+        missing = count - len(tail)
+        recent = (self.prompt[-missing:] if missing > 0 else []) + tail
+        ids = _padded([recent], vocab_size, device)[0]
+        mask = torch.zeros(vocab_size + 1, dtype=torch.bool, device=device)
+        mask[ids] = True
+        return mask[:vocab_size]
+
     def min_tokens_pending(self) -> bool:
         return len(self.output) < self.params.min_tokens and bool(self.banned_early)
 
@@ -221,7 +231,8 @@ def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tens
 
 
 def _apply_penalties(logits: torch.Tensor, states: list[_SeqState], vocab_size: int) -> None:
-    """Repetition over prompt + output; presence and frequency over the output (vLLM's rules)."""
+    """Repetition over prompt + output (or its last repeat_last_n tokens); presence and
+    frequency over the output (vLLM's rules)."""
     rows = [row for row, state in enumerate(states) if state.has_penalties]
     if not rows:
         return
@@ -236,8 +247,13 @@ def _apply_penalties(logits: torch.Tensor, states: list[_SeqState], vocab_size: 
     in_output = counts > 0
     in_context = in_output.clone()  # prompt or output: what repetition_penalty looks at
     for position, state in enumerate(picked):
-        if state.params.repetition_penalty != 1.0:
+        window = state.params.repeat_last_n
+        if state.params.repetition_penalty == 1.0:
+            continue
+        if window is None:
             in_context[position] |= state.prompt_mask(vocab_size, device)
+        else:  # llama.cpp's rule: only the last `window` tokens of prompt + output
+            in_context[position] = state.recent_mask(window, vocab_size, device)
 
     def column(values: list[float]) -> torch.Tensor:
         return torch.tensor(values, dtype=sub.dtype, device=device).unsqueeze(1)
