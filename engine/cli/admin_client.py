@@ -1,8 +1,11 @@
-"""`python -m engine admin [--socket PATH] COMMAND [ARGS] [--json]`: talk to a running server.
+"""`python -m engine admin [--socket PATH | --pid PID | --port PORT] COMMAND [ARGS] [--json]`:
+talk to a running server.
 
-Without --socket the client takes the newest admin socket of a live server in the runtime
-directory (see engine/http/admin/paths.py). Output is a readable table, or the raw JSON reply
-with --json. Exit status: 0 done, 1 the server refused the command, 2 usage or connection error.
+Without a selector the client looks in this user's runtime directory
+(engine/http/admin/paths.py): one live server there is the one; several are refused, listed by
+pid, URL and model, until --pid, --port or --socket says which. Every reply names the server
+that sent it. Output is a readable table, or the raw JSON reply with --json. Exit status: 0 done,
+1 the server refused the command, 2 usage or connection error.
 """
 
 from __future__ import annotations
@@ -10,34 +13,49 @@ from __future__ import annotations
 import socket
 import sys
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import msgspec
 
-from engine.http.admin.paths import live_sockets, runtime_base
+from engine.http.admin.commands import COMMANDS, command_problem
+from engine.http.admin.paths import SOCKET_NAME, live_sockets, runtime_base
 
 USAGE = (
-    "usage: python -m engine admin [--socket PATH] [--timeout SECONDS] [--json] COMMAND [ARGS]\n"
-    "commands: health | stats | actors | requests | abort ID | drain | shutdown | "
-    "log-level LEVEL"
+    "usage: python -m engine admin [--socket PATH | --pid PID | --port PORT] [--timeout SECONDS] "
+    "[--json] COMMAND [ARGS]\n"
+    f"commands: {' | '.join(' '.join([cmd, *args]) for cmd, args in COMMANDS.items())}"
 )
 _SLOW_COMMANDS = {"drain", "shutdown"}  # these wait for in-flight requests
+_VALUED = ("--socket", "--pid", "--port", "--timeout")
+_IDENTIFY_TIMEOUT_S = 5.0  # asking each of several servers who it is
 
 
 class _Usage(Exception):
     pass
 
 
+@dataclass
+class _Args:
+    options: dict[str, str]  # --socket / --pid / --port / --timeout → value
+    as_json: bool
+    words: list[str]
+
+
 def run_admin(argv: list[str], environ: Mapping[str, str]) -> int:
     try:
-        socket_path, timeout, as_json, words = _parse(argv)
-        if not words:
+        args = _parse(argv)
+        if not args.words:
             raise _Usage("no command given")
-        path = Path(socket_path) if socket_path else _find_socket(environ)
-        if timeout is None:
-            timeout = 3600.0 if words[0] in _SLOW_COMMANDS else 30.0
-        reply = send_command(path, words[0], words[1:], timeout=timeout)
+        problem = command_problem(args.words[0], args.words[1:])
+        if problem is not None:
+            raise _Usage(problem)
+        path = _server_socket(args.options, environ)
+        default_timeout = 3600.0 if args.words[0] in _SLOW_COMMANDS else 30.0
+        timeout = _number(args.options, "--timeout", float) or default_timeout
+        reply = send_command(path, args.words[0], args.words[1:], timeout=timeout)
     except _Usage as e:
         if str(e) == "help":
             print(USAGE)
@@ -47,18 +65,24 @@ def run_admin(argv: list[str], environ: Mapping[str, str]) -> int:
     except (OSError, ValueError) as e:
         print(f"engine admin: {e}", file=sys.stderr)
         return 2
-    if as_json:
-        sys.stdout.write(msgspec.json.encode(reply).decode() + "\n")
-    elif reply.get("ok"):
-        print(render(reply.get("result")))
-    else:
-        print(f"error: {reply.get('error')}", file=sys.stderr)
+    _show(reply, path, args.as_json)
     return 0 if reply.get("ok") else 1
 
 
-def _parse(argv: list[str]) -> tuple[str | None, float | None, bool, list[str]]:
-    socket_path: str | None = None
-    timeout: float | None = None
+def _show(reply: dict[str, Any], path: Path, as_json: bool) -> None:
+    if as_json:
+        sys.stdout.write(msgspec.json.encode(reply).decode() + "\n")
+        return
+    who = reply.get("server")
+    server = f"server: {_describe(who) if isinstance(who, dict) else path}"
+    if reply.get("ok"):
+        print(f"{server}\n{render(reply.get('result'))}")
+    else:
+        print(f"{server}\nerror: {reply.get('error')}", file=sys.stderr)
+
+
+def _parse(argv: list[str]) -> _Args:
+    options: dict[str, str] = {}
     as_json = False
     words: list[str] = []
     i = 0
@@ -66,33 +90,84 @@ def _parse(argv: list[str]) -> tuple[str | None, float | None, bool, list[str]]:
         arg = argv[i]
         i += 1
         name, has_value, value = arg.partition("=")
-        if name in ("--socket", "--timeout") and not words:
+        if name in _VALUED and not words:
             if not has_value:
                 if i >= len(argv):
                     raise _Usage(f"{name} needs a value")
                 value, i = argv[i], i + 1
-            if name == "--socket":
-                socket_path = value
-            else:
-                try:
-                    timeout = float(value)
-                except ValueError:
-                    raise _Usage(f"--timeout must be a number of seconds, got {value!r}") from None
+            options[name] = value
         elif arg == "--json":
             as_json = True
         elif arg in ("-h", "--help"):
             raise _Usage("help")
         else:
             words.append(arg)
-    return socket_path, timeout, as_json, words
+    chosen = [name for name in ("--socket", "--pid", "--port") if name in options]
+    if len(chosen) > 1:
+        raise _Usage(f"{' and '.join(chosen)} both name a server: give one")
+    return _Args(options, as_json, words)
 
 
-def _find_socket(environ: Mapping[str, str]) -> Path:
+def _number(options: dict[str, str], name: str, kind: type[float] | type[int]) -> Any:
+    if name not in options:
+        return None
+    try:
+        value = kind(options[name])
+    except ValueError:
+        value = -1
+    if value <= 0:
+        raise _Usage(f"{name} must be a number > 0, got {options[name]!r}")
+    return value
+
+
+def _server_socket(options: dict[str, str], environ: Mapping[str, str]) -> Path:
+    """The socket of the server the options name, or of this user's only running server."""
+    if "--socket" in options:
+        return Path(options["--socket"])
     base = runtime_base(environ)
-    found = live_sockets(base)
-    if not found:
+    pid, port = _number(options, "--pid", int), _number(options, "--port", int)
+    if pid is not None and (base / str(pid) / SOCKET_NAME).exists():
+        return base / str(pid) / SOCKET_NAME
+    servers = [(path, _identity(path)) for path in live_sockets(base)]
+    if port is not None:
+        serving = [path for path, who in servers if who and _port_of(who.get("url")) == port]
+        if serving:
+            return serving[0]
+    if not servers:
         raise OSError(f"no running engine found under {base}; pass --socket PATH")
-    return found[0]
+    listing = "; ".join(
+        _describe(who) if who else f"pid {path.parent.name} (not answering)"
+        for path, who in servers
+    )
+    if pid is not None or port is not None:
+        which = f"pid {pid}" if pid is not None else f"port {port}"
+        raise OSError(f"no running engine of yours has {which}; running: {listing}")
+    if len(servers) > 1:
+        raise OSError(
+            f"{len(servers)} engines are running: {listing}; say which with --pid, --port or "
+            "--socket"
+        )
+    return servers[0][0]
+
+
+def _identity(path: Path) -> dict[str, Any] | None:
+    """The pid, URL and model a server's admin socket answers with (None: no answer)."""
+    try:
+        server = send_command(path, "health", [], timeout=_IDENTIFY_TIMEOUT_S).get("server")
+    except (OSError, ValueError):
+        return None
+    return server if isinstance(server, dict) else None
+
+
+def _describe(server: dict[str, Any]) -> str:
+    return f"pid {server.get('pid')} at {server.get('url')} ({server.get('model')})"
+
+
+def _port_of(url: Any) -> int | None:
+    try:
+        return urlsplit(str(url)).port
+    except ValueError:
+        return None
 
 
 def send_command(path: Path, cmd: str, args: list[str], *, timeout: float) -> dict[str, Any]:

@@ -211,7 +211,15 @@ async def _run(
         await _drain(state, shutdown)
         return {"drained": True, "in_flight": len(llm.requests())}
 
-    admin = AdminServer(state, admin_path, drain=drain, shutdown=shutdown.request)
+    url = (
+        f"unix:{settings.server.uds}"
+        if settings.server.uds
+        else _url(settings.server.host, sock.getsockname()[1])
+    )
+    identity = {"pid": os.getpid(), "url": url, "model": state.model_name}
+    admin = AdminServer(
+        state, admin_path, drain=drain, shutdown=shutdown.request, identity=identity
+    )
     server = _http_server(state, settings)
     serve_task: asyncio.Task[None] | None = None
     keep_alive: asyncio.Task[None] | None = None
@@ -223,11 +231,6 @@ async def _run(
             print(f"engine: cannot create admin socket {admin_path}: {e}", file=sys.stderr)
             return 1
         serve_task = await _start_serving(server, sock)
-        url = (
-            f"unix:{settings.server.uds}"
-            if settings.server.uds
-            else _url(settings.server.host, sock.getsockname()[1])
-        )
         print(
             f"engine ready: {url} (model {state.model_name}; admin socket {admin_path})", flush=True
         )

@@ -14,6 +14,7 @@ import sys
 import threading
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -66,16 +67,23 @@ def test_admin_read_commands(server: Server) -> None:
 
 
 def test_admin_cli_table_and_json(server: Server) -> None:
+    """Each reply names the server it came from; a wrong command line is a usage error (2),
+    a command the server refuses 1, as the README says."""
     table = admin_cli("--socket", str(server.admin_socket), "actors")
     assert table.returncode == 0, table.stderr
-    header = table.stdout.splitlines()[0]
+    named, header = table.stdout.splitlines()[:2]
+    assert named == f"server: pid {server.pid} at {server.url} ({server.model})"
     assert "NAME" in header and "PID" in header and "RESTARTS" in header
     as_json = admin_cli("--socket", str(server.admin_socket), "stats", "--json")
     assert as_json.returncode == 0 and json.loads(as_json.stdout)["ok"] is True
+    identity = {"pid": server.pid, "url": server.url, "model": server.model}
+    assert json.loads(as_json.stdout)["server"] == identity
     bad = admin_cli("--socket", str(server.admin_socket), "abort")
-    assert bad.returncode == 1 and "abort takes 1 argument" in bad.stderr
+    assert bad.returncode == 2 and "abort takes 1 argument" in bad.stderr
     unknown = admin_cli("--socket", str(server.admin_socket), "frobnicate")
-    assert unknown.returncode == 1 and "unknown command" in unknown.stderr
+    assert unknown.returncode == 2 and "unknown command" in unknown.stderr
+    refused = admin_cli("--socket", str(server.admin_socket), "log-level", "loud")
+    assert refused.returncode == 1 and "one of" in refused.stderr
 
 
 def test_admin_log_level(server: Server) -> None:
@@ -188,6 +196,8 @@ def test_admin_drain_then_shutdown_with_socket_discovery(
         assert stat.S_IMODE(srv.admin_socket.parent.stat().st_mode) == 0o700
         health = admin_cli("health", env=env)  # no --socket: found in the runtime dir
         assert health.returncode == 0 and "ready" in health.stdout
+        assert health.stdout.startswith(f"server: pid {srv.pid} at {srv.url}")
+        _two_servers_are_refused_until_one_is_named(srv, model_args, tmp_path, env)
         out: dict[str, Any] = {}
         thread = _stream_in_thread(srv, out)
         assert out["first"].wait(60)
@@ -206,6 +216,24 @@ def test_admin_drain_then_shutdown_with_socket_discovery(
     assert leftover_ipc(srv.pid) == []
     gone = admin_cli("health", env=env)
     assert gone.returncode == 2 and "no running engine" in gone.stderr
+
+
+def _two_servers_are_refused_until_one_is_named(
+    srv: Server, model_args: list[str], tmp_path: Path, env: dict[str, str]
+) -> None:
+    other = start_server(server_args(model_args, None), tmp_path, env=env, name="other")
+    try:
+        both = admin_cli("health", env=env)
+        assert both.returncode == 2 and len(both.stderr.splitlines()) == 1, both.stderr
+        for each in (srv, other):
+            assert f"pid {each.pid} at {each.url} ({each.model})" in both.stderr
+        port = urlsplit(other.url).port
+        by_port = admin_cli("--port", str(port), "health", env=env)
+        assert by_port.stdout.startswith(f"server: pid {other.pid} at {other.url}")
+        assert admin_cli("--pid", str(other.pid), "shutdown", env=env).returncode == 0
+        assert other.proc.wait(60) == 0
+    finally:
+        other.stop()
 
 
 def test_engine_that_gives_up_stops_the_server_with_its_reason(

@@ -1,8 +1,9 @@
 """The admin socket: newline-delimited JSON commands on an owner-only Unix socket.
 
 Request: `{"cmd": "stats", "args": []}`. Reply: `{"ok": true, "result": ...}` or
-`{"ok": false, "error": "..."}`. Commands: health, stats, actors, requests, abort ID, drain,
-shutdown, log-level LEVEL. Lines are decoded with a typed msgspec decoder, never unpickled.
+`{"ok": false, "error": "..."}`, each with `"server"`: the pid, URL and model of the server that
+answered. Commands: engine/http/admin/commands.py. Lines are decoded with a typed msgspec decoder,
+never unpickled.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 
 import msgspec
 
+from engine.http.admin.commands import command_problem
 from engine.http.openai.operations import abort_request
 from engine.http.state import ServerState
 from engine.settings.fields import FIELDS
@@ -25,7 +27,6 @@ from engine.settings.fields import FIELDS
 log = logging.getLogger("engine.http.admin")
 
 MAX_LINE = 64 * 1024
-COMMANDS = ("health", "stats", "actors", "requests", "abort", "drain", "shutdown", "log-level")
 LOG_LEVELS = FIELDS["runtime.log_level"].choices
 
 
@@ -38,6 +39,7 @@ class AdminReply(msgspec.Struct, omit_defaults=True):
     ok: bool
     result: Any = None
     error: str | None = None
+    server: dict[str, Any] | None = None  # which server answered: pid, url, model
 
 
 class AdminError(Exception):
@@ -59,9 +61,11 @@ class AdminServer:
         *,
         drain: Callable[[], Awaitable[dict[str, Any]]],
         shutdown: Callable[[], None],
+        identity: dict[str, Any] | None = None,
     ) -> None:
         self.state = state
         self.path = path
+        self.identity = identity  # named in every reply
         self._drain = drain
         self._shutdown = shutdown
         self._server: asyncio.AbstractServer | None = None
@@ -101,7 +105,9 @@ class AdminServer:
                     break
                 if not line.strip():
                     continue
-                writer.write(_encode(await self.handle_line(line)))
+                reply = await self.handle_line(line)
+                reply.server = self.identity
+                writer.write(_encode(reply))
                 await writer.drain()
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
@@ -127,7 +133,9 @@ class AdminServer:
 
     async def run(self, cmd: str, args: list[str]) -> Any:
         llm = self.state.llm
-        _check_arity(cmd, args)
+        problem = command_problem(cmd, args)
+        if problem is not None:
+            raise AdminError(problem)
         if cmd == "health":
             return msgspec.structs.replace(llm.health(), draining=self.state.draining)
         if cmd == "stats":
@@ -147,16 +155,7 @@ class AdminServer:
         if cmd == "shutdown":
             self._shutdown()
             return {"shutting_down": True}
-        if cmd == "log-level":
-            return await _set_log_level(llm, args[0])
-        raise AdminError(f"unknown command {cmd!r}; commands: {', '.join(COMMANDS)}")
-
-
-def _check_arity(cmd: str, args: list[str]) -> None:
-    wanted = {"abort": ["ID"], "log-level": ["LEVEL"]}.get(cmd, [])
-    if cmd in COMMANDS and len(args) != len(wanted):
-        form = " ".join([cmd, *wanted])
-        raise AdminError(f"{cmd} takes {len(wanted)} argument(s): {form}; got {len(args)}")
+        return await _set_log_level(llm, args[0])  # log-level, the one command left
 
 
 async def _set_log_level(llm: Any, level: str) -> dict[str, str]:
