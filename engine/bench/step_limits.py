@@ -17,7 +17,6 @@ import torch
 from engine.model.loading.weight_names import matrix_shapes
 from engine.model.placement.capacity import kv_block_bytes
 from engine.model.runner import ModelRunner
-from engine.quantization.layout import packed_bytes
 
 COPY_BYTES = 256 << 20  # large enough to stream through every cache level
 MATMUL_SIZE = 1024
@@ -83,7 +82,7 @@ class ModelCost:
             quantized = model.weight_formats.get(name)
             numel[name] = rows * columns // runner.group.size
             read[name] = (
-                packed_bytes(rows, columns, quantized.bits)
+                quantized.packed_bytes(columns)
                 if quantized is not None
                 else numel[name] * params[name].element_size()
             )

@@ -179,6 +179,32 @@ def _decode_q6_k(blocks: Bytes, out: Floats) -> None:
     values *= (_f16(blocks, 208) * blocks[:, 192:208].view(np.int8).astype(np.float32))[:, :, None]
 
 
+# IQ4_NL's and IQ4_XS's 16 levels (ggml's kvalues_iq4nl).
+IQ4_LEVELS = np.array(
+    [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.float32
+)
+
+
+def _decode_iq4_nl(blocks: Bytes, out: Floats) -> None:
+    indices = _nibbles(blocks[:, 2:]).reshape(-1, 32)
+    np.multiply(_f16(blocks, 0), IQ4_LEVELS[indices], out=out)
+
+
+def iq4_xs_scales(blocks: Bytes) -> npt.NDArray[np.int8]:
+    """IQ4_XS's eight 6-bit scales less 32: low nibbles in bytes 4-7, high pairs in 2-3."""
+    n = blocks.shape[0]
+    low = _nibbles(blocks[:, 4:8]).transpose(0, 2, 1).reshape(n, 8)  # block i: byte i/2's
+    high = _bit_planes(blocks[:, 2:4], 2).transpose(0, 2, 1).reshape(n, 8)  # bits 2i, 2i+1
+    return ((low | (high << np.uint8(4))).astype(np.int16) - 32).astype(np.int8)
+
+
+def _decode_iq4_xs(blocks: Bytes, out: Floats) -> None:
+    n = blocks.shape[0]
+    indices = _nibbles(blocks[:, 8:].reshape(n * 8, 16)).reshape(n, 8, 32)
+    scales = (_f16(blocks, 0) * iq4_xs_scales(blocks).astype(np.float32))[:, :, None]
+    np.multiply(scales, IQ4_LEVELS[indices], out=out.reshape(n, 8, 32))
+
+
 LAYOUTS: dict[str, BlockLayout] = {
     "F32": BlockLayout(1, 4, _decode_f32),
     "F16": BlockLayout(1, 2, _decode_f16),
@@ -193,6 +219,8 @@ LAYOUTS: dict[str, BlockLayout] = {
     "Q4_K": BlockLayout(QK_K, 144, _decode_q4_k),
     "Q5_K": BlockLayout(QK_K, 176, _decode_q5_k),
     "Q6_K": BlockLayout(QK_K, 210, _decode_q6_k),
+    "IQ4_NL": BlockLayout(32, 18, _decode_iq4_nl),
+    "IQ4_XS": BlockLayout(QK_K, 136, _decode_iq4_xs),
 }
 SUPPORTED_TYPES: tuple[str, ...] = tuple(LAYOUTS)
 

@@ -9,19 +9,16 @@ reading undoes that, head by head, so a tensor-parallel rank's head-aligned rows
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
-from engine.gguf.block_codes import block_codes
 from engine.gguf.hf_config import architecture_of
 from engine.gguf.metadata import GGUFError
 from engine.gguf.names import hf_name
 from engine.gguf.reader import GGUFFile
-from engine.quantization.codes import BlockCodes
 
 
 class GGUFTensors:
@@ -60,21 +57,14 @@ class GGUFTensors:
         block = _unpermute(self.gguf.rows(gguf_name, first, last), (last - first) // head_dim)
         return block[start - first : stop - first]
 
-    def block_codes(self, name: str) -> BlockCodes:
-        """The whole tensor as quantized codes, in the Hugging Face row order (its type must be
-        one of engine/model/quantized/formats.TYPE_BITS)."""
+    def raw_rows(self, name: str) -> tuple[str, npt.NDArray[np.uint8]]:
+        """The whole tensor's type and bytes, [rows, bytes per row], in the Hugging Face row
+        order (each row's blocks are whole, so rows move as bytes)."""
         info = self.gguf.info(self._names[name])
-        rows, columns = info.shape
-        codes = block_codes(self.gguf.raw(info.name), info.type_name, (rows, columns))
+        rows = info.shape[0]
+        raw = np.asarray(self.gguf.raw(info.name)).view(np.uint8).reshape(rows, -1)
         heads = self._row_permutation_heads(name)
-        if not heads:
-            return codes
-        return dataclasses.replace(
-            codes,
-            codes=_unpermute(codes.codes, heads),
-            scales=_unpermute(codes.scales, heads),
-            mins=_unpermute(codes.mins, heads),
-        )
+        return info.type_name, _unpermute(raw, heads) if heads else raw
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self.gguf.info(self._names[name]).shape

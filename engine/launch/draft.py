@@ -11,7 +11,7 @@ from engine.launch.model_source import model_directory
 from engine.model.config import ModelConfig, load_model_config
 from engine.model.placement.capacity import kv_block_bytes
 from engine.model.placement.policy import device_type, resident_weight_bytes
-from engine.model.quantized.formats import quantized_formats
+from engine.model.quantized.formats import quantized_bytes, quantized_formats
 from engine.scheduler.speculation import parse_speculative_config
 from engine.settings import Settings, resolve_home
 
@@ -53,9 +53,7 @@ def draft_footprint(path: str, block_size: int, dtype: str, device: str) -> Draf
         return None
     config = load_model_config(path)
     quantized = quantized_formats(path, config, "auto", on_cpu=device_type(device) == "cpu")
-    weights = resident_weight_bytes(
-        config, dtype, 1, device, {name: f.bits for name, f in quantized.items()}
-    )
+    weights = resident_weight_bytes(config, dtype, 1, device, quantized_bytes(quantized, config))
     return DraftFootprint(weights, kv_block_bytes(config, block_size, dtype))
 
 

@@ -67,7 +67,7 @@ from engine.model.placement.policy import (
     resolve_dtype,
     weight_bytes_by_format,
 )
-from engine.model.quantized.formats import quantized_formats
+from engine.model.quantized.formats import quantized_bytes, quantized_formats
 from engine.runtime.child_spec import (
     ROOT,
     ChildSpec,
@@ -123,7 +123,6 @@ def replica_suffix(replica: int, data_parallel_size: int) -> str:
 
 def plan_engine(settings: Settings, model_path: str) -> EnginePlan:
     config = load_model_config(model_path)
-    max_model_len = max_model_len_of(settings, config)
     placement = check_parallel(settings, config)
     device = resolve_device(settings.model.device)
     dtype = resolve_dtype(settings.model.dtype, config.torch_dtype, device)
@@ -142,9 +141,11 @@ def plan_engine(settings: Settings, model_path: str) -> EnginePlan:
     num_blocks = kv_cache_blocks(
         settings, config, device, dtype, placement.local_ranks, quantized, footprint
     )
+    max_model_len = max_model_len_of(settings, config, num_blocks * block_size)
     scheduler = scheduler_config(settings, config, num_blocks, max_model_len)
+    sizes = quantized_bytes(quantized, config)
     weights = weight_bytes_by_format(
-        config, dtype, tp, device, {n: (f.source, f.bits) for n, f in quantized.items()}
+        config, dtype, tp, device, {n: (f.source, sizes[n]) for n, f in quantized.items()}
     )
     log_memory(settings, placement, weights, num_blocks, block_bytes, dtype, footprint)
     worker = WorkerConfig(

@@ -27,8 +27,8 @@ from engine.model.placement.policy import (
     thread_policy,
 )
 from engine.model.placement.policy import kv_cache_bytes as placement_kv_cache_bytes
-from engine.model.quantized.formats import WeightFormat
-from engine.scheduler.config import SchedulerConfig
+from engine.model.quantized.formats import WeightFormat, quantized_bytes
+from engine.scheduler.config import SchedulerConfig, longest_in_a_plan
 from engine.settings import Settings
 
 log = logging.getLogger("engine.launch.plan")
@@ -115,7 +115,7 @@ def kv_cache_bytes(
     if available_memory is None:
         available_memory = available_cpu_memory() if device_type(device) == "cpu" else 0
     weights = resident_weight_bytes(
-        config, dtype, tp, device, {name: f.bits for name, f in (quantized or {}).items()}
+        config, dtype, tp, device, quantized_bytes(quantized or {}, config)
     )
     return placement_kv_cache_bytes(
         kv_cache_memory=settings.cache.kv_cache_memory,
@@ -150,15 +150,37 @@ def kv_cache_blocks(
     return budget // block_bytes
 
 
-def max_model_len_of(settings: Settings, config: ModelConfig) -> int:
-    """model.max_model_len, checked against the model's positions; else the model's."""
+def max_model_len_of(settings: Settings, config: ModelConfig, kv_tokens: int | None = None) -> int:
+    """model.max_model_len, checked against the model's positions. Unset: the model's context,
+    or, where less, what the KV cache holds (`kv_tokens`, when known) and a step plan carries,
+    said in the start log, as llama-server and Ollama start on any file. (A value set that the
+    cache cannot hold is refused by SchedulerConfig.validate.)"""
     requested_len = settings.model.max_model_len
-    if requested_len is not None and requested_len > config.max_position_embeddings:
+    positions = config.max_position_embeddings
+    if requested_len is not None and requested_len > positions:
         raise ValueError(
             f"model.max_model_len {requested_len} exceeds the model's "
-            f"max_position_embeddings {config.max_position_embeddings}"
+            f"max_position_embeddings {positions}"
         )
-    return requested_len or config.max_position_embeddings
+    if requested_len is not None or kv_tokens is None:
+        return requested_len or positions
+    plan_limit = longest_in_a_plan(max_plan_bytes())
+    fitting = max(2, min(positions, kv_tokens, plan_limit))
+    if fitting < positions:
+        held = "a step plan carries" if fitting == plan_limit else "the KV cache holds"
+        log.info(
+            "max_model_len %d: what %s, less than the model's context of %d tokens "
+            "(--max-model-len sets it; a larger one needs a larger cache: --kv-cache-memory)",
+            fitting,
+            held,
+            positions,
+        )
+    return fitting
+
+
+def max_plan_bytes() -> int:
+    """A plan frame leaves half the plan ring free."""
+    return PLAN_RING.capacity // 2
 
 
 def log_memory(
@@ -218,7 +240,7 @@ def scheduler_config(
         default_max_tokens=settings.limits.default_max_tokens,
         enable_prefix_caching=settings.cache.enable_prefix_caching,
         eos_token_ids=list(config.eos_token_ids),
-        max_plan_bytes=PLAN_RING.capacity // 2,  # a plan frame leaves half the plan ring free
+        max_plan_bytes=max_plan_bytes(),
         speculative_config=settings.scheduler.speculative_config,
         max_loras=max_loras_of(settings),
     )

@@ -23,6 +23,7 @@ from engine.kernels.kv_cache import PagedKVCache
 from engine.kernels.registry import select_backend
 from engine.model.config import ModelConfig, load_model_config
 from engine.model.loading.loader import load_model, resolve_dtype
+from engine.model.loading.weight_cache import CacheSlot
 from engine.model.loading.weight_store import StoreSlot
 from engine.model.lora.weights import AdapterCache, LoraStep
 from engine.model.parallel.group import TensorParallelGroup
@@ -33,8 +34,9 @@ from engine.model.placement.capacity import (
     kv_cache_blocks,
 )
 from engine.model.placement.host_memory import keep_freed_memory, release_freed_memory
-from engine.model.quantized.formats import describe_formats
+from engine.model.quantized.formats import describe_formats, quantized_bytes, quantized_gguf
 from engine.model.step_inputs import SeqChunk
+from engine.quantization.layout import LAYOUT_VERSION
 from engine.settings.schema import CacheSettings
 
 __all__ = ["ModelRunner", "kv_cache_blocks"]
@@ -98,9 +100,7 @@ class ModelRunner:
         self.backend = select_backend(self.device, kernel_backend)
         if self.threads is not None and self.backend.set_max_threads is not None:
             self.backend.set_max_threads(self.threads.busy)
-        self.weight_slot: StoreSlot | None = None
-        if weights_of_run is not None and self.device.type == "cpu":
-            self.weight_slot = StoreSlot(weights_of_run, self._weights_identity(quantization))
+        self.weight_slot = self._weight_slot(quantization, weights_of_run)
         self._load_weights(quantization)
         self.loras: AdapterCache | None = None
         if max_lora_rank > 0:
@@ -112,12 +112,24 @@ class ModelRunner:
         self.block_size = block_size
         self._allocate_kv_cache(kv_cache_memory, kv_cache_fraction, kv_cache_buffer)
 
+    def _weight_slot(self, quantization: str, weights_of_run: str | None) -> StoreSlot | None:
+        """Where this rank's loaded weights are kept for later starts (CPU only): a GGUF file's
+        repacked quantized weights on disk beside what is derived from it, for every start
+        (engine/model/loading/weight_cache.py); other weights in the run's segment, for its
+        restarts."""
+        if self.device.type != "cpu":
+            return None
+        identity = self._weights_identity(quantization)
+        if quantized_gguf(self.model_path, self.config, quantization, self.group.size):
+            return CacheSlot(self.model_path, identity)
+        return None if weights_of_run is None else StoreSlot(weights_of_run, identity)
+
     def _weights_identity(self, quantization: str) -> str:
         """Everything this rank's loaded weights depend on, in words."""
         return (
             f"{self.model_path} dtype={str(self.dtype).removeprefix('torch.')} "
             f"quantization={quantization} kernels={self.backend.name} device={self.device} "
-            f"rank={self.group.rank}/{self.group.size}"
+            f"rank={self.group.rank}/{self.group.size} layout={LAYOUT_VERSION}"
         )
 
     def _load_weights(self, quantization: str) -> None:
@@ -140,7 +152,7 @@ class ModelRunner:
             dtype,
             self.group.size,
             self.device.type,
-            {name: f.bits for name, f in self.model.weight_formats.items()},
+            quantized_bytes(self.model.weight_formats, self.config),
         )
         log.info(
             "weights: %.1f MiB resident (%s)",

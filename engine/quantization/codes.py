@@ -1,8 +1,7 @@
-"""A quantized weight before packing: integer codes with a scale and a minimum per block of 32
-values of a row, w = scale * code + minimum, the one form every source maps onto (a GGUF block
-type: engine/gguf/block_codes.py; a float weight quantized at load:
-engine/quantization/quantize.py). The CPU kernel's layout packs it
-(engine/kernels/cpu/quantized.py).
+"""A float weight quantized at load (engine/quantization/quantize.py) before packing: integer
+codes with a float32 scale and minimum per block of 32 values of a row, w = scale * code +
+minimum. The CPU kernel packs it in the U4 or U8 format (engine/quantization/layout.py; a GGUF
+file's tensors keep their own types: engine/gguf/native_blocks.py).
 """
 
 from __future__ import annotations
@@ -43,24 +42,12 @@ class BlockCodes:
         values += self.mins[:, :, None]
         return values.reshape(rows, k)
 
-    def widened(self) -> BlockCodes:
-        """The same values with 8-bit codes (exact): to fuse a 4-bit tensor with an 8-bit one."""
-        if self.bits == 8:
-            return self
-        return dataclasses.replace(self, bits=8)
-
-    def rows_slice(self, start: int, stop: int) -> BlockCodes:
-        return dataclasses.replace(
-            self,
-            codes=self.codes[start:stop],
-            scales=self.scales[start:stop],
-            mins=self.mins[start:stop],
-        )
-
 
 def concatenate(parts: list[BlockCodes]) -> BlockCodes:
-    """Row-wise concatenation (the fused q|k|v and gate|up weights); mixed widths become 8-bit."""
-    bits = max(part.bits for part in parts)
+    """Row-wise concatenation (the fused q|k|v and gate|up weights, all of one scheme)."""
+    bits = parts[0].bits
+    if any(part.bits != bits for part in parts):
+        raise ValueError(f"cannot join codes of {sorted({part.bits for part in parts})} bits")
     sources = sorted({part.source for part in parts})
     return BlockCodes(
         bits=bits,

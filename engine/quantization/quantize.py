@@ -89,7 +89,7 @@ def quantize_asymmetric(
     """Codes 0..levels spanning each block's [min, max]: scale = (max - min) / levels.
 
     Every value is within scale / 2 of scale * code + min, up to float32 rounding (a few ulps
-    of the block's magnitude). Also re-quantizes Q6_K (engine/gguf/block_codes.py).
+    of the block's magnitude).
     """
     low = values.min(axis=1, keepdims=True)
     scale = (values.max(axis=1, keepdims=True) - low) / np.float32(levels)

@@ -7,6 +7,17 @@ import msgspec
 from engine.scheduler.speculation import parse_speculative_config
 
 
+def plan_bytes_of_one_sequence(max_model_len: int) -> int:
+    """The most a step plan spends on one sequence of max_model_len tokens: its request (prompt),
+    its history and its whole block table, at the widest id encoding (5 bytes)."""
+    return 5 * 3 * max_model_len + 4096
+
+
+def longest_in_a_plan(max_plan_bytes: int) -> int:
+    """The longest max_model_len whose sequence fits a plan of max_plan_bytes alone."""
+    return max(0, (max_plan_bytes - 4096) // 15)
+
+
 class SchedulerConfig(msgspec.Struct, kw_only=True):
     num_blocks: int  # KV blocks in the pool (what the workers allocated)
     block_size: int = 16  # tokens per KV block
@@ -39,10 +50,8 @@ class SchedulerConfig(msgspec.Struct, kw_only=True):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
-        # One sequence of max_model_len must fit a plan alone: its request (prompt), its
-        # history and its whole block table, at the widest id encoding (5 bytes).
-        one_sequence = 5 * 3 * self.max_model_len + 4096
-        if self.max_plan_bytes < one_sequence:
+        if self.max_model_len > longest_in_a_plan(self.max_plan_bytes):
+            one_sequence = plan_bytes_of_one_sequence(self.max_model_len)
             raise ValueError(
                 f"a step plan of {self.max_plan_bytes} bytes cannot carry one sequence of "
                 f"max_model_len {self.max_model_len} (up to {one_sequence} bytes): lower "

@@ -248,3 +248,26 @@ def test_deterministic_mode_plans_small_steps_on_one_thread(path: Path) -> None:
     child = next(c for c in spec.children if c.name.startswith("worker"))
     worker = msgspec.msgpack.decode(child.config, type=WorkerConfig)
     assert worker.num_threads == 1
+
+
+def test_without_max_model_len_the_engine_takes_what_the_cache_holds(
+    path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The tiny model's context is 4,096 tokens; a 1 MiB cache holds 2,048 of them (512 bytes a
+    token). Unset, max_model_len is what the cache holds, and the start log says so; set to what
+    the cache cannot hold, the start is refused, naming both; a larger cache gives the model's
+    whole context."""
+    small = {"cache.kv_cache_memory": 2**20}
+    with caplog.at_level("INFO", logger="engine.launch.plan"):
+        plan = plan_engine(build_settings(**small), str(path))
+    assert plan.max_model_len == plan.num_blocks * 16 == 2048
+    assert plan.spec.children[0].name == "worker0"
+    worker = msgspec.msgpack.decode(plan.spec.children[0].config, type=WorkerConfig)
+    assert worker.max_model_len == 2048
+    assert "max_model_len 2048: what the KV cache holds, less than the model's context of 4096" in (
+        caplog.text
+    )
+    with pytest.raises(ValueError, match=r"holds 2048 tokens .* fewer than max_model_len 4096"):
+        plan_engine(build_settings(**small, **{"model.max_model_len": 4096}), str(path))
+    roomy = plan_engine(build_settings(**{"cache.kv_cache_memory": 4 * 2**20}), str(path))
+    assert roomy.max_model_len == 4096

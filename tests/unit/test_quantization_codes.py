@@ -1,127 +1,18 @@
-"""GGUF block types and float weights onto BlockCodes: the GGUF mappings against the `gguf`
-package's own dequantizer (bit for bit, Q6_K within its documented bound), and the load-time
-schemes within half a step per value."""
+"""Float weights quantized at load (the --quantization schemes) onto BlockCodes: each value
+within half a step of its code (q4_0 as ggml rounds it), zero and constant blocks exact. (A GGUF
+file's own block types are packed as they are: tests/unit/test_quantized_kernel.py.)"""
 
 from __future__ import annotations
 
 import numpy as np
 import numpy.typing as npt
 import pytest
-from gguf import GGMLQuantizationType
-from gguf.quants import dequantize as reference_dequantize
-from gguf.quants import quantize as reference_quantize
 
-from engine.gguf import block_codes as gguf_codes
-from engine.gguf.block_codes import (
-    EXACT_TYPES,
-    QUANTIZED_TYPES,
-    block_codes,
-    stays_float,
-)
-from engine.gguf.quants import LAYOUTS
+from engine.quantization.codes import concatenate
 from engine.quantization.quantize import ALIASES, SCHEMES, quantize, scheme_name
-from tests.unit.test_gguf_quants import random_rows  # valid random blocks, finite scales
 
 Floats = npt.NDArray[np.float32]
 EPS = float(np.finfo(np.float32).eps)
-
-# gguf-py quantizes only these; the K-quants are built from random bytes alone.
-GGUF_QUANTIZES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
-FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")
-# d * 0 is -0.0 for a negative d in the reference, scale * code + min a +0.0: elsewhere the bits
-# match, signed zeros included.
-SIGNED_ZERO_DIFFERS = ("Q4_0", "Q5_0", "Q8_0")
-
-
-def gguf_quantized_rows(
-    type_name: str, rows: int, row_len: int, rng: np.random.Generator
-) -> Floats:
-    """Blocks as gguf-py quantizes a float weight, zero and constant blocks among them."""
-    weight = rng.normal(size=(rows, row_len)).astype(np.float32)
-    weight[0, :32] = 0
-    weight[1, 32:64] = 0.75
-    return np.asarray(reference_quantize(weight, GGMLQuantizationType[type_name]))
-
-
-def same_bits(ours: Floats, theirs: Floats, type_name: str) -> bool:
-    """Bit-equal, but for the sign of zeros where the mapping cannot keep it."""
-    if type_name in SIGNED_ZERO_DIFFERS:
-        ours, theirs = ours + np.float32(0), theirs + np.float32(0)  # -0.0 + 0.0 is +0.0
-    return np.array_equal(ours.view(np.uint32), theirs.view(np.uint32))
-
-
-def reference(raw: np.ndarray, type_name: str) -> Floats:
-    return np.asarray(reference_dequantize(raw, GGMLQuantizationType[type_name]), np.float32)
-
-
-@pytest.mark.parametrize("type_name", EXACT_TYPES)
-def test_random_blocks_decode_bit_equal_to_gguf(type_name: str) -> None:
-    rng = np.random.default_rng(sum(map(ord, type_name)))
-    row_len = 3 * LAYOUTS[type_name].block_size
-    raw = random_rows(type_name, 7, row_len, rng)
-    codes = block_codes(raw, type_name, (7, row_len))
-    assert codes.bits == (4 if type_name in FOUR_BIT else 8)
-    assert int(codes.codes.max()) < 1 << codes.bits
-    assert codes.source == type_name
-    assert same_bits(codes.dequantize(), reference(raw, type_name), type_name)
-
-
-@pytest.mark.parametrize("type_name", GGUF_QUANTIZES)
-def test_blocks_gguf_quantized_decode_bit_equal_to_gguf(type_name: str) -> None:
-    raw = gguf_quantized_rows(type_name, 4, 96, np.random.default_rng(3))
-    codes = block_codes(raw, type_name, (4, 96))
-    assert same_bits(codes.dequantize(), reference(raw, type_name), type_name)
-
-
-def q6_k_larger_steps(raw: npt.NDArray[np.uint8]) -> Floats:
-    """Per block of 32 values, the larger of Q6_K's two steps |d * scale| (one per 16 values)."""
-    blocks = raw.reshape(-1, LAYOUTS["Q6_K"].type_size)
-    d = blocks[:, 208:210].view(np.float16).astype(np.float32)
-    steps = np.abs(d * blocks[:, 192:208].view(np.int8).astype(np.float32))
-    larger: Floats = steps.reshape(-1, 2).max(axis=1)
-    return larger
-
-
-def test_q6_k_is_requantized_within_half_a_step() -> None:
-    raw = random_rows("Q6_K", 6, 512, np.random.default_rng(6))
-    codes = block_codes(raw, "Q6_K", (6, 512))
-    assert codes.bits == 8 and codes.source == "Q6_K (re-quantized to 8 bits)"
-    exact = reference(raw, "Q6_K").reshape(-1, 32)
-    error = np.abs(codes.dequantize().reshape(-1, 32) - exact)
-    scale = codes.scales.reshape(-1, 1)
-    rounding = 4 * EPS * np.abs(exact).max(axis=1, keepdims=True)
-    assert np.all(error <= scale / 2 + rounding)
-    # ... which is about an eighth of Q6_K's own step: 64 of them span at most 255 new ones.
-    assert np.all(scale[:, 0] / 2 <= q6_k_larger_steps(raw) * 64 / 510 * (1 + 1e-6))
-
-
-@pytest.mark.parametrize("type_name", QUANTIZED_TYPES)
-def test_converting_in_chunks_with_a_ragged_tail_equals_one_pass(
-    type_name: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    block = LAYOUTS[type_name].block_size
-    raw = random_rows(type_name, 5, 4 * block, np.random.default_rng(1))
-    whole = block_codes(raw, type_name, (5, 4 * block))
-    monkeypatch.setattr(gguf_codes, "CHUNK_VALUES", 3 * block)  # 20 blocks: 6 chunks of 3, then 2
-    chunked = block_codes(raw, type_name, (5, 4 * block))
-    assert np.array_equal(chunked.codes, whole.codes)
-    assert np.array_equal(chunked.scales, whole.scales)
-    assert np.array_equal(chunked.mins, whole.mins)
-
-
-def test_only_the_mapped_types_stay_quantized() -> None:
-    assert set(QUANTIZED_TYPES) == {"Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q8_0", "Q6_K"}
-    assert not any(stays_float(name) for name in QUANTIZED_TYPES)
-    assert all(stays_float(name) for name in ("F32", "F16", "BF16", "Q2_K", "Q3_K", "IQ2_XS"))
-
-
-def test_block_codes_refuses_bad_input() -> None:
-    with pytest.raises(ValueError, match=r"'F16' does not stay quantized; .*'Q4_K'"):
-        block_codes(np.zeros(64, np.uint8), "F16", (1, 32))
-    with pytest.raises(ValueError, match="needs 72 bytes, got 54"):
-        block_codes(np.zeros(54, np.uint8), "Q4_0", (2, 64))
-    with pytest.raises(ValueError, match="block size"):
-        block_codes(np.zeros(144, np.uint8), "Q4_K", (2, 128))
 
 
 def weight_with_special_blocks(rng: np.random.Generator) -> Floats:
@@ -204,3 +95,15 @@ def test_quantize_refuses_bad_input() -> None:
         quantize(np.zeros(64, np.float32), "q8_0")
     with pytest.raises(ValueError, match="2-D float weight"):
         quantize(np.zeros((2, 64), np.int8), "q8_0")
+
+
+def test_codes_of_one_width_join_and_of_two_do_not() -> None:
+    weight = weight_with_special_blocks(np.random.default_rng(12))
+    four, other = quantize(weight, "q4_1"), quantize(weight[:2], "q4_0")
+    joined = concatenate([four, other])
+    assert joined.shape == (7, 96) and joined.source == "q4_0 (from float32)+q4_1 (from float32)"
+    assert np.array_equal(
+        joined.dequantize(), np.concatenate([four.dequantize(), other.dequantize()])
+    )
+    with pytest.raises(ValueError, match="cannot join codes of"):
+        concatenate([four, quantize(weight, "q8_0")])

@@ -24,7 +24,7 @@ from tests.gguf_files import gguf_of
 PROMPT = [5, 17, 300, 42, 9, 77, 120, 260, 3, 3, 400, 11]
 OTHER = [8, 1, 2, 99, 31, 64, 250]
 # (architecture, overrides, GGUF types): 4-bit and 8-bit codes, biases, qk-norm, and a mix
-# within one fused weight (q and k in 4 bits, v in 8) as llama.cpp's K_M files have.
+# within one fused weight (q and k in Q4_0, v in Q8_0) as llama.cpp's K_M files have.
 GGUF_CASES = [
     ("llama", {"tie_word_embeddings": True}, "Q4_1"),
     ("qwen2", {}, "Q4_0"),
@@ -71,8 +71,20 @@ def test_a_gguf_file_is_served_in_its_block_types(case: tuple, tmp_path: Path) -
     assert set(quantized.model.weight_formats) == expected
     params = dict(quantized.model.named_parameters())
     assert all(params[name].numel() == 0 for name in expected)
+    # Each part keeps its own type: q and k (one type) packed as one part, v apart if it differs.
+    config = quantized.config
+    q_k, v = (config.num_heads + config.num_kv_heads) * config.head_dim, config.num_kv_heads
+    v *= config.head_dim
     mixed = quantized.model.weight_formats["layers.0.self_attn.qkv_proj.weight"]
-    assert mixed.bits == (8 if "attn_v=Q8_0" in quant or quant == "Q8_0" else 4)
+    default = quant.split(",")[0]
+    if "attn_v=Q8_0" in quant:
+        assert mixed.parts == ((default, q_k), ("Q8_0", v))
+    else:
+        assert mixed.parts == ((default, q_k + v),)
+    fused = quantized.model.fused_decode
+    assert fused is not None
+    packed = fused.quantized["layers.0.self_attn.qkv_proj.weight"]
+    assert [(part.format, part.rows) for part in packed.parts] == list(mixed.parts)
     assert_close_to(logits_of(quantized, [PROMPT]), logits_of(reference, [PROMPT]))
 
 
@@ -96,7 +108,7 @@ def test_the_memory_plan_counts_the_packed_codes_and_nothing_else(tmp_path: Path
     model = runner(prepare_checkpoint(gguf_file, tmp_path), "auto")
     floats = sum(p.numel() * p.element_size() for p in model.model.parameters())
     shapes = matrix_shapes(model.config)
-    codes = sum(packed_bytes(*shapes[name], 4) for name in model.model.weight_formats)
+    codes = sum(packed_bytes(*shapes[name], "Q4_1") for name in model.model.weight_formats)
     # The float parameters left are the norms only, and the plan is exactly them plus the codes.
     assert floats == sum(p.numel() * 4 for n, p in model.model.named_parameters() if "norm" in n)
     assert model.weight_bytes == floats + codes
@@ -184,8 +196,8 @@ def test_bfloat16_activations_run_on_quantized_weights() -> None:
     assert float(torch.cosine_similarity(logits["float32"], logits["bfloat16"], dim=-1)) > 0.99
 
 
-def test_every_scheme_has_a_code_width() -> None:
-    from engine.model.quantized.formats import SCHEME_BITS
+def test_every_scheme_has_a_packed_format() -> None:
+    from engine.model.quantized.formats import SCHEME_FORMATS
     from engine.quantization.quantize import SCHEMES
 
-    assert set(SCHEME_BITS) == set(SCHEMES)
+    assert set(SCHEME_FORMATS) == set(SCHEMES)

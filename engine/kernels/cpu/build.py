@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -33,19 +34,29 @@ SOURCES = (
     HERE / "pointwise.cpp",
     HERE / "linear.cpp",
     HERE / "quantized_linear.cpp",
+    HERE / "quant_avx2.cpp",
+    HERE / "quant_vnni.cpp",
     HERE / "decode_step.cpp",
 )
-HEADERS = (HERE / "cpu_vector.h", HERE / "thread_pool.h")
-FLAGS = (
+HEADERS = (
+    HERE / "cpu_vector.h",
+    HERE / "thread_pool.h",
+    HERE / "quant_formats.h",
+    HERE / "quant_activations.h",
+    HERE / "quant_tile_avx2.h",
+    HERE / "quant_tile_avx512.h",
+    HERE / "quant_tiles.h",
+)
+COMPILE_FLAGS = (
     "-O3",
     "-march=native",
     "-fopenmp-simd",
     "-ffp-contract=fast",
     "-std=c++17",
-    "-shared",
     "-fPIC",
     "-pthread",
 )
+FLAGS = (*COMPILE_FLAGS, "-shared")
 BUILD_TIMEOUT_S = 300.0
 
 
@@ -78,41 +89,64 @@ def _cpu_flags() -> str:
 
 
 def build(target: Path) -> None:
-    """Compile SOURCES into `target` (atomically replaced). Raises KernelBuildError."""
+    """Compile SOURCES into `target` (atomically replaced), each source on a core of its own
+    where there are several (the quantized kernel's paths are sources apart: most of a build).
+    Raises KernelBuildError."""
     cxx = compiler()
     if cxx is None:
         raise KernelBuildError("no C++ compiler found ($CXX, c++ or g++)")
     if shutil.which(cxx) is None:
         raise KernelBuildError(f"C++ compiler {cxx!r} not found")
     target.parent.mkdir(parents=True, exist_ok=True)
-    handle, staging = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=target.parent)
-    os.close(handle)
+    work = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
+    staging = work / target.name
     try:
-        done = subprocess.run(
-            [cxx, *FLAGS, "-o", staging, *map(str, SOURCES)],
-            capture_output=True,
-            text=True,
-            timeout=BUILD_TIMEOUT_S,
-            check=False,
-        )
-        if done.returncode != 0:
-            last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
-            raise KernelBuildError(
-                f"{cxx} failed to build the CPU kernels ({done.returncode}): {last}"
-            )
+        objects = [work / f"{source.stem}.o" for source in SOURCES]
+        compiles = [
+            [cxx, *COMPILE_FLAGS, "-c", "-o", str(o), str(source)]
+            for source, o in zip(SOURCES, objects, strict=True)
+        ]
+        _run_all(cxx, compiles, parallel=os.cpu_count() or 1)
+        _run_all(cxx, [[cxx, *FLAGS, "-o", str(staging), *map(str, objects)]], parallel=1)
         os.chmod(staging, 0o755)
         os.replace(staging, target)
-    except subprocess.TimeoutExpired as exc:
-        raise KernelBuildError(
-            f"{cxx} took over {BUILD_TIMEOUT_S:.0f} s on the CPU kernels"
-        ) from exc
     finally:
-        if os.path.exists(staging):
-            os.unlink(staging)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _run_all(cxx: str, commands: list[list[str]], parallel: int) -> None:
+    """Run the compiler's `commands`, `parallel` at a time, within BUILD_TIMEOUT_S in all."""
+    deadline = time.monotonic() + BUILD_TIMEOUT_S
+    pending = list(commands)
+    running: list[subprocess.Popen[str]] = []
+    try:
+        while pending or running:
+            while pending and len(running) < parallel:
+                running.append(
+                    subprocess.Popen(
+                        pending.pop(0), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+                    )
+                )
+            process = running.pop(0)
+            try:
+                _, stderr = process.communicate(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired as exc:
+                raise KernelBuildError(
+                    f"{cxx} took over {BUILD_TIMEOUT_S:.0f} s on the CPU kernels"
+                ) from exc
+            if process.returncode != 0:
+                last = (stderr.strip().splitlines() or ["(no output)"])[-1]
+                raise KernelBuildError(
+                    f"{cxx} failed to build the CPU kernels ({process.returncode}): {last}"
+                )
+    finally:
+        for process in running:
+            process.kill()
+            process.wait()
 
 
 i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-# Each exported function's argument types (they all return an int status).
+# Each exported function's argument types (each returns an int status, but for _RESULTS's).
 _SIGNATURES: dict[str, list[type[Any]]] = {
     # engine/kernels/cpu/paged_attention.cpp
     "engine_paged_attention": [
@@ -147,17 +181,23 @@ _SIGNATURES: dict[str, list[type[Any]]] = {
     # engine/kernels/cpu/linear.cpp, float32: x, m, k, x row stride, packed w, n, bias or
     # null, out, threads
     "engine_linear": [ptr, i64, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int],
-    # engine/kernels/cpu/quantized_linear.cpp: float32 x, m, k, x row stride, packed w
-    # (engine/quantization/layout.py), n, bits, bias or null, out, threads, path
-    "engine_quantized_linear": [ptr, i64, i64, i64, ptr, i64, i32, ptr, ptr, i32, i32],
-    # packed w, n, k, bits, int64 ids, count, float32 out [count, k]
-    "engine_quantized_rows": [ptr, i64, i64, i32, ptr, i64, ptr],
+    # engine/kernels/cpu/quantized_linear.cpp: float32 x, m, k, x row stride, the weight's
+    # parts (quantized.CPart array, engine/quantization/layout.py), part count, n, bias or null,
+    # out, threads, path
+    "engine_quantized_linear": [ptr, i64, i64, i64, ptr, i64, i64, ptr, ptr, i32, i32],
+    # one part, k, int64 ids, count, float32 out [count, k]
+    "engine_quantized_rows": [ptr, i64, ptr, i64, ptr],
+    # format id, rows, k -> bytes (int64; -1 for a bad format or k)
+    "engine_quantized_bytes": [i64, i64, i64],
     # (no arguments) -> bit p set where path p runs
     "engine_quantized_paths": [],
     # engine/kernels/cpu/decode_step.cpp: layers (the structs of
     # engine/model/architectures/fused_decode.py), count, shape, step, h [m, hidden] in place, m
     "engine_decode_layers": [ptr, i64, ptr, ptr, ptr, i64],
 }
+
+
+_RESULTS: dict[str, type[Any]] = {"engine_quantized_bytes": i64}
 
 
 @functools.cache
@@ -178,7 +218,7 @@ def load_library() -> ctypes.CDLL:
     for name, argtypes in _SIGNATURES.items():
         function = getattr(library, name)
         function.argtypes = argtypes
-        function.restype = ctypes.c_int
+        function.restype = _RESULTS.get(name, ctypes.c_int)
     return library
 
 

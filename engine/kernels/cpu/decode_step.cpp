@@ -19,7 +19,7 @@ extern "C" {
 int engine_linear(const float* x, int64_t m, int64_t k, int64_t x_stride, const float* packed,
                   int64_t n, const float* bias, float* out, int num_threads);
 int engine_quantized_linear(const float* x, int64_t m, int64_t k, int64_t x_stride,
-                            const uint8_t* packed, int64_t n, int bits, const float* bias,
+                            const void* parts, int64_t count, int64_t n, const float* bias,
                             float* out, int threads, int path);
 int engine_rms_norm(int dtype, const void* x, int64_t token_stride, int64_t tokens,
                     int64_t heads, int64_t dim, const void* weight, int64_t weight_head_stride,
@@ -40,13 +40,13 @@ namespace {
 
 constexpr int kFloat32 = 0;  // cpu_vector.h's Dtype
 
-constexpr int64_t kFloatPanels = 32;  // Matrix::bits of a float32 weight in linear.cpp's panels
+constexpr int64_t kFloatPanels = 0;  // Matrix::parts of a float32 weight in linear.cpp's panels
 
-// One matmul weight: quantized codes (layout.py) of 4 or 8 bits, or float32 panels
-// (linear.cpp), and an optional bias.
+// One matmul weight: `parts` quantized parts (quantized_linear.cpp's Part array), or float32
+// panels (linear.cpp), and an optional bias.
 struct Matrix {
   const void* packed;
-  int64_t bits;
+  int64_t parts;
   const float* bias;  // or null
 };
 
@@ -84,12 +84,11 @@ float* grow(std::vector<float>& buffer, int64_t size) {
 
 int linear(const float* x, int64_t m, int64_t k, const Matrix& w, int64_t n, float* out,
            int threads) {
-  if (w.bits == kFloatPanels) {
+  if (w.parts == kFloatPanels) {
     return engine_linear(x, m, k, k, static_cast<const float*>(w.packed), n, w.bias, out,
                          threads);
   }
-  return engine_quantized_linear(x, m, k, k, static_cast<const uint8_t*>(w.packed), n,
-                                 static_cast<int>(w.bits), w.bias, out, threads, 0);
+  return engine_quantized_linear(x, m, k, k, w.packed, w.parts, n, w.bias, out, threads, 0);
 }
 
 int layer_step(const Layer& layer, const Shape& s, const Step& step, float* h, int64_t m) {

@@ -31,12 +31,13 @@ if TYPE_CHECKING:
 # engine/model/architectures/llama.LlamaForCausalLM (whose base class imports this module)
 Decoder = Any
 
-FLOAT_PANELS = 32  # _Matrix.bits of a float32 weight in linear.cpp's panels
+FLOAT_PANELS = 0  # _Matrix.parts of a float32 weight in linear.cpp's panels
 _ptr, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
 class _Matrix(ctypes.Structure):
-    _fields_ = [("packed", _ptr), ("bits", _i64), ("bias", _ptr)]
+    # packed: a quantized weight's parts (quantized.CPart array) or float32 panels
+    _fields_ = [("packed", _ptr), ("parts", _i64), ("bias", _ptr)]
 
 
 class _Layer(ctypes.Structure):
@@ -209,7 +210,8 @@ class FusedDecode:
         bias_pointer = None if bias is None else bias.data_ptr()
         packed = self.quantized.get(name)
         if packed is not None:
-            return _Matrix(packed.data.data_ptr(), packed.bits, bias_pointer)
+            parts = ctypes.cast(packed.c_parts, _ptr)
+            return _Matrix(parts, len(packed.parts), bias_pointer)
         if isinstance(linear, PanelLinear):  # float32, packed once for linear.cpp
             return _Matrix(linear.panels.packed.data_ptr(), FLOAT_PANELS, bias_pointer)
         return None

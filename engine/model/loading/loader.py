@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from safetensors import safe_open
 from tqdm import tqdm
@@ -96,7 +97,7 @@ def read_weights(
     params = dict(model.named_parameters())
     filled: set[str] = set()
     ignored: list[str] = []
-    codes: dict[str, dict[int, BlockCodes]] = {}  # quantized parameter -> its parts by row
+    parts: dict[str, dict[int, QuantizedPart]] = {}  # quantized parameter -> its parts by row
     packed: dict[str, PackedWeight] = {}
     with contextlib.ExitStack() as stack:
         # Every file open at once (memory-mapped, nothing read yet): one pass counts the tensors
@@ -115,10 +116,10 @@ def read_weights(
                     continue
                 param_name, row_start = target
                 if param_name in formats:
-                    parts = codes.setdefault(param_name, {})
-                    parts[row_start] = _read_codes(tensors, name, formats[param_name])
-                    if len(parts) == _parts_of(param_name):  # packed now: codes live briefly
-                        packed[param_name] = _pack(param_name, parts, config)
+                    read = parts.setdefault(param_name, {})
+                    read[row_start] = _read_part(tensors, name, formats[param_name])
+                    if len(read) == _parts_of(param_name):  # packed now: parts live briefly
+                        packed[param_name] = _pack(param_name, read, config)
                 else:
                     tensor = read_shard(tensors, name, config, shape)
                     _copy_into(params[param_name], row_start, tensor, name)
@@ -164,15 +165,20 @@ def _quantized_formats(
     return {}
 
 
-def _read_codes(tensors: Any, name: str, weight_format: WeightFormat) -> BlockCodes:
-    """A checkpoint tensor as quantized codes: a GGUF block type as it is, or a float tensor
-    quantized by the format's scheme."""
+# A checkpoint tensor on its way to the kernel: a GGUF tensor's (type, bytes [rows, row bytes]),
+# or a float tensor quantized by a scheme.
+QuantizedPart = tuple[str, Any] | BlockCodes
+
+
+def _read_part(tensors: Any, name: str, weight_format: WeightFormat) -> QuantizedPart:
+    """A checkpoint tensor as the loader packs it: a GGUF block type's bytes as they are, or a
+    float tensor quantized by the format's scheme."""
     from engine.gguf.weights import GGUFTensors
     from engine.quantization.quantize import quantize
 
     if weight_format.scheme is None:
         assert isinstance(tensors, GGUFTensors), f"{name}: codes come from GGUF files only"
-        return tensors.block_codes(name)
+        return tensors.raw_rows(name)
     weight = tensors.get_tensor(name).to(torch.float32).numpy()
     return quantize(weight, weight_format.scheme)
 
@@ -183,18 +189,34 @@ def _parts_of(param_name: str) -> int:
     return 3 if ".qkv_proj." in param_name else 2 if ".gate_up_proj." in param_name else 1
 
 
-def _pack(param_name: str, parts: dict[int, BlockCodes], config: ModelConfig) -> PackedWeight:
-    """A quantized parameter's parts joined in row order, checked against config.json, packed."""
-    from engine.kernels.cpu.quantized import pack
+def _pack(param_name: str, parts: dict[int, QuantizedPart], config: ModelConfig) -> PackedWeight:
+    """A quantized parameter's parts in row order, checked against config.json, packed:
+    consecutive GGUF tensors of one type as one part, each type at its own width; codes
+    quantized at load joined into one."""
+    from engine.kernels.cpu.quantized import pack, pack_gguf, stacked
 
-    joined = concatenate([parts[row] for row in sorted(parts)])
+    ordered = [parts[row] for row in sorted(parts)]
     expected = matrix_shapes(config)[param_name]
-    if joined.shape != expected:
+    if all(isinstance(part, BlockCodes) for part in ordered):
+        weight = pack(concatenate([p for p in ordered if isinstance(p, BlockCodes)]))
+    else:
+        groups: list[tuple[str, list[Any]]] = []
+        for type_name, raw in (p for p in ordered if isinstance(p, tuple)):
+            if groups and groups[-1][0] == type_name:
+                groups[-1][1].append(raw)
+            else:
+                groups.append((type_name, [raw]))
+        packed = []
+        for type_name, raws in groups:
+            joined = np.concatenate(raws) if len(raws) > 1 else raws[0]
+            packed.append(pack_gguf(joined, type_name, (joined.shape[0], expected[1])))
+        weight = stacked(packed)
+    if (weight.rows, weight.k) != expected:
         raise ValueError(
-            f"{param_name}: the checkpoint's quantized tensors make {joined.shape}, "
+            f"{param_name}: the checkpoint's quantized tensors make {(weight.rows, weight.k)}, "
             f"config.json says {expected}"
         )
-    return pack(joined)
+    return weight
 
 
 def _materialize(

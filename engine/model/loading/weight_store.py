@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
-MAGIC = b"engwts02"
+MAGIC = b"engwts03"
 ALIGNMENT = 64
 # The store takes at most this share of the free space (less the engine segments' untouched
 # claims): what the store takes, nothing else of the run or of other runs can have.
@@ -74,10 +74,10 @@ class StoredTensor(msgspec.Struct, frozen=True):
     dtype: str
     shape: list[int]
     offset: int  # from the start of the segment
-    packed: WeightFormat | None = None  # set for a packed quantized weight
+    part: str = ""  # a packed quantized weight's part: its format (layout.FORMATS); else ""
     rows: int = 0
     k: int = 0
-    origin: str = ""  # PackedWeight.source
+    origin: str = ""  # PackedPart.source
 
 
 class StoreIndex(msgspec.Struct, frozen=True):
@@ -105,9 +105,8 @@ class StoreSlot:
     def load(self) -> LoadedWeights | None:
         """The weights a predecessor stored, mapped; None when there are none. ForeignFileError
         for a file that is not ours, ValueError for one that holds other weights."""
-        try:
-            fd = open_private(self.path)
-        except FileNotFoundError:
+        fd = self._open()
+        if fd is None:
             return None
         try:
             size = os.fstat(fd).st_size
@@ -130,7 +129,7 @@ class StoreSlot:
             free = shm_free(self.directory)
             if size > free * MAX_FREE_SHARE:
                 log.warning(
-                    "weights not stored for restarts: %.1f MiB would take over half of the "
+                    "weights not stored for later starts: %.1f MiB would take over half of the "
                     "%.1f MiB free in %s (less the untouched parts of engine segments)",
                     size / 2**20,
                     free / 2**20,
@@ -139,10 +138,17 @@ class StoreSlot:
                 return weights
             try:
                 _write(self.path, self.run, self.identity, weights)
-            except OSError as exc:  # no room in /dev/shm: restarts read the checkpoint again
-                log.warning("weights not stored for restarts in %s: %s", self.path, exc)
+            except OSError as exc:  # no room: later starts read the checkpoint again
+                log.warning("weights not stored for later starts in %s: %s", self.path, exc)
                 return weights
         return self.load() or weights  # None: unlinked meanwhile, keep our own
+
+    def _open(self) -> int | None:
+        """A checked descriptor of the stored weights for reading; None when there are none."""
+        try:
+            return open_private(self.path)
+        except FileNotFoundError:
+            return None
 
     def remove(self) -> None:
         """Unlink the segment (mappings stay valid) and what a killed writer left of it."""
@@ -156,8 +162,8 @@ class StoreSlot:
 
 
 def _stored_bytes(weights: LoadedWeights) -> int:
-    tensors = [*weights.params.values(), *(packed.data for packed in weights.packed.values())]
-    return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+    floats = sum(tensor.numel() * tensor.element_size() for tensor in weights.params.values())
+    return floats + sum(packed.nbytes for packed in weights.packed.values())
 
 
 def _write(path: str, run: str, identity: str, weights: LoadedWeights) -> None:
@@ -165,10 +171,9 @@ def _write(path: str, run: str, identity: str, weights: LoadedWeights) -> None:
     for name, tensor in weights.params.items():
         tensors.append((_entry(name, tensor), tensor))
     for name, packed in weights.packed.items():
-        entry = _entry(name, packed.data)
-        fields = {"packed": weights.formats[name], "rows": packed.rows, "k": packed.k}
-        entry = msgspec.structs.replace(entry, origin=packed.source, **fields)
-        tensors.append((entry, packed.data))
+        for part in packed.parts:  # in row order: read back in the same order
+            fields = {"part": part.format, "rows": part.rows, "k": part.k, "origin": part.source}
+            tensors.append((msgspec.structs.replace(_entry(name, part.data), **fields), part.data))
     index_size = len(_encode_index(run, identity, [entry for entry, _ in tensors], weights.formats))
     # Room for the offsets themselves: msgpack spends up to 8 more bytes on a large integer.
     offset = _aligned(_HEADER.size + index_size + 8 * len(tensors))
@@ -198,11 +203,11 @@ def _write(path: str, run: str, identity: str, weights: LoadedWeights) -> None:
         raise
     finally:
         os.close(fd)
-    log.info("weights stored for restarts in %s (%.1f MiB)", path, offset / 2**20)
+    log.info("weights stored for later starts in %s (%.1f MiB)", path, offset / 2**20)
 
 
 def _read(memory: mmap.mmap, run: str, identity: str) -> LoadedWeights:
-    from engine.kernels.cpu.quantized import PackedWeight
+    from engine.kernels.cpu.quantized import PackedPart, PackedWeight
 
     magic, index_size = _HEADER.unpack_from(memory)
     if magic != MAGIC:
@@ -214,7 +219,7 @@ def _read(memory: mmap.mmap, run: str, identity: str) -> LoadedWeights:
     if index.identity != identity:
         raise ValueError(f"weight segment holds {index.identity!r}, expected {identity!r}")
     params: dict[str, torch.Tensor] = {}
-    packed: dict[str, PackedWeight] = {}
+    parts: dict[str, list[PackedPart]] = {}
     for entry in index.tensors:
         dtype = _DTYPES[entry.dtype]
         count = 1
@@ -225,12 +230,12 @@ def _read(memory: mmap.mmap, run: str, identity: str) -> LoadedWeights:
         else:
             flat = torch.empty(0, dtype=dtype)
         tensor = flat.view(entry.shape)
-        if entry.packed is None:
+        if not entry.part:
             params[entry.name] = tensor
         else:
-            packed[entry.name] = PackedWeight(
-                bits=entry.packed.bits, rows=entry.rows, k=entry.k, data=tensor, source=entry.origin
-            )
+            part = PackedPart(entry.part, entry.rows, entry.k, tensor, entry.origin)
+            parts.setdefault(entry.name, []).append(part)
+    packed = {name: PackedWeight(tuple(found)) for name, found in parts.items()}
     return LoadedWeights(params, packed, dict(index.formats))
 
 

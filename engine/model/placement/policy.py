@@ -15,7 +15,6 @@ from engine.kernels.packed_weights import packed_copy_bytes, packs_decoder
 from engine.model.config import ModelConfig
 from engine.model.loading.weight_names import matrix_shapes
 from engine.model.placement.capacity import dtype_bytes
-from engine.quantization.layout import packed_bytes
 
 DEVICES = "'auto', 'cpu', 'cuda' or 'cuda:N'"
 SUPPORTED_DTYPES = {
@@ -197,14 +196,14 @@ def resident_weight_bytes(
     quantized: Mapping[str, int] | None = None,
 ) -> int:
     """The memory one rank's weights take: the checkpoint's, on the CPU their packed copies, and
-    for the weights served quantized (parameter name -> bits of its codes) their packed codes in
-    place of both."""
+    for the weights served quantized (parameter name -> bytes of its packed weight,
+    quantized_formats.quantized_bytes) those bytes in place of both."""
     weights = weight_bytes(config, dtype, tensor_parallel_size)
     quantized = quantized or {}
     shapes = matrix_shapes(config)
-    for name, bits in quantized.items():
+    for name, size in quantized.items():
         rows, columns = shapes[name]
-        weights += packed_bytes(rows, columns, bits) - rows * columns * dtype_bytes(dtype)
+        weights += size - rows * columns * dtype_bytes(dtype)
     if device_type(device) != "cpu":
         return weights
     return weights + packed_weight_bytes(config, dtype, tensor_parallel_size, quantized)
@@ -218,13 +217,12 @@ def weight_bytes_by_format(
     quantized: Mapping[str, tuple[str, int]] | None = None,
 ) -> dict[str, int]:
     """resident_weight_bytes split by what the bytes are: each quantized source ("Q4_1",
-    "q8_0"; `quantized` maps parameter name -> (source, bits)) and `dtype` for the rest (with
-    the float weights' packed copies)."""
+    "q8_0"; `quantized` maps parameter name -> (source, packed bytes)) and `dtype` for the rest
+    (with the float weights' packed copies)."""
     quantized = quantized or {}
-    shapes = matrix_shapes(config)
     split: dict[str, int] = {}
-    for name, (source, bits) in quantized.items():
-        split[source] = split.get(source, 0) + packed_bytes(*shapes[name], bits)
+    for source, size in quantized.values():
+        split[source] = split.get(source, 0) + size
     total = resident_weight_bytes(
         config, dtype, tensor_parallel_size, device, {n: b for n, (_, b) in quantized.items()}
     )

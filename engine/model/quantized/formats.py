@@ -9,8 +9,9 @@ memory with it, the loader loads by it).
   quantized at load into it, whatever the checkpoint holds.
 
 Only the matmul weights (q|k|v, o, gate|up, down) and the embedding / output tables are ever
-quantized; norms and biases stay float. A fused weight whose parts have different widths (a
-Q4_K_M file's q and k in Q4_K, v in Q6_K) takes 8-bit codes: 4-bit codes widen exactly.
+quantized; norms and biases stay float. Each GGUF type keeps its own width; a fused weight whose
+parts have different types (a Q4_K_M file's q and k in Q4_K, v in Q6_K) keeps each part's
+(engine/quantization/layout.py), and consecutive parts of one type are packed as one.
 """
 
 from __future__ import annotations
@@ -18,15 +19,14 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from engine.gguf.block_codes import CONVERSIONS
+from engine.gguf.native_blocks import NATIVE_TYPES
 from engine.model.config import ModelConfig
 from engine.model.loading.weight_names import map_weight_name, matrix_shapes
+from engine.quantization.layout import packed_bytes
 from engine.quantization.quantize import ALIASES, SCHEMES
 
-# GGUF block types the kernels serve, by the width of the codes they map onto (Q6_K's 16-value
-# scales are re-quantized to 8 bits per 32 values).
-TYPE_BITS = {name: conversion.bits for name, conversion in CONVERSIONS.items()}
-SCHEME_BITS = {"q8_0": 8, "q4_0": 4, "q4_1": 4}  # every scheme of quantize.SCHEMES
+# The packed format of each scheme's codes (every scheme of quantize.SCHEMES).
+SCHEME_FORMATS = {"q8_0": "U8", "q4_0": "U4", "q4_1": "U4"}
 CHOICES = ("auto", "none", *SCHEMES, *ALIASES)
 QUANTIZABLE_SUFFIXES = (
     "self_attn.qkv_proj.weight",
@@ -40,9 +40,31 @@ QUANTIZABLE_SUFFIXES = (
 
 @dataclasses.dataclass(frozen=True)
 class WeightFormat:
-    bits: int  # width of the packed codes
+    parts: tuple[tuple[str, int], ...]  # (packed format, rows) of each part, in row order
     source: str  # what the codes come from: GGUF types ("Q4_1", "Q4_K+Q6_K") or the scheme
     scheme: str | None = None  # the scheme floats are quantized into; None: the file's codes
+
+    def packed_bytes(self, k: int) -> int:
+        """Bytes of the packed weight, whose rows are k values."""
+        return sum(packed_bytes(rows, k, name) for name, rows in self.parts)
+
+
+def grouped_parts(parts: list[tuple[str, int]]) -> tuple[tuple[str, int], ...]:
+    """(type, rows) of a weight's checkpoint parts in row order, consecutive ones of one type
+    joined (what the loader packs as one part)."""
+    grouped: list[tuple[str, int]] = []
+    for name, rows in parts:
+        if grouped and grouped[-1][0] == name:
+            grouped[-1] = (name, grouped[-1][1] + rows)
+        else:
+            grouped.append((name, rows))
+    return tuple(grouped)
+
+
+def quantized_bytes(formats: dict[str, WeightFormat], config: ModelConfig) -> dict[str, int]:
+    """Parameter name -> bytes of its packed weight."""
+    shapes = matrix_shapes(config)
+    return {name: f.packed_bytes(shapes[name][1]) for name, f in formats.items()}
 
 
 def scheme_of(quantization: str) -> str:
@@ -82,39 +104,56 @@ def quantized_formats(
     if tensor_parallel_size > 1 or not on_cpu:
         return {}
     if scheme != "auto":
-        bits = SCHEME_BITS[scheme]
-        return {name: WeightFormat(bits, scheme, scheme) for name in matrix_shapes(config)}
+        name = SCHEME_FORMATS[scheme]
+        shapes = matrix_shapes(config)
+        return {
+            param: WeightFormat(((name, rows),), scheme, scheme)
+            for param, (rows, _) in shapes.items()
+        }
     gguf = gguf_file(model_path)
     return {} if gguf is None else _file_formats(gguf, config)
+
+
+def quantized_gguf(
+    model_path: str | Path, config: ModelConfig, quantization: str, tensor_parallel_size: int
+) -> bool:
+    """Whether a CPU rank serves a GGUF file's own quantized tensors (repacked, not read as
+    floats): `auto`, one rank, a file with quantized tensors."""
+    if scheme_of(quantization) != "auto" or tensor_parallel_size > 1:
+        return False
+    return bool(quantized_formats(model_path, config, quantization))
 
 
 def _file_formats(gguf: Path, config: ModelConfig) -> dict[str, WeightFormat]:
     from engine.gguf.names import hf_name
     from engine.gguf.reader import read_gguf
 
-    parts: dict[str, list[str]] = {}  # parameter -> the GGUF types of its checkpoint parts
+    # parameter -> {first row: (GGUF type, rows)} of its checkpoint parts
+    parts: dict[str, dict[int, tuple[str, int]]] = {}
     with read_gguf(gguf) as file:
         for info in file.tensors.values():
             name = hf_name(info.name)
             target = None if name is None else map_weight_name(name, config)
             if target is not None and target[0].endswith(QUANTIZABLE_SUFFIXES):
-                parts.setdefault(target[0], []).append(info.type_name)
+                param, row = target
+                parts.setdefault(param, {})[row] = (info.type_name, info.shape[0])
     formats = {}
-    for param, types in parts.items():
-        if all(t in TYPE_BITS for t in types):
-            source = "+".join(sorted(set(types)))
-            formats[param] = WeightFormat(max(TYPE_BITS[t] for t in types), source)
+    for param, by_row in parts.items():
+        types = [by_row[row] for row in sorted(by_row)]
+        if all(t in NATIVE_TYPES for t, _ in types):
+            source = "+".join(sorted({t for t, _ in types}))
+            formats[param] = WeightFormat(grouped_parts(types), source)
     return formats
 
 
 def describe_formats(formats: dict[str, WeightFormat], dtype: str) -> str:
-    """What the weights are served as, in one line: "Q4_1 x120, Q8_0 x1 quantized; the rest
-    float32"."""
+    """What the weights are served as, in one line: "Q4_K x72, Q4_K+Q6_K x24, Q6_K x1 quantized
+    (each type at its own width); the rest float32"."""
     if not formats:
         return f"all {dtype}"
     counts: dict[str, int] = {}
     for weight_format in formats.values():
-        label = f"{weight_format.source} ({weight_format.bits}-bit codes)"
+        label = weight_format.source
         counts[label] = counts.get(label, 0) + 1
     kinds = ", ".join(f"{label} x{n}" for label, n in sorted(counts.items()))
-    return f"{kinds} quantized; the rest {dtype}"
+    return f"{kinds} quantized (each type at its own width); the rest {dtype}"
