@@ -6,9 +6,14 @@ attention reduces a decode token's keys in another order than a prefill chunk's.
 re-prefills prompt + delivered tokens where the undisturbed run decoded them, so at a near-tie a
 resumed stream could pick another token. Here every reduction has one order per token:
 
-- linear layers: at least MIN_GEMM_ROWS rows per GEMM (zero rows padded), where sgemm computes
-  each row the same way whatever the row count (checked by tests/unit/test_batch_invariance.py);
-  the vocabulary projection by oneDNN's packed matmul, once checked to be row-invariant;
+- linear layers and the vocabulary projection: the compiled CPU kernel (engine/kernels/cpu/
+  linear.cpp), whose sum over k runs in one order for every row whatever the rows beside it and
+  the thread count. MKL's sgemm promises no such thing: it changes kernels with the row count at
+  thresholds that depend on the CPU and the weight's width (on an AVX-512 Xeon, between 5 and 6
+  rows for a 128-wide weight, 15 and 16 for a 576-wide one; on the AVX2 EPYC the team measured,
+  below 4 rows). Where the kernel cannot be built, or a weight is not packed for it, sgemm runs
+  with at least MIN_GEMM_ROWS rows (zero rows padded), and the vocabulary projection on oneDNN's
+  packed matmul once checked to be row-invariant: invariant on the CPUs where those hold;
 - attention: each query token against its own context, the keys of every token padded with zero
   (masked) keys to the step's longest context: scores are per-(query, key) dot products over
   head_dim, and the softmax denominator and the weighted sum of values are sums over positions
@@ -26,6 +31,9 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels.attention_metadata import AttentionMetadata, long_tensor
+from engine.kernels.backend import Linear
+from engine.kernels.cpu import backend as cpu_backend
+from engine.kernels.cpu.linear import PanelLinear, Panels, panel_linear
 from engine.kernels.kv_cache import PagedKVCache
 from engine.kernels.torch_ops import packed_linear
 
@@ -44,15 +52,31 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(padded, weight, bias)[:rows]
 
 
+def linear_for(weight: torch.Tensor) -> Linear:
+    """A decoder weight's linear: the compiled kernel's where it runs, else the padded sgemm."""
+    panels = _panels(weight)
+    return linear if panels is None else PanelLinear(weight, panels)
+
+
 def output_projection(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The vocabulary projection: oneDNN's packed matmul where it computes a row alike for any
-    row count (checked here, on this CPU): the widest matmul, which a decode step of one row
-    would otherwise pad to MIN_GEMM_ROWS rows, and whose pre-packed weight saves sgemm's packing
-    on every call; else `linear`."""
+    """The vocabulary projection: the compiled kernel's where it runs; else oneDNN's packed
+    matmul where it computes a row alike for any row count (checked here, on this CPU): the
+    widest matmul, which a decode step of one row would otherwise pad to MIN_GEMM_ROWS rows, and
+    whose pre-packed weight saves sgemm's packing on every call; else `linear`."""
+    panels = _panels(weight)
+    if panels is not None:
+        return lambda x: panels(x, None)
     packed = packed_linear(weight)
     if packed is not None and _row_invariant(packed, weight.shape[1], weight.dtype):
         return packed
     return lambda x: linear(x, weight)
+
+
+def _panels(weight: torch.Tensor) -> Panels | None:
+    """`weight` packed for the compiled kernel, when the kernel loads and takes it."""
+    if cpu_backend.unavailable_reason(weight.device) is not None:
+        return None
+    return panel_linear(weight)
 
 
 def _row_invariant(

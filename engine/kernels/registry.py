@@ -34,6 +34,7 @@ BATCH_INVARIANT_BACKEND = dataclasses.replace(
     build_attention_metadata=batch_invariant.build_attention_metadata,
     paged_attention=batch_invariant.paged_attention,
     linear=batch_invariant.linear,
+    linear_for=batch_invariant.linear_for,
     output_projection=batch_invariant.output_projection,
 )
 
