@@ -14,8 +14,9 @@ import pytest
 
 from engine.testing.http_faults import HTTP_FAULT_INJECTION_ENV
 from tests.e2e.harness import API_KEY, Server, served
+from tests.holds import hold_env
 
-MAX_MODEL_LEN = 1024  # long enough that a long request is still running when a test acts
+MAX_MODEL_LEN = 1024
 MAX_NUM_SEQS = 4
 MAX_QUEUED = 8  # samples: a request with n samples counts n
 MAX_REQUEST_BYTES = 64 * 1024
@@ -79,7 +80,11 @@ def server(
     args = server_args(model_args, work / "admin.sock", "--server.record_trace", str(trace))
     # LoRA on: test_lora_serving loads its adapters at run time (and unloads them after).
     args += ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8"]
-    env = {HTTP_FAULT_INJECTION_ENV: f"raise:{FAULT_500},raise-in-stream:{FAULT_IN_STREAM}"}
+    # Prompts holding tests/holds.py's HOLD_TEXT are held in flight while a test acts on them.
+    env = {
+        HTTP_FAULT_INJECTION_ENV: f"raise:{FAULT_500},raise-in-stream:{FAULT_IN_STREAM}",
+        **hold_env(),
+    }
     if otlp is not None:
         args += ["--otlp-traces-endpoint", otlp.url]
         env["OTEL_BSP_SCHEDULE_DELAY"] = "100"  # ms: export spans soon after each request

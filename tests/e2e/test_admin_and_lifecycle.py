@@ -21,10 +21,16 @@ import pytest
 
 from tests.e2e.conftest import server_args
 from tests.e2e.harness import REPO, Server, leftover_ipc, start_server, wait_until
+from tests.holds import HOLD_TEXT, hold_env
 
-# Runs for seconds even on a fast machine: still in flight when the test acts on it.
-LONG_STREAM = {"prompt": "a long story", "max_tokens": 1000, "ignore_eos": True, "stream": True}
-DRAINED_TOKENS = 300
+# Held (tests/holds.py): in flight for 20 s on any machine, so still running when a test acts.
+LONG_STREAM = {
+    "prompt": "a long story" + HOLD_TEXT,
+    "max_tokens": 1000,
+    "ignore_eos": True,
+    "stream": True,
+}
+DRAINED_TOKENS = 300  # held: 6 s after its first token, time for the drain to come
 
 
 def admin_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -190,7 +196,9 @@ def test_admin_drain_then_shutdown_with_socket_discovery(
     runtime = tmp_path / "run"
     runtime.mkdir(mode=0o700)
     env = {"XDG_RUNTIME_DIR": str(runtime)}
-    srv = start_server(server_args(model_args, None), tmp_path, env=env, name="drain")
+    srv = start_server(
+        server_args(model_args, None), tmp_path, env={**env, **hold_env()}, name="drain"
+    )
     try:
         assert srv.admin_socket == runtime / "engine" / str(srv.pid) / "admin.sock"
         assert stat.S_IMODE(srv.admin_socket.parent.stat().st_mode) == 0o700

@@ -12,6 +12,7 @@ import pytest
 
 from tests.e2e.conftest import MAX_MODEL_LEN, MAX_NUM_SEQS, MAX_QUEUED, MAX_REQUEST_BYTES
 from tests.e2e.harness import API_KEY, Server
+from tests.holds import HOLD_TEXT
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
@@ -101,7 +102,9 @@ def test_missing_or_wrong_api_key_is_401(server: Server) -> None:
 
 
 async def test_queue_over_max_queued_samples_is_429_with_retry_after(server: Server) -> None:
-    body = {"prompt": "tell me", "max_tokens": 100, "ignore_eos": True, "stream": True}
+    # Held (tests/holds.py): each admitted request runs >= 2 s, so the burst finds the slots
+    # and the queue full on any machine.
+    body = {"prompt": "tell me" + HOLD_TEXT, "max_tokens": 100, "ignore_eos": True, "stream": True}
     burst = MAX_NUM_SEQS + MAX_QUEUED + 6
 
     async def one(http: httpx.AsyncClient) -> tuple[int, dict[str, str], bytes]:

@@ -18,11 +18,14 @@ import pytest
 
 from tests.e2e.browser import ChatPage, chromium_missing, headless_chromium
 from tests.e2e.harness import API_KEY, Server, wait_until
+from tests.holds import HOLD_TEXT
 
 pytestmark = pytest.mark.skipif(chromium_missing() is not None, reason=str(chromium_missing()))
 
 SHORT_TOKENS = 24
 LONG_TOKENS = 960  # the shared server's max_model_len is 1024: the prompt fits beside it
+# Held (tests/holds.py): its answer streams for 19 s on any machine, so Stop comes mid-answer.
+LONG_PROMPT = "Tell me a long story." + HOLD_TEXT
 PHONE = (390, 844)
 SYSTEM = "You answer in one line."
 
@@ -88,7 +91,7 @@ def stop_aborts_the_request_on_the_server(server: Server, page: ChatPage) -> Non
     aborted_before = aborted_chats(server)
     page.element("#new-chat").click()
     page.set_settings(max_tokens=str(LONG_TOKENS), extra='{"ignore_eos": true}')
-    page.send("Tell me a long story")
+    page.send(LONG_PROMPT)
     seen = page.stop_after_deltas(3)
     assert seen["state"] == "streaming" and seen["text"], seen  # on screen while it streamed
     answer = page.wait_answer_state("stopped", "done", "error")
@@ -105,7 +108,7 @@ def reload_finds_the_history(page: ChatPage) -> None:
     page.driver.refresh()
     page.wait_ready()
     assert not page.js("return document.getElementById('key-dialog').open")  # asked once
-    assert page.history_titles() == ["Tell me a long story", "Hello there"]
+    assert page.history_titles() == [LONG_PROMPT, "Hello there"]
     assert page.last_answer().get_attribute("data-state") == "stopped"
     page.driver.find_elements("css selector", "#history .open-chat")[1].click()
     answer = page.wait_answer_state("done")

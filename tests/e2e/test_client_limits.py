@@ -18,6 +18,7 @@ from engine.text.hf_tokenizer import load_tokenizer_without_torch
 from tests.e2e.conftest import MAX_QUEUED, server_args
 from tests.e2e.harness import API_KEY, Server, served, wait_until
 from tests.e2e.test_bad_input import assert_still_serves, error_of
+from tests.holds import HOLD_TEXT, hold_env
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 STALLED_STREAM_TIMEOUT_S = 2
@@ -93,7 +94,8 @@ def roomy_server(
         "--limits.max_stop_strings", "30000",
         "--limits.max_stop_chars", "4000000",
     ]  # fmt: skip
-    with served(server_args(model_args, work / "admin.sock", *extra), work, name="roomy") as srv:
+    args = server_args(model_args, work / "admin.sock", *extra)
+    with served(args, work, hold_env(), name="roomy") as srv:
         yield srv
 
 
@@ -134,11 +136,12 @@ def test_a_client_that_stops_reading_has_its_request_aborted(roomy_server: Serve
     for the stalled-stream timeout, on any host. Its ~6 MB of events (20 logprobs a token) are
     many times what the server's fixed send buffer (server.send_buffer, 256 KiB) and this
     client's 4 KiB receive buffer hold; before the buffer was fixed, the kernel's autotuning
-    held 2.8 MB of it, and on some hosts the whole output fitted and ran to its end unread."""
+    held 2.8 MB of it, and on some hosts the whole output fitted and ran to its end unread.
+    Held (tests/holds.py), the request would run 20 s on any host if nothing stopped it."""
     before = restarts(roomy_server)
     samples, max_tokens = 8, 1000
     body = json.dumps({
-        "prompt": "hi", "stream": True, "n": samples, "max_tokens": max_tokens,
+        "prompt": "hi" + HOLD_TEXT, "stream": True, "n": samples, "max_tokens": max_tokens,
         "ignore_eos": True, "logprobs": 20,
     }).encode()  # fmt: skip
     host, port = httpx.URL(roomy_server.url).host, httpx.URL(roomy_server.url).port

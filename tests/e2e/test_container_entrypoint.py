@@ -27,9 +27,11 @@ import httpx
 from engine.settings.home import default_engine_home
 from tests.deploy_files import ROOT, image_command, image_env
 from tests.e2e.harness import READY_RE, leftover_ipc, read_line_starting, stop_process, wait_until
+from tests.holds import HOLD_TEXT, hold_env
 
 HEALTHCHECK = ROOT / "deploy" / "docker" / "healthcheck.py"
-STREAMED_TOKENS = 300  # still in flight when the signal comes
+# Held (tests/holds.py): 6 s of tokens on any machine, still in flight when the signal comes.
+STREAMED_TOKENS = 300
 
 
 def container_argv() -> list[str]:
@@ -67,7 +69,7 @@ def healthcheck(url: str) -> subprocess.CompletedProcess[str]:
 
 
 def stream_in_thread(url: str, out: dict[str, Any]) -> threading.Thread:
-    body = {"prompt": "a story", "max_tokens": STREAMED_TOKENS, "ignore_eos": True}
+    body = {"prompt": "a story" + HOLD_TEXT, "max_tokens": STREAMED_TOKENS, "ignore_eos": True}
     body |= {"stream": True, "stream_options": {"include_usage": True}}
 
     def run() -> None:
@@ -99,7 +101,7 @@ def engine_pid(container: subprocess.Popen[str]) -> int:
 
 
 def test_the_image_command_drains_on_sigterm(model_args: list[str], tmp_path: Path) -> None:
-    env = container_env(model_args[1], tmp_path / "admin.sock")
+    env = container_env(model_args[1], tmp_path / "admin.sock") | hold_env()
     with open(tmp_path / "container.log", "w") as log:
         container = subprocess.Popen(
             container_argv(), env=env, stdout=subprocess.PIPE, stderr=log, text=True

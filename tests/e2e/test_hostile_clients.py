@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from tests.e2e.conftest import server_args
 from tests.e2e.harness import API_KEY, Server, served, wait_until
 from tests.e2e.test_bad_input import assert_still_serves, error_of
+from tests.holds import HOLD_TEXT
 from tests.raw_http import read_response
 
 HUGE = 2**70
@@ -390,10 +391,13 @@ def test_a_thousand_vanishing_clients_leave_nothing_behind(unharmed: Server) -> 
     """Clients that send a streamed request and close 0-20 ms later (before, during or just
     after its first byte): soon after the last one no request is left in the gateway, every KV
     block is free, and their X-Request-Ids are accepted again (issue 31, item 1). A leaked
-    request would run its 1,000 tokens, holding one of the server's 4 slots for seconds, and the
-    leaks would queue up far past the wait (which allows for a loaded machine: alone, 1 s)."""
+    request would run its 1,000 held tokens (tests/holds.py), holding one of the server's 4
+    slots for 20 s on any machine, and the leaks would queue up far past the wait (which allows
+    for a loaded machine: alone, 1 s)."""
     host, port = httpx.URL(unharmed.url).host, httpx.URL(unharmed.url).port
-    body = json.dumps({"prompt": "hi", "max_tokens": 1000, "ignore_eos": True, "stream": True})
+    body = json.dumps(
+        {"prompt": "hi" + HOLD_TEXT, "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    )
 
     def vanish(i: int) -> None:
         head = (

@@ -20,11 +20,13 @@ import pytest
 
 from tests.checkpoints import hf_greedy, tiny_checkpoint
 from tests.e2e.harness import Server, wait_until
+from tests.holds import held
 from tests.lora_adapters import ALL_MODULES, lora_adapter, peft_greedy
 
 # Two full KV blocks and a bit: a request after another of the same prompt finds its blocks in
 # the prefix cache, unless the two run with different adapters (or one with none).
-PROMPT = [(7 * i + 11) % 500 for i in range(40)]
+# Held (tests/holds.py): a stream of it is still running when a worker is killed under it.
+PROMPT = held([(7 * i + 11) % 500 for i in range(40)])
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +126,7 @@ def stream_tokens(server: Server, model: str, kill_pid: int | None = None) -> tu
     body: dict[str, Any] = {
         "model": model,
         "prompt": PROMPT,
-        "max_tokens": 160,
+        "max_tokens": 80,  # held: 1.6 s after the first token, on any machine
         "temperature": 0.0,
         "ignore_eos": True,
         "stream": True,

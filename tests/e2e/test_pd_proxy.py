@@ -30,11 +30,13 @@ import pytest
 from tests.e2e.conftest import server_args
 from tests.e2e.harness import API_KEY, Server, free_port, start_server, wait_until
 from tests.e2e.proxy_harness import AUTH, Proxy, completion_fields, direct, metric, proxied
+from tests.holds import HOLD_TEXT, hold_env
 from tests.integration.test_fault_tolerance import alive, children_of
 
 PROMPT = "The quick brown fox jumps over the lazy dog because"
 GREEDY = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
-LONG = {"prompt": PROMPT, "max_tokens": 900, "temperature": 0.0, "ignore_eos": True}
+# Held (tests/holds.py): 20 ms a token on any machine, so a test acts while it still runs.
+LONG = {"prompt": PROMPT + HOLD_TEXT, "max_tokens": 900, "temperature": 0.0, "ignore_eos": True}
 
 
 class Instances:
@@ -47,7 +49,7 @@ class Instances:
         port = self.a.url.rsplit(":", 1)[1]
         args = list(self.args)
         args[args.index("--port") + 1] = port
-        self.a = start_server(args, self.log_dir, name="a-restarted")
+        self.a = start_server(args, self.log_dir, hold_env(), name="a-restarted")
 
 
 @pytest.fixture(scope="module")
@@ -56,9 +58,9 @@ def instances(
 ) -> Iterator[Instances]:
     work = tmp_path_factory.mktemp("pd_proxy")
     args = server_args(model_args, None)
-    a = start_server(args, work, name="a")
+    a = start_server(args, work, hold_env(), name="a")
     try:
-        b = start_server(args, work, name="b")
+        b = start_server(args, work, hold_env(), name="b")
     except BaseException:
         a.stop()
         raise
@@ -178,7 +180,7 @@ def test_a_client_that_leaves_before_a_non_streamed_answer_aborts_it_upstream(
     b = instances.b
     before = metric(b.url, "engine:generation_tokens_total")
     body = {"model": b.model, **LONG}
-    # The client leaves after 0.25 s: well before the 900 tokens (~1 ms each on an idle machine).
+    # The client leaves after 0.25 s: well before the 900 held tokens (18 s on any machine).
     leave = httpx.Timeout(30, read=0.25)
     with pytest.raises(httpx.ReadTimeout), pd_proxy.http(timeout=leave) as h:
         h.post("/v1/completions", json=body)

@@ -21,6 +21,7 @@ from transformers import AutoTokenizer
 
 from tests.e2e.conftest import openai_client
 from tests.e2e.harness import API_KEY, Server, wait_until
+from tests.holds import HOLD_TEXT
 
 WEATHER_PARAMS: dict[str, Any] = {
     "type": "object",
@@ -309,7 +310,8 @@ def test_a_streamed_message_survives_a_detokenizer_kill(
 ) -> None:
     request: dict[str, Any] = {
         "model": server.model,
-        "messages": [{"role": "user", "content": "Count."}],
+        # Held (tests/holds.py): the stream is still running when the detokenizer dies.
+        "messages": [{"role": "user", "content": "Count." + HOLD_TEXT}],
         "max_tokens": 96,
         "extra_body": {"temperature": 0.0},  # this client has no field for it
     }

@@ -30,11 +30,13 @@ from tests.e2e.harness import (
     start_server,
     wait_until,
 )
+from tests.holds import HOLD_TEXT, hold_env
 from tests.integration.test_fault_tolerance import alive, children_of
 
 WATCHDOG_USEC = 400_000  # pings every 0.2 s
 REQUEST_ID = "retry-after-root-death"
-MAX_TOKENS = 600  # long enough that the root dies before the engine has made them all
+# Held (tests/holds.py): 4 s of tokens on any machine, so the root dies before they are all made.
+MAX_TOKENS = 200
 
 
 class FakeSystemd:
@@ -125,9 +127,10 @@ def test_a_root_killed_mid_stream_is_restarted_and_a_retry_with_its_id_is_answer
 ) -> None:
     pidfile = tmp_path / "engine.pid"
     args = server_args(model_args, None, "--server.pidfile", str(pidfile))
-    env = {"NOTIFY_SOCKET": str(systemd.path), "WATCHDOG_USEC": str(WATCHDOG_USEC)}
+    env = {"NOTIFY_SOCKET": str(systemd.path), "WATCHDOG_USEC": str(WATCHDOG_USEC), **hold_env()}
     body = {
-        "model": "m", "prompt": "the root dies while this streams", "max_tokens": MAX_TOKENS,
+        "model": "m", "prompt": "the root dies while this streams" + HOLD_TEXT,
+        "max_tokens": MAX_TOKENS,
         "temperature": 0.0, "ignore_eos": True, "stream": True, "logprobs": 0,
     }  # fmt: skip
     first = start_server(args, tmp_path, env, name="first")

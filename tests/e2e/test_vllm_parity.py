@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.conftest import MAX_MODEL_LEN, openai_client, server_args
 from tests.e2e.harness import Server, served, wait_until
+from tests.holds import HOLD_TEXT, hold_env
 
 NAMES = ("parity-a", "parity-b")
 ALLOWED_ORIGIN = "https://app.example"
@@ -25,7 +26,13 @@ DEFAULT_MAX_TOKENS = 3  # the server's generation_config.json max_new_tokens
 MAX_LOG_LEN = 12
 # A chat template of the server's own (--chat-template, inline): each message as <<content>>
 TEMPLATE = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
-LONG_STREAM = {"prompt": "a long story", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+# Held (tests/holds.py): in flight for 20 s on any machine, so still running when a test acts.
+LONG_STREAM = {
+    "prompt": "a long story" + HOLD_TEXT,
+    "max_tokens": 1000,
+    "ignore_eos": True,
+    "stream": True,
+}
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +55,7 @@ def parity(model_args: list[str], tmp_path_factory: pytest.TempPathFactory) -> I
         "--max-logprobs", "5",
         "--chat-template", TEMPLATE,
     )  # fmt: skip
-    with served(args, work, name="parity") as srv:
+    with served(args, work, hold_env(), name="parity") as srv:
         yield srv
 
 
@@ -333,7 +340,7 @@ def test_abort_by_client_id_ends_every_prompt_of_a_batched_request(parity: Serve
         with parity.http() as http:
             assert http.post("/abort", json={"request_id": request_id}).status_code == 200
 
-    body = {**LONG_STREAM, "prompt": ["one story", "another story"]}
+    body = {**LONG_STREAM, "prompt": ["one story" + HOLD_TEXT, "another story" + HOLD_TEXT]}
     with (
         parity.http() as http,
         http.stream("POST", "/v1/completions", json=body, headers={"X-Request-Id": "b-1"}) as resp,

@@ -27,6 +27,7 @@ from engine.library.llm import build_settings
 from engine.messages.admin import Health
 from tests.checkpoints import tiny_checkpoint
 from tests.hf_reference import assert_greedy_matches_hf
+from tests.holds import held, holding
 from tests.integration.test_fault_tolerance import (
     alive,
     children_of,
@@ -38,7 +39,9 @@ from tests.integration.test_fault_tolerance import (
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 STREAMS = 8
-MAX_TOKENS = 200
+# The prompts are held (tests/holds.py): 20 ms a token on any machine, so a replica's requests
+# are still in flight with seconds to go when its worker is killed after 10 tokens.
+MAX_TOKENS = 80
 PROMPT_LEN = 6
 WAIT_S = 180.0  # any wait here; a restart takes seconds on a busy machine
 
@@ -76,7 +79,7 @@ def workload() -> list[Job]:
         params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.0)
         if i % 4 >= 2:
             params.temperature, params.top_p, params.seed = 0.9, 0.95, 500 + i
-        jobs.append(Job([7 + 11 * i + k for k in range(PROMPT_LEN)], params))
+        jobs.append(Job(held([7 + 11 * i + k for k in range(PROMPT_LEN - 1)]), params))
     return jobs
 
 
@@ -118,15 +121,16 @@ async def shared() -> AsyncIterator[Shared]:
     )
     ipc_before = ipc_files()
     children_before = set(children_of(os.getpid()))
-    engine = AsyncLLM(settings)
-    try:
-        await asyncio.wait_for(engine.start(), WAIT_S)
-        reference = await run_workload(engine, [0] * STREAMS)
-        state = Shared(engine, path, reference, ipc_before, children_before)
-        state.note_pids()
-        yield state
-    finally:
-        await asyncio.wait_for(engine.shutdown(), WAIT_S)
+    with holding():  # for as long as the engine runs: restarted workers are spawned with it
+        engine = AsyncLLM(settings)
+        try:
+            await asyncio.wait_for(engine.start(), WAIT_S)
+            reference = await run_workload(engine, [0] * STREAMS)
+            state = Shared(engine, path, reference, ipc_before, children_before)
+            state.note_pids()
+            yield state
+        finally:
+            await asyncio.wait_for(engine.shutdown(), WAIT_S)
 
 
 async def run_job(engine: AsyncLLM, job: Job, progress: list[int], slot: int) -> Outcome:

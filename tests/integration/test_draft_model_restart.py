@@ -18,9 +18,10 @@ from engine.model.step import StepExecutor
 from engine.scheduler.config import SchedulerConfig
 from engine.scheduler.scheduler import Scheduler
 from tests.checkpoints import assert_same_greedy, hf_greedy, tiny_checkpoint
+from tests.holds import held, holding
 from tests.speculation_runs import run_to_end
 
-MAX_TOKENS = 36
+MAX_TOKENS = 48
 WAIT_S = 120
 SEED = 1234
 
@@ -32,36 +33,39 @@ async def test_a_worker_killed_mid_stream_resumes_the_speculative_stream_exactly
     fields = {"model.path": str(path), "scheduler.speculative_config": spec}
     settings = build_settings(None, **fields, **{"runtime.spare_processes": False})
     engine = AsyncLLM(settings)
-    prompt = [11, 42, 97, 5, 300, 17, 64, 23] * 3
+    # Held (tests/holds.py): each step lasts 20 ms on any machine, so the stream killed at a
+    # third of its tokens still has 8 steps (of 4 tokens) to go.
+    prompt = held([11, 42, 97, 5, 300, 17, 64, 23] * 3)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     sampled = SamplingParams(temperature=0.8, seed=SEED, max_tokens=MAX_TOKENS, ignore_eos=True)
-    try:
-        await asyncio.wait_for(engine.start(), WAIT_S)
-        before = next(row for row in engine.actors() if row.name == "worker0")
-        assert before.pid is not None
-        victim = before.pid
-        tokens: list[int] = []
-        drawn: list[int] = []
+    with holding():  # for as long as the engine runs: the restarted worker too
+        try:
+            await asyncio.wait_for(engine.start(), WAIT_S)
+            before = next(row for row in engine.actors() if row.name == "worker0")
+            assert before.pid is not None
+            victim = before.pid
+            tokens: list[int] = []
+            drawn: list[int] = []
 
-        async def run() -> None:
-            killed = False
-            async for out in engine.stream(prompt={"prompt_token_ids": prompt}, params=params):
-                tokens.extend(out.outputs[0].token_ids if out.outputs else [])
-                if not killed and len(tokens) >= MAX_TOKENS // 3:
-                    os.kill(victim, signal.SIGKILL)
-                    killed = True
+            async def run() -> None:
+                killed = False
+                async for out in engine.stream(prompt={"prompt_token_ids": prompt}, params=params):
+                    tokens.extend(out.outputs[0].token_ids if out.outputs else [])
+                    if not killed and len(tokens) >= MAX_TOKENS // 3:
+                        os.kill(victim, signal.SIGKILL)
+                        killed = True
 
-        async def run_sampled() -> None:
-            async for out in engine.stream(prompt={"prompt_token_ids": prompt}, params=sampled):
-                drawn.extend(out.outputs[0].token_ids if out.outputs else [])
+            async def run_sampled() -> None:
+                async for out in engine.stream(prompt={"prompt_token_ids": prompt}, params=sampled):
+                    drawn.extend(out.outputs[0].token_ids if out.outputs else [])
 
-        await asyncio.wait_for(asyncio.gather(run(), run_sampled()), WAIT_S)
-        after = next(row for row in engine.actors() if row.name == "worker0")
-        assert after.restarts == before.restarts + 1 and "SIGKILL" in after.last_restart_reason
-        assert engine.gateway.resubmissions >= 1
-        stats = engine.stats()
-    finally:
-        await engine.shutdown()
+            await asyncio.wait_for(asyncio.gather(run(), run_sampled()), WAIT_S)
+            after = next(row for row in engine.actors() if row.name == "worker0")
+            assert after.restarts == before.restarts + 1 and "SIGKILL" in after.last_restart_reason
+            assert engine.gateway.resubmissions >= 1
+            stats = engine.stats()
+        finally:
+            await engine.shutdown()
     assert len(tokens) == MAX_TOKENS
     assert_same_greedy(tokens, hf_greedy(path, prompt, MAX_TOKENS))
     assert drawn == plain_tokens(path, prompt, sampled)

@@ -32,6 +32,7 @@ from engine.request.outputs import EmbeddingRequestOutput
 from engine.runtime.stopped import STOPPED_FROM_OUTSIDE
 from engine.testing.fault_injection import FAULT_INJECTION_ENV
 from tests.checkpoints import tiny_checkpoint
+from tests.holds import HOLD_TEXT, hold_env
 from tests.ipc_files import ipc_files
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -42,7 +43,9 @@ SLOW = 503  # a prompt holding it makes each of its steps take SLOW_STEP_S
 SLOW_STEP_S = 5.0  # longer than the heartbeat timeout below
 STREAMS = 8
 BLOCK_SIZE = 16  # the default cache.block_size: each stream has a full block when disturbed
-MAX_TOKENS = 300
+# The workload's prompts are held (tests/holds.py): 20 ms a token on any machine, so every
+# stream still has 2 s of tokens to make when a test disturbs it after 20.
+MAX_TOKENS = 120
 WAIT_S = 180.0  # any wait here; a restart takes seconds on a busy machine
 EMBEDDINGS = [  # a mean over a long prompt, the last token's hidden state of a short one
     ([(7 * i) % 400 + 3 for i in range(450)], PoolingParams(pooling_type="MEAN")),
@@ -75,7 +78,7 @@ def workload(count: int = STREAMS, max_tokens: int = MAX_TOKENS) -> list[Job]:
             params.temperature, params.top_p, params.seed = 0.9, 0.95, 1000 + i
         if i % 4 < 2:
             params.stop = ["<never seen>"]
-        jobs.append(Job(f"prompt number {i} says", params))
+        jobs.append(Job(f"prompt number {i} says" + HOLD_TEXT, params))
     return jobs
 
 
@@ -179,8 +182,8 @@ async def shared() -> AsyncIterator[Shared]:
     ipc_before = ipc_files()
     children_before = set(children_of(os.getpid()))
     previous = os.environ.get(FAULT_INJECTION_ENV)
-    os.environ[FAULT_INJECTION_ENV] = (
-        f"raise:{POISON_RAISE},exit:{POISON_EXIT},sleep{SLOW_STEP_S:g}:{SLOW}"
+    os.environ.update(
+        hold_env(f"raise:{POISON_RAISE},exit:{POISON_EXIT},sleep{SLOW_STEP_S:g}:{SLOW}")
     )
     engine = AsyncLLM(settings)
     watch: asyncio.Task[None] | None = None
@@ -221,6 +224,7 @@ async def disturb_under_load(  # type: ignore[no-untyped-def]
     embeddings = None
     try:
         await wait_for(lambda: min(progress[:STREAMS]) >= 20, "every stream under way")
+        assert max(progress[:STREAMS]) < MAX_TOKENS // 2, "disturbed too late to test anything"
         if embedded is not None:
             embeddings = asyncio.gather(*(embed(engine, *job) for job in EMBEDDINGS))
             await asyncio.sleep(0)  # each registers and submits its request, then awaits

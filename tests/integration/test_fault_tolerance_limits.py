@@ -18,6 +18,7 @@ import pytest_asyncio
 from engine import AsyncLLM, EngineError, SamplingParams
 from engine.library.llm import build_settings
 from tests.checkpoints import tiny_checkpoint
+from tests.holds import HOLD_TEXT, holding
 from tests.integration.test_fault_tolerance import (
     Job,
     actor,
@@ -37,9 +38,9 @@ STREAMS = 16
 MAX_TOKENS = 200  # a stream needs ~14 blocks: at most 2-3 fit at once
 
 
-def greedy_jobs(count: int) -> list[Job]:
+def greedy_jobs(count: int, hold: str = "") -> list[Job]:
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.0)
-    return [Job(f"story {i} begins like this", params) for i in range(count)]
+    return [Job(f"story {i} begins like this{hold}", params) for i in range(count)]
 
 
 @pytest.fixture(scope="module")
@@ -59,13 +60,14 @@ async def engine(children_before: set[int]) -> AsyncIterator[AsyncLLM]:
             "runtime.restart_period": 600.0,
         }
     )
-    engine = AsyncLLM(settings)
-    try:
-        await engine.start()
-        assert engine.stats().kv_cache_blocks == KV_BLOCKS
-        yield engine
-    finally:
-        await engine.shutdown()
+    with holding():  # for as long as the engine runs: restarted workers are spawned with it
+        engine = AsyncLLM(settings)
+        try:
+            await engine.start()
+            assert engine.stats().kv_cache_blocks == KV_BLOCKS
+            yield engine
+        finally:
+            await engine.shutdown()
 
 
 async def test_kv_exhaustion_preempts_and_every_request_completes_unchanged(
@@ -90,7 +92,7 @@ async def test_kv_exhaustion_preempts_and_every_request_completes_unchanged(
 async def test_past_the_restart_intensity_everything_fails_with_the_reason_and_stops(
     engine: AsyncLLM, children_before: set[int]
 ) -> None:
-    jobs = greedy_jobs(8)
+    jobs = greedy_jobs(8, hold=HOLD_TEXT)  # 4 s each on any machine: in flight when it gives up
     progress = [0] * len(jobs)
     streams = asyncio.ensure_future(run_all(engine, jobs, progress))
     await wait_for(lambda: max(progress) > 0, "tokens flowing")

@@ -23,8 +23,9 @@ import pytest_asyncio
 from engine import AsyncLLM, SamplingParams
 from engine.library.llm import build_settings
 from engine.messages.admin import ReplicaRow
-from engine.testing.fault_injection import KV_PULL_DELAY_ENV
+from engine.testing.fault_injection import FAULT_INJECTION_ENV, KV_PULL_DELAY_ENV
 from tests.checkpoints import tiny_checkpoint
+from tests.holds import held, hold_env
 from tests.integration.test_fault_tolerance import (
     Job,
     Outcome,
@@ -43,6 +44,8 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 STREAMS = 6
 MAX_TOKENS = 48
 PROMPT_LEN = 40  # two full blocks of 16 and a partial one
+# The prompts are held (tests/holds.py): 20 ms a token on any machine, so a stream disturbed
+# after 10 tokens still has most of its tokens to make.
 PULL_DELAY_S = 1.5
 WAIT_S = 180.0
 PREFILL, DECODE = 0, 1  # replica indices (prefill replicas come first)
@@ -54,7 +57,7 @@ def workload() -> list[Job]:
         params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.0)
         if i % 2:
             params.temperature, params.top_p, params.seed = 0.9, 0.95, 700 + i
-        jobs.append(Job([5 + 13 * i + k for k in range(PROMPT_LEN)], params))
+        jobs.append(Job(held([5 + 13 * i + k for k in range(PROMPT_LEN - 1)]), params))
     return jobs
 
 
@@ -81,6 +84,7 @@ async def shared() -> AsyncIterator[Shared]:
     ipc_before = ipc_files()
     children_before = set(children_of(os.getpid()))
     os.environ[KV_PULL_DELAY_ENV] = str(PULL_DELAY_S)  # the actors inherit it
+    os.environ.update(hold_env())
     engine = AsyncLLM(settings)
     try:
         await asyncio.wait_for(engine.start(), WAIT_S)
@@ -90,6 +94,7 @@ async def shared() -> AsyncIterator[Shared]:
         yield state
     finally:
         os.environ.pop(KV_PULL_DELAY_ENV, None)
+        os.environ.pop(FAULT_INJECTION_ENV, None)
         await asyncio.wait_for(engine.shutdown(), WAIT_S)
 
 

@@ -17,12 +17,16 @@ from engine import AsyncLLM, SamplingParams
 from engine.library.llm import build_settings
 from engine.messages.params import StructuredOutputsParams
 from tests.checkpoints import tiny_checkpoint
+from tests.holds import HOLD_TEXT, holding
 from tests.ipc_files import ipc_files
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 WAIT_S = 180.0
-ANIMALS = r"(cat|dog|bird)( (cat|dog|bird)){119}"
+ANIMALS = r"(cat|dog|bird)( (cat|dog|bird)){59}"
+# Held (tests/holds.py): 20 ms a token on any machine, so the constrained stream is still running,
+# with seconds to go, when its 30th token triggers the kill.
+CONSTRAINED_PROMPT = "Animals:" + HOLD_TEXT
 CONSTRAINED = SamplingParams(
     max_tokens=400, temperature=0.0, structured_outputs=StructuredOutputsParams(regex=ANIMALS)
 )
@@ -48,12 +52,13 @@ async def engine() -> AsyncIterator[AsyncLLM]:
             "runtime.heartbeat_timeout": 4.0,
         }
     )
-    llm = AsyncLLM(settings)
-    try:
-        await llm.start()
-        yield llm
-    finally:
-        await llm.shutdown()
+    with holding():  # for as long as the engine runs: restarted workers are spawned with it
+        llm = AsyncLLM(settings)
+        try:
+            await llm.start()
+            yield llm
+        finally:
+            await llm.shutdown()
     left = ipc_files() - before
     assert not left, f"segments or doorbells left after shutdown: {sorted(left)}"
 
@@ -69,7 +74,7 @@ async def run(engine: AsyncLLM, prompt: str, params: SamplingParams, progress: l
 
 async def workload(engine: AsyncLLM, victim: str | None, kill_after: int = 30) -> list[str]:
     progress = [[0] for _ in range(4)]
-    jobs = [run(engine, "Animals:", CONSTRAINED, progress[0])]
+    jobs = [run(engine, CONSTRAINED_PROMPT, CONSTRAINED, progress[0])]
     jobs += [run(engine, f"load {i}", LOAD, progress[i]) for i in range(1, 4)]
     runs = asyncio.ensure_future(asyncio.gather(*jobs))
     try:
