@@ -22,13 +22,22 @@ ARCH_CLASSES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "ministral": ("MinistralConfig", "MinistralForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
 }
+_ATTENTION_BIAS = ("llama", "qwen3")  # the architectures whose config takes attention_bias
 DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointSpec:
-    arch: str = "qwen3"  # llama | qwen2 | qwen3
+    arch: str = "qwen3"  # a key of ARCH_CLASSES
     num_layers: int = 2
     hidden_size: int = 64
     num_heads: int = 4
@@ -45,6 +54,8 @@ class CheckpointSpec:
     init_std: float = 0.25
     seed: int = 0
     max_shard_size: str | None = None  # e.g. "200KB": save as several shards with an index
+    # More of the config class's arguments, as they are (a window, experts, soft-capping...).
+    extra: dict[str, Any] | None = None
 
     def validate(self) -> None:
         if self.arch not in ARCH_CLASSES:
@@ -145,9 +156,9 @@ def _config_kwargs(spec: CheckpointSpec, eos_id: int) -> dict[str, Any]:
         "pad_token_id": eos_id,
         "dtype": spec.dtype,
     }
-    if spec.arch != "qwen2":
+    if spec.arch in _ATTENTION_BIAS:
         kwargs["attention_bias"] = spec.attention_bias
-    return kwargs
+    return {**kwargs, **(spec.extra or {})}
 
 
 def _randomize(model: Any, spec: CheckpointSpec) -> None:

@@ -138,6 +138,8 @@ def paged_attention(
     layer: int,
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """As torch_attention.paged_attention: query [tokens, heads, head_dim], key and value
     [tokens, kv_heads, head_dim]; returns [tokens, heads * head_dim]."""
@@ -156,7 +158,11 @@ def paged_attention(
         v = cache.values[layer][slots].permute(0, 2, 1, 3)
         q = query[start:stop].view(stop - start, kv_heads, -1, 1, head_dim)
         scores = (q * k[:, :, None]).sum(-1) * scale  # [tile, kv_heads, group, keys]
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         hidden = positions[None, :] > meta.positions[start:stop, None]
+        if window is not None:
+            hidden |= positions[None, :] <= meta.positions[start:stop, None] - window
         scores.masked_fill_(hidden[:, None, None, :], float("-inf"))
         weights = (scores - scores.amax(-1, keepdim=True)).exp()  # [tile, kv_heads, group, keys]
         total = _sum_over_keys(weights)[..., None]

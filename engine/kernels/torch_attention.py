@@ -9,10 +9,16 @@ Long prefill chunks use SDPA: on their own K/V, or on their context gathered onc
 (amortised over the chunk's many queries). There grouped-query attention needs no K/V copies:
 the query heads that share one KV head are folded into SDPA's query-length axis ([kv_heads,
 group * queries, head_dim] against [kv_heads, keys, head_dim]), the mask repeated to match.
+
+Two variants of a layer (the families' `window` and `softcap`): a sliding window hides the keys
+more than window - 1 positions before a token (masked where the scores are laid out by key
+position), and soft-capping maps each score s to cap * tanh(s / cap) before the softmax, which
+SDPA cannot do: such prefill chunks take the same arithmetic written out (`_explicit`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import cast
 
 import torch
@@ -38,12 +44,17 @@ def paged_attention(
     layer: int,
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Write this step's K/V into the cache and attend. query [tokens, heads, head_dim], key and
-    value [tokens, kv_heads, head_dim]; returns [tokens, heads * head_dim]."""
+    value [tokens, kv_heads, head_dim]; returns [tokens, heads * head_dim]. `window`: a token
+    sees itself and the window - 1 keys before it (None: every key before it); `softcap`: the
+    scores are soft-capped (None: not)."""
     cache.write(layer, meta.slot_mapping, key, value)
+    variant = Variant(window, softcap)
     results = [
-        (piece.rows, _attend(piece, query, key, value, cache, layer, scale))
+        (piece.rows, _attend(piece, query, key, value, cache, layer, scale, variant))
         for piece in meta.pieces
     ]
     if len(results) == 1 and _covers_all(results[0][0], meta.num_tokens):
@@ -55,6 +66,20 @@ def paged_attention(
         elif rows is not None:
             out.index_copy_(0, rows, part)
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    window: int | None = None
+    softcap: float | None = None
+
+    def cap(self, scores: torch.Tensor) -> torch.Tensor:
+        if self.softcap is None:
+            return scores
+        return torch.tanh(scores / self.softcap) * self.softcap
+
+
+PLAIN = Variant()
 
 
 def _covers_all(rows: torch.Tensor | tuple[int, int] | None, num_tokens: int) -> bool:
@@ -69,16 +94,22 @@ def _attend(
     cache: PagedKVCache,
     layer: int,
     scale: float,
+    variant: Variant,
 ) -> torch.Tensor:
     if isinstance(piece, SlotRows):
-        return _slot_rows(query, cache, layer, piece, scale)
+        return _slot_rows(query, cache, layer, piece, scale, variant)
     if isinstance(piece, ChunkPrefill):
-        return chunk_prefill(query, key, value, cache, layer, piece, scale)
+        return chunk_prefill(query, key, value, cache, layer, piece, scale, variant)
     raise TypeError(f"the torch kernel backend got a {type(piece).__name__} piece")
 
 
 def _slot_rows(
-    query: torch.Tensor, cache: PagedKVCache, layer: int, piece: SlotRows, scale: float
+    query: torch.Tensor,
+    cache: PagedKVCache,
+    layer: int,
+    piece: SlotRows,
+    scale: float,
+    variant: Variant = PLAIN,
 ) -> torch.Tensor:
     rows = piece.rows
     if rows is None:
@@ -90,8 +121,10 @@ def _slot_rows(
     num_tokens, heads, head_dim = q.shape
     keys = cache.keys[layer].view(-1, head_dim)  # [slots * kv_heads, head_dim]
     values = cache.values[layer].view(-1, head_dim)
-    scores = _sampled_scores(piece.pattern, q.reshape(-1, head_dim), keys, scale)
-    if piece.grid_index is None:
+    scores = variant.cap(_sampled_scores(piece.pattern, q.reshape(-1, head_dim), keys, scale))
+    if variant.window is not None:
+        probs = _windowed_probs(scores, piece, variant.window)
+    elif piece.grid_index is None:
         probs = scores.view(-1, piece.longest).softmax(-1).view(-1)
     else:
         grid = scores.new_full((num_tokens * heads * piece.longest,), float("-inf"))
@@ -106,6 +139,23 @@ def _slot_rows(
         include_last_offset=True,
     )
     return out.view(num_tokens, heads * head_dim)
+
+
+def _windowed_probs(scores: torch.Tensor, piece: SlotRows, window: int) -> torch.Tensor:
+    """Softmax of each row's scores over its last `window` keys: in the grid a row's keys lie
+    by position (0 .. seen - 1), so the hidden ones are the columns before seen - window."""
+    seen = piece.pattern.crow_indices().diff()  # keys of each (token, head) row
+    rows = seen.numel()
+    grid = scores.new_full((rows * piece.longest,), float("-inf"))
+    if piece.grid_index is None:
+        grid.copy_(scores)
+    else:
+        grid.index_copy_(0, piece.grid_index, scores)
+    grid = grid.view(rows, piece.longest)
+    columns = torch.arange(piece.longest, device=grid.device)
+    grid.masked_fill_(columns[None, :] < (seen - window)[:, None], float("-inf"))
+    probs = grid.softmax(-1).view(-1)
+    return probs if piece.grid_index is None else probs.index_select(0, piece.grid_index)
 
 
 def _sampled_scores(
@@ -141,18 +191,57 @@ def chunk_prefill(
     layer: int,
     piece: ChunkPrefill,
     scale: float,
+    variant: Variant = PLAIN,
 ) -> torch.Tensor:
     start, stop = piece.rows
     rows = stop - start
     heads, head_dim = query.shape[1:]
-    if piece.kv_slots is None:  # causal over the chunk's own K/V
+    if piece.kv_slots is None and variant == PLAIN:  # causal over the chunk's own K/V
         q, k, v = (t[start:stop].transpose(0, 1)[None] for t in (query, key, value))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         return out[0].transpose(0, 1).reshape(rows, heads * head_dim)
     kv_heads = cache.keys[layer].shape[1]
     q = query[start:stop].view(rows, kv_heads, -1, head_dim).permute(1, 2, 0, 3)
     q = q.reshape(1, kv_heads, -1, head_dim)  # [1, kv_heads, group * rows, head_dim]
-    k, v = _gather(cache, layer, piece.kv_slots, 1, piece.kv_len)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=piece.mask, scale=scale)
+    if piece.kv_slots is None:
+        k, v = (t[start:stop].transpose(0, 1)[None] for t in (key, value))
+    else:
+        k, v = _gather(cache, layer, piece.kv_slots, 1, piece.kv_len)
+    mask = piece.mask
+    if variant == PLAIN:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    else:
+        mask = _variant_mask(mask, rows, piece.kv_len, heads // kv_heads, variant.window)
+        out = _explicit(q, k, v, mask, scale, variant)
     out = out.view(kv_heads, -1, rows, head_dim).permute(2, 0, 1, 3)
     return out.reshape(rows, heads * head_dim)
+
+
+def _variant_mask(
+    mask: torch.Tensor | None, rows: int, kv_len: int, group: int, window: int | None
+) -> torch.Tensor:
+    """The chunk's mask [1, 1, group * rows, kv_len] (causal where it had none), with the keys
+    outside each query's window hidden too; the queries are the last `rows` positions."""
+    query_positions = torch.arange(kv_len - rows, kv_len)[:, None]
+    keys = torch.arange(kv_len)[None, :]
+    visible = keys <= query_positions
+    if window is not None:
+        visible &= keys > query_positions - window
+    folded = visible.repeat(group, 1)[None, None]
+    return folded if mask is None else mask & folded
+
+
+def _explicit(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    variant: Variant,
+) -> torch.Tensor:
+    """SDPA's arithmetic with the scores soft-capped where the variant caps them: q [1,
+    kv_heads, queries, head_dim], k and v [1, kv_heads, keys, head_dim], mask [1, 1, queries,
+    keys]."""
+    scores = variant.cap(torch.matmul(q, k.transpose(-1, -2)) * scale)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1), v)

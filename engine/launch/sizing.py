@@ -15,6 +15,7 @@ from engine.launch.draft import DraftFootprint
 from engine.launch.lora import max_loras_of
 from engine.launch.pd_plan import replica_roles
 from engine.messages.ring_catalogue import PLAN_RING
+from engine.model.architectures.limits import check_combination
 from engine.model.config import ModelConfig
 from engine.model.parallel.config import Placement
 from engine.model.parallel.layout import check_tensor_parallel
@@ -24,6 +25,7 @@ from engine.model.placement.policy import (
     available_cores,
     device_type,
     resident_weight_bytes,
+    resolve_device,
     thread_policy,
 )
 from engine.model.placement.policy import kv_cache_bytes as placement_kv_cache_bytes
@@ -46,6 +48,14 @@ def check_parallel(settings: Settings, config: ModelConfig) -> Placement:
     )
     placement.validate()
     check_tensor_parallel(config, parallel.tensor_parallel_size)
+    on_gpu = device_type(resolve_device(settings.model.device)) == "cuda"
+    kernels = settings.model.kernel_backend
+    check_combination(
+        config,
+        tensor_parallel_size=parallel.tensor_parallel_size,
+        lora=settings.lora.enable_lora,
+        kernels="triton" if kernels == "auto" and on_gpu else kernels,
+    )
     if parallel.nnodes > 1:
         if parallel.master_port == 0:
             raise ValueError(

@@ -159,6 +159,7 @@ class ModelRunner:
             self.weight_bytes / 2**20,
             describe_formats(self.model.weight_formats, dtype),
         )
+        log.info("layers: %s", self.model.layer_path())
 
     def _allocate_kv_cache(
         self, kv_cache_memory: int | None, kv_cache_fraction: float, buffer: Any

@@ -52,18 +52,21 @@ def paged_attention(
     layer: int,
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """As torch_attention.paged_attention, for metadata built with in_place="table"."""
     cache.write(layer, meta.slot_mapping, key, value)
     num_tokens, heads, head_dim = query.shape
     out = query.new_empty(num_tokens, heads * head_dim)
+    variant = torch_attention.Variant(window, softcap)
     for piece in meta.pieces:
         if isinstance(piece, TableRows):
-            attend_in_place(query, cache, layer, piece, scale, out)
+            attend_in_place(query, cache, layer, piece, scale, out, variant)
         elif isinstance(piece, ChunkPrefill):
             start, stop = piece.rows
             out[start:stop] = torch_attention.chunk_prefill(
-                query, key, value, cache, layer, piece, scale
+                query, key, value, cache, layer, piece, scale, variant
             )
         else:
             raise TypeError(f"the CPU kernel backend got a {type(piece).__name__} piece")
@@ -77,6 +80,7 @@ def attend_in_place(
     piece: TableRows,
     scale: float,
     out: torch.Tensor,
+    variant: torch_attention.Variant = torch_attention.PLAIN,
 ) -> None:
     """Write attention for the piece's tokens into their rows of `out` [step rows, heads *
     head_dim]; query [step rows, heads, head_dim] with each head's row contiguous."""
@@ -93,7 +97,8 @@ def attend_in_place(
             f"the CPU attention kernel takes one dtype of {sorted(map(str, DTYPE_CODES))} for "
             f"query, cache and output, got {query.dtype}, {keys.dtype} and {out.dtype}"
         )
-    status = load_library().engine_paged_attention(
+    library = load_library()
+    status = library.engine_paged_attention_variant(
         DTYPE_CODES[query.dtype],
         query.data_ptr(),
         query.stride(0),
@@ -112,6 +117,8 @@ def attend_in_place(
         ctypes.c_float(scale),
         out.data_ptr(),
         kernel_threads(piece),
+        variant.window or 0,
+        ctypes.c_float(variant.softcap or 0.0),
     )
     if status != 0:
         raise RuntimeError(f"the CPU attention kernel failed (status {status})")

@@ -169,6 +169,28 @@ _SIGNATURES: dict[str, list[type[Any]]] = {
         ptr,  # out
         ctypes.c_int,  # threads
     ],
+    "engine_paged_attention_variant": [
+        ctypes.c_int,  # dtype
+        ptr,  # query
+        i64,  # query token stride
+        ptr,  # key cache
+        ptr,  # value cache
+        ptr,  # block tables
+        i64,  # table width
+        ptr,  # token -> block table row
+        ptr,  # keys seen per token
+        ptr,  # step row per token, or null
+        i64,  # tokens
+        i64,  # heads
+        i64,  # kv heads
+        i64,  # head dim
+        i64,  # block size
+        ctypes.c_float,  # scale
+        ptr,  # out
+        ctypes.c_int,  # threads
+        i64,  # sliding window (0: none)
+        ctypes.c_float,  # soft cap (0: none)
+    ],
     # engine/kernels/cpu/pointwise.cpp; x and out point at activations, all of one dtype.
     # dtype, x, token stride, tokens, heads, dim, weight, weight head stride, eps, out
     "engine_rms_norm": [ctypes.c_int, ptr, i64, i64, i64, i64, ptr, i64, ctypes.c_float, ptr],

@@ -7,6 +7,9 @@
 // the run against it (grouped-query attention and a speculative chunk cost no extra traffic).
 // Softmax is exact (max-subtracted; a pass over the keys for the scores, which stay in a
 // per-thread buffer, then one over the values), accumulated in float32 whatever the cache dtype.
+// Two variants of a layer: a sliding window (a token sees itself and the window - 1 keys before
+// it: the blocks before every token's window are skipped, the keys before a token's own are
+// -inf) and soft-capped scores (cap * tanh(score / cap), before the softmax).
 //
 // Built by engine/kernels/cpu/build.py with the system's C++ compiler and loaded through
 // ctypes: the interface is plain C, no torch or Python headers, so the build takes seconds.
@@ -51,7 +54,14 @@ struct Problem {
   int64_t block_size;
   float scale;
   void* out;  // [step rows, heads * head_dim]
+  int64_t window;  // keys a token sees at most, itself included; 0: all before it
+  float softcap;   // 0: scores as they are
 };
+
+// The first key the token that sees `seen` keys may attend to.
+inline int64_t first_key(const Problem& p, int64_t seen) {
+  return p.window > 0 && seen > p.window ? seen - p.window : 0;
+}
 
 struct Scratch {
   std::vector<float> query;   // [heads, head_dim], scaled
@@ -211,6 +221,19 @@ inline void softmax_rows(float* scores, int64_t heads, int64_t seen, int64_t pad
   }
 }
 
+// A token's scores [heads, padded] before its softmax: the first `hidden` (before its window)
+// -inf, the visible ones up to `count` soft-capped where the layer caps them.
+inline void shape_scores(const Problem& p, float* scores, int64_t padded, int64_t hidden,
+                         int64_t count) {
+  if (hidden == 0 && p.softcap == 0.0f) return;
+  for (int64_t h = 0; h < p.heads; ++h) {
+    float* sh = scores + h * padded;
+    for (int64_t j = 0; j < hidden; ++j) sh[j] = -INFINITY;
+    if (p.softcap == 0.0f) continue;
+    for (int64_t j = hidden; j < count; ++j) sh[j] = p.softcap * std::tanh(sh[j] / p.softcap);
+  }
+}
+
 // Consecutive tokens of the piece that belong to one chunk (a speculative chunk's 1 + k tokens,
 // a short prefill chunk): each attends to its own context, but their contexts are the same
 // blocks, so attend() goes block by block and scores (then weighs) every token of the run
@@ -299,9 +322,13 @@ void attend(const Problem& p, const Run& run, Scratch& s, float* partials) {
   s.acc.assign(run.count * query_size, 0.0f);
   s.inverse_sums.resize(run.count * heads);
 
+  int64_t lowest = first_key(p, seen[0]);  // blocks wholly before it are no token's
+  for (int64_t t = 1; t < run.count; ++t) lowest = std::min(lowest, first_key(p, seen[t]));
+  const int64_t skip = std::max(begin, lowest / p.block_size * p.block_size);
+
   for (int pass = 0; pass < 2; ++pass) {  // 0: scores from keys; 1: values weighted by them
     const T* cache = static_cast<const T*>(pass == 0 ? p.key_cache : p.value_cache);
-    for (int64_t start = begin; start < keys; start += p.block_size) {
+    for (int64_t start = skip; start < keys; start += p.block_size) {
       const int64_t block = start / p.block_size;
       const T* next = start + p.block_size < keys
                           ? cache + table[block + 1] * p.block_size * slot_stride
@@ -327,9 +354,11 @@ void attend(const Problem& p, const Run& run, Scratch& s, float* partials) {
     if (pass == 0) {
       for (int64_t t = 0; t < run.count; ++t) {
         const int64_t count = std::min(seen[t], keys) - begin;
+        const int64_t hidden = std::max<int64_t>(first_key(p, seen[t]) - begin, 0);
         float* part = run.partial < 0 ? nullptr
                                       : partials + (run.partial + t) * partial_size(p);
-        if (count > 0) {
+        if (count > hidden) {
+          shape_scores(p, s.scores.data() + t * heads * padded, padded, hidden, count);
           softmax_rows(s.scores.data() + t * heads * padded, heads, count, padded,
                        s.inverse_sums.data() + t * heads, part);
         } else {  // no key of this part is the token's: it adds nothing (merge_parts skips it)
@@ -413,12 +442,16 @@ int64_t split_runs(const Problem& p, int64_t num_tokens, int threads, std::vecto
   runs.clear();
   for (const Run& run : whole) {
     int64_t keys = 0;
-    for (int64_t t = 0; t < run.count; ++t) keys = std::max(keys, p.seen[run.first + t]);
+    int64_t lowest = INT64_MAX;
+    for (int64_t t = 0; t < run.count; ++t) {
+      keys = std::max(keys, p.seen[run.first + t]);
+      lowest = std::min(lowest, first_key(p, p.seen[run.first + t]));
+    }
     if (keys <= part_keys) {
       runs.push_back(run);
       continue;
     }
-    for (int64_t begin = 0; begin < keys; begin += part_keys) {
+    for (int64_t begin = lowest / part_keys * part_keys; begin < keys; begin += part_keys) {
       runs.push_back({run.first, run.count, begin, begin + part_keys, partial_tokens});
       partial_tokens += run.count;
     }
@@ -431,16 +464,19 @@ int64_t split_runs(const Problem& p, int64_t num_tokens, int threads, std::vecto
 extern "C" {
 
 // Returns 0, -1 for an unknown dtype, -2 for a head size over kMaxHeadDim. Arguments are checked
-// by the Python caller.
-int engine_paged_attention(int dtype, const void* query, int64_t query_token_stride,
-                           const void* key_cache, const void* value_cache,
-                           const int64_t* block_tables, int64_t table_width,
-                           const int64_t* token_chunk, const int64_t* seen, const int64_t* rows,
-                           int64_t num_tokens, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                           int64_t block_size, float scale, void* out, int num_threads) {
-  const Problem problem{query,       query_token_stride, key_cache, value_cache, block_tables,
-                        table_width, token_chunk,        seen,      rows,        heads,
-                        kv_heads,    head_dim,           block_size, scale,      out};
+// by the Python caller. `window` 0: no sliding window; `softcap` 0: no soft-capping.
+int engine_paged_attention_variant(int dtype, const void* query, int64_t query_token_stride,
+                                   const void* key_cache, const void* value_cache,
+                                   const int64_t* block_tables, int64_t table_width,
+                                   const int64_t* token_chunk, const int64_t* seen,
+                                   const int64_t* rows, int64_t num_tokens, int64_t heads,
+                                   int64_t kv_heads, int64_t head_dim, int64_t block_size,
+                                   float scale, void* out, int num_threads, int64_t window,
+                                   float softcap) {
+  const Problem problem{query,       query_token_stride, key_cache,  value_cache, block_tables,
+                        table_width, token_chunk,        seen,       rows,        heads,
+                        kv_heads,    head_dim,           block_size, scale,       out,
+                        window,      softcap};
   engine_cpu::Task task;
   switch (dtype) {
     case kFloat32: task.run = attend_item<float>; break;
@@ -471,6 +507,20 @@ int engine_paged_attention(int dtype, const void* query, int64_t query_token_str
     i = j;
   }
   return 0;
+}
+
+// Every key before the token, scores as they are (the decoder layers of engine/kernels/cpu/
+// decode_step.cpp, and every family without a window or a cap).
+int engine_paged_attention(int dtype, const void* query, int64_t query_token_stride,
+                           const void* key_cache, const void* value_cache,
+                           const int64_t* block_tables, int64_t table_width,
+                           const int64_t* token_chunk, const int64_t* seen, const int64_t* rows,
+                           int64_t num_tokens, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                           int64_t block_size, float scale, void* out, int num_threads) {
+  return engine_paged_attention_variant(dtype, query, query_token_stride, key_cache, value_cache,
+                                        block_tables, table_width, token_chunk, seen, rows,
+                                        num_tokens, heads, kv_heads, head_dim, block_size, scale,
+                                        out, num_threads, 0, 0.0f);
 }
 
 }  // extern "C"

@@ -82,10 +82,15 @@ def paged_attention(
     layer: int,
     meta: TritonAttentionMetadata,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Write this step's K/V into the cache and attend. query [tokens, heads, head_dim], key and
     value [tokens, kv_heads, head_dim] (last dimension contiguous); returns
-    [tokens, heads * head_dim]."""
+    [tokens, heads * head_dim]. Sliding windows and soft-capping are not written yet: the start
+    refuses such a model with this backend (engine/model/architectures/families.py)."""
+    if window is not None or softcap is not None:
+        raise ValueError("the Triton kernels have no sliding window or soft-capping yet")
     for name, tensor in (("query", query), ("key", key), ("value", value)):
         if tensor.stride(-1) != 1:
             raise ValueError(

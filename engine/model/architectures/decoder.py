@@ -20,9 +20,9 @@ from engine.kernels.attention_metadata import AttentionMetadata
 from engine.kernels.backend import KernelBackend, Linear
 from engine.kernels.kv_cache import PagedKVCache
 from engine.kernels.packed_weights import packs_decoder
-from engine.model.architectures.fused_decode import FusedDecode
+from engine.model.architectures.fused_decode import FusedDecode, unfused_reason
 from engine.model.architectures.layers import PreparedLinears, RMSNorm, StepContext
-from engine.model.architectures.rope import rope_inv_freq
+from engine.model.architectures.rope import rope_inv_freq, rotary_scale
 from engine.model.config import ModelConfig
 from engine.model.lora.weights import LoraStep
 from engine.model.parallel.group import TensorParallelGroup
@@ -44,7 +44,8 @@ class DecoderLayer(Protocol):
 class CausalLM(nn.Module):
     """A decoder-only language model; subclasses build their family's layers."""
 
-    # Whether engine/kernels/cpu/decode_step.cpp implements this family's layers.
+    # Whether engine/kernels/cpu/decode_step.cpp implements this family's layers (for configs
+    # that fused_decode.unfused_reason accepts).
     runs_fused_decode = False
 
     def __init__(
@@ -74,6 +75,10 @@ class CausalLM(nn.Module):
         # model's device.
         with torch.device("cpu"):
             self.inv_freq: torch.Tensor = rope_inv_freq(config)
+            self.local_inv_freq: torch.Tensor | None = (
+                None if config.local_rope_theta is None else rope_inv_freq(config, local=True)
+            )
+        self.rotary_scale = rotary_scale(config)
         self.project_to_vocab: Callable[[torch.Tensor], torch.Tensor] | None = None
         # Parameters served quantized (set by the loader: engine/model/quantized/formats.py).
         self.weight_formats: dict[str, WeightFormat] = {}
@@ -108,9 +113,12 @@ class CausalLM(nn.Module):
 
         for layer in self.layers:
             cast(DecoderLayer, layer).fuse_weights(prepared)
-        self.inv_freq = rope_inv_freq(self.config).to(self.embed_tokens.weight.device)
+        device = self.embed_tokens.weight.device
+        self.inv_freq = rope_inv_freq(self.config).to(device)
+        if self.local_inv_freq is not None:
+            self.local_inv_freq = rope_inv_freq(self.config, local=True).to(device)
         self.embed_tokens.quantized = quantized.get("embed_tokens.weight")
-        if self.runs_fused_decode:
+        if self.runs_fused_decode and unfused_reason(self.config) is None:
             self.fused_decode = FusedDecode.for_model(self, dict(quantized))
         head = "embed_tokens.weight" if self.lm_head is None else "lm_head.weight"
         if head in quantized:
@@ -129,14 +137,41 @@ class CausalLM(nn.Module):
         """Hidden states [tokens, hidden] after the last layer (before the final norm); the
         rows `lora` names run with their adapters."""
         h = self.embed_tokens(token_ids)
-        cos, sin = self.ops.rotary_cos_sin(attention.positions, self.inv_freq, h.dtype)
+        if self.config.scaled_embeddings:  # by sqrt(hidden) rounded to the model's dtype
+            h = h * torch.tensor(self.config.hidden_size**0.5, dtype=h.dtype)
+        cos, sin = self._rotary(attention.positions, self.inv_freq, h.dtype)
         fused = self.fused_decode
         if lora is None and fused is not None and fused.takes(h, attention):
             return fused.run(h, attention, kv_cache, cos, sin)
         step = StepContext(attention, kv_cache, cos, sin, lora)
+        if self.local_inv_freq is not None:
+            step.local_rotary = self._rotary(attention.positions, self.local_inv_freq, h.dtype)
         for layer in self.layers:
             h = layer(h, step)
         return cast(torch.Tensor, h)
+
+    def layer_path(self) -> str:
+        """How the layers run, in words, for the start log."""
+        family = f"{self.config.architecture} ({type(self).__name__})"
+        if self.fused_decode is not None:
+            return (
+                f"{family}: decode steps of up to {self.fused_decode.max_tokens} tokens in one "
+                "C++ call (engine/kernels/cpu/decode_step.cpp), other steps layer by layer"
+            )
+        why = unfused_reason(self.config) if self.runs_fused_decode else None
+        if not self.runs_fused_decode:
+            why = "the fused decode step does not implement this family's layers"
+        elif why is None:
+            why = "the fused decode step needs the compiled CPU kernels, one rank, float32"
+        return f"{family}: layer by layer ({why})"
+
+    def _rotary(
+        self, positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.ops.rotary_cos_sin(positions, inv_freq, dtype)
+        if self.rotary_scale != 1.0:
+            return cos * self.rotary_scale, sin * self.rotary_scale
+        return cos, sin
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """float32 logits [rows, vocab] of the given last-layer hidden rows, on rank 0 (None on
@@ -147,4 +182,7 @@ class CausalLM(nn.Module):
             return None
         if logits.shape[-1] != self.config.vocab_size:  # the last shard's padding rows
             logits = logits[:, : self.config.vocab_size]
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
         return logits.float()

@@ -24,6 +24,7 @@ from engine.kernels.cpu.attention import kernel_threads
 from engine.kernels.cpu.build import load_library
 from engine.kernels.cpu.linear import PanelLinear
 from engine.kernels.kv_cache import PagedKVCache
+from engine.model.config import ModelConfig
 
 if TYPE_CHECKING:
     from engine.kernels.cpu.quantized import PackedWeight
@@ -81,6 +82,23 @@ class _Step(ctypes.Structure):
     ]
 
 
+def unfused_reason(config: ModelConfig) -> str | None:
+    """Why decode_step.cpp cannot run this config's layers (None: it can): it implements the
+    llama family's plain layers, with q/k biases and per-head q/k norms."""
+    reasons = {
+        "sliding-window attention": config.sliding_window is not None,
+        "partial rotary embeddings": config.rotary_size != config.head_dim,
+        "soft-capped attention": config.attn_logit_softcapping is not None,
+        "a GeGLU MLP": config.hidden_act != "silu",
+        "norms after attention and MLP": config.sandwich_norms,
+        "mixture-of-experts layers": config.num_experts > 0,
+        "q/k norms over all heads": config.qk_norm_whole,
+        "a second rope base": config.local_rope_theta is not None,
+    }
+    found = [reason for reason, applies in reasons.items() if applies]
+    return ", ".join(found) or None
+
+
 class FusedDecode:
     """The fused layers of one model (built once its weights are loaded and packed)."""
 
@@ -100,7 +118,7 @@ class FusedDecode:
             shape.intermediate_size,
             0,  # the cache's, set with the layers
             config.rms_norm_eps,
-            config.head_dim**-0.5,
+            config.attention_scale or config.head_dim**-0.5,
         )
         self._layers: Any = None
         self._cache: PagedKVCache | None = None

@@ -1,13 +1,14 @@
-"""Llama, Qwen2 and Qwen3: pre-norm residual layers over the shared attention and SwiGLU MLP.
+"""The llama family: pre-norm residual layers over the shared attention and SwiGLU MLP.
 
     h = embed(tokens)
     for each layer:
-        h = h + Attention(RMSNorm(h))   # GQA, RoPE; Qwen2: q/k/v bias; Qwen3: q/k head norms
+        h = h + Attention(RMSNorm(h))   # GQA, RoPE
         h = h + SwiGLU-MLP(RMSNorm(h))
     logits = lm_head(RMSNorm(h))        # lm_head may share the embedding matrix
 
-The three architectures differ only in the flags their registry entries set
-(engine/model/architectures/registry.py).
+Llama, Mistral and Ministral (sliding-window layers), Qwen2 (q/k/v biases), Qwen3 (q/k head
+norms) and Phi-3 (q|k|v and gate|up stored fused, partial rotary, longrope) differ only in the
+config their registry entries read (engine/model/architectures/registry.py).
 """
 
 from __future__ import annotations

@@ -25,7 +25,12 @@ from engine.kernels.backend import KernelBackend
 from engine.model.architectures.decoder import CausalLM
 from engine.model.architectures.families import model_class
 from engine.model.config import ModelConfig
-from engine.model.loading.weight_names import expected_weight_keys, map_weight_name, matrix_shapes
+from engine.model.loading.weight_names import (
+    expected_weight_keys,
+    map_weight_name,
+    matrix_shapes,
+    parts_of,
+)
 from engine.model.loading.weight_store import LoadedWeights, StoreSlot
 from engine.model.parallel.group import TensorParallelGroup
 from engine.model.parallel.sharding import read_shard
@@ -91,6 +96,8 @@ def read_weights(
     quantization: str,
 ) -> LoadedWeights:
     """Fill `model`'s parameters from the checkpoint; its tensors as `_install` takes them."""
+    from engine.gguf.weights import GGUFTensors
+
     formats = _quantized_formats(model_path, config, quantization, device, model.shape.size)
     _materialize(model, dtype, device, empty=set(formats))
     shape = model.shape
@@ -108,6 +115,7 @@ def read_weights(
             tqdm(total=total, desc="loading weights", unit="tensor", file=sys.stderr)
         )
         for tensors in opened:
+            offset_norms = config.norm_offset and not isinstance(tensors, GGUFTensors)
             for name in tensors.keys():  # noqa: SIM118 (safe_open is not a dict)
                 target = map_weight_name(name, config, shape)
                 progress.update(1)
@@ -118,10 +126,12 @@ def read_weights(
                 if param_name in formats:
                     read = parts.setdefault(param_name, {})
                     read[row_start] = _read_part(tensors, name, formats[param_name])
-                    if len(read) == _parts_of(param_name):  # packed now: parts live briefly
+                    if len(read) == parts_of(param_name, config):  # packed: parts live briefly
                         packed[param_name] = _pack(param_name, read, config)
                 else:
                     tensor = read_shard(tensors, name, config, shape)
+                    if offset_norms and param_name.endswith("norm.weight"):
+                        tensor = tensor + 1.0  # Gemma's (1 + w), as llama.cpp's converter stores
                     _copy_into(params[param_name], row_start, tensor, name)
                 filled.add(f"{param_name}@{row_start}")
     missing = sorted(set(expected_weight_keys(params, config, shape)) - filled)
@@ -181,12 +191,6 @@ def _read_part(tensors: Any, name: str, weight_format: WeightFormat) -> Quantize
         return tensors.raw_rows(name)
     weight = tensors.get_tensor(name).to(torch.float32).numpy()
     return quantize(weight, weight_format.scheme)
-
-
-def _parts_of(param_name: str) -> int:
-    """How many checkpoint tensors fill a parameter (q|k|v, gate|up:
-    engine/model/loading/weight_names)."""
-    return 3 if ".qkv_proj." in param_name else 2 if ".gate_up_proj." in param_name else 1
 
 
 def _pack(param_name: str, parts: dict[int, QuantizedPart], config: ModelConfig) -> PackedWeight:

@@ -1,13 +1,23 @@
-"""Checkpoint tensor names onto the decoder's parameters: q/k/v into the fused qkv_proj, gate/up
-into gate_up_proj, at this rank's row offsets (torch-free: the root uses it to plan the memory of
-quantized weights)."""
+"""Checkpoint tensor names onto a family's parameters: q/k/v into the fused qkv_proj, gate/up
+into gate_up_proj (Phi-3 stores both fused already), each expert's gate/up/down into the stacked
+expert parameters, at this rank's row offsets (torch-free: the root uses it to plan the memory
+of quantized weights)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 from engine.model.config import ModelConfig
 from engine.model.parallel.layout import RankShape, rank_shape
+
+# An expert's matrix: Qwen3-MoE's and OLMoE's mlp.experts.E.{gate,up,down}_proj, Mixtral's
+# block_sparse_moe.experts.E.{w1,w3,w2}.
+_EXPERT = re.compile(
+    r"^(layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+    r"(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$"
+)
+_EXPERT_PART = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1, "down_proj": 2, "w2": 2}
 
 
 def map_weight_name(
@@ -21,6 +31,10 @@ def map_weight_name(
         return None
     if name == "lm_head.weight" and config.tie_word_embeddings:
         return None
+    expert = _EXPERT.match(name)
+    if expert is not None:
+        return _expert_rows(config, expert.group(1), int(expert.group(2)), expert.group(3))
+    name = name.replace(".block_sparse_moe.gate.", ".mlp.gate.")  # Mixtral's router
     shape = shape or rank_shape(config, 0, 1)
     q_rows = shape.num_heads * config.head_dim
     kv_rows = shape.num_kv_heads * config.head_dim
@@ -37,6 +51,22 @@ def map_weight_name(
     return name, 0
 
 
+def _expert_rows(config: ModelConfig, layer: str, expert: int, part: str) -> tuple[str, int]:
+    size, hidden = config.expert_intermediate_size, config.hidden_size
+    kind = _EXPERT_PART[part]
+    if kind == 2:
+        return f"{layer}.mlp.experts.down", expert * hidden
+    return f"{layer}.mlp.experts.gate_up", expert * 2 * size + kind * size
+
+
+def parts_of(param: str, config: ModelConfig) -> int:
+    """How many checkpoint tensors fill a parameter (the loader packs a quantized one when it
+    has them all)."""
+    if config.fused_checkpoint:
+        return 1
+    return 3 if ".qkv_proj." in param else 2 if ".gate_up_proj." in param else 1
+
+
 def expected_weight_keys(
     params: Iterable[str], config: ModelConfig, shape: RankShape | None = None
 ) -> list[str]:
@@ -44,9 +74,16 @@ def expected_weight_keys(
     shape = shape or rank_shape(config, 0, 1)
     q_rows = shape.num_heads * config.head_dim
     kv_rows = shape.num_kv_heads * config.head_dim
+    experts, size = range(config.num_experts), config.expert_intermediate_size
     keys = []
     for name in params:
-        if ".qkv_proj." in name:
+        if name.endswith(".experts.gate_up"):
+            keys += [f"{name}@{e * 2 * size + k * size}" for e in experts for k in (0, 1)]
+        elif name.endswith(".experts.down"):
+            keys += [f"{name}@{e * config.hidden_size}" for e in experts]
+        elif config.fused_checkpoint:
+            keys.append(f"{name}@0")
+        elif ".qkv_proj." in name:
             keys += [f"{name}@0", f"{name}@{q_rows}", f"{name}@{q_rows + kv_rows}"]
         elif ".gate_up_proj." in name:
             keys += [f"{name}@0", f"{name}@{shape.intermediate_size}"]
@@ -56,21 +93,23 @@ def expected_weight_keys(
 
 
 def matrix_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
-    """(rows, columns) of every matmul and embedding parameter of a whole (one-rank) model; the
+    """(rows, columns) of every matmul and embedding parameter of a whole (one-rank) model that
+    may be served quantized (the experts and routers of a MoE model are not yet); the
     vocabulary projection reads `embed_tokens.weight` when the embeddings are tied."""
     hidden, inter = config.hidden_size, config.intermediate_size
     q_out, kv_out = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    per_layer = {
+    attention = {
         "self_attn.qkv_proj.weight": (q_out + 2 * kv_out, hidden),
         "self_attn.o_proj.weight": (hidden, q_out),
+    }
+    mlp = {
         "mlp.gate_up_proj.weight": (2 * inter, hidden),
         "mlp.down_proj.weight": (hidden, inter),
     }
-    shapes = {
-        f"layers.{layer}.{part}": shape
-        for layer in range(config.num_layers)
-        for part, shape in per_layer.items()
-    }
+    shapes = {}
+    for layer in range(config.num_layers):
+        parts = attention if config.is_moe_layer(layer) else {**attention, **mlp}
+        shapes.update({f"layers.{layer}.{part}": shape for part, shape in parts.items()})
     shapes["embed_tokens.weight"] = (config.vocab_size, hidden)
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, hidden)

@@ -151,20 +151,25 @@ def weight_bytes(config: ModelConfig, dtype: str, tensor_parallel_size: int = 1)
     """Bytes of one rank's weights (each rank holds about 1/tp of every sharded matrix)."""
     hidden, heads, kv_heads = config.hidden_size, config.num_heads, config.num_kv_heads
     q_out, kv_out = heads * config.head_dim, kv_heads * config.head_dim
-    per_layer = (
-        hidden * (q_out + 2 * kv_out) + q_out * hidden + 3 * hidden * config.intermediate_size
-    )
-    per_layer += 2 * hidden  # the two norms
+    attention = hidden * (q_out + 2 * kv_out) + q_out * hidden
+    norms = (4 if config.sandwich_norms else 2) * hidden
     if config.qk_norm:
-        per_layer += 2 * config.head_dim
+        norms += 2 * config.head_dim
+    if config.qk_norm_whole:
+        norms += q_out + kv_out
     if config.qkv_bias:
-        per_layer += q_out + 2 * kv_out
+        attention += q_out + 2 * kv_out
     if config.o_bias:
-        per_layer += hidden
+        attention += hidden
+    dense = 3 * hidden * config.intermediate_size
     if config.mlp_bias:
-        per_layer += 2 * config.intermediate_size + hidden
-    embeddings = config.vocab_size * hidden * (1 if config.tie_word_embeddings else 2)
-    params = config.num_layers * per_layer + embeddings + hidden
+        dense += 2 * config.intermediate_size + hidden
+    experts = config.num_experts * hidden * (3 * config.expert_intermediate_size + 1)
+    params = sum(
+        attention + norms + (experts if config.is_moe_layer(layer) else dense)
+        for layer in range(config.num_layers)
+    )
+    params += config.vocab_size * hidden * (1 if config.tie_word_embeddings else 2) + hidden
     return params * dtype_bytes(dtype) // tensor_parallel_size
 
 

@@ -40,8 +40,17 @@ _MIN_TEMPERATURE = 1e-5  # below this, sampling is greedy (as vLLM)
 
 
 class _SeqState:
-    __slots__ = ("_prompt_mask", "banned_early", "controls", "has_penalties", "is_greedy",
-                 "output", "params", "prompt", "seed")  # fmt: skip
+    __slots__ = (
+        "_prompt_mask",
+        "banned_early",
+        "controls",
+        "has_penalties",
+        "is_greedy",
+        "output",
+        "params",
+        "prompt",
+        "seed",
+    )
 
     def __init__(
         self,
