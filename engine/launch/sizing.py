@@ -24,6 +24,7 @@ from engine.model.placement.policy import (
     ThreadPolicy,
     available_cores,
     device_type,
+    oversubscription,
     resident_weight_bytes,
     resolve_device,
     thread_policy,
@@ -84,12 +85,17 @@ def threads_per_rank(settings: Settings, device: str, placement: Placement) -> T
     """torch threads of each worker rank, per step; None on a GPU (torch's own default)."""
     if device_type(device) != "cpu":
         return None
-    return thread_policy(
+    cores = available_cores()
+    policy = thread_policy(
         settings.runtime.worker_threads,
-        available_cores(),
+        cores,
         placement.local_ranks,
         batch_invariant=settings.model.deterministic,
     )
+    crowded = oversubscription(placement.local_ranks, policy.busy, cores)
+    if crowded is not None:
+        log.warning("%s", crowded)
+    return policy
 
 
 class ThreadFields(TypedDict):

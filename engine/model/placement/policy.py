@@ -127,6 +127,20 @@ def thread_policy(
     return ThreadPolicy(light=1 if batch_invariant else share, busy=share)
 
 
+def oversubscription(local_ranks: int, threads: int, cores: int) -> str | None:
+    """A warning when this host's worker ranks run more threads than it has cores, else None.
+    Each step of a TP group waits for its slowest rank, and ranks that share a core take turns:
+    decoding slows to a fraction of one rank's speed (the README's Parallelism section)."""
+    if local_ranks * threads <= cores:
+        return None
+    return (
+        f"{local_ranks} worker ranks x {threads} threads = {local_ranks * threads} threads on "
+        f"{cores} cores: ranks that share a core wait for each other at every step, and decoding "
+        f"runs at a fraction of one rank's speed; use at most {cores} ranks x threads here "
+        "(--tp, --dp, --runtime.worker_threads)"
+    )
+
+
 def worker_threads(
     requested: int, cores: int, local_ranks: int, batch_invariant: bool = False
 ) -> int:
