@@ -65,10 +65,9 @@ def prepare_checkpoint(gguf_path: Path, home: Path, tokenizer_dir: Path | None =
 
 
 def _derive(gguf_path: Path, target: Path, tokenizer_dir: Path | None) -> None:
-    log.info("reading %s's config and tokenizer (once) into %s", gguf_path.name, target)
-
     def derive(staging: Path) -> None:
-        with read_gguf(gguf_path) as gguf:
+        with read_gguf(gguf_path) as gguf:  # a file it cannot read fails in one line, unlogged
+            log.info("writing %s's config and tokenizer (once) into %s", gguf_path.name, target)
             write_hf_files(gguf, staging, tokenizer_dir)
 
     build_directory(target, derive, "config.json")

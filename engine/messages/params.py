@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 import msgspec
@@ -244,3 +245,47 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 def _check(ok: bool, field: str, value: object, expected: str) -> None:
     if not ok:
         raise ValueError(f"{field} must be {expected}, got {value!r}")
+
+
+# generation_config.json key → SamplingParams field (vLLM's list, and llama.cpp's window)
+GENERATION_CONFIG_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "repeat_last_n": "repeat_last_n",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def generation_defaults(config: Mapping[str, Any]) -> dict[str, Any]:
+    """SamplingParams field → value for what a generation config sets; ValueError naming the
+    field and its allowed range for a value a request could not have."""
+    defaults = {
+        field: config[key]
+        for key, field in GENERATION_CONFIG_KEYS.items()
+        if config.get(key) is not None
+    }
+    try:
+        msgspec.convert(defaults, SamplingParams).validate()
+    except msgspec.ValidationError as exc:
+        raise ValueError(str(exc)) from None
+    return defaults
+
+
+def override_generation_config(text: str) -> dict[str, Any]:
+    """vLLM's --override-generation-config: a JSON object of generation_config keys, as
+    SamplingParams fields; '' is none. ValueError saying what is wrong."""
+    if not text.strip():
+        return {}
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"must be a JSON object: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"must be a JSON object, got {text!r}")
+    unknown = sorted(set(data) - set(GENERATION_CONFIG_KEYS))
+    if unknown:
+        raise ValueError(f"has unknown key(s) {unknown}; known: {list(GENERATION_CONFIG_KEYS)}")
+    return generation_defaults(data)

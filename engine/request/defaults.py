@@ -20,20 +20,15 @@ from typing import Any
 
 import msgspec
 
-from engine.messages.params import SamplingParams
+from engine.messages.params import (
+    GENERATION_CONFIG_KEYS,
+    SamplingParams,
+    generation_defaults,
+    override_generation_config,
+)
 
-# generation_config.json key → SamplingParams field (vLLM's list, and repeat_last_n)
-_FIELDS = {
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty",
-    "repeat_last_n": "repeat_last_n",
-    "max_new_tokens": "max_tokens",
-}
 # The SamplingParams fields a model's defaults may set.
-DEFAULTABLE_FIELDS = frozenset(_FIELDS.values())
+DEFAULTABLE_FIELDS = frozenset(GENERATION_CONFIG_KEYS.values())
 # A model "has its own sampling defaults" when its file sets any of these.
 _SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
@@ -80,7 +75,10 @@ def load_sampling_defaults(
     `model.override_generation_config` merged over them; ValueError naming the setting.
     `model_file`: the model's generation config when it is not a file under `model_path` (a
     GGUF file's metadata)."""
-    overrides = _fields_of(_parse_override(override), "model.override_generation_config")
+    try:
+        overrides = override_generation_config(override)
+    except ValueError as e:
+        raise ValueError(f"model.override_generation_config {e}") from None
     if mode == "vllm":
         return _merged({}, "model.generation_config vllm", overrides)
     if mode == "auto" and model_file is not None:
@@ -91,7 +89,12 @@ def load_sampling_defaults(
         path = folder if folder.is_file() else folder / "generation_config.json"
         found, where = _read(path, required=mode != "auto"), str(path)
     data = found or {}
-    own = _fields_of(data, f"model.generation_config: {where}")
+    try:
+        own = generation_defaults(data)  # checked once here: a request cannot be blamed
+    except ValueError as e:
+        raise ValueError(
+            f"model.generation_config: {where} holds an invalid default: {e}"
+        ) from None
     if any(data.get(key) is not None for key in _SAMPLING_KEYS):
         return _merged(own, f"the model's, {where}", overrides)
     # The model's own max_new_tokens (if any) still holds beside the engine's sampling defaults.
@@ -119,35 +122,6 @@ def _read(path: Path, *, required: bool) -> dict[str, Any] | None:
     if not isinstance(data, dict):
         raise ValueError(f"model.generation_config: {path} does not hold a JSON object")
     return data
-
-
-def _parse_override(text: str) -> dict[str, Any]:
-    """vLLM's --override-generation-config: a JSON object of generation_config keys."""
-    if not text.strip():
-        return {}
-    try:
-        data = json.loads(text)
-    except ValueError as e:
-        raise ValueError(f"model.override_generation_config: not JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"model.override_generation_config: {text!r} is not a JSON object")
-    unknown = sorted(set(data) - set(_FIELDS))
-    if unknown:
-        raise ValueError(
-            f"model.override_generation_config: unknown key(s) {unknown}; known: {list(_FIELDS)}"
-        )
-    return data
-
-
-def _fields_of(data: Mapping[str, Any], where: str) -> dict[str, Any]:
-    """SamplingParams fields of a generation config, checked once here: a request cannot be
-    blamed for its model's defaults."""
-    defaults = {field: data[key] for key, field in _FIELDS.items() if data.get(key) is not None}
-    try:
-        msgspec.convert(defaults, SamplingParams).validate()
-    except (msgspec.ValidationError, ValueError) as e:
-        raise ValueError(f"{where} holds an invalid default: {e}") from None
-    return defaults
 
 
 def with_defaults(

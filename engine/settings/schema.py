@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-from engine.messages.params import PoolingParams
+from engine.messages.params import PoolingParams, override_generation_config
 from engine.settings.kv_transfer_schema import KvTransferSettings, kv_transfer_problems
 from engine.settings.lora_schema import LoraSettings, lora_problems
 from engine.settings.section import BYTES_UNIT
@@ -417,4 +417,8 @@ def cross_field_problems(settings: Settings) -> list[tuple[str, str]]:
         PoolingParams.from_config(model.pooler_config)
     except ValueError as exc:
         problems.append(("model.pooler_config", str(exc)))
+    try:
+        override_generation_config(model.override_generation_config)
+    except ValueError as exc:
+        problems.append(("model.override_generation_config", str(exc)))
     return problems + kv_transfer_problems(settings) + lora_problems(settings)

@@ -102,6 +102,15 @@ def test_a_model_with_its_own_keeps_vllms_rule_and_overrides_merge_over_it(
         load_sampling_defaults(str(tmp_path / "missing"), "/elsewhere")
 
 
+def test_a_bad_override_stops_the_start_in_one_line_before_anything_runs(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["serve", "--model", "demo", "--override-generation-config", '{"top_p": 2}']) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "model.override_generation_config" in err, err
+    assert "top_p must be a number in (0, 1], got 2" in err
+
+
 def test_config_show_states_the_defaults_and_the_output_bound(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

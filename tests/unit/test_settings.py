@@ -102,6 +102,8 @@ def test_every_setting_is_reachable_as_section_dot_field() -> None:
             text = "value-for-test"
             if key == "model.pooler_config":  # checked at load: vLLM's JSON
                 text = '{"pooling_type": "MEAN"}'
+            if key == "model.override_generation_config":  # checked at load: vLLM's JSON
+                text = '{"temperature": 0.5}'
         elif spec.kind == "list":
             text = "a=/adapters/a,b=/adapters/b" if key == "lora.lora_modules" else "a,b"
         elif spec.kind == "int":
