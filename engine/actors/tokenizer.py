@@ -143,11 +143,11 @@ class TokenizerActor(Actor):
 
     def _inline_builder(self, message: GenerateRequest) -> PromptBuilder | None:
         """The builder to tokenize `message` with on the loop; None: on the thread."""
-        if message.prompt_token_ids is not None:
+        if message.request.prompt_token_ids is not None:
             return self._ids_builder
         if _prompt_chars(message) > INLINE_CHARS:
             return None
-        if self.builder is None and message.messages is None:
+        if self.builder is None and message.request.messages is None:
             return self._text_builder  # None too while there is none: after the load
         return self.builder
 
@@ -167,7 +167,7 @@ class TokenizerActor(Actor):
         if len(frame) > self._max_frame_bytes:
             error = too_large_for_one_frame(len(frame), self._max_frame_bytes)
             return SUBMIT_RING.encode(_failed(message, 400, error)), None
-        if message.prompt_token_ids is not None:
+        if message.request.prompt_token_ids is not None:
             return frame, None  # the gateway has them
         prompt = PromptTokens(message.request_id, message.epoch, token_ids)
         return frame, PROMPTS_RING.encode(prompt)
@@ -192,7 +192,8 @@ class TokenizerActor(Actor):
             await self._pass_on([done])
 
 
-def _prompt_chars(request: GenerateRequest) -> int:
+def _prompt_chars(submitted: GenerateRequest) -> int:
+    request = submitted.request
     if request.prompt_token_ids is not None:
         return 0
     if request.messages is not None:
@@ -200,14 +201,15 @@ def _prompt_chars(request: GenerateRequest) -> int:
     return len(request.prompt or "")
 
 
-def _submission(request: GenerateRequest, token_ids: list[int]) -> SubmitRequest:
+def _submission(submitted: GenerateRequest, token_ids: list[int]) -> SubmitRequest:
+    request = submitted.request
     return SubmitRequest(
-        request_id=request.request_id,
-        epoch=request.epoch,
+        request_id=submitted.request_id,
+        epoch=submitted.epoch,
         prompt_token_ids=token_ids,
         params=request.params,
-        seed=request.seed,
-        resume=request.resume,
+        seed=submitted.seed,
+        resume=submitted.resume,
         kv_handoff=request.kv_handoff,
         kv_source=request.kv_source,
     )
@@ -242,7 +244,7 @@ def _input_error(exc: Exception) -> bool:
     return any(cls.__module__.startswith("jinja2") for cls in type(exc).__mro__)
 
 
-def _param_of(request: GenerateRequest) -> str:
-    if request.messages is not None:
+def _param_of(submitted: GenerateRequest) -> str:
+    if submitted.request.messages is not None:
         return "messages"
     return "prompt"

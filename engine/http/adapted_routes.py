@@ -1,9 +1,10 @@
 """The routes of the APIs served over the chat path: OpenAI's Responses API (/v1/responses) and
 Anthropic's Messages API (/v1/messages).
 
-A request of either is turned into a chat request (its Adapter), which is parsed and run as
-/v1/chat/completions runs one: the same request policy, limits, metrics, aborts, request ids and
-actor restarts. The chat answer is then reshaped into the API's own object or events.
+A request of either is turned into a chat run by its Adapter (an EngineRequest built straight
+from the API's body), which runs as /v1/chat/completions runs one: the same request policy,
+limits, metrics, aborts, request ids and actor restarts. The chat answer, read from the engine's
+outputs, is then reshaped into the API's own object or events.
 """
 
 from __future__ import annotations
@@ -19,16 +20,11 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from engine.http.anthropic.adapter import MessagesAdapter, messages_error_body
-from engine.http.openai.chat_relay import (
-    ChatResult,
-    ChatStep,
-    chat_steps,
-    read_chat_response,
-)
+from engine.http.openai.chat_relay import ChatResult, ChatStep, ChatSteps, chat_result
 from engine.http.openai.errors import INTERNAL_ERROR_MESSAGE, ApiError, outcome_of
 from engine.http.openai.operations import take_client_request_id
-from engine.http.openai.parsing import PreparedRequest, parse_chat
-from engine.http.openai.recording import RequestRecording
+from engine.http.openai.parsing import OpenAIRequest
+from engine.http.openai.recording import RequestRecording, chat_body
 from engine.http.openai.responses.adapter import ResponsesAdapter
 from engine.http.openai.responses.store import ResponseStore
 from engine.http.openai.runs import RequestRun
@@ -43,12 +39,11 @@ JSON = "application/json"
 
 
 class Adapter(Protocol):
-    """One request of another API, as a chat request, and how its answer is shaped back."""
+    """One request of another API, as a chat run, and how its answer is shaped back."""
 
     id_prefix: str  # of the API's object id: resp_, msg_
-    chat_body: bytes
+    api: OpenAIRequest  # the chat run it is
     stream: bool
-    field_names: dict[str, str]  # SamplingParams field → this API's name, for refusals
 
     def final_body(self, api_id: str, result: ChatResult) -> bytes: ...
 
@@ -67,10 +62,11 @@ def adapted_api_routes(state: ServerState, steps: HttpSteps) -> list[Route]:
         return await serve_adapted(request, state, steps, "responses", adapt)
 
     async def messages(request: Request) -> Response:
+        def adapt(body: bytes) -> Adapter:
+            return MessagesAdapter(body, state.served_names)
+
         try:
-            return await serve_adapted(
-                request, state, steps, "messages", MessagesAdapter, x_api_key=True
-            )
+            return await serve_adapted(request, state, steps, "messages", adapt, x_api_key=True)
         except ApiError as e:
             return Response(
                 messages_error_body(e.status, e.message),
@@ -107,16 +103,16 @@ async def serve_adapted(
             raise ApiError(503, "the server is shutting down", headers={"Retry-After": "5"})
         _authorize(request, state, steps, x_api_key)
         body = await steps.read_body(request, state.settings.server.max_request_bytes)
-        adapter = adapt(body)
-        prepared = _parse_chat(adapter, state.served_names, request.url.path)
-        take_client_request_id(prepared, request.headers.get("x-request-id"), state.runs)
+        adapter = _adapt(adapt, body, request.url.path)
+        take_client_request_id(adapter.api, request.headers.get("x-request-id"), state.runs)
     except ApiError as e:
         state.metrics.count_request(endpoint, outcome_of(e.status))
         raise
-    api_id = adapter.id_prefix + prepared.request_id.partition("-")[2]
-    run = RequestRun(state, prepared, endpoint, body)
+    api_id = adapter.id_prefix + adapter.api.request_id.partition("-")[2]
+    run = RequestRun(state, adapter.api, endpoint, body)
     if run.recording is not None:  # the trace holds the chat request it ran as: replayable
-        run.recording = RequestRecording("chat_completions", adapter.chat_body, run.arrival_wall)
+        chat = chat_body(adapter.api.requests[0], adapter.stream)
+        run.recording = RequestRecording("chat_completions", chat, run.arrival_wall)
     run.trace_headers = trace_headers(request.headers)
     headers = {"X-Request-Id": run.key}
     if adapter.stream:
@@ -126,16 +122,22 @@ async def serve_adapted(
             run.finish()
             return Response(status_code=499)
         input_tokens = sum(len(first.prompt_token_ids) for _, first in firsts)
-        events = _events(adapter, api_id, input_tokens, run.sse(firsts))
+        steps_run = run.relay(firsts, ChatSteps(run.builder))
+        events = _events(adapter, api_id, input_tokens, steps_run)
         headers["Cache-Control"] = "no-cache"
         return ReleasingStream(events, run.release, media_type="text/event-stream", headers=headers)
-    result = await steps.until_disconnect(request, run.collect())
-    if result is None:  # the client left; its engine requests were aborted
+    ran = await steps.until_disconnect(request, _run_to_end(run))
+    if ran is None:  # the client left; its engine requests were aborted
         run.abort_unfinished()
         run.finish()
         return Response(status_code=499)
-    answer = adapter.final_body(api_id, read_chat_response(result))
+    answer = adapter.final_body(api_id, chat_result(run.builder))
     return Response(answer, media_type=JSON, headers=headers)
+
+
+async def _run_to_end(run: RequestRun) -> bool:
+    await run.run_to_end()
+    return True
 
 
 def _authorize(request: Request, state: ServerState, steps: HttpSteps, x_api_key: bool) -> None:
@@ -149,26 +151,24 @@ def _authorize(request: Request, state: ServerState, steps: HttpSteps, x_api_key
     steps.check_auth(request, state)
 
 
-def _parse_chat(adapter: Adapter, served_names: tuple[str, ...], path: str) -> PreparedRequest:
-    """The adapter's chat request, parsed as /v1/chat/completions parses one; a failure the
-    adapter did not foresee is still the body's fault (a 400), logged with its traceback."""
+def _adapt(adapt: Callable[[bytes], Adapter], body: bytes, path: str) -> Adapter:
+    """The body's chat run; a failure the adapter did not foresee is still the body's fault (a
+    400), logged with its traceback."""
     try:
-        prepared = parse_chat(adapter.chat_body, served_names)
+        return adapt(body)
     except ApiError:
         raise
     except Exception:
         log.exception("unforeseen failure parsing a %s request body", path)
         raise ApiError(400, f"the request body is not a valid {path} request") from None
-    prepared.field_names |= adapter.field_names
-    return prepared
 
 
 async def _events(
-    adapter: Adapter, api_id: str, input_tokens: int, sse: AsyncGenerator[bytes, None]
+    adapter: Adapter, api_id: str, input_tokens: int, steps: AsyncGenerator[ChatStep, None]
 ) -> AsyncGenerator[bytes, None]:
     async with (
-        contextlib.aclosing(sse),
-        contextlib.aclosing(adapter.events(api_id, input_tokens, chat_steps(sse))) as events,
+        contextlib.aclosing(steps),
+        contextlib.aclosing(adapter.events(api_id, input_tokens, steps)) as events,
     ):
         async for event in events:
             yield event

@@ -33,7 +33,7 @@ from engine.http.openai.operations import (
     cors_middleware,
     take_client_request_id,
 )
-from engine.http.openai.parsing import PreparedRequest, parse_chat, parse_completion
+from engine.http.openai.parsing import OpenAIRequest, parse_chat, parse_completion
 from engine.http.openai.protocol import ModelCard, ModelList, encode
 from engine.http.openai.runs import RequestRun
 from engine.http.state import ServerState
@@ -50,7 +50,7 @@ _ABORT = msgspec.json.Decoder(AbortRequest)
 # Past this many bytes an oversized body is no longer read to the end before answering 413.
 _DISCARD_LIMIT = 256 * 1024 * 1024
 
-Parser = Callable[[bytes, tuple[str, ...]], PreparedRequest]
+Parser = Callable[[bytes, tuple[str, ...]], OpenAIRequest]
 T = TypeVar("T")
 
 
@@ -208,7 +208,7 @@ async def _generate(request: Request, state: ServerState, parse: Parser, endpoin
     return Response(result, media_type=JSON, headers={"X-Request-Id": run.key})
 
 
-def _parse(parse: Parser, body: bytes, model_name: tuple[str, ...], path: str) -> PreparedRequest:
+def _parse(parse: Parser, body: bytes, model_name: tuple[str, ...], path: str) -> OpenAIRequest:
     """Parse a body; a failure the parser did not foresee is still the body's fault (a 400),
     logged with its traceback so that the gap in the parser can be closed."""
     try:

@@ -1,18 +1,22 @@
-"""What the gateway keeps of each unfinished request: the truth a resubmission is built from."""
+"""What the registry keeps of each unfinished request: the truth a resubmission is built from.
+
+The request itself is the EngineRequest its front end built (the policy applied, an id given):
+kept as it is, and sent as it is in each submission, never copied field by field."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from engine.inflight.output_stream import OutputStream
 from engine.messages.admin import RequestRow
-from engine.messages.kv_transfer import KvHandoff, KvSource
+from engine.messages.kv_transfer import KvSource
 from engine.messages.outputs import SampleDeltaText, SampleLogprobs
 from engine.messages.params import SamplingParams
-from engine.messages.requests import ChatMessage, ChatOptions, GenerateRequest
+from engine.messages.requests import EngineRequest, GenerateRequest
 from engine.messages.scheduling import FirstScheduled, SampleResume
 from engine.request.outputs import CompletionOutput, RequestOutput
 
@@ -34,12 +38,8 @@ class SampleRecord:
 
 @dataclass
 class RequestRecord:
-    request_id: str
-    params: SamplingParams
+    request: EngineRequest  # its request_id set; prompt_token_ids learnt from the tokenizer
     seed: int
-    prompt: str | None
-    prompt_token_ids: list[int] | None
-    messages: list[ChatMessage] | None
     samples: list[SampleRecord]
     stream: OutputStream
     epoch: int = 0
@@ -52,27 +52,34 @@ class RequestRecord:
     held: bool = False  # held back at the gateway while a suspect is on probation
     strikes: int = 0  # crashes it was in flight at since it last made progress
     suspect_epoch: int | None = None  # its epoch when it last became a suspect; None: cleared
-    chat: ChatOptions | None = None  # how to render `messages`
     first: FirstScheduled | None = None  # the scheduler's first report (cache hits, times)
     # When asked for, once computed: None for the first prompt token (as vLLM), then each one's.
     prompt_logprobs: list[SampleLogprobs | None] | None = None
-    # P/D across instances: "hold" (a prefill instance keeps the prompt's KV for a decode
-    # instance) and the source a decode instance pulls from at first submission; the
-    # kv_transfer_params a prefill instance answers with once it holds the KV.
-    kv_handoff: KvHandoff = ""
-    kv_source: KvSource | None = None
+    # P/D across instances: the kv_transfer_params a prefill instance answers with once it
+    # holds the prompt's KV for a decode instance.
     kv_transfer_params: dict[str, Any] | None = None
-    # For its trace span (engine/telemetry/): the W3C trace context it came with, when it was
-    # resubmitted after restarts (monotonic), and why it failed if it did.
-    trace_headers: Mapping[str, str] | None = None
+    # For its trace span (engine/telemetry/): when it was resubmitted after restarts
+    # (monotonic), and why it failed if it did.
     resubmitted_at: list[float] = field(default_factory=list)
     failure: str | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id or ""
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def prompt_token_ids(self) -> list[int] | None:
+        return self.request.prompt_token_ids
 
     def output(self, outputs: list[CompletionOutput], finished: bool) -> RequestOutput:
         """What its stream gets next: `outputs`, with what is known of the whole request."""
         return RequestOutput(
             request_id=self.request_id,
-            prompt=self.prompt,
+            prompt=self.request.prompt,
             prompt_token_ids=list(self.prompt_token_ids or []),
             outputs=outputs,
             finished=finished,
@@ -117,21 +124,18 @@ class RequestRecord:
     def submission(self, kv_source: KvSource | None = None) -> GenerateRequest:
         """The request as (re)submitted under its current epoch; `kv_source`: where its prompt's
         KV lies (P/D handoff)."""
+        request = self.request
+        if self.epoch > 0:
+            # Once tokenized, a resubmission skips re-tokenizing (and cannot tokenize
+            # differently); a client's KV source only at first: after a failure, the KV is
+            # computed here.
+            changes: dict[str, Any] = {"kv_source": kv_source}
+            if request.prompt_token_ids is not None:
+                changes |= {"messages": None, "chat": None}
+            request = msgspec.structs.replace(request, **changes)
+        elif kv_source is not None:
+            request = msgspec.structs.replace(request, kv_source=kv_source)
         resume = None
         if self.epoch > 0:
             resume = [sample.resume() for sample in self.samples if not sample.finished]
-        return GenerateRequest(
-            request_id=self.request_id,
-            epoch=self.epoch,
-            params=self.params,
-            seed=self.seed,
-            prompt=self.prompt,
-            # Once tokenized, a resubmission skips re-tokenizing (and cannot tokenize differently).
-            prompt_token_ids=self.prompt_token_ids,
-            messages=self.messages if self.prompt_token_ids is None else None,
-            resume=resume,
-            chat=self.chat if self.prompt_token_ids is None else None,
-            kv_handoff=self.kv_handoff,
-            # A client's source only at first: after a failure, the KV is computed here.
-            kv_source=kv_source or (self.kv_source if self.epoch == 0 else None),
-        )
+        return GenerateRequest(request, self.epoch, self.seed, resume)

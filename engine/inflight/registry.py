@@ -20,7 +20,7 @@ import random
 import secrets
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable
 
 import msgspec
 
@@ -28,10 +28,9 @@ from engine.inflight.deltas import join_deltas
 from engine.inflight.output_stream import OutputStream
 from engine.inflight.records import RequestRecord, SampleRecord
 from engine.messages.admin import RequestRow
-from engine.messages.kv_transfer import KvHandoff, KvSource
+from engine.messages.kv_transfer import KvSource
 from engine.messages.outputs import OutputBatch, SampleDeltaText
-from engine.messages.params import SamplingParams
-from engine.messages.requests import ChatMessage, ChatOptions, GenerateRequest, PromptTokens
+from engine.messages.requests import EngineRequest, GenerateRequest, PromptTokens
 from engine.messages.scheduling import AbortRequests
 from engine.request.outputs import CompletionOutput, EngineError
 
@@ -87,44 +86,27 @@ class Gateway:
         """A suspect is being retried alone: every other request is held back."""
         return self._probationer is not None or bool(self._suspects)
 
-    def register(
-        self,
-        params: SamplingParams,
-        *,
-        prompt: str | None = None,
-        prompt_token_ids: list[int] | None = None,
-        messages: list[ChatMessage] | None = None,
-        chat: ChatOptions | None = None,
-        request_id: str | None = None,
-        kv_handoff: KvHandoff = "",
-        kv_source: KvSource | None = None,
-        trace_headers: Mapping[str, str] | None = None,
-    ) -> tuple[RequestRecord, GenerateRequest | None]:
-        """Register a new request; its record and the submission to send (None: held back
-        while a suspect is on probation; it is sent when probation ends). `trace_headers`: the
-        W3C trace context its span continues."""
-        if request_id is None:
-            request_id = f"req-{self._id_prefix}-{next(self._ids)}"
-        elif request_id in self._records:
-            raise EngineError(f"request id {request_id!r} is already in flight", 400, "request_id")
+    def register(self, request: EngineRequest) -> tuple[RequestRecord, GenerateRequest | None]:
+        """Register a new request (its policy applied); its record and the submission to send
+        (None: held back while a suspect is on probation; it is sent when probation ends). A
+        request without an id gets one here."""
+        if request.request_id is None:
+            request.request_id = f"req-{self._id_prefix}-{next(self._ids)}"
+        elif request.request_id in self._records:
+            raise EngineError(
+                f"request id {request.request_id!r} is already in flight", 400, "request_id"
+            )
+        params = request.params
         # A seed is always chosen here so that a resubmitted request samples exactly as before.
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         record = RequestRecord(
-            request_id=request_id,
-            params=params,
+            request=request,
             seed=seed,
-            prompt=prompt,
-            prompt_token_ids=prompt_token_ids,
-            messages=messages,
             samples=[SampleRecord(i) for i in range(params.n)],
             stream=OutputStream(self.stream_buffer),
             held=self.on_probation,
-            chat=chat,
-            kv_handoff=kv_handoff,
-            kv_source=kv_source,
-            trace_headers=dict(trace_headers) if trace_headers else None,
         )
-        self._records[request_id] = record
+        self._records[request.request_id] = record
         return record, None if record.held else record.submission()
 
     def abort(self, request_id: str, reason: str = "abort") -> AbortRequests | None:
@@ -182,7 +164,7 @@ class Gateway:
         record = self._current(prompt.request_id, prompt.epoch)
         if record is None or record.prompt_token_ids is not None:
             return
-        record.prompt_token_ids = prompt.prompt_token_ids
+        record.request.prompt_token_ids = prompt.prompt_token_ids
         early, record.early = record.early, []
         if early:
             self._apply(record, early)

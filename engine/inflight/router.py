@@ -41,11 +41,11 @@ def prompt_tokens(request: RequestRecord | RoutingView) -> int:
         if count is None:
             messages = request.chat_messages()
     else:
-        ids, messages = request.prompt_token_ids, request.messages
+        ids, messages = request.prompt_token_ids, request.request.messages
         count = None if ids is None else len(ids)
     if count is not None:
         return count
-    text = request.prompt or ""
+    text = request.request.prompt or ""
     if messages is not None:
         text = "".join(message.content for message in messages)
     return len(text) // CHARS_PER_TOKEN + 1
@@ -64,8 +64,9 @@ def pending_tokens(record: RequestRecord, max_model_len: int) -> int:
 def submitted_tokens(request: RoutingView, max_model_len: int) -> int:
     """Pending tokens of a request as it is submitted (nothing of it computed yet)."""
     prompt = prompt_tokens(request)
-    budget = _output_budget(request.params.max_tokens, prompt, max_model_len)
-    return prompt + budget * request.params.n
+    params = request.request.params
+    budget = _output_budget(params.max_tokens, prompt, max_model_len)
+    return prompt + budget * params.n
 
 
 def _has_output(request: RoutingView) -> bool:
@@ -161,7 +162,8 @@ class LeastPendingRouter:
         replica; when no replica of that role is left, any live one serves it colocated."""
         if not self.disaggregated:
             return self.live
-        role = "decode" if request.kv_source is not None or _has_output(request) else "prefill"
+        has_source = request.request.kv_source is not None
+        role = "decode" if has_source or _has_output(request) else "prefill"
         return [r for r in self.live if self.roles[r] == role] or self.live
 
     def route(self, frames: Sequence[bytes]) -> dict[int, list[bytes]]:
@@ -191,17 +193,19 @@ class LeastPendingRouter:
         """P/D: a prefill replica hands a request of one sample on after its first token (while a
         decode replica is left to take it); a KV source is only for a decode replica (on a
         prefill replica serving colocated, the held blocks are in its own prefix cache)."""
+        routed = request.request
         hands_on = (
             self.roles[replica] == "prefill"
-            and request.params.n == 1
+            and routed.params.n == 1
             and any(self.roles[r] == "decode" for r in self.live)
         )
         handoff = "continue" if hands_on else ""
-        source = request.kv_source if self.roles[replica] == "decode" else None
-        if handoff == request.kv_handoff and source is request.kv_source:
+        source = routed.kv_source if self.roles[replica] == "decode" else None
+        if handoff == routed.kv_handoff and source is routed.kv_source:
             return frame
-        changed = msgspec.structs.replace(request, kv_handoff=handoff, kv_source=source)
-        return ROUTING.encode(changed)  # the same GenerateRequest, but for these two fields
+        changed = msgspec.structs.replace(routed, kv_handoff=handoff, kv_source=source)
+        # the same GenerateRequest, but for these two fields
+        return ROUTING.encode(msgspec.structs.replace(request, request=changed))
 
     def requests_on(self, replicas: Collection[int]) -> set[str]:
         """Unfinished requests routed to any of `replicas`, and those routed nowhere now (a dead

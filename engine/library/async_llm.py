@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Collection, Mapping
+from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
@@ -30,14 +30,14 @@ from engine.launch.run_files import remove_run_files
 from engine.lora.registry import AdapterRegistry, start_registry, with_adapter
 from engine.messages.admin import ActorRow, EngineStats, Health, RequestRow
 from engine.messages.codec import too_large_for_one_frame
-from engine.messages.params import LoRARequest, SamplingParams
+from engine.messages.params import SamplingParams
 from engine.messages.reports import SchedulerReport
-from engine.messages.requests import GenerateRequest
+from engine.messages.requests import EngineRequest, GenerateRequest
 from engine.messages.ring_catalogue import REQUESTS_RING
 from engine.request.grammar_admission import admit_constraint
 from engine.request.outputs import EngineError, RequestOutput, merge_outputs, snapshot
 from engine.request.policy import RequestPolicy, renamed
-from engine.request.prompts import Prompt
+from engine.request.prompts import Prompt, library_request
 from engine.runtime.events import actor_cpu, actor_rows, ring_traffic
 from engine.runtime.ring import RingClosed
 from engine.runtime.shm_space import require_shm_space
@@ -172,59 +172,39 @@ class AsyncLLM:
     # ---- requests ------------------------------------------------------------------------------
 
     async def stream(
-        self,
-        prompt: Prompt | None = None,
-        params: SamplingParams | None = None,
-        *,
-        messages: list[Mapping[str, Any]] | None = None,
-        chat_template: str | None = None,
-        chat_template_kwargs: Mapping[str, Any] | None = None,
-        add_generation_prompt: bool = True,
-        request_id: str | None = None,
-        kv_transfer_params: Mapping[str, Any] | None = None,
-        trace_headers: Mapping[str, str] | None = None,
-        defaulted_fields: Collection[str] | None = None,
-        field_names: Mapping[str, str] | None = None,
-        lora_request: LoRARequest | None = None,
+        self, prompt: Prompt | None = None, params: SamplingParams | None = None, **options: Any
     ) -> AsyncIterator[RequestOutput]:
         """Incremental outputs: each holds the new text / tokens of the samples that advanced.
 
         `prompt`: text, token ids, {"prompt": text} or {"prompt_token_ids": ids}; or chat
         `messages`, rendered with `chat_template`, else model.chat_template, else the model's
-        own (given `chat_template_kwargs`); without `params`, the model's generation defaults.
-        `kv_transfer_params`: P/D across instances (inflight/kv_params.py); `trace_headers`: the
-        W3C trace context its span continues; `defaulted_fields`, `field_names`: for front ends
-        (RequestPolicy.prepare); `lora_request`: vLLM's LoRARequest (None: the base model)."""
+        own (given `chat_template_kwargs`, `add_generation_prompt`); without `params`, the
+        model's generation defaults. `request_id`; `kv_transfer_params`: P/D across instances
+        (inflight/kv_params.py); `trace_headers`: the W3C trace context its span continues;
+        `lora_request`: vLLM's LoRARequest (None: the base model). See library_request."""
+        async for output in self.submit(library_request(prompt, params, **options)):
+            yield output
+
+    async def submit(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """Run one request, as a front end built it; incremental outputs as for `stream`.
+
+        The request is the engine's from then on: the policy is applied to it in place (the
+        model's defaults, the chat template, every limit: EngineError naming the field), and
+        the registry keeps it as the request's truth until it ends."""
         self._check_running()
-        kv_handoff, kv_source = self._kv_params.directives(kv_transfer_params)
-        accepted = self.policy.prepare(
-            prompt,
-            params,
-            messages=messages,
-            chat_template=chat_template,
-            chat_template_kwargs=chat_template_kwargs,
-            add_generation_prompt=add_generation_prompt,
-            defaulted_fields=defaulted_fields,
-            field_names=field_names,
-            waiting_samples=self._waiting_samples(),
-            one_token=kv_handoff == "hold",  # a prefill instance: the prompt and one token
-        )
-        if accepted.params.structured_outputs is not None:
+        directives = self._kv_params.directives(request.kv_transfer_params)
+        request.kv_handoff, request.kv_source = directives
+        request.kv_transfer_params = None  # read: its directives travel on
+        # a prefill instance runs the prompt and one token
+        one_token = request.kv_handoff == "hold"
+        self.policy.apply(request, waiting_samples=self._waiting_samples(), one_token=one_token)
+        if request.params.structured_outputs is not None:
             try:
-                await admit_constraint(accepted.params.structured_outputs)
+                await admit_constraint(request.params.structured_outputs)
             except EngineError as error:
-                raise renamed(error, field_names or {}) from None
-        record, submission = self.gateway.register(
-            with_adapter(accepted.params, self.adapters, lora_request),
-            prompt=accepted.prompt,
-            prompt_token_ids=accepted.prompt_token_ids,
-            messages=accepted.messages,
-            chat=accepted.chat,
-            request_id=request_id,
-            kv_handoff=kv_handoff,
-            kv_source=kv_source,
-            trace_headers=trace_headers,
-        )
+                raise renamed(error, request.field_names) from None
+        request.params = with_adapter(request.params, self.adapters, None)
+        record, submission = self.gateway.register(request)
         finished = False
         try:
             if submission is not None:  # None: held back while a suspect is on probation
@@ -252,8 +232,12 @@ class AsyncLLM:
         **options: Any,
     ) -> RequestOutput:
         """The whole result of one request (`options` as for `stream`)."""
+        return await self.complete_request(library_request(prompt, params, **options))
+
+    async def complete_request(self, request: EngineRequest) -> RequestOutput:
+        """The whole result of one request, as `submit` runs it."""
         final: RequestOutput | None = None
-        async for delta in self.stream(prompt, params, **options):
+        async for delta in self.submit(request):
             final = merge_outputs(final, delta)
         assert final is not None
         final.outputs.sort(key=lambda output: output.index)

@@ -7,7 +7,7 @@ from engine.library.async_llm import AsyncLLM
 from engine.messages.params import LoRARequest, PoolingParams
 from engine.request.embeddings import embedding_params
 from engine.request.outputs import EmbeddingOutput, EmbeddingRequestOutput, EngineError
-from engine.request.prompts import Prompt
+from engine.request.prompts import Prompt, library_request
 
 
 async def embed(
@@ -19,13 +19,10 @@ async def embed(
 ) -> EmbeddingRequestOutput:
     """`prompt`'s embedding (with the LoRA adapter `lora_request`, if any); EngineError as for
     any request (a 400 names what was wrong)."""
-    final = await engine.complete(
-        prompt,
-        embedding_params(pooling),
-        request_id=request_id,
-        defaulted_fields=(),
-        lora_request=lora_request,
+    request = library_request(
+        prompt, embedding_params(pooling), request_id=request_id, lora_request=lora_request
     )
+    final = await engine.complete_request(request)
     vector = next((output.embedding for output in final.outputs if output.embedding), None)
     if vector is None:
         raise EngineError(f"request {final.request_id} ended without its embedding", 500)

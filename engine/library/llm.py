@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import difflib
 import threading
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 
 import msgspec
@@ -21,9 +21,10 @@ from engine.library.async_llm import AsyncLLM
 from engine.library.embeddings import embed
 from engine.messages.admin import EngineStats
 from engine.messages.params import LoRARequest, SamplingParams
+from engine.messages.requests import EngineRequest
 from engine.request.embeddings import pooling_for
 from engine.request.outputs import EmbeddingRequestOutput, RequestOutput
-from engine.request.prompts import Prompt
+from engine.request.prompts import Prompt, library_request
 from engine.settings import Settings
 from engine.settings.schema import cross_field_problems
 from engine.text.hf_tokenizer import load_tokenizer_without_torch
@@ -132,10 +133,13 @@ class LLM:
         A prompt is text, token ids, {"prompt": text} or {"prompt_token_ids": ids}."""
         batch = _as_prompt_list(prompts)
         loras = _per_prompt(lora_request, len(batch))
-        requests = [
-            {"prompt": p, "lora_request": lora} for p, lora in zip(batch, loras, strict=True)
-        ]
-        return self._run(self._gather(requests, sampling_params, use_tqdm))
+        params = _per_request(sampling_params, len(batch))
+
+        def requests() -> list[EngineRequest]:
+            together = zip(batch, params, loras, strict=True)
+            return [library_request(p, sp, lora_request=lora) for p, sp, lora in together]
+
+        return self._run(self._gather(requests, use_tqdm))
 
     def chat(
         self,
@@ -153,14 +157,23 @@ class LLM:
         the LoRA adapter `lora_request` (None: the base model)."""
         one = bool(messages) and isinstance(messages[0], Mapping)
         batch: Sequence[Conversation] = [messages] if one else messages  # type: ignore[list-item,assignment]
-        options = {
-            "chat_template": chat_template,
-            "chat_template_kwargs": chat_template_kwargs,
-            "add_generation_prompt": add_generation_prompt,
-            "lora_request": lora_request,
-        }
-        requests = [{"messages": list(conversation), **options} for conversation in batch]
-        return self._run(self._gather(requests, sampling_params, use_tqdm))
+        params = _per_request(sampling_params, len(batch))
+
+        def requests() -> list[EngineRequest]:
+            return [
+                library_request(
+                    None,
+                    sp,
+                    messages=list(conversation),
+                    chat_template=chat_template,
+                    chat_template_kwargs=chat_template_kwargs,
+                    add_generation_prompt=add_generation_prompt,
+                    lora_request=lora_request,
+                )
+                for conversation, sp in zip(batch, params, strict=True)
+            ]
+
+        return self._run(self._gather(requests, use_tqdm))
 
     def embed(
         self,
@@ -204,30 +217,19 @@ class LLM:
         self.close()
 
     async def _gather(
-        self,
-        requests: list[dict[str, Any]],
-        params: SamplingParams | Sequence[SamplingParams] | None,
-        use_tqdm: bool,
+        self, requests: Callable[[], list[EngineRequest]], use_tqdm: bool
     ) -> list[RequestOutput]:
-        per_request: list[SamplingParams | None]
-        if params is None or isinstance(params, SamplingParams):
-            per_request = [params] * len(requests)  # None: the engine's defaults
-        else:
-            per_request = list(params)
-            if len(per_request) != len(requests):
-                raise ValueError(
-                    f"got {len(per_request)} sampling params for {len(requests)} prompts; "
-                    "pass one, or one per prompt"
-                )
-        with tqdm(total=len(requests), desc="requests", unit="req", disable=not use_tqdm) as bar:
+        """Run every request at once; `requests` builds them on the engine's loop, so that a
+        refusal of one (EngineError naming the field) is raised as the request's would be."""
+        batch = requests()
+        with tqdm(total=len(batch), desc="requests", unit="req", disable=not use_tqdm) as bar:
 
-            async def run(request: dict[str, Any], params: SamplingParams | None) -> RequestOutput:
-                output = await self.engine.complete(params=params, **request)
+            async def run(request: EngineRequest) -> RequestOutput:
+                output = await self.engine.complete_request(request)
                 bar.update(1)
                 return output
 
-            runs = (run(r, p) for r, p in zip(requests, per_request, strict=True))
-            return list(await asyncio.gather(*runs))
+            return list(await asyncio.gather(*(run(request) for request in batch)))
 
     def stats(self) -> EngineStats:
         """The engine's figures (scheduler, KV cache, restarts), as the admin socket shows."""
@@ -243,6 +245,21 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if prompts and all(isinstance(token, int) for token in prompts):
         return [list(prompts)]  # type: ignore[arg-type]  # one prompt of token ids
     return list(prompts)  # type: ignore[arg-type]
+
+
+def _per_request(
+    params: SamplingParams | Sequence[SamplingParams] | None, count: int
+) -> list[SamplingParams | None]:
+    """One SamplingParams per request (None: the engine's defaults), or ValueError."""
+    if params is None or isinstance(params, SamplingParams):
+        return [params] * count
+    per_request: list[SamplingParams | None] = list(params)
+    if len(per_request) != count:
+        raise ValueError(
+            f"got {len(per_request)} sampling params for {count} prompts; "
+            "pass one, or one per prompt"
+        )
+    return per_request
 
 
 def _per_prompt(

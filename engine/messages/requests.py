@@ -53,44 +53,90 @@ class ChatOptions(msgspec.Struct, array_like=True):
     add_generation_prompt: bool = True
 
 
-class GenerateRequest(msgspec.Struct, tag=True, array_like=True):
-    request_id: str
-    epoch: int
-    params: SamplingParams
-    seed: int  # the effective seed: the gateway picks one when the client gave none
+class EngineRequest(msgspec.Struct, array_like=True, kw_only=True):
+    """One request as its front end builds it, once: the OpenAI, Anthropic and Responses
+    adapters from their bodies, `LLM` and `AsyncLLM` from their arguments. `AsyncLLM.submit`
+    applies the request policy to it in place (engine/request/policy.py: the model's defaults,
+    the chat template, every limit, the KV directives of `kv_transfer_params`), the registry of
+    requests in flight keeps it as the request's truth (engine/inflight/records.py), and every
+    submission to the tokenizer carries it (GenerateRequest).
+
+    The prompt is text, token ids or chat messages (with `chat`: how to render them). The last
+    fields are the front end's, read in the root only: the W3C trace context its span continues,
+    the sampling fields its client left unset (they take the model's defaults; the others are
+    taken as given), and its name of each field whose name differs from SamplingParams', for
+    refusals."""
+
+    request_id: str | None = None  # the client's; None: the registry gives one
+    params: SamplingParams = msgspec.field(default_factory=SamplingParams)
     prompt: str | None = None
-    prompt_token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None  # given, or learnt from the tokenizer
     messages: list[ChatMessage] | None = None
-    resume: list[SampleResume] | None = None  # None: a fresh request, every sample from the start
     chat: ChatOptions | None = None  # with messages; None: the model's template, defaults
     kv_handoff: KvHandoff = ""  # P/D: see SubmitRequest
     kv_source: KvSource | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # P/D across instances, as the client sent
+    trace_headers: dict[str, str] | None = None
+    defaulted_fields: frozenset[str] = frozenset()
+    field_names: dict[str, str] = msgspec.field(default_factory=dict)
+
+
+class GenerateRequest(msgspec.Struct, tag=True, array_like=True):
+    """A request as submitted under an epoch: the request itself, the seed the registry gave
+    it, and, for a resubmission, what each unfinished sample has already delivered."""
+
+    request: EngineRequest
+    epoch: int
+    seed: int  # the effective seed: the registry picks one when the client gave none
+    resume: list[SampleResume] | None = None  # None: a fresh request, every sample from the start
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id or ""
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
 
 
 NIL = msgspec.Raw(b"\xc0")  # msgpack's nil: a field left unset
 
 
-class RoutingView(msgspec.Struct, tag="GenerateRequest", array_like=True):
-    """A GenerateRequest frame as the data-parallel router reads it (engine/inflight/router.py),
-    field for field: what grows with the input (prompt ids, chat, resume points) stays raw
-    msgpack, never built into objects, and the view encodes back to the same frame. The root
-    encodes each request once; the router only peeks at it."""
+class RoutedRequest(msgspec.Struct, array_like=True, kw_only=True):
+    """An EngineRequest as the data-parallel router reads it, field for field: what grows with
+    the input (prompt ids, chat, the front end's fields) stays raw msgpack."""
 
-    request_id: str
-    epoch: int
-    params: SamplingParams
-    seed: int
+    request_id: str | None = None
+    params: SamplingParams = msgspec.field(default_factory=SamplingParams)
     prompt: str | None = None
     prompt_token_ids: msgspec.Raw = NIL
     messages: msgspec.Raw = NIL
-    resume: msgspec.Raw = NIL
     chat: msgspec.Raw = NIL
     kv_handoff: KvHandoff = ""
     kv_source: KvSource | None = None
+    kv_transfer_params: msgspec.Raw = NIL
+    trace_headers: msgspec.Raw = NIL
+    defaulted_fields: msgspec.Raw = msgspec.Raw(b"\x90")  # an empty array
+    field_names: msgspec.Raw = msgspec.Raw(b"\x80")  # an empty map
+
+
+class RoutingView(msgspec.Struct, tag="GenerateRequest", array_like=True):
+    """A GenerateRequest frame as the data-parallel router reads it (engine/inflight/router.py):
+    what grows with the input stays raw msgpack, never built into objects, and the view encodes
+    back to the same frame. The root encodes each request once; the router only peeks at it."""
+
+    request: RoutedRequest
+    epoch: int
+    seed: int
+    resume: msgspec.Raw = NIL
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id or ""
 
     def num_prompt_token_ids(self) -> int | None:
         """The prompt's length in tokens, read off its array's header; None: not tokenized."""
-        header = memoryview(self.prompt_token_ids)
+        header = memoryview(self.request.prompt_token_ids)
         first = header[0]
         if first == 0xC0:
             return None
@@ -102,7 +148,7 @@ class RoutingView(msgspec.Struct, tag="GenerateRequest", array_like=True):
         return int.from_bytes(header[1 : 1 + width], "big")
 
     def chat_messages(self) -> list[ChatMessage] | None:
-        return msgspec.msgpack.decode(self.messages, type=list[ChatMessage] | None)
+        return msgspec.msgpack.decode(self.request.messages, type=list[ChatMessage] | None)
 
     def resumed_samples(self) -> list[SampleResume] | None:
         return msgspec.msgpack.decode(self.resume, type=list[SampleResume] | None)

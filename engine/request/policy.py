@@ -1,25 +1,24 @@
-"""RequestPolicy.prepare: what every front end's request goes through before the gateway sees it.
+"""RequestPolicy.apply: what every front end's request goes through before the registry sees it.
 
-HTTP, `LLM` and `AsyncLLM` all reach the engine through `AsyncLLM.stream`, which calls
-`prepare`: the prompt's form, the model's defaults, every range and every limit are decided here
-once, so the three refuse and default the same way with the same words. A front end that names a
-field otherwise (the chat API's `top_logprobs` for `logprobs`) passes `field_names`, and the
-refusal names its field; one that knows which fields its client left unset (the OpenAI API)
-passes `defaulted_fields`, and only those take the model's defaults.
+HTTP, `LLM` and `AsyncLLM` all reach the engine through `AsyncLLM.submit`, which calls `apply`
+on the front end's EngineRequest: the model's defaults, the chat template, every range and every
+limit are decided here once, so the three refuse and default the same way with the same words.
+A front end that names a field otherwise (the chat API's `top_logprobs` for `logprobs`) sets the
+request's `field_names`, and the refusal names its field; one that knows which fields its client
+left unset (the OpenAI API) sets `defaulted_fields`, and only those take the model's defaults.
 
 Pure: no I/O once loaded, no torch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 import msgspec
 
 from engine.messages.params import PoolingParams, SamplingParams
-from engine.messages.requests import ChatMessage, ChatOptions
+from engine.messages.requests import ChatOptions, EngineRequest
 from engine.request.defaults import (
     DEFAULTABLE_FIELDS,
     SamplingDefaults,
@@ -28,20 +27,8 @@ from engine.request.defaults import (
 )
 from engine.request.limits import check_params, check_prompt_size, check_queue
 from engine.request.outputs import EngineError
-from engine.request.prompts import Prompt, chat_messages, split_prompt
 from engine.settings import Settings
 from engine.settings.schema import LimitsSettings
-
-
-@dataclass(frozen=True)
-class PreparedPrompt:
-    """A request the policy accepted, in the gateway's terms."""
-
-    params: SamplingParams
-    prompt: str | None = None
-    prompt_token_ids: list[int] | None = None
-    messages: list[ChatMessage] | None = None
-    chat: ChatOptions | None = None
 
 
 @dataclass(frozen=True)
@@ -81,70 +68,38 @@ class RequestPolicy:
         """What a request without SamplingParams samples with (vLLM's LLM does the same)."""
         return self.sampling.apply(SamplingParams(), DEFAULTABLE_FIELDS)
 
-    def prepare(
-        self,
-        prompt: Prompt | None,
-        params: SamplingParams | None,
-        *,
-        messages: list[Mapping[str, Any]] | None = None,
-        chat_template: str | None = None,
-        chat_template_kwargs: Mapping[str, Any] | None = None,
-        add_generation_prompt: bool = True,
-        defaulted_fields: Collection[str] | None = None,
-        field_names: Mapping[str, str] | None = None,
-        waiting_samples: int = 0,
-        one_token: bool = False,
-    ) -> PreparedPrompt:
-        """The request with its defaults, or EngineError (400, 429 for a full queue) naming the
-        field as the front end calls it.
-
-        `defaulted_fields`: the SamplingParams fields the client left unset (None: every field
-        when `params` is None, none otherwise). `waiting_samples`: samples queued before their
-        first token. `one_token`: a prefill instance's share of P/D (the prompt and one token)."""
+    def apply(
+        self, request: EngineRequest, *, waiting_samples: int = 0, one_token: bool = False
+    ) -> None:
+        """Give `request` its defaults in place, or raise EngineError (400, 429 for a full
+        queue) naming the field as its front end calls it. `waiting_samples`: samples queued
+        before their first token. `one_token`: a prefill instance's share of P/D (the prompt
+        and one token)."""
         try:
-            return self._prepare(
-                prompt,
-                self._params(params, defaulted_fields, one_token),
-                messages,
-                ChatOptions(
-                    chat_template or self.chat_template,
-                    dict(chat_template_kwargs or {}),
-                    add_generation_prompt,
-                ),
-                waiting_samples,
-            )
+            self._apply(request, waiting_samples, one_token)
         except EngineError as error:
-            raise renamed(error, field_names or {}) from None
+            raise renamed(error, request.field_names) from None
 
-    def _params(
-        self, params: SamplingParams | None, defaulted: Collection[str] | None, one_token: bool
-    ) -> SamplingParams:
-        if params is None:
-            params, defaulted = SamplingParams(), DEFAULTABLE_FIELDS
-        params = self.sampling.apply(params, defaulted or ())
-        return msgspec.structs.replace(params, max_tokens=1) if one_token else params
-
-    def _prepare(
-        self,
-        prompt: Prompt | None,
-        params: SamplingParams,
-        messages: list[Mapping[str, Any]] | None,
-        chat: ChatOptions,
-        waiting_samples: int,
-    ) -> PreparedPrompt:
-        text, token_ids = split_prompt(prompt)
-        chat_in = chat_messages(messages) if messages is not None else None
-        if text is None and token_ids is None and chat_in is None:
+    def _apply(self, request: EngineRequest, waiting_samples: int, one_token: bool) -> None:
+        prompt, token_ids = request.prompt, request.prompt_token_ids
+        if prompt is None and token_ids is None and request.messages is None:
             raise EngineError(
                 "a request needs a prompt, prompt token ids or messages", 400, "prompt"
             )
+        params = self.sampling.apply(request.params, request.defaulted_fields)
+        if one_token:
+            params = msgspec.structs.replace(params, max_tokens=1)
         check_params(params, self.limits, self.max_model_len, self.max_logprobs)
-        contents = (message.content for message in chat_in or ())
-        check_prompt_size(text, token_ids, contents, self.limits, self.max_model_len)
+        contents = (message.content for message in request.messages or ())
+        check_prompt_size(prompt, token_ids, contents, self.limits, self.max_model_len)
         check_queue(waiting_samples, params.n, self.max_queued_samples)
-        return PreparedPrompt(
-            params, text, token_ids, chat_in, chat if chat_in is not None else None
-        )
+        request.params = params
+        if request.messages is None:
+            request.chat = None
+        elif request.chat is None:
+            request.chat = ChatOptions(self.chat_template)
+        elif request.chat.template is None:
+            request.chat.template = self.chat_template
 
 
 def describe_defaults(defaults: SamplingDefaults, limits: LimitsSettings) -> str:

@@ -1,15 +1,56 @@
-"""The prompt forms the library accepts, as vLLM's: text, token ids, `{"prompt": text}`
-(TextPrompt) or `{"prompt_token_ids": [...]}` (TokensPrompt)."""
+"""The library's front end: its arguments → one EngineRequest. The prompt forms it accepts are
+vLLM's: text, token ids, `{"prompt": text}` (TextPrompt) or `{"prompt_token_ids": [...]}`
+(TokensPrompt); chat messages are dicts as vLLM's `LLM.chat` takes them."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
-from engine.messages.requests import ChatMessage
+import msgspec
+
+from engine.messages.params import LoRARequest, SamplingParams
+from engine.messages.requests import ChatMessage, ChatOptions, EngineRequest
+from engine.request.defaults import DEFAULTABLE_FIELDS
 from engine.request.outputs import EngineError
 
 Prompt = str | list[int] | Mapping[str, Any]
+
+
+def library_request(
+    prompt: Prompt | None = None,
+    params: SamplingParams | None = None,
+    *,
+    messages: list[Mapping[str, Any]] | None = None,
+    chat_template: str | None = None,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+    add_generation_prompt: bool = True,
+    request_id: str | None = None,
+    kv_transfer_params: Mapping[str, Any] | None = None,
+    trace_headers: Mapping[str, str] | None = None,
+    lora_request: LoRARequest | None = None,
+) -> EngineRequest:
+    """The request `AsyncLLM.stream`'s arguments describe (see there); EngineError (400) naming
+    what is wrong with the prompt or the messages. Without `params`, every field the model has
+    a default for takes it (vLLM's behaviour); given `params` are taken whole."""
+    text, token_ids = split_prompt(prompt)
+    defaulted = DEFAULTABLE_FIELDS if params is None else frozenset()
+    chat = None
+    if messages is not None:
+        chat = ChatOptions(chat_template, dict(chat_template_kwargs or {}), add_generation_prompt)
+    if lora_request is not None:
+        params = msgspec.structs.replace(params or SamplingParams(), lora_request=lora_request)
+    return EngineRequest(
+        request_id=request_id,
+        params=params or SamplingParams(),
+        prompt=text,
+        prompt_token_ids=token_ids,
+        messages=chat_messages(messages) if messages is not None else None,
+        chat=chat,
+        kv_transfer_params=dict(kv_transfer_params) if kv_transfer_params else None,
+        trace_headers=dict(trace_headers) if trace_headers else None,
+        defaulted_fields=defaulted,
+    )
 
 
 def split_prompt(prompt: Prompt | None) -> tuple[str | None, list[int] | None]:

@@ -80,7 +80,7 @@ class RequestTracer:
     def _emit(self, span: RequestSpan, record: RequestRecord) -> None:
         trace = self._trace
         to_ns = _wall_clock_ns()
-        parent = self._propagator.extract(record.trace_headers or {})
+        parent = self._propagator.extract(record.request.trace_headers or {})
         root = self._tracer.start_span(
             attr.REQUEST_SPAN,
             context=parent,

@@ -37,8 +37,9 @@ class PromptBuilder:
         if not allow_special_tokens_in_chat:
             self._special_re = _special_tokens_pattern(tokenizer)
 
-    def build(self, request: GenerateRequest) -> list[int]:
+    def build(self, submitted: GenerateRequest) -> list[int]:
         """The prompt token ids; raises EngineError / ValueError naming the field."""
+        request = submitted.request
         if request.prompt_token_ids is not None:
             token_ids = request.prompt_token_ids
             self._check_ids(token_ids)
@@ -48,7 +49,7 @@ class PromptBuilder:
             token_ids = self.tokenizer.encode(request.prompt)
         else:
             raise ValueError("a request needs a prompt, prompt token ids or messages")
-        max_tokens = request.params.max_tokens if request.resume is None else None
+        max_tokens = request.params.max_tokens if submitted.resume is None else None
         check_prompt_length(len(token_ids), max_tokens, self.max_model_len)
         check_token_ids_named(request.params, self.vocab_size)
         return list(token_ids)

@@ -13,7 +13,7 @@ from engine.inflight.router import LeastPendingRouter, pending_tokens
 from engine.messages.outputs import OutputBatch, SampleDeltaText, TextStarted
 from engine.messages.params import SamplingParams
 from engine.messages.reports import SchedulerReport
-from engine.messages.requests import GATEWAY_TO_TOKENIZER, GenerateRequest
+from engine.messages.requests import GATEWAY_TO_TOKENIZER, EngineRequest, GenerateRequest
 from engine.messages.scheduling import AbortRequests, SchedulerStats
 
 MAX_MODEL_LEN = 1000
@@ -26,7 +26,9 @@ def gateway() -> Gateway:
 
 def _open(gateway: Gateway, prompt_len: int, max_tokens: int, n: int = 1) -> GenerateRequest:
     params = SamplingParams(max_tokens=max_tokens, n=n)
-    _, submission = gateway.register(params, prompt_token_ids=list(range(3, 3 + prompt_len)))
+    _, submission = gateway.register(
+        EngineRequest(params=params, prompt_token_ids=list(range(3, 3 + prompt_len)))
+    )
     assert submission is not None
     return submission
 
@@ -103,9 +105,13 @@ def test_progress_and_finished_requests_lower_the_load(gateway: Gateway) -> None
 
 
 def test_pending_tokens_count_every_unfinished_sample_and_text_prompts(gateway: Gateway) -> None:
-    record, _ = gateway.register(SamplingParams(max_tokens=7, n=3), prompt_token_ids=[5] * 11)
+    record, _ = gateway.register(
+        EngineRequest(params=SamplingParams(max_tokens=7, n=3), prompt_token_ids=[5] * 11)
+    )
     assert pending_tokens(record, MAX_MODEL_LEN) == 11 + 3 * 7
-    text, _ = gateway.register(SamplingParams(max_tokens=None), prompt="x" * 400)
+    text, _ = gateway.register(
+        EngineRequest(params=SamplingParams(max_tokens=None), prompt="x" * 400)
+    )
     # ~4 characters per token until the tokenizer's count is known; no max_tokens: up to the limit
     assert pending_tokens(text, MAX_MODEL_LEN) == 101 + (MAX_MODEL_LEN - 101)
 

@@ -13,6 +13,7 @@ from engine.http.openai.chat_relay import ChatResult, ChatStep, Failed, Finished
 from engine.http.openai.protocol import ErrorDetail, FunctionCallOut, ToolCallOut
 from engine.http.openai.responses.adapter import ResponsesAdapter
 from engine.http.openai.responses.store import ResponseStore
+from engine.messages.requests import ChatMessage
 
 
 async def replay(steps: list[ChatStep]) -> AsyncIterator[ChatStep]:
@@ -33,7 +34,7 @@ def events_of(adapter: Any, steps: list[ChatStep]) -> list[tuple[str, dict[str, 
 
 def messages_adapter() -> MessagesAdapter:
     body = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
-    return MessagesAdapter(json.dumps(body).encode())
+    return MessagesAdapter(json.dumps(body).encode(), ["m"])
 
 
 def test_a_matched_stop_string_is_anthropics_stop_sequence() -> None:
@@ -85,7 +86,4 @@ def test_a_finished_responses_stream_is_stored_with_its_answer() -> None:
     assert events[-1][0] == "response.completed" and final["status"] == "incomplete"
     assert final["incomplete_details"] == {"reason": "max_output_tokens"}
     # The instructions are not part of the stored conversation, as in OpenAI's API.
-    assert store.get("x_1") == [
-        {"role": "user", "content": "hi"},
-        {"role": "assistant", "content": "yo"},
-    ]
+    assert store.get("x_1") == [ChatMessage("user", "hi"), ChatMessage("assistant", "yo")]

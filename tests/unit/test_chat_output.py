@@ -14,6 +14,7 @@ from engine.http.openai.errors import ApiError
 from engine.http.openai.output_controls import output_controls, refuse_unimplemented
 from engine.http.openai.protocol import ChatCompletionRequest, ChatDelta
 from engine.http.openai.tool_calls import ToolPlan, plan_tools, template_tools
+from engine.messages.params import StructuredOutputsParams
 
 TOOLS = [
     {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}},
@@ -77,22 +78,26 @@ def test_reasoning_without_its_end_is_content() -> None:
     assert sent == {"content": "<thi plain", "reasoning_content": ""}
 
 
+def plan_of(req: ChatCompletionRequest) -> tuple[ToolPlan | None, StructuredOutputsParams | None]:
+    return plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+
+
 def test_tool_choice_plans() -> None:
-    plan, constraint = plan_tools(chat(tools=TOOLS, tool_choice="required"), None)
+    plan, constraint = plan_of(chat(tools=TOOLS, tool_choice="required"))
     assert plan is not None and plan.mode == "required" and constraint is not None
     schema = constraint.json
     assert isinstance(schema, dict)
     names = [item["properties"]["name"]["enum"] for item in schema["items"]["anyOf"]]
     assert names == [["f"], ["g"]]
     named = {"type": "function", "function": {"name": "f"}}
-    plan, constraint = plan_tools(chat(tools=TOOLS, tool_choice=named), None)
+    plan, constraint = plan_of(chat(tools=TOOLS, tool_choice=named))
     assert plan is not None and constraint is not None and constraint.json == {"type": "object"}
-    assert plan_tools(chat(tools=TOOLS, tool_choice="none"), None) == (None, None)
+    assert plan_of(chat(tools=TOOLS, tool_choice="none")) == (None, None)
     # Not called, yet shown to the model, as vLLM does by default.
-    shown = template_tools(chat(tools=TOOLS, tool_choice="none"))
+    shown = template_tools(chat(tools=TOOLS, tool_choice="none").tools)
     assert shown is not None and [t["function"]["name"] for t in shown] == ["f", "g"]
     with pytest.raises(ApiError) as error:
-        plan_tools(chat(tools=TOOLS, tool_choice={"function": {"name": "h"}}), None)
+        plan_of(chat(tools=TOOLS, tool_choice={"function": {"name": "h"}}))
     assert error.value.param == "tool_choice"
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from engine.messages.params import SamplingParams
-from engine.messages.requests import ChatMessage, ChatOptions, GenerateRequest
+from engine.messages.requests import ChatMessage, ChatOptions, EngineRequest, GenerateRequest
 from engine.request.outputs import EngineError
 from engine.text.hf_tokenizer import load_tokenizer_without_torch
 from engine.text.prompt import PromptBuilder
@@ -24,9 +24,10 @@ def tokenizer() -> Any:
 
 
 def chat(content: str) -> GenerateRequest:
-    return GenerateRequest("r", 0, SamplingParams(max_tokens=4), 1, messages=[
-        ChatMessage("user", content)
-    ])  # fmt: skip
+    messages = [ChatMessage("user", content)]
+    return GenerateRequest(
+        EngineRequest(params=SamplingParams(max_tokens=4), messages=messages), 0, 1
+    )
 
 
 def control_ids(tokenizer: Any) -> set[int]:
@@ -70,7 +71,10 @@ def test_content_without_special_tokens_tokenizes_as_the_whole_rendered_prompt(
 
 def test_a_prompt_that_leaves_no_room_for_max_tokens_names_max_tokens(tokenizer: Any) -> None:
     builder = PromptBuilder(tokenizer, max_model_len=8, vocab_size=len(tokenizer))
-    request = GenerateRequest("r", 0, SamplingParams(max_tokens=4), 1, prompt_token_ids=[5] * 5)
+    ids = [5] * 5
+    request = GenerateRequest(
+        EngineRequest(params=SamplingParams(max_tokens=4), prompt_token_ids=ids), 0, 1
+    )
     with pytest.raises(EngineError) as caught:
         builder.build(request)
     assert caught.value.param == "max_tokens" and "9 exceeds max_model_len 8" in str(caught.value)
@@ -80,15 +84,14 @@ def test_tools_calls_and_results_reach_the_chat_template(tokenizer: Any) -> None
     builder = PromptBuilder(tokenizer, max_model_len=1024, vocab_size=len(tokenizer))
     call = {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": {"q": 1}}}
     tools = [{"type": "function", "function": {"name": "lookup", "parameters": {}}}]
-    request = GenerateRequest(
-        "r", 0, SamplingParams(max_tokens=4), 1,
-        messages=[
-            ChatMessage("user", "find it"),
-            ChatMessage("assistant", "", tool_calls=[call]),
-            ChatMessage("tool", "found: 42", tool_call_id="c1"),
-        ],
-        chat=ChatOptions(template_kwargs={"tools": tools}),
-    )  # fmt: skip
+    messages = [
+        ChatMessage("user", "find it"),
+        ChatMessage("assistant", "", tool_calls=[call]),
+        ChatMessage("tool", "found: 42", tool_call_id="c1"),
+    ]
+    chat = ChatOptions(template_kwargs={"tools": tools})
+    params = SamplingParams(max_tokens=4)
+    request = GenerateRequest(EngineRequest(params=params, messages=messages, chat=chat), 0, 1)
     text = tokenizer.decode(builder.build(request))
     signatures = text.split("<tools>\n", 1)[1].split("\n</tools>", 1)[0]
     assert json.loads(signatures) == tools[0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -10,8 +11,10 @@ import pytest
 
 from engine.http.openai.bodies import SSE_DONE, ResponseBuilder
 from engine.http.openai.errors import ApiError
-from engine.http.openai.parsing import PreparedRequest, parse_chat, parse_completion
+from engine.http.openai.parsing import OpenAIRequest, parse_chat, parse_completion
 from engine.http.openai.runs import api_error_from
+from engine.messages.requests import ChatMessage
+from engine.request.grammar_admission import admit_constraint
 from engine.request.outputs import (
     CompletionOutput,
     EngineError,
@@ -19,7 +22,7 @@ from engine.request.outputs import (
     RequestOutput,
     TokenLogprob,
 )
-from engine.request.policy import RequestPolicy
+from engine.request.policy import RequestPolicy, renamed
 
 MODEL = "tiny"
 POLICY = RequestPolicy(max_model_len=1024, max_queued_samples=64)
@@ -29,22 +32,23 @@ def body(**fields: Any) -> bytes:
     return json.dumps(fields).encode()
 
 
-def admitted(parse: Any, raw: bytes) -> PreparedRequest:
-    """A body as the server takes it before any actor: parsed, then each prompt through the
-    engine's request policy (whose refusal the server answers as api_error_from does)."""
-    prepared: PreparedRequest = parse(raw, MODEL)
-    for prompt in prepared.prompts:
+def admitted(parse: Any, raw: bytes) -> OpenAIRequest:
+    """A body as the server takes it before any actor: parsed, then each engine request through
+    the engine's request policy (whose refusal the server answers as api_error_from does)."""
+    api: OpenAIRequest = parse(raw, MODEL)
+    for request in api.requests:
         try:
-            POLICY.prepare(
-                prompt,
-                prepared.params,
-                messages=prepared.messages,
-                defaulted_fields=prepared.defaulted_fields,
-                field_names=prepared.field_names,
-            )
+            POLICY.apply(request)
+            if request.params.structured_outputs is not None:  # as AsyncLLM.submit admits it
+                asyncio.run(admit_constraint(request.params.structured_outputs))
         except EngineError as refusal:
-            raise api_error_from(refusal) from None
-    return prepared
+            raise api_error_from(renamed(refusal, request.field_names)) from None
+    return api
+
+
+def prompts(api: OpenAIRequest) -> list[Any]:
+    """Each engine request's prompt: its text, or its token ids (None for a chat)."""
+    return [r.prompt if r.prompt is not None else r.prompt_token_ids for r in api.requests]
 
 
 def error_of(parse: Any, raw: bytes) -> ApiError:
@@ -62,7 +66,7 @@ def error_of(parse: Any, raw: bytes) -> ApiError:
 
 def test_completion_defaults_follow_openai() -> None:
     req = parse_completion(body(model=MODEL, prompt="hi"), MODEL)
-    assert req.kind == "completion" and req.prompts == ["hi"] and req.messages is None
+    assert req.kind == "completion" and prompts(req) == ["hi"] and req.requests[0].messages is None
     assert req.params.max_tokens == 16 and req.params.temperature == 1.0 and req.params.n == 1
     assert req.request_id.startswith("cmpl-") and not req.stream and not req.want_logprobs
 
@@ -78,9 +82,10 @@ def test_completion_defaults_follow_openai() -> None:
 )
 def test_all_four_prompt_forms(prompt: Any, expected: list[Any]) -> None:
     req = parse_completion(body(prompt=prompt), MODEL)
-    assert req.prompts == expected
+    assert prompts(req) == expected
     assert req.model == MODEL  # model may be omitted
-    ids = {req.engine_request_id(i) for i in range(len(expected))}
+    req.name_engine_requests()
+    ids = {request.request_id for request in req.requests}
     assert len(ids) == len(expected)
 
 
@@ -134,12 +139,12 @@ def test_chat_messages_text_parts_and_roles() -> None:
         top_logprobs=3,
     )
     req = parse_chat(raw, MODEL)
-    assert req.messages == [
-        {"role": "system", "content": "be brief"},
-        {"role": "user", "content": "a\nb"},
-        {"role": "assistant", "content": ""},
+    assert req.requests[0].messages == [
+        ChatMessage("system", "be brief"),
+        ChatMessage("user", "a\nb"),
+        ChatMessage("assistant", ""),
     ]
-    assert req.prompts == [None] and req.request_id.startswith("chatcmpl-")
+    assert prompts(req) == [None] and req.request_id.startswith("chatcmpl-")
     assert req.params.max_tokens == 4  # max_completion_tokens wins over the legacy name
     assert req.params.logprobs == 3 and req.want_logprobs
 
@@ -153,7 +158,7 @@ def test_chat_without_limit_runs_to_model_length_and_logprobs_off() -> None:
 
 def test_unknown_request_fields_are_ignored() -> None:
     req = parse_completion(body(prompt="x", best_of=1, logit_bias={}, suffix=None), MODEL)
-    assert req.prompts == ["x"]
+    assert prompts(req) == ["x"]
 
 
 # ---------------------------------------------------------------- bad requests
@@ -311,7 +316,7 @@ def engine_yields(finished_last: bool = True) -> list[RequestOutput]:
     ]
 
 
-def completion_request(**extra: Any) -> PreparedRequest:
+def completion_request(**extra: Any) -> OpenAIRequest:
     return parse_completion(body(prompt="p", n=2, **extra), MODEL)
 
 

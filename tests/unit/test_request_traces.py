@@ -14,7 +14,7 @@ import pytest
 from engine.inflight.registry import Gateway
 from engine.messages.outputs import OutputBatch, SampleDeltaText
 from engine.messages.params import SamplingParams
-from engine.messages.requests import PromptTokens
+from engine.messages.requests import EngineRequest, PromptTokens
 from engine.messages.scheduling import FirstScheduled
 from engine.request.outputs import EngineError
 from engine.telemetry import attributes as attr
@@ -41,13 +41,19 @@ def test_a_restart_is_an_event_and_a_failure_the_status() -> None:
         gateway = Gateway()
         gateway.on_request_end = tracer.record
         headers = {"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"}
-        gateway.register(SamplingParams(max_tokens=3), prompt="hi", request_id="r",
-                         trace_headers=headers)  # fmt: skip
+        gateway.register(
+            EngineRequest(
+                params=SamplingParams(max_tokens=3),
+                prompt="hi",
+                request_id="r",
+                trace_headers=headers,
+            )
+        )
         gateway.learn_prompt(PromptTokens("r", 0, [1, 2]))
         gateway.deliver(OutputBatch([], [_delta(0, [7], first=FirstScheduled(0, 0.01, 0.02))], []))
         gateway.resubmit_all()  # as after an actor's restart on the request path
         gateway.deliver(OutputBatch([], [_delta(1, [8, 9], "length")], []))
-        gateway.register(SamplingParams(), prompt="x", request_id="bad")
+        gateway.register(EngineRequest(params=SamplingParams(), prompt="x", request_id="bad"))
         gateway.fail("bad", EngineError("the engine failed: test", 503))
         tracer.shutdown()  # exports what is queued
         [span] = receiver.wait_for(lambda s: s.attributes.get(attr.REQUEST_ID) == "r")

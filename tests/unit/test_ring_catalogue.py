@@ -18,7 +18,7 @@ from engine.library.llm import build_settings
 from engine.messages.outputs import OutputBatch, SampleDeltaText, TextStarted
 from engine.messages.params import SamplingParams
 from engine.messages.reports import SchedulerReport
-from engine.messages.requests import PromptTokens
+from engine.messages.requests import EngineRequest, PromptTokens
 from engine.messages.ring_catalogue import (
     CATALOGUE,
     OUTPUTS_RING,
@@ -117,7 +117,9 @@ def test_every_replica_declares_the_request_path_between_the_roles_the_catalogue
 def test_the_root_takes_in_every_ring_it_reads() -> None:
     """One message of each ring the root reads, outputs ahead of the prompt ids they need."""
     gateway = Gateway()
-    record, _ = gateway.register(SamplingParams(max_tokens=1), prompt="hi", request_id="r")
+    record, _ = gateway.register(
+        EngineRequest(params=SamplingParams(max_tokens=1), prompt="hi", request_id="r")
+    )
     delta = SampleDeltaText("r", 0, 0, [7], "x", None, "length")
     report = SchedulerReport(SchedulerStats(num_steps=3), [])
     frames = {

@@ -13,9 +13,11 @@ import pytest
 from engine.cli import main
 from engine.http.openai.parsing import parse_chat
 from engine.messages.params import SamplingParams
+from engine.messages.requests import EngineRequest
 from engine.request.defaults import load_sampling_defaults
 from engine.request.outputs import EngineError
 from engine.request.policy import RequestPolicy
+from engine.request.prompts import library_request
 from engine.settings import load_settings
 from tests.checkpoints import tiny_checkpoint
 from tests.gguf_files import gguf_of
@@ -37,6 +39,17 @@ def model_dir(tmp_path: Path, generation_config: dict[str, object]) -> Path:
     return tmp_path
 
 
+def prepared(
+    policy: RequestPolicy, params: SamplingParams | None, defaulted: set[str] | None = None
+) -> EngineRequest:
+    """The library's request for "hi" through `policy`; `defaulted`: a front end's unset fields."""
+    request = library_request("hi", params)
+    if defaulted is not None:
+        request.defaulted_fields = frozenset(defaulted)
+    policy.apply(request)
+    return request
+
+
 def test_a_model_without_sampling_defaults_gets_llama_cpps(tmp_path: Path) -> None:
     folder = model_dir(tmp_path, {"eos_token_id": [2], "max_new_tokens": 300})
     defaults = load_sampling_defaults("auto", str(folder))
@@ -46,12 +59,12 @@ def test_a_model_without_sampling_defaults_gets_llama_cpps(tmp_path: Path) -> No
     # What a request that sets nothing samples with; its own fields win.
     settings, _ = load_settings([], {})
     policy = RequestPolicy.load(settings, str(folder), max_model_len=512)
-    assert policy.prepare("hi", None).params == SamplingParams(**LLAMA_CPP, max_tokens=300)  # type: ignore[arg-type]
-    own = policy.prepare("hi", SamplingParams(temperature=0.5), defaulted_fields={"top_k"})
+    assert prepared(policy, None).params == SamplingParams(**LLAMA_CPP, max_tokens=300)  # type: ignore[arg-type]
+    own = prepared(policy, SamplingParams(temperature=0.5), {"top_k"})
     assert (own.params.temperature, own.params.top_k, own.params.top_p) == (0.5, 40, 1.0)
     # A request that asks for greedy decoding stays greedy (as in vLLM): only the bound applies.
     every = {"top_k", "min_p", "repetition_penalty", "repeat_last_n", "max_tokens"}
-    greedy = policy.prepare("hi", SamplingParams(temperature=0.0), defaulted_fields=every)
+    greedy = prepared(policy, SamplingParams(temperature=0.0), every)
     assert greedy.params == SamplingParams(temperature=0.0, max_tokens=300)
 
 
@@ -61,10 +74,9 @@ def test_an_api_request_takes_the_defaults_for_the_fields_it_leaves_unset(tmp_pa
 
     def sampled(**fields: object) -> SamplingParams:
         body = {"messages": [{"role": "user", "content": "hi"}], **fields}
-        chat = parse_chat(json.dumps(body).encode(), "m")
-        return policy.prepare(
-            None, chat.params, messages=chat.messages, defaulted_fields=chat.defaulted_fields
-        ).params
+        [request] = parse_chat(json.dumps(body).encode(), "m").requests
+        policy.apply(request)
+        return request.params
 
     assert sampled() == SamplingParams(**LLAMA_CPP, max_tokens=None)  # type: ignore[arg-type]
     own = sampled(temperature=0.5, repetition_penalty=1.3, repeat_last_n=8)

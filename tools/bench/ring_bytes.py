@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from engine import AsyncLLM, SamplingParams
 from engine.launch.model_source import hf_checkpoint
 from engine.library.llm import build_settings
-from engine.messages.requests import GenerateRequest
+from engine.messages.requests import EngineRequest, GenerateRequest
 from engine.messages.ring_catalogue import REQUESTS_RING
 from engine.model.config import load_model_config
 from engine.settings.home import default_engine_home
@@ -78,8 +78,10 @@ def _request_bytes(prompt: list[int] | str) -> int:
     """The root's GenerateRequest for `prompt`, as the gateway sends it (a fresh request)."""
     text, ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    request = GenerateRequest("req-0123abcd-0", 0, params, 2**62, prompt=text, prompt_token_ids=ids)
-    return len(REQUESTS_RING.encode(request))
+    request = EngineRequest(
+        request_id="req-0123abcd-0", params=params, prompt=text, prompt_token_ids=ids
+    )
+    return len(REQUESTS_RING.encode(GenerateRequest(request, 0, 2**62)))
 
 
 def _text_prompt(rng: random.Random, tokens: int) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -25,7 +25,23 @@ from engine.http.anthropic.protocol import (
 from engine.http.openai.chat_relay import ChatResult, ChatStep, Failed, TextDelta
 from engine.http.openai.decoding import decode_request
 from engine.http.openai.errors import ApiError, required
-from engine.http.openai.protocol import ToolCallOut
+from engine.http.openai.parsing import (
+    OpenAIRequest,
+    chat_api_request,
+    check_model,
+    given,
+    unset_fields,
+)
+from engine.http.openai.protocol import (
+    FunctionDefinition,
+    NamedFunction,
+    NamedToolChoice,
+    ToolCallOut,
+    ToolIn,
+)
+from engine.http.openai.tool_calls import plan_tools, template_kwargs
+from engine.messages.params import SamplingParams
+from engine.messages.requests import ChatMessage, ChatOptions, EngineRequest
 
 _DECODER = msgspec.json.Decoder(MessagesRequest)
 _ERROR_TYPES = {
@@ -55,37 +71,41 @@ def messages_error_body(status: int, message: str) -> bytes:
 class MessagesAdapter:
     id_prefix = "msg_"
 
-    def __init__(self, body: bytes) -> None:
+    def __init__(self, body: bytes, served_names: Sequence[str]) -> None:
         req = decode_request(_DECODER, body)
         self.req = req
         self.created = int(time.time())
-        self.chat_body = msgspec.json.encode(self._chat_request())
+        self.api = self._chat_request(served_names)
         self.stream = req.stream
-        self.field_names = {"stop": "stop_sequences"}
 
-    def _chat_request(self) -> dict[str, Any]:
+    def _chat_request(self, served_names: Sequence[str]) -> OpenAIRequest:
+        """The chat run this message is: its messages, sampling and tools."""
         req = self.req
-        system = [] if req.system is None else [{"role": "system", "content": _text(req.system)}]
+        model = check_model(req.model, served_names)
+        system = [] if req.system is None else [ChatMessage("system", _text(req.system))]
         messages = [chat for i, m in enumerate(req.messages) for chat in _chat_messages(i, m)]
-        chat: dict[str, Any] = {
-            "model": req.model,
-            "messages": [*system, *messages],
-            "max_tokens": req.max_tokens,
-            "stop": req.stop_sequences,
-            "stream": req.stream,
-            "temperature": req.temperature,
-            "top_p": req.top_p,
-            "top_k": req.top_k,
-        }
-        if req.stream:
-            chat["stream_options"] = {"include_usage": True}
-        if req.tools:
-            chat["tools"] = [_chat_tool(i, tool) for i, tool in enumerate(req.tools)]
-        if req.tool_choice is not None:
-            chat["tool_choice"] = _chat_tool_choice(req.tool_choice)
-            if req.tool_choice.disable_parallel_tool_use:
-                chat["parallel_tool_calls"] = False
-        return chat
+        if not system and not messages:
+            raise ApiError(400, "'messages' must hold at least one message", param="messages")
+        tools = [_chat_tool(i, tool) for i, tool in enumerate(req.tools or [])] or None
+        choice = req.tool_choice
+        parallel = False if choice is not None and choice.disable_parallel_tool_use else None
+        chat_choice = None if choice is None else _chat_tool_choice(choice)
+        plan, constraint = plan_tools(tools, chat_choice, parallel)
+        sampling = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k}
+        params = SamplingParams(
+            **given(sampling),
+            max_tokens=req.max_tokens,
+            stop=list(req.stop_sequences or []),
+            structured_outputs=constraint,
+        )
+        request = EngineRequest(
+            params=params,
+            messages=[*system, *messages],
+            chat=ChatOptions(template_kwargs=template_kwargs(tools)),
+            defaulted_fields=unset_fields({**sampling, "max_tokens": req.max_tokens}),
+            field_names={"stop": "stop_sequences", "structured_outputs": "tool_choice"},
+        )
+        return chat_api_request(request, model, stream=req.stream, tool_plan=plan)
 
     # ------------------------------------------------------------ the Message object
 
@@ -209,7 +229,7 @@ def _stop(result: ChatResult) -> dict[str, Any]:
 # ---------------------------------------------------------------- requests → chat requests
 
 
-def _chat_messages(index: int, message: MessageIn) -> list[dict[str, Any]]:
+def _chat_messages(index: int, message: MessageIn) -> list[ChatMessage]:
     """One message as chat messages: its tool results (tool messages) first, then its text and
     tool calls."""
     where = f"messages[{index}]"
@@ -220,8 +240,8 @@ def _chat_messages(index: int, message: MessageIn) -> list[dict[str, Any]]:
             param=f"{where}.role",
         )
     if isinstance(message.content, str):
-        return [{"role": message.role, "content": message.content}]
-    out: list[dict[str, Any]] = []
+        return [ChatMessage(message.role, message.content)]
+    out: list[ChatMessage] = []
     texts: list[str] = []
     calls: list[dict[str, Any]] = []
     for j, block in enumerate(message.content):
@@ -233,7 +253,7 @@ def _chat_messages(index: int, message: MessageIn) -> list[dict[str, Any]]:
         elif block.type == "tool_result" and message.role == "user":
             call_id = required(at, "tool_use_id", block.tool_use_id)
             content = "" if block.content is None else _text(block.content, f"{at}.content")
-            out.append({"role": "tool", "tool_call_id": call_id, "content": content})
+            out.append(ChatMessage("tool", content, tool_call_id=call_id))
         else:
             raise ApiError(
                 400,
@@ -242,18 +262,13 @@ def _chat_messages(index: int, message: MessageIn) -> list[dict[str, Any]]:
                 param=f"{at}.type",
             )
     if texts or calls:
-        chat: dict[str, Any] = {"role": message.role, "content": "\n".join(texts) or None}
-        if calls:
-            chat["tool_calls"] = calls
-        out.append(chat)
+        out.append(ChatMessage(message.role, "\n".join(texts), tool_calls=calls or None))
     return out
 
 
 def _chat_call(at: str, block: ContentBlock) -> dict[str, Any]:
-    function = {
-        "name": required(at, "name", block.name),
-        "arguments": json.dumps(block.input or {}),
-    }
+    """A tool_use block as chat templates read a call (its input is the arguments object)."""
+    function = {"name": required(at, "name", block.name), "arguments": block.input or {}}
     return {"id": required(at, "id", block.id), "type": "function", "function": function}
 
 
@@ -273,24 +288,23 @@ def _text(content: str | list[TextBlock], where: str = "system") -> str:
     return "\n".join(texts)
 
 
-def _chat_tool(index: int, tool: Tool) -> dict[str, Any]:
+def _chat_tool(index: int, tool: Tool) -> ToolIn:
     if tool.type not in (None, "custom"):
         raise ApiError(
             400,
             f"'tools[{index}].type' {tool.type!r} is a server tool this server does not have",
             param=f"tools[{index}].type",
         )
-    function: dict[str, Any] = {"name": tool.name}
-    if tool.description is not None:
-        function["description"] = tool.description
-    function["parameters"] = tool.input_schema or {"type": "object"}
-    return {"type": "function", "function": function}
+    function = FunctionDefinition(
+        name=tool.name, description=tool.description, parameters=tool.input_schema
+    )
+    return ToolIn(function=function)
 
 
-def _chat_tool_choice(choice: ToolChoice) -> Any:
+def _chat_tool_choice(choice: ToolChoice) -> str | NamedToolChoice:
     if choice.type == "tool":
         name = required("tool_choice", "name", choice.name)
-        return {"type": "function", "function": {"name": name}}
+        return NamedToolChoice(function=NamedFunction(name=name))
     if choice.type not in _TOOL_CHOICES:
         raise ApiError(
             400,

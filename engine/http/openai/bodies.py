@@ -14,7 +14,7 @@ import msgspec
 
 from engine.http.openai.chat_output import ChatAnswer, tool_calls_out
 from engine.http.openai.echo import EchoedPrompt, vllm_prompt_logprobs
-from engine.http.openai.parsing import PreparedRequest
+from engine.http.openai.parsing import OpenAIRequest
 from engine.http.openai.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -62,15 +62,15 @@ class ChoiceState:
 class ResponseBuilder:
     def __init__(
         self,
-        prepared: PreparedRequest,
+        api: OpenAIRequest,
         tool_call_parser: str | None = None,
         reasoning_parser: str | None = None,
     ) -> None:
-        self.prepared = prepared
-        if prepared.tool_plan is not None and prepared.tool_plan.mode == "auto":
-            prepared.tool_plan.parser = tool_call_parser
+        self.api = api
+        if api.tool_plan is not None and api.tool_plan.mode == "auto":
+            api.tool_plan.parser = tool_call_parser
             if tool_call_parser is None:  # nothing reads calls: the answer is plain content
-                prepared.tool_plan = None
+                api.tool_plan = None
         self._reasoning = reasoning_parser is not None
         self._answers: dict[int, ChatAnswer] = {}  # chat: each choice's answer, shaped
         # Made as outputs arrive, not up front: n x prompts is only known to be within the
@@ -89,7 +89,7 @@ class ResponseBuilder:
     def choices(self) -> list[ChoiceState]:
         """Every choice in index order (those without output yet empty); read only once the
         engine has admitted the request."""
-        return [self._choices.get(i) or ChoiceState(i) for i in range(self.prepared.num_choices)]
+        return [self._choices.get(i) or ChoiceState(i) for i in range(self.api.num_choices)]
 
     # ------------------------------------------------------------ absorbing engine output
 
@@ -98,7 +98,7 @@ class ResponseBuilder:
     ) -> list[tuple[ChoiceState, int, CompletionOutput]]:
         """Record one engine yield; return each advanced choice, its text offset before, delta."""
         self.prompt_tokens[prompt_index] = len(out.prompt_token_ids)
-        if self.prepared.return_token_ids:
+        if self.api.return_token_ids:
             self.prompt_token_ids[prompt_index] = out.prompt_token_ids
         if out.num_cached_tokens is not None:
             self.cached_tokens[prompt_index] = out.num_cached_tokens
@@ -108,10 +108,10 @@ class ResponseBuilder:
             self.kv_transfer_params = out.kv_transfer_params
         advanced = []
         for delta in out.outputs:
-            if self.prepared.echo_only:  # the token generated to end the request is not shown
+            if self.api.echo_only:  # the token generated to end the request is not shown
                 finish = None if delta.finish_reason is None else "length"
                 delta = CompletionOutput(delta.index, "", [], finish)
-            key = prompt_index * self.prepared.n + delta.index
+            key = prompt_index * self.api.n + delta.index
             choice = self._choices.get(key) or self._choices.setdefault(key, ChoiceState(key))
             offset = choice.text_length
             _apply(choice, delta)
@@ -134,22 +134,22 @@ class ResponseBuilder:
     def _kv_transfer_params(self) -> dict[str, Any] | msgspec.UnsetType | None:
         """What a prefill instance answers (P/D): where to pull the KV from; null when it holds
         none (left out when the request did not ask)."""
-        if self.prepared.kv_transfer_params is None:
+        if not self.api.kv_transfer_asked:
             return msgspec.UNSET
         return self.kv_transfer_params
 
     def _token_ids(self, ids: list[int]) -> list[int] | msgspec.UnsetType:
-        return list(ids) if self.prepared.return_token_ids else msgspec.UNSET
+        return list(ids) if self.api.return_token_ids else msgspec.UNSET
 
     def _prompt_ids(self, choice_index: int) -> list[int] | msgspec.UnsetType:
-        if not self.prepared.return_token_ids:
+        if not self.api.return_token_ids:
             return msgspec.UNSET
-        return self.prompt_token_ids.get(choice_index // self.prepared.n, [])
+        return self.prompt_token_ids.get(choice_index // self.api.n, [])
 
     # ------------------------------------------------------------ one-shot bodies
 
     def final_body(self) -> bytes:
-        p = self.prepared
+        p = self.api
         if p.kind == "completion":
             return encode(
                 CompletionResponse(
@@ -192,7 +192,7 @@ class ResponseBuilder:
 
     def opening_events(self) -> list[bytes]:
         """Chat streams open with the assistant role for every choice, as OpenAI's do."""
-        if self.prepared.kind != "chat":
+        if self.api.kind != "chat":
             return []
         return [
             self._chat_chunk(
@@ -205,7 +205,7 @@ class ResponseBuilder:
                     )
                 ]
             )
-            for index in range(self.prepared.num_choices)  # sent once the engine admitted them
+            for index in range(self.api.num_choices)  # sent once the engine admitted them
         ]
 
     def delta_events(self, prompt_index: int, out: RequestOutput) -> list[bytes]:
@@ -218,7 +218,7 @@ class ResponseBuilder:
             # queued while the client was slow), absorbed together before their chunks are made.
             first = choice.index not in self._prompt_ids_sent
             prompt_ids = self._prompt_ids(choice.index) if first else msgspec.UNSET
-            if self.prepared.kind == "completion":
+            if self.api.kind == "completion":
                 echo = choice.index not in self._echo_sent  # the prompt goes first, once
                 self._echo_sent.add(choice.index)
                 shown: list[Logprob | None] = [*entries]
@@ -242,10 +242,10 @@ class ResponseBuilder:
                 self._prompt_ids_sent.add(choice.index)
             else:
                 finished = delta.finish_reason is not None
-                shaped, called = self._answer(choice.index).delta(choice.text, finished)
+                shaped, called = self.answer(choice.index).delta(choice.text, finished)
                 finish_reason = "tool_calls" if called else delta.finish_reason
                 held = shaped is None and not finished and not entries
-                if held and not self.prepared.return_token_ids:
+                if held and not self.api.return_token_ids:
                     continue  # held back (a tag may be starting, or tool calls are forming)
                 chat_choice = ChatChunkChoice(
                     index=choice.index,
@@ -259,15 +259,15 @@ class ResponseBuilder:
                 self._prompt_ids_sent.add(choice.index)
         return events
 
-    def _answer(self, index: int) -> ChatAnswer:
+    def answer(self, index: int) -> ChatAnswer:
         answer = self._answers.get(index)
         if answer is None:
-            answer = ChatAnswer(self.prepared.tool_plan, self._reasoning)
+            answer = ChatAnswer(self.api.tool_plan, self._reasoning)
             self._answers[index] = answer
         return answer
 
     def _chat_choice(self, c: ChoiceState) -> ChatChoice:
-        content, reasoning, calls = self._answer(c.index).final(c.text)
+        content, reasoning, calls = self.answer(c.index).final(c.text)
         finish_reason = "tool_calls" if calls else c.finish_reason
         message = ChatMessageOut(
             role="assistant",
@@ -285,14 +285,14 @@ class ResponseBuilder:
         )
 
     def usage_event(self) -> bytes:
-        if self.prepared.kind == "completion":
+        if self.api.kind == "completion":
             return self._completion_chunk([], usage=self.usage())
         return self._chat_chunk([], usage=self.usage())
 
     def _completion_chunk(
         self, choices: list[CompletionChoice], usage: Usage | msgspec.UnsetType = msgspec.UNSET
     ) -> bytes:
-        p = self.prepared
+        p = self.api
         chunk = CompletionChunk(
             id=p.request_id, created=p.created, model=p.model, choices=choices, usage=usage
         )
@@ -304,7 +304,7 @@ class ResponseBuilder:
         usage: Usage | msgspec.UnsetType = msgspec.UNSET,
         prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET,
     ) -> bytes:
-        p = self.prepared
+        p = self.api
         chunk = ChatCompletionChunk(
             id=p.request_id,
             created=p.created,
@@ -318,26 +318,26 @@ class ResponseBuilder:
     # ------------------------------------------------------------ echo (completions)
 
     def _echo_text(self, choice_index: int) -> str:
-        echoed = self.echoed.get(choice_index // self.prepared.n)
+        echoed = self.echoed.get(choice_index // self.api.n)
         return "" if echoed is None else echoed.text
 
     def _echo_logprobs(self, choice_index: int) -> list[Logprob | None]:
         """An echoed prompt's tokens' logprobs (None for the first), when logprobs are asked."""
-        if not (self.prepared.echo and self.prepared.want_logprobs):
+        if not (self.api.echo and self.api.want_logprobs):
             return []
-        return self.prompt_logprobs.get(choice_index // self.prepared.n, [])
+        return self.prompt_logprobs.get(choice_index // self.api.n, [])
 
     def _vllm_prompt_logprobs(self, choice_index: int) -> PromptLogprobsOut | msgspec.UnsetType:
-        if not self.prepared.want_prompt_logprobs:
+        if not self.api.want_prompt_logprobs:
             return msgspec.UNSET
-        return vllm_prompt_logprobs(self.prompt_logprobs.get(choice_index // self.prepared.n, []))
+        return vllm_prompt_logprobs(self.prompt_logprobs.get(choice_index // self.api.n, []))
 
     # ------------------------------------------------------------ logprobs shapes
 
     def _completion_logprobs(
         self, entries: list[Logprob | None], text_offset: int, choice_index: int
     ) -> CompletionLogprobs | None:
-        if not self.prepared.want_logprobs:
+        if not self.api.want_logprobs:
             return None
         tokens: list[str] = []
         token_logprobs: list[float | None] = []
@@ -347,7 +347,7 @@ class ResponseBuilder:
         for entry in entries:
             top: dict[str, float] | None = None
             if entry is None:  # an echoed prompt's first token: nothing before it to score it
-                echoed = self.echoed.get(choice_index // self.prepared.n)
+                echoed = self.echoed.get(choice_index // self.api.n)
                 token, logprob = ("" if echoed is None else echoed.first_token), None
             else:
                 token, logprob = entry.token, entry.logprob
@@ -363,7 +363,7 @@ class ResponseBuilder:
         )
 
     def _chat_logprobs(self, entries: list[Logprob]) -> ChatLogprobs | None:
-        if not self.prepared.want_logprobs:
+        if not self.api.want_logprobs:
             return None
         content = [
             ChatTokenLogprob(

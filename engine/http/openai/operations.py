@@ -11,7 +11,7 @@ from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 
 from engine.http.openai.errors import ApiError
-from engine.http.openai.parsing import PreparedRequest
+from engine.http.openai.parsing import OpenAIRequest
 from engine.settings import Settings
 
 if TYPE_CHECKING:
@@ -25,12 +25,13 @@ class AbortRequest(msgspec.Struct, kw_only=True):
 
 
 def take_client_request_id(
-    prepared: PreparedRequest, header: str | None, in_flight: Mapping[str, Any]
+    api: OpenAIRequest, header: str | None, in_flight: Mapping[str, Any]
 ) -> None:
     """Make the client's id (the header wins over the body's, as in vLLM) the request's id:
     the engine request's, the response's X-Request-Id and, prefixed, its body id."""
-    request_id = header if header is not None else prepared.client_request_id
+    request_id = header if header is not None else api.client_request_id
     if request_id is None:
+        api.name_engine_requests()
         return
     param = "X-Request-Id" if header is not None else "request_id"
     if not request_id or len(request_id) > MAX_REQUEST_ID_CHARS or not request_id.isprintable():
@@ -41,9 +42,10 @@ def take_client_request_id(
         )
     if request_id in in_flight:
         raise ApiError(400, f"request id {request_id!r} is already in flight", param=param)
-    prepared.client_request_id = request_id
-    kind = prepared.request_id.partition("-")[0]  # cmpl | chatcmpl
-    prepared.request_id = f"{kind}-{request_id}"
+    api.client_request_id = request_id
+    kind = api.request_id.partition("-")[0]  # cmpl | chatcmpl
+    api.request_id = f"{kind}-{request_id}"
+    api.name_engine_requests()
 
 
 async def abort_request(state: ServerState, request_id: str) -> bool:
@@ -52,8 +54,8 @@ async def abort_request(state: ServerState, request_id: str) -> bool:
     run = state.runs.get(request_id)
     if run is None:
         return await state.llm.abort(request_id)
-    engine_ids = [run.prepared.engine_request_id(i) for i in range(len(run.prepared.prompts))]
-    aborted = [await state.llm.abort(engine_id) for engine_id in engine_ids]
+    engine_ids = [request.request_id for request in run.api.requests]
+    aborted = [await state.llm.abort(engine_id) for engine_id in engine_ids if engine_id]
     return any(aborted)
 
 

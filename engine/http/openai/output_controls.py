@@ -30,16 +30,10 @@ def output_controls(
     sources = _constraints(req)
     if tool_constraint is not None:
         sources.append(("tool_choice", tool_constraint))
-    if len(sources) > 1:
-        names = ", ".join(name for name, _ in sources)
-        raise ApiError(
-            400, f"at most one output constraint may be given, got {names}", param=sources[1][0]
-        )
+    constraint, field_names = one_constraint(sources)
     controls: dict[str, Any] = {}
-    field_names: dict[str, str] = {}
-    if sources:
-        field, controls["structured_outputs"] = sources[0]
-        field_names["structured_outputs"] = field
+    if constraint is not None:
+        controls["structured_outputs"] = constraint
     if req.logit_bias:
         controls["logit_bias"] = _logit_bias(req.logit_bias)
     if req.allowed_token_ids is not None:
@@ -47,6 +41,22 @@ def output_controls(
     if req.bad_words:
         controls["bad_words"] = list(req.bad_words)
     return controls, field_names
+
+
+def one_constraint(
+    sources: list[tuple[str, StructuredOutputsParams]],
+) -> tuple[StructuredOutputsParams | None, dict[str, str]]:
+    """The one output constraint of a request's fields (API name, constraint), and the API's
+    name for it (the engine's refusal of a bad constraint names it); ApiError for several."""
+    if len(sources) > 1:
+        names = ", ".join(name for name, _ in sources)
+        raise ApiError(
+            400, f"at most one output constraint may be given, got {names}", param=sources[1][0]
+        )
+    if not sources:
+        return None, {}
+    field, constraint = sources[0]
+    return constraint, {"structured_outputs": field}
 
 
 def _constraints(req: Request) -> list[tuple[str, StructuredOutputsParams]]:

@@ -1,4 +1,5 @@
-"""Request bodies → what the engine needs: prompts or messages, `SamplingParams`, output options.
+"""Request bodies → what the engine needs: one EngineRequest per prompt (chat: one), and how
+the answer is to be shaped (`OpenAIRequest`).
 
 Pure functions, no I/O. The body is decoded once, into the typed request; what is checked here
 is the API's own form (prompt shapes, roles, fields that need each other), each bad input an
@@ -9,27 +10,23 @@ the same for the library: the engine's refusal names the API's field (`field_nam
 
 from __future__ import annotations
 
-import json
 import secrets
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import msgspec
 
+from engine.http.openai.chat_messages import chat_messages
 from engine.http.openai.decoding import decode_request
 from engine.http.openai.errors import ApiError
 from engine.http.openai.output_controls import output_controls, refuse_unimplemented
-from engine.http.openai.protocol import (
-    ChatCompletionRequest,
-    ChatMessageIn,
-    CompletionRequest,
-)
-from engine.http.openai.tool_calls import ToolPlan, plan_tools, template_tools
+from engine.http.openai.protocol import ChatCompletionRequest, CompletionRequest
+from engine.http.openai.tool_calls import ToolPlan, plan_tools, template_kwargs
 from engine.messages.params import SamplingParams
+from engine.messages.requests import ChatOptions, EngineRequest
 
-CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
 # The sampling fields a body may leave null, and the model's defaults for each, by API name(s).
 _DEFAULTABLE = {
     "temperature": ("temperature",),
@@ -49,16 +46,15 @@ Prompt = str | list[int]
 
 
 @dataclass
-class PreparedRequest:
-    """One validated API request, ready to hand to the engine."""
+class OpenAIRequest:
+    """One API request: its engine requests (completions: one per prompt; the other APIs: one),
+    and what shaping the answer needs."""
 
     kind: Literal["completion", "chat"]
-    request_id: str
+    request_id: str  # the response's id: cmpl-..., chatcmpl-...
     model: str
     created: int
-    params: SamplingParams
-    prompts: list[Prompt | None]  # completions: one entry per prompt; chat: [None]
-    messages: list[Mapping[str, Any]] | None
+    requests: list[EngineRequest]
     stream: bool
     include_usage: bool
     want_logprobs: bool
@@ -69,12 +65,12 @@ class PreparedRequest:
     echo_only: bool = False  # max_tokens 0 with echo: the prompt alone, nothing generated
     want_prompt_logprobs: bool = False  # vLLM's prompt_logprobs field in the response
     tool_plan: ToolPlan | None = None  # chat: how the answer becomes tool calls
-    chat_template_kwargs: dict[str, Any] | None = None  # chat: variables for the template
-    kv_transfer_params: dict[str, Any] | None = None  # P/D across instances
-    # For the engine's policy: the sampling fields the body left unset (they take the model's
-    # defaults), and the API's name of each field whose name differs from SamplingParams'.
-    defaulted_fields: frozenset[str] = frozenset()
-    field_names: dict[str, str] = field(default_factory=dict)
+    kv_transfer_asked: bool = False  # P/D: the answer carries kv_transfer_params
+
+    @property
+    def params(self) -> SamplingParams:
+        """The sampling parameters, the same for every prompt."""
+        return self.requests[0].params
 
     @property
     def n(self) -> int:
@@ -83,17 +79,17 @@ class PreparedRequest:
     @property
     def num_choices(self) -> int:
         """Choices of the response: n per prompt."""
-        return self.params.n * len(self.prompts)
+        return self.n * len(self.requests)
 
-    def engine_request_id(self, prompt_index: int) -> str:
-        """Each prompt of a batched completions request is its own engine request."""
+    def name_engine_requests(self) -> None:
+        """Each prompt of a batched completions request is its own engine request, named after
+        the client's id (or the response's)."""
         base = self.client_request_id or self.request_id
-        if len(self.prompts) == 1:
-            return base
-        return f"{base}-{prompt_index}"
+        for i, request in enumerate(self.requests):
+            request.request_id = base if len(self.requests) == 1 else f"{base}-{i}"
 
 
-def parse_completion(body: bytes, served_model: str | Sequence[str]) -> PreparedRequest:
+def parse_completion(body: bytes, served_model: str | Sequence[str]) -> OpenAIRequest:
     req = decode_request(_COMPLETION_DECODER, body)
     refuse_unimplemented(req)
     model = check_model(req.model, served_model)
@@ -120,14 +116,23 @@ def parse_completion(body: bytes, served_model: str | Sequence[str]) -> Prepared
         prompt_logprobs=max(asked) if asked else None,
         **controls,
     )
-    return PreparedRequest(
+    requests = [
+        EngineRequest(
+            params=params,
+            prompt=prompt if isinstance(prompt, str) else None,
+            prompt_token_ids=None if isinstance(prompt, str) else prompt,
+            kv_transfer_params=req.kv_transfer_params,
+            defaulted_fields=_defaulted(req),
+            field_names=field_names,
+        )
+        for prompt in prompts
+    ]
+    return OpenAIRequest(
         kind="completion",
         request_id="cmpl-" + secrets.token_hex(12),
         model=model,
         created=int(time.time()),
-        params=params,
-        prompts=list(prompts),
-        messages=None,
+        requests=requests,
         stream=req.stream,
         include_usage=_include_usage(req),
         want_logprobs=req.logprobs is not None,
@@ -136,17 +141,15 @@ def parse_completion(body: bytes, served_model: str | Sequence[str]) -> Prepared
         echo=req.echo,
         echo_only=echo_only,
         want_prompt_logprobs=req.prompt_logprobs is not None,
-        kv_transfer_params=req.kv_transfer_params,
-        defaulted_fields=_defaulted(req),
-        field_names=field_names,
+        kv_transfer_asked=req.kv_transfer_params is not None,
     )
 
 
-def parse_chat(body: bytes, served_model: str | Sequence[str]) -> PreparedRequest:
+def parse_chat(body: bytes, served_model: str | Sequence[str]) -> OpenAIRequest:
     req = decode_request(_CHAT_DECODER, body)
     refuse_unimplemented(req)
     model = check_model(req.model, served_model)
-    messages = chat_message_dicts(req.messages)
+    messages = chat_messages(req.messages)
     if not messages:
         raise ApiError(400, "'messages' must hold at least one message", param="messages")
     top = req.top_logprobs
@@ -156,7 +159,8 @@ def parse_chat(body: bytes, served_model: str | Sequence[str]) -> PreparedReques
     max_tokens = req.max_completion_tokens
     if max_tokens is None:
         max_tokens, length_field = req.max_tokens, "max_tokens"
-    tool_plan, tool_constraint = plan_tools(req, parser=None)  # the parser: the server's
+    # the parser: the server's
+    tool_plan, tool_constraint = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
     controls, field_names = output_controls(req, tool_constraint)
     field_names |= {"max_tokens": length_field or "max_tokens", "logprobs": "top_logprobs"}
     params = _sampling_params(
@@ -167,18 +171,22 @@ def parse_chat(body: bytes, served_model: str | Sequence[str]) -> PreparedReques
         prompt_logprobs=req.prompt_logprobs,
         **controls,
     )
-    template_kwargs = dict(req.chat_template_kwargs or {})
-    tools = template_tools(req)
-    if tools is not None:
-        template_kwargs["tools"] = tools
-    return PreparedRequest(
+    request = EngineRequest(
+        params=params,
+        messages=messages,
+        chat=ChatOptions(
+            template_kwargs={**(req.chat_template_kwargs or {}), **template_kwargs(req.tools)}
+        ),
+        kv_transfer_params=req.kv_transfer_params,
+        defaulted_fields=_defaulted(req),
+        field_names=field_names,
+    )
+    return OpenAIRequest(
         kind="chat",
         request_id="chatcmpl-" + secrets.token_hex(12),
         model=model,
         created=int(time.time()),
-        params=params,
-        prompts=[None],
-        messages=messages,
+        requests=[request],
         stream=req.stream,
         include_usage=_include_usage(req),
         want_logprobs=req.logprobs,
@@ -186,11 +194,31 @@ def parse_chat(body: bytes, served_model: str | Sequence[str]) -> PreparedReques
         client_request_id=req.request_id,
         want_prompt_logprobs=req.prompt_logprobs is not None,
         tool_plan=tool_plan,
-        chat_template_kwargs=template_kwargs or None,
-        kv_transfer_params=req.kv_transfer_params,
-        defaulted_fields=_defaulted(req),
-        field_names=field_names,
+        kv_transfer_asked=req.kv_transfer_params is not None,
     )
+
+
+def chat_api_request(
+    request: EngineRequest, model: str, *, stream: bool, tool_plan: ToolPlan | None
+) -> OpenAIRequest:
+    """The chat run of a request of an API served over the chat path (the Responses and
+    Messages APIs), built by its adapter."""
+    return OpenAIRequest(
+        kind="chat",
+        request_id="chatcmpl-" + secrets.token_hex(12),
+        model=model,
+        created=int(time.time()),
+        requests=[request],
+        stream=stream,
+        include_usage=True,
+        want_logprobs=False,
+        tool_plan=tool_plan,
+    )
+
+
+def given(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """The fields that have a value (the others keep SamplingParams' defaults)."""
+    return {name: value for name, value in fields.items() if value is not None}
 
 
 def check_model(requested: str | None, served: str | Sequence[str]) -> str:
@@ -233,76 +261,24 @@ def prompts_of(prompt: str | list[str | int | list[int]], field: str = "prompt")
     return prompts
 
 
-def chat_message_dicts(messages: list[ChatMessageIn]) -> list[Mapping[str, Any]]:
-    """Checked messages as the chat template takes them (also for /tokenize)."""
-    return [_message_dict(i, m) for i, m in enumerate(messages)]
-
-
-def _message_dict(index: int, message: ChatMessageIn) -> dict[str, Any]:
-    where = f"messages[{index}]"
-    if message.role not in CHAT_ROLES:
-        raise ApiError(
-            400,
-            f"'{where}.role' must be one of {', '.join(CHAT_ROLES)}, got {message.role!r}",
-            param=f"{where}.role",
-        )
-    role = "system" if message.role == "developer" else message.role
-    content = message.content
-    if content is None:
-        if role != "assistant" and role != "tool":
-            raise ApiError(400, f"'{where}.content' is required", param=f"{where}.content")
-        text = ""
-    elif isinstance(content, str):
-        text = content
-    else:
-        texts = []
-        for j, part in enumerate(content):
-            if part.type != "text" or part.text is None:
-                raise ApiError(
-                    400,
-                    f"'{where}.content[{j}]' must be a text part "
-                    f"({{'type': 'text', 'text': ...}}), got type {part.type!r}",
-                    param=f"{where}.content[{j}].type",
-                )
-            texts.append(part.text)
-        text = "\n".join(texts)
-    out: dict[str, Any] = {"role": role, "content": text}
-    out.update(tool_fields(where, message))
-    return out
-
-
-def tool_fields(where: str, message: ChatMessageIn) -> dict[str, Any]:
-    """A message's tool fields as chat templates read them: an assistant's calls (arguments
-    as objects, which templates serialize) and a tool message's call id."""
-    fields: dict[str, Any] = {}
-    if message.tool_calls:
-        calls = []
-        for j, call in enumerate(message.tool_calls):
-            try:
-                arguments = json.loads(call.function.arguments)
-            except json.JSONDecodeError:
-                field = f"{where}.tool_calls[{j}].function.arguments"
-                raise ApiError(400, f"'{field}' must be a JSON text", param=field) from None
-            function = {"name": call.function.name, "arguments": arguments}
-            calls.append({"id": call.id, "type": call.type, "function": function})
-        fields["tool_calls"] = calls
-    if message.tool_call_id is not None:
-        fields["tool_call_id"] = message.tool_call_id
-    if message.name is not None and message.role == "tool":
-        fields["name"] = message.name
-    return fields
-
-
 def _include_usage(req: CompletionRequest | ChatCompletionRequest) -> bool:
     return req.stream_options is not None and req.stream_options.include_usage
 
 
 def _defaulted(req: CompletionRequest | ChatCompletionRequest) -> frozenset[str]:
     """The SamplingParams fields whose API fields the body left unset (or null)."""
+    return unset_fields(
+        {name: getattr(req, name, None) for names in _DEFAULTABLE.values() for name in names}
+    )
+
+
+def unset_fields(api_fields: Mapping[str, Any]) -> frozenset[str]:
+    """The defaultable SamplingParams fields none of whose API fields in `api_fields` (API name
+    → the body's value) has a value: they take the model's defaults."""
     return frozenset(
         name
         for name, api_names in _DEFAULTABLE.items()
-        if all(getattr(req, api_name, None) is None for api_name in api_names)
+        if all(api_fields.get(api_name) is None for api_name in api_names)
     )
 
 
@@ -312,7 +288,7 @@ def _sampling_params(
     """SamplingParams of the body's fields (and `fields`); those the body left unset keep
     SamplingParams' defaults, which the engine replaces with the model's where it has some."""
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    sampling = {name: getattr(req, name) for name in _OPTIONAL if getattr(req, name) is not None}
+    sampling = given({name: getattr(req, name) for name in _OPTIONAL})
     return SamplingParams(
         **sampling,
         **fields,

@@ -13,25 +13,61 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
-from engine.http.openai.bodies import SSE_DONE, ResponseBuilder, sse_event
+import msgspec
+
+from engine.http.openai.bodies import SSE_DONE, ChoiceState, ResponseBuilder, sse_event
 from engine.http.openai.errors import INTERNAL_ERROR_MESSAGE, ApiError, outcome_of
-from engine.http.openai.parsing import PreparedRequest
-from engine.http.openai.protocol import Usage
+from engine.http.openai.finished import log_request, observe_finished
+from engine.http.openai.parsing import OpenAIRequest
 from engine.http.openai.recording import RequestRecording
 from engine.messages.scheduling import FirstScheduled
 from engine.request.outputs import EngineError, RequestOutput
 from engine.testing.http_faults import HttpFaults
 
 if TYPE_CHECKING:
-    from engine.http.metrics import ServerMetrics
     from engine.http.state import ServerState
 
 log = logging.getLogger("engine.requests")
 
 # Detached abort tasks live here until done (the event loop keeps only weak references).
 _BACKGROUND: set[asyncio.Task[None]] = set()
+
+
+T = TypeVar("T")
+
+
+class Shaper(Protocol[T]):
+    """What a streamed response makes of a run's outputs (RequestRun.relay)."""
+
+    def opening(self) -> list[T]: ...
+    def shape(self, prompt_index: int, out: RequestOutput) -> list[T]: ...
+    def closing(self) -> list[T]: ...  # once every output came, before the run is counted
+    def failed(self, error: ApiError) -> T: ...
+    def ending(self) -> list[T]: ...  # last, however it ended, after the run was counted
+
+
+class EventStream:
+    """Chat and completions SSE events (bodies.py shapes them), ending with [DONE]."""
+
+    def __init__(self, builder: ResponseBuilder) -> None:
+        self.builder = builder
+
+    def opening(self) -> list[bytes]:
+        return self.builder.opening_events()
+
+    def shape(self, prompt_index: int, out: RequestOutput) -> list[bytes]:
+        return self.builder.delta_events(prompt_index, out)
+
+    def closing(self) -> list[bytes]:
+        return [self.builder.usage_event()] if self.builder.api.include_usage else []
+
+    def failed(self, error: ApiError) -> bytes:
+        return sse_event(error.encoded())
+
+    def ending(self) -> list[bytes]:
+        return [SSE_DONE]
 
 
 def api_error_from(error: EngineError) -> ApiError:
@@ -43,17 +79,17 @@ class RequestRun:
     def __init__(
         self,
         state: ServerState,
-        prepared: PreparedRequest,
+        api: OpenAIRequest,
         endpoint: str,
         body: bytes = b"",
         faults: frozenset[str] = frozenset(),
     ) -> None:
         self.state = state
         self._faults = faults  # the injected faults this request trips (tests only)
-        self.prepared = prepared
+        self.api = api
         self.endpoint = endpoint
         server = state.settings.server
-        self.builder = ResponseBuilder(prepared, server.tool_call_parser, server.reasoning_parser)
+        self.builder = ResponseBuilder(api, server.tool_call_parser, server.reasoning_parser)
         self.arrival = time.monotonic()
         self.arrival_wall = time.time()
         self._streams: list[AsyncIterator[RequestOutput]] = []
@@ -61,7 +97,7 @@ class RequestRun:
         self.first_token_at: float | None = None
         self._last_token_at: dict[int, float] = {}
         self.scheduling: dict[int, FirstScheduled] = {}  # per prompt, once reported
-        self.key = prepared.client_request_id or prepared.request_id  # X-Request-Id, /abort
+        self.key = api.client_request_id or api.request_id  # X-Request-Id, /abort
         self.trace_headers: dict[str, str] | None = None  # W3C trace context its spans continue
         state.runs[self.key] = self
         self.outcome = "aborted"
@@ -77,22 +113,13 @@ class RequestRun:
 
     async def open(self) -> list[tuple[int, RequestOutput]]:
         """Submit every prompt and wait for each one's first output (or its refusal)."""
-        p = self.prepared
-        for i, prompt in enumerate(p.prompts):
-            stream = self.state.llm.stream(
-                prompt,
-                p.params,
-                messages=p.messages,
-                request_id=p.engine_request_id(i),
-                chat_template=self.state.chat_template if p.messages is not None else None,
-                chat_template_kwargs=p.chat_template_kwargs,
-                kv_transfer_params=p.kv_transfer_params,
-                trace_headers=self.trace_headers,
-                defaulted_fields=p.defaulted_fields,
-                field_names=p.field_names,
-                lora_request=self.state.adapter_of(p.model),
-            )
-            self._streams.append(aiter(stream))
+        p = self.api
+        lora = self.state.adapter_of(p.model)
+        for request in p.requests:
+            request.trace_headers = self.trace_headers
+            if lora is not None:
+                request.params = msgspec.structs.replace(request.params, lora_request=lora)
+            self._streams.append(aiter(self.state.llm.submit(request)))
         results = await asyncio.gather(
             *(anext(stream) for stream in self._streams), return_exceptions=True
         )
@@ -119,8 +146,7 @@ class RequestRun:
             raise failure
         if p.echo:
             for i, first in firsts:
-                prompt = p.prompts[i]
-                text = prompt if isinstance(prompt, str) else None
+                text = p.requests[i].prompt
                 echoed = await self.state.tokens.echo(text, first.prompt_token_ids)
                 self.builder.echoed[i] = echoed
         return firsts
@@ -182,7 +208,7 @@ class RequestRun:
             if self.first_token_at is None:
                 self.first_token_at = now
                 metrics.ttft.labels(model).observe(now - self.arrival)
-            key = i * self.prepared.n + delta.index
+            key = i * self.api.n + delta.index
             if self.recording is not None:
                 self.recording.tokens_delivered(key, delta.token_ids, now - self.arrival)
             last = self._last_token_at.get(key)
@@ -197,8 +223,8 @@ class RequestRun:
 
     # ------------------------------------------------------------ the two response shapes
 
-    async def collect(self) -> bytes:
-        """Run to the end and return the one-shot JSON body."""
+    async def run_to_end(self) -> None:
+        """Run to the end, every output absorbed by the builder."""
         firsts = await self.open()
         try:
             async for i, out in self.outputs(firsts):
@@ -214,6 +240,10 @@ class RequestRun:
             if self.outcome == "aborted" and ran_to_end:
                 self.outcome = self._ended_outcome()
             self.finish()
+
+    async def collect(self) -> bytes:
+        """Run to the end and return the one-shot JSON body."""
+        await self.run_to_end()
         return self.builder.final_body()
 
     async def release(self) -> None:
@@ -222,33 +252,45 @@ class RequestRun:
         self.abort_unfinished()
         self.finish()
 
-    async def sse(self, firsts: list[tuple[int, RequestOutput]]) -> AsyncGenerator[bytes, None]:
-        """The event stream; a client that goes away cancels it here and its requests abort.
-        However it fails, it ends with an error event and [DONE]: an exception let out would
-        make uvicorn cut the connection mid-body, which a client reads as a broken transfer."""
+    def sse(self, firsts: list[tuple[int, RequestOutput]]) -> AsyncGenerator[bytes, None]:
+        """The chat or completions event stream, ending with [DONE]."""
+        return self.relay(firsts, EventStream(self.builder))
+
+    async def relay(
+        self, firsts: list[tuple[int, RequestOutput]], shaper: Shaper[T]
+    ) -> AsyncGenerator[T, None]:
+        """The outputs as `shaper` shapes them; a client that goes away cancels it here and its
+        requests abort. However it fails, it ends with the shaper's failure and its ending: an
+        exception let out would make uvicorn cut the connection mid-body, which a client reads
+        as a broken transfer."""
         try:
-            for event in self.builder.opening_events():
-                yield event
+            for item in shaper.opening():
+                yield item
             HttpFaults.trip(self._faults, "raise-in-stream")
             async for i, out in self.outputs(firsts):
-                for event in self.builder.delta_events(i, out):
-                    yield event
-            if self.prepared.include_usage:
-                yield self.builder.usage_event()
+                for item in shaper.shape(i, out):
+                    yield item
+            for item in shaper.closing():
+                yield item
             self.outcome = self._ended_outcome()
         except EngineError as e:
             self.outcome = "error"
-            yield sse_event(api_error_from(e).encoded())
+            yield shaper.failed(api_error_from(e))
         except Exception:
             log.exception("request %s: its %s stream failed", self.key, self.endpoint)
             self.outcome = "error"
-            yield sse_event(ApiError(500, INTERNAL_ERROR_MESSAGE).encoded())
+            yield shaper.failed(ApiError(500, INTERNAL_ERROR_MESSAGE))
         finally:
             self.abort_unfinished()
             self.finish()
-        yield SSE_DONE
+        for item in shaper.ending():
+            yield item
 
     # ------------------------------------------------------------ ending
+
+    @property
+    def choices(self) -> list[ChoiceState]:
+        return self.builder.choices
 
     def _ended_outcome(self) -> str:
         """A request that ran to its end; aborted (admin, drain) if any sample was cut off."""
@@ -262,7 +304,7 @@ class RequestRun:
                 continue
             self._finished.add(i)
             task = asyncio.get_running_loop().create_task(
-                self._abort(self.prepared.engine_request_id(i), stream)
+                self._abort(self.api.requests[i].request_id or "", stream)
             )
             _BACKGROUND.add(task)
             task.add_done_callback(_BACKGROUND.discard)
@@ -289,13 +331,14 @@ class RequestRun:
         metrics.add_prompt_tokens(usage.prompt_tokens)
         if self.status == 200:
             observe_finished(metrics, self, now, usage)
-        if self.state.settings.server.enable_log_requests:
-            log_request(self, now, usage)
+        server = self.state.settings.server
+        if server.enable_log_requests:
+            log_request(self, now, usage, server.max_log_len)
         if self.recording is not None and self.state.trace is not None:
             first = self.first_token_at
             self.state.trace.submit(
                 self.recording.record(
-                    self.prepared,
+                    self.api,
                     self.builder.choices if self.status == 200 else [],  # refused: none
                     outcome=self.outcome,
                     status=self.status,
@@ -305,65 +348,3 @@ class RequestRun:
                     e2e=now - self.arrival,
                 )
             )
-
-
-def observe_finished(metrics: ServerMetrics, run: RequestRun, now: float, usage: Usage) -> None:
-    """The per-request histograms of a request that was served (not refused)."""
-    model = metrics.model_name
-    generated = usage.completion_tokens
-    metrics.request_prompt_tokens.labels(model).observe(usage.prompt_tokens)
-    metrics.request_generation_tokens.labels(model).observe(generated)
-    for choice in run.builder.choices:
-        if choice.finish_reason is not None:
-            metrics.request_success.labels(model, choice.finish_reason).inc()
-    if run.outcome == "success":
-        metrics.e2e.labels(model).observe(now - run.arrival)
-    for scheduling in run.scheduling.values():
-        metrics.queue_time.labels(model).observe(scheduling.queue_s)
-        metrics.prefill_time.labels(model).observe(scheduling.prefill_s)
-    if run.first_token_at is not None:
-        decode = now - run.first_token_at
-        metrics.decode_time.labels(model).observe(decode)
-        later_tokens = generated - run.prepared.num_choices
-        if later_tokens > 0:
-            metrics.tpot.labels(model).observe(decode / later_tokens)
-
-
-def log_request(run: RequestRun, now: float, usage: Usage) -> None:
-    """One line: id, prompt length, parameters, outcome, timings; the prompt cut at
-    server.max_log_len characters (unset: whole)."""
-    p = run.prepared
-    limit = run.state.settings.server.max_log_len
-    prompt = _prompt_text(run)
-    if limit is not None and len(prompt) > limit:
-        prompt = prompt[:limit] + "..."
-    ttft = "-" if run.first_token_at is None else f"{run.first_token_at - run.arrival:.3f}s"
-    params = p.params
-    log.info(
-        "request %s: %s status=%d outcome=%s prompt_tokens=%d completion_tokens=%d "
-        "ttft=%s e2e=%.3fs params=(n=%d max_tokens=%s temperature=%g top_p=%g top_k=%d "
-        "seed=%s stop=%r) prompt=%r",
-        run.key,
-        run.endpoint,
-        run.status,
-        run.outcome,
-        usage.prompt_tokens,
-        usage.completion_tokens,
-        ttft,
-        now - run.arrival,
-        params.n,
-        params.max_tokens,
-        params.temperature,
-        params.top_p,
-        params.top_k,
-        params.seed,
-        params.stop,
-        prompt,
-    )
-
-
-def _prompt_text(run: RequestRun) -> str:
-    p = run.prepared
-    if p.messages is not None:
-        return "\n".join(f"{m['role']}: {m['content']}" for m in p.messages)
-    return " | ".join(str(prompt) for prompt in p.prompts)

@@ -12,13 +12,12 @@ from typing import Any
 
 import msgspec
 
+from engine.http.openai.chat_messages import chat_messages
 from engine.http.openai.decoding import decode_request
 from engine.http.openai.echo import EchoedPrompt
 from engine.http.openai.errors import ApiError
-from engine.http.openai.parsing import chat_message_dicts
 from engine.http.openai.protocol import ChatMessageIn, TokenId, encode
 from engine.messages.requests import ChatOptions
-from engine.request.prompts import chat_messages
 from engine.text.prompt import PromptBuilder
 
 
@@ -96,7 +95,7 @@ class Tokens:
                 lambda: list(tokenizer.encode(prompt, add_special_tokens=add_special))
             )
         else:
-            messages = chat_messages(chat_message_dicts(req.messages or []))
+            messages = chat_messages(req.messages or [])
             chat = ChatOptions(
                 req.chat_template or self._chat_template,
                 dict(req.chat_template_kwargs or {}),

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.http.openai.errors import ApiError
-from engine.http.openai.protocol import ChatCompletionRequest, NamedToolChoice
+from engine.http.openai.protocol import NamedToolChoice, ToolIn
 from engine.messages.params import StructuredOutputsParams
 
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
@@ -70,13 +70,15 @@ class ToolPlan:
 
 
 def plan_tools(
-    req: ChatCompletionRequest, parser: str | None
+    tools: list[ToolIn] | None,
+    choice: str | NamedToolChoice | None,
+    parallel_tool_calls: bool | None = None,
 ) -> tuple[ToolPlan | None, StructuredOutputsParams | None]:
     """The request's tool plan and the constraint its tool_choice asks for (ApiError naming
-    the field when tool_choice is not one the request can have)."""
-    tools = req.tools or []
+    the field when tool_choice is not one the request can have). An "auto" plan reads calls
+    with the server's parser, which the response builder sets."""
+    tools = tools or []
     names = [tool.function.name for tool in tools]
-    choice = req.tool_choice
     if choice is None:
         choice = "auto" if tools else "none"
     if isinstance(choice, NamedToolChoice):
@@ -102,7 +104,7 @@ def plan_tools(
     if not tools:
         raise ApiError(400, f"tool_choice {choice!r} needs tools", param="tool_choice")
     if choice == "auto":
-        return ToolPlan("auto", names, parser), None
+        return ToolPlan("auto", names), None
     calls: dict[str, Any] = {
         "type": "array",
         "minItems": 1,
@@ -121,24 +123,30 @@ def plan_tools(
             ],
         },
     }
-    if req.parallel_tool_calls is False:
+    if parallel_tool_calls is False:
         calls["maxItems"] = 1
     return ToolPlan("required", names), StructuredOutputsParams(json=calls)
 
 
-def template_tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+def template_tools(tools: list[ToolIn] | None) -> list[dict[str, Any]] | None:
     """`tools` as chat templates take them (OpenAI's shape, plain dicts). With tool_choice
     "none" too, as vLLM does by default: the model still sees them (it may not call them)."""
-    if not req.tools:
+    if not tools:
         return None
     out = []
-    for tool in req.tools:
+    for tool in tools:
         function: dict[str, Any] = {"name": tool.function.name}
         if tool.function.description is not None:
             function["description"] = tool.function.description
         function["parameters"] = tool.function.parameters or {"type": "object"}
         out.append({"type": "function", "function": function})
     return out
+
+
+def template_kwargs(tools: list[ToolIn] | None) -> dict[str, Any]:
+    """The chat template's variables for `tools`: {"tools": [...]}, or none without tools."""
+    shaped = template_tools(tools)
+    return {} if shaped is None else {"tools": shaped}
 
 
 def _compact(text: str) -> str:

@@ -1,11 +1,9 @@
-"""OpenAI's Responses API (/v1/responses) over the chat path: a request becomes a chat request
-(input items → messages, tools, text.format → response_format, max_output_tokens), and the chat
-answer becomes a Response object (message and function_call output items) or its events
-(response.created ... response.output_text.delta ... response.completed).
+"""OpenAI's Responses API (/v1/responses) over the chat path: a request becomes a chat run
+(chat_request.py), and its answer becomes a Response object (message and function_call output
+items) or its events (response.created ... response.output_text.delta ... response.completed).
 
-`previous_response_id` continues a stored conversation (store.py): the earlier
-turns' messages go before this request's input; `instructions` are not carried over,
-as in OpenAI's API.
+`previous_response_id` continues a stored conversation (store.py): the earlier turns' messages
+go before this request's input; `instructions` are not carried over, as in OpenAI's API.
 """
 
 from __future__ import annotations
@@ -19,20 +17,13 @@ import msgspec
 
 from engine.http.openai.chat_relay import ChatResult, ChatStep, Failed, TextDelta
 from engine.http.openai.decoding import decode_request
-from engine.http.openai.errors import ApiError, required
+from engine.http.openai.errors import ApiError
 from engine.http.openai.protocol import ToolCallOut
-from engine.http.openai.responses.protocol import (
-    FunctionTool,
-    InputItem,
-    NamedFunctionChoice,
-    ResponsesRequest,
-    TextConfig,
-)
+from engine.http.openai.responses.chat_request import chat_request, history, input_messages
+from engine.http.openai.responses.protocol import ResponsesRequest, TextConfig
 from engine.http.openai.responses.store import Conversation, ResponseStore
 
 _DECODER = msgspec.json.Decoder(ResponsesRequest)
-_ROLES = ("user", "assistant", "system", "developer")
-_TEXT_PARTS = ("input_text", "output_text", "text")
 # Why a chat answer ended → the Response's status.
 _STATUS = {"length": "incomplete", "abort": "cancelled"}
 
@@ -50,32 +41,9 @@ class ResponsesAdapter:
         self.store = store
         self.model = req.model or served_names[0]
         self.created = int(time.time())
-        self.conversation: Conversation = [*_history(req, store), *input_messages(req.input)]
-        self.chat_body = msgspec.json.encode(self._chat_request())
+        self.conversation: Conversation = [*history(req, store), *input_messages(req.input)]
+        self.api = chat_request(req, self.conversation, served_names)
         self.stream = req.stream
-        self.field_names = {"max_tokens": "max_output_tokens"}
-
-    def _chat_request(self) -> dict[str, Any]:
-        req = self.req
-        system = [{"role": "system", "content": req.instructions}] if req.instructions else []
-        chat: dict[str, Any] = {
-            "model": req.model,
-            "messages": [*system, *self.conversation],
-            "stream": req.stream,
-            "max_completion_tokens": req.max_output_tokens,
-            "parallel_tool_calls": req.parallel_tool_calls,
-        }
-        if req.stream:
-            chat["stream_options"] = {"include_usage": True}
-        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed"):
-            chat[name] = getattr(req, name)
-        if req.tools:
-            chat["tools"] = [_chat_tool(i, tool) for i, tool in enumerate(req.tools)]
-        if req.tool_choice is not None:
-            chat["tool_choice"] = _chat_tool_choice(req.tool_choice)
-        if req.text is not None:
-            chat["response_format"] = _response_format(req.text)
-        return chat
 
     # ------------------------------------------------------------ the Response object
 
@@ -246,130 +214,3 @@ def _function_call_item(call: ToolCallOut, status: str) -> dict[str, Any]:
         "arguments": call.function.arguments,
         "status": status,
     }
-
-
-# ---------------------------------------------------------------- requests → chat requests
-
-
-def _history(req: ResponsesRequest, store: ResponseStore) -> Conversation:
-    if req.previous_response_id is None:
-        return []
-    conversation = store.get(req.previous_response_id)
-    if conversation is None:
-        raise ApiError(
-            404,
-            f"previous response with id {req.previous_response_id!r} not found (unknown, not "
-            "stored, or dropped from the server's store of finished responses)",
-            param="previous_response_id",
-            code="not_found",
-        )
-    return conversation
-
-
-def input_messages(items: str | list[InputItem]) -> Conversation:
-    """`input` as chat messages: consecutive function_call items make one assistant message."""
-    if isinstance(items, str):
-        return [{"role": "user", "content": items}]
-    messages: list[dict[str, Any]] = []
-    for i, item in enumerate(items):
-        where = f"input[{i}]"
-        if item.type == "message":
-            messages.append({"role": _role(where, item), "content": _text(where, item.content)})
-        elif item.type == "function_call":
-            call = {
-                "id": required(where, "call_id", item.call_id),
-                "type": "function",
-                "function": {
-                    "name": required(where, "name", item.name),
-                    "arguments": required(where, "arguments", item.arguments),
-                },
-            }
-            last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
-                last["tool_calls"].append(call)
-            else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif item.type == "function_call_output":
-            call_id = required(where, "call_id", item.call_id)
-            output = required(where, "output", item.output)
-            messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
-        else:
-            raise ApiError(
-                400,
-                f"'{where}.type' must be message, function_call or function_call_output, "
-                f"got {item.type!r}",
-                param=f"{where}.type",
-            )
-    return messages
-
-
-def _role(where: str, item: InputItem) -> str:
-    if item.role not in _ROLES:
-        raise ApiError(
-            400,
-            f"'{where}.role' must be one of {', '.join(_ROLES)}, got {item.role!r}",
-            param=f"{where}.role",
-        )
-    return item.role
-
-
-def _text(where: str, content: str | list[Any] | None) -> str:
-    if content is None:
-        raise ApiError(400, f"'{where}.content' is required", param=f"{where}.content")
-    if isinstance(content, str):
-        return content
-    texts = []
-    for j, part in enumerate(content):
-        if part.type not in _TEXT_PARTS or part.text is None:
-            raise ApiError(
-                400,
-                f"'{where}.content[{j}]' must be a text part ({{'type': 'input_text', "
-                f"'text': ...}}), got type {part.type!r}",
-                param=f"{where}.content[{j}].type",
-            )
-        texts.append(part.text)
-    return "\n".join(texts)
-
-
-def _chat_tool(index: int, tool: FunctionTool) -> dict[str, Any]:
-    where = f"tools[{index}]"
-    if tool.type != "function":
-        raise ApiError(
-            400,
-            f"'{where}.type' must be 'function' (this server has no built-in tools), "
-            f"got {tool.type!r}",
-            param=f"{where}.type",
-        )
-    function: dict[str, Any] = {"name": required(where, "name", tool.name)}
-    if tool.description is not None:
-        function["description"] = tool.description
-    function["parameters"] = tool.parameters or {"type": "object"}
-    return {"type": "function", "function": function}
-
-
-def _chat_tool_choice(choice: str | NamedFunctionChoice) -> Any:
-    if isinstance(choice, str):
-        return choice
-    if choice.type != "function" or choice.name is None:
-        raise ApiError(
-            400,
-            "'tool_choice' must be none, auto, required or {'type': 'function', 'name': ...}",
-            param="tool_choice",
-        )
-    return {"type": "function", "function": {"name": choice.name}}
-
-
-def _response_format(text: TextConfig) -> dict[str, Any] | None:
-    fmt = text.format
-    if fmt is None or fmt.type == "text":
-        return None
-    if fmt.type == "json_object":
-        return {"type": "json_object"}
-    if fmt.type == "json_schema":
-        schema = {"name": fmt.name, "schema": fmt.schema, "strict": fmt.strict}
-        return {"type": "json_schema", "json_schema": schema}
-    raise ApiError(
-        400,
-        f"'text.format.type' must be text, json_object or json_schema, got {fmt.type!r}",
-        param="text.format.type",
-    )

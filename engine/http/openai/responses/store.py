@@ -5,9 +5,10 @@ dropped past `capacity` (server.responses_store_size)."""
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any
 
-Conversation = list[dict[str, Any]]
+from engine.messages.requests import ChatMessage
+
+Conversation = list[ChatMessage]
 
 
 class ResponseStore:
