@@ -1,7 +1,9 @@
 """`python -m engine replay TRACE --url URL [...]`: re-send a trace to an OpenAI-compatible server.
 
 Exit status: 0 every request succeeded (and, with --compare, every deterministic output matched
-the recording); 1 some request failed or mismatched; 2 usage error or unreadable trace.
+the recording, where both runs were --deterministic: elsewhere a difference is listed with why it
+may happen, not failed); 1 some request failed or mismatched; 2 usage error, unreadable trace, or
+a trace a running server is still recording into.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import msgspec
 from engine.trace.client import ClientOptions, ReplayResult, replay
 from engine.trace.format import read_trace
 from engine.trace.plot import plot_replay
+from engine.trace.recorder import being_recorded
 from engine.trace.render import render_text
 from engine.trace.report import build_report
 from engine.trace.schedule import ScheduledRequest, build_schedule
@@ -62,7 +65,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--compare",
         action="store_true",
-        help="check deterministic (greedy or seeded) outputs against the recording",
+        help="check greedy and seeded outputs against the recording: exact where the recording "
+        "and this server both run with --deterministic; elsewhere differences are listed, not "
+        "failed",
     )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument(
@@ -88,6 +93,14 @@ def run_replay(argv: list[str], environ: Mapping[str, str]) -> int:
     except OSError as e:
         print(f"engine replay: cannot read {args.trace}: {e.strerror or e}", file=sys.stderr)
         return 2
+    if being_recorded(args.trace):
+        print(
+            f"engine replay: a running server is recording into {args.trace} (--record-trace): "
+            "replayed there, the replay would be appended to the trace being replayed; replay a "
+            "copy of it",
+            file=sys.stderr,
+        )
+        return 2
     for problem in trace.problems:
         print(f"engine replay: {args.trace} {problem} (skipped)", file=sys.stderr)
     if not trace.entries:
@@ -112,6 +125,7 @@ def run_replay(argv: list[str], environ: Mapping[str, str]) -> int:
         results=results,
         problems=trace.problems,
         compare=args.compare,
+        server_deterministic=_says_deterministic(args.url, api_key) if args.compare else None,
     )
     if args.json:
         sys.stdout.write(msgspec.json.encode(report).decode() + "\n")
@@ -121,7 +135,8 @@ def run_replay(argv: list[str], environ: Mapping[str, str]) -> int:
         plot_replay(results, args.plot, title=f"{args.trace} → {args.url}", speed=args.speed)
         if not args.json:
             print(f"\nplot written to {args.plot}")
-    mismatched = report.comparison is not None and bool(report.comparison.mismatches)
+    c = report.comparison
+    mismatched = c is not None and bool(c.mismatches) and c.may_differ is None
     return 1 if report.replay.failed or mismatched else 0
 
 
@@ -151,6 +166,18 @@ def _first_model(url: str, api_key: str | None) -> str | None:
         return str(data[0]["id"]) if resp.status_code == 200 and data else None
     except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
         return None
+
+
+def _says_deterministic(url: str, api_key: str | None) -> bool | None:
+    """Whether the server says it runs batch-invariant kernels (this engine's /version does);
+    None when it does not say."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        answer = httpx.get(url.rstrip("/") + "/version", headers=headers, timeout=30.0).json()
+    except (httpx.HTTPError, ValueError):
+        return None
+    found = answer.get("deterministic") if isinstance(answer, dict) else None
+    return found if isinstance(found, bool) else None
 
 
 def _positive_float(text: str) -> float:

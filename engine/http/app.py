@@ -96,7 +96,9 @@ def _api_routes(state: ServerState) -> list[Route]:
         return Response(encode(ModelList(data=cards)), media_type=JSON)
 
     async def version_route(request: Request) -> Response:
-        return _json(200, {"version": engine_version()})
+        # And whether greedy and seeded outputs are reproducible (engine replay --compare).
+        deterministic = state.settings.model.deterministic
+        return _json(200, {"version": engine_version(), "deterministic": deterministic})
 
     async def metrics(request: Request) -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)

@@ -54,9 +54,9 @@ class ServerState:
         settings: Settings,
         chat_template: str | None = None,
     ) -> ServerState:
-        trace = (
-            TraceRecorder(settings.server.record_trace) if settings.server.record_trace else None
-        )
+        record = settings.server.record_trace
+        deterministic = settings.model.deterministic
+        trace = TraceRecorder(record, deterministic=deterministic) if record else None
         names = settings.model.served_name or (llm.model_name,)
         return cls(
             llm=llm,

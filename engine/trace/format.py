@@ -59,6 +59,9 @@ class TraceRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     ttft: float | None = None  # seconds from arrival to the first token delivered
     e2e: float | None = None  # seconds from arrival to the end of the response
     choices: list[RecordedChoice] = msgspec.field(default_factory=list)
+    # Served by a --deterministic server (batch-invariant kernels): its greedy and seeded
+    # outputs do not depend on the batch or the prefix cache, so a replay can match them exactly.
+    deterministic: bool = False
 
     def request_body(self) -> dict[str, Any]:
         body = msgspec.json.decode(self.body)

@@ -6,11 +6,16 @@ loop touches the file, so a slow disk never delays a response. A write that fail
 a vanished mount) stops recording with one log line; serving goes on. If the writer falls behind
 by more than `max_pending` records, new ones are dropped (counted, logged once) rather than
 letting memory grow.
+
+The file is held under a shared lock (flock) while it is recorded into: `engine replay` refuses a
+trace that a server is still recording, which would otherwise append the replay to the file
+being replayed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import queue
@@ -30,8 +35,11 @@ _STOP = None  # queued by close(): the writer drains what came before and exits
 class TraceRecorder:
     """Appends records to a JSON Lines file from a background thread."""
 
-    def __init__(self, path: str, *, max_pending: int = 10_000) -> None:
+    def __init__(
+        self, path: str, *, max_pending: int = 10_000, deterministic: bool = False
+    ) -> None:
         self.path = path
+        self.deterministic = deterministic  # stamped on every record
         self.written = 0
         self.dropped = 0
         self._queue: queue.Queue[TraceRecord | None] = queue.Queue(maxsize=max_pending)
@@ -56,6 +64,7 @@ class TraceRecorder:
         if self._failed:
             self.dropped += 1
             return
+        record.deterministic = self.deterministic
         try:
             self._queue.put_nowait(record)
         except queue.Full:
@@ -109,11 +118,27 @@ class TraceRecorder:
             self._file = None
 
 
+def being_recorded(path: str) -> bool:
+    """Whether a recorder (of any process) holds `path` open to append to it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # and with it the probe's own lock
+    return False
+
+
 def _open_owner_only(path: str) -> int:
     """`path` opened for appending, owner-only (0600): a trace holds every prompt and output.
     The mode is set on the open file, so neither the umask (which could leave 0400, or with the
     default, 0644 on a file created before) nor an earlier run's looser mode decides it. A file
-    owned by another user keeps its mode (only its owner may change it)."""
+    owned by another user keeps its mode (only its owner may change it). Held under a shared
+    lock until it is closed (being_recorded)."""
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         info = os.fstat(fd)
@@ -123,6 +148,7 @@ def _open_owner_only(path: str) -> int:
             and stat.S_IMODE(info.st_mode) != 0o600
         ):
             os.fchmod(fd, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_SH)  # a replay's probe holds its own for an instant only
     except OSError:
         os.close(fd)
         raise

@@ -51,6 +51,8 @@ def render_text(report: ReplayReport) -> str:
                 f"{where}: recorded {m.recorded!r}, replayed {m.replayed!r}"
             )
         _more(lines, len(c.mismatches))
+        if c.may_differ is not None:
+            lines.append(f"  outputs can differ from the recording here: {c.may_differ}")
     if report.problems:
         lines += ["", f"skipped {len(report.problems)} malformed line(s) of the trace:"]
         lines += [f"  {p}" for p in report.problems[:MAX_LISTED]]

@@ -65,6 +65,9 @@ class Comparison(msgspec.Struct):
     matched: int
     not_replayed: int  # deterministic, recorded, but the replay failed
     mismatches: list[Mismatch]
+    # Why outputs may differ from the recording without a fault (None: they may not, as both
+    # runs were --deterministic): then a mismatch is reported, not failed.
+    may_differ: str | None = None
 
 
 class ReplayReport(msgspec.Struct):
@@ -149,15 +152,30 @@ def recorded_figures(records: Sequence[TraceRecord]) -> RunFigures | None:
     )
 
 
-def compare_outputs(results: Sequence[ReplayResult]) -> Comparison:
-    """Every deterministic request recorded as a success against what the replay returned."""
+# Greedy and seeded outputs are reproducible only on batch-invariant kernels: elsewhere a
+# request's rounding depends on the batch it shared and on whether its prompt's KV came from the
+# prefix cache, and a near-tie between two tokens flips.
+_WHY = (
+    "a greedy or seeded output depends on the batch it shared and on whether its prompt came "
+    "from the prefix cache; for an exact comparison, record and replay with servers started "
+    "with --deterministic"
+)
+
+
+def compare_outputs(
+    results: Sequence[ReplayResult], server_deterministic: bool | None = None
+) -> Comparison:
+    """Every deterministic request recorded as a success against what the replay returned;
+    `server_deterministic`: whether the replaying server says it is (None: it does not say)."""
     checked = matched = not_replayed = 0
     mismatches: list[Mismatch] = []
+    recorded_invariant = True
     for result in results:
         entry = result.request.entry
         record = entry.record
         if record.outcome != "success" or not is_deterministic(entry.body):
             continue
+        recorded_invariant = recorded_invariant and record.deterministic
         if not result.ok:
             not_replayed += 1
             continue
@@ -167,7 +185,21 @@ def compare_outputs(results: Sequence[ReplayResult]) -> Comparison:
             mismatches.extend(found)
         else:
             matched += 1
-    return Comparison(checked, matched, not_replayed, mismatches)
+    return Comparison(
+        checked,
+        matched,
+        not_replayed,
+        mismatches,
+        _may_differ(recorded_invariant, server_deterministic),
+    )
+
+
+def _may_differ(recorded: bool, server: bool | None) -> str | None:
+    if not recorded:
+        return f"the recording was made without --deterministic: {_WHY}"
+    if server is None:
+        return f"this server does not say that it runs with --deterministic: {_WHY}"
+    return None if server else f"this server runs without --deterministic: {_WHY}"
 
 
 def _mismatches(line: int, record: TraceRecord, result: ReplayResult) -> list[Mismatch]:
@@ -218,6 +250,7 @@ def build_report(
     results: Sequence[ReplayResult],
     problems: Sequence[TraceProblem],
     compare: bool,
+    server_deterministic: bool | None = None,
 ) -> ReplayReport:
     failed = [r for r in results if not r.ok]
     reasons = Counter(_reason(r) for r in failed)
@@ -233,7 +266,7 @@ def build_report(
             FailedRequest(r.request.entry.line, r.request.entry.record.request_id, r.error or "")
             for r in failed
         ],
-        comparison=compare_outputs(results) if compare else None,
+        comparison=compare_outputs(results, server_deterministic) if compare else None,
         problems=[str(p) for p in problems],
     )
 

@@ -13,7 +13,7 @@ import msgspec
 import pytest
 
 from engine.trace.format import TraceRecord, make_body, read_trace
-from engine.trace.recorder import TraceRecorder
+from engine.trace.recorder import TraceRecorder, being_recorded
 
 
 def record(i: int, body: msgspec.Raw | None = None) -> TraceRecord:
@@ -39,6 +39,21 @@ def test_records_are_appended_in_order_and_close_flushes_them(tmp_path: Path) ->
     assert not trace.problems
     assert [e.record.request_id for e in trace.entries] == [f"r{i}" for i in range(500)]
     assert recorder.written == 500 and recorder.dropped == 0 and recorder.active
+
+
+def test_a_trace_being_recorded_is_known_and_says_how_it_was_served(tmp_path: Path) -> None:
+    """`engine replay` refuses a file a server still appends to (its replay would land in it);
+    each record says whether its server ran --deterministic (replay --compare is exact then)."""
+    path = tmp_path / "trace.jsonl"
+    recorder = TraceRecorder(str(path), deterministic=True)
+    assert being_recorded(str(path))
+    recorder.submit(record(0))
+    recorder.close()
+    assert not being_recorded(str(path))
+    (entry,) = read_trace(path).entries
+    assert entry.record.deterministic
+    TraceRecorder(str(path)).close()
+    assert not being_recorded(str(tmp_path / "absent.jsonl"))
 
 
 def test_a_pretty_printed_body_stays_on_one_line(tmp_path: Path) -> None:

@@ -92,6 +92,40 @@ def test_counts_figures_and_mismatches() -> None:
     assert report.problems == ["line 7: not valid JSON"]
 
 
+@pytest.mark.parametrize(
+    ("recorded_deterministic", "server", "why"),
+    [
+        (True, True, None),
+        (False, True, "the recording was made without --deterministic"),
+        (True, False, "this server runs without --deterministic"),
+        (True, None, "this server does not say that it runs with --deterministic"),
+    ],
+)
+def test_a_comparison_is_exact_only_between_two_deterministic_runs(
+    recorded_deterministic: bool, server: bool | None, why: str | None
+) -> None:
+    """Elsewhere a greedy output depends on its batch and on the prefix cache: the report says
+    so beside the differences, and replay does not fail on them."""
+    entry = recorded(0, "recorded text", GREEDY)
+    entry.record.deterministic = recorded_deterministic
+    (request,) = build_schedule([entry])
+    result = ReplayResult(request, sent_at=0.0, status=200)
+    result.finished_at, result.completion_tokens = 0.5, 2
+    result.choices[0] = ReplayedChoice(["other text"], "length")
+    report = build_report(
+        trace="t.jsonl", url="http://x", speed=1.0, max_concurrency=None, schedule=[request],
+        results=[result], problems=[], compare=True, server_deterministic=server,
+    )  # fmt: skip
+    assert report.comparison is not None and len(report.comparison.mismatches) == 1
+    if why is None:
+        assert report.comparison.may_differ is None
+        assert "can differ" not in render_text(report)
+    else:
+        assert report.comparison.may_differ is not None
+        assert report.comparison.may_differ.startswith(why)
+        assert "record and replay with servers started with --deterministic" in render_text(report)
+
+
 def test_text_and_json_renderings() -> None:
     report = a_report()
     text = render_text(report)
