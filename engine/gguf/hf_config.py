@@ -10,15 +10,9 @@ from typing import Any
 
 import numpy as np
 
+from engine.gguf.family_config import ARCHITECTURES, family_config
 from engine.gguf.metadata import GGUFError
 from engine.gguf.reader import GGUFFile
-
-# GGUF `general.architecture` -> the Hugging Face class the engine's decoder implements.
-ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
 
 
 def architecture_of(gguf: GGUFFile) -> str:
@@ -68,7 +62,7 @@ def hf_config(gguf: GGUFFile) -> dict[str, Any]:
     scaling = _rope_scaling(gguf, arch)
     if scaling is not None:
         config["rope_scaling"] = scaling
-    return config
+    return config | family_config(gguf, arch, config)
 
 
 # The sampling defaults a GGUF file may carry (llama.cpp's general.sampling.* keys, which

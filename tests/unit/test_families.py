@@ -6,7 +6,7 @@ LOGIT_BOUND of transformers' (float32; the families measure 4e-6 to 1e-5).
 The shapes cover what each family adds: windows shorter than the prompts, GQA, MHA and odd head
 counts, tied and untied heads, partial rotary and longrope (Phi-3), soft-capping and sandwich
 norms (Gemma 2), q/k norms and two rope bases (Gemma 3), more experts than top-k, renormalised
-or not, and a dense layer among MoE layers."""
+or not. And the same checkpoints as GGUF files (tests/family_gguf.py) load as the same weights."""
 
 from __future__ import annotations
 
@@ -16,11 +16,13 @@ from typing import Any
 import pytest
 import torch
 
+from engine.gguf.checkpoint import prepare_checkpoint
 from engine.launch.plan import plan_engine
 from engine.library.llm import build_settings
 from engine.model.runner import ModelRunner
 from engine.model.step_inputs import SeqChunk
 from tests.checkpoints import greedy_generate, tiny_checkpoint
+from tests.family_gguf import family_gguf
 from tests.hf_reference import assert_greedy_matches_hf, hf_logits
 
 LOGIT_BOUND = 1e-4
@@ -87,6 +89,7 @@ VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Any], list[int]]] = {
     "gemma2-softcaps-window-odd-heads": (
         {
             "arch": "gemma2",
+            "tie_word_embeddings": True,  # llama.cpp's Gemma 2 always ties
             "head_dim": 16,
             "num_heads": 3,
             "num_kv_heads": 1,
@@ -105,10 +108,10 @@ VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Any], list[int]]] = {
         {
             "arch": "gemma3",
             "head_dim": 16,
+            "num_layers": 6,  # layers 0-4 sliding, 5 global: Gemma 3's own pattern
             "extra": {
                 "sliding_window": 6,
                 "query_pre_attn_scalar": 16,
-                "layer_types": ["sliding_attention", "full_attention"],
                 "rope_parameters": {
                     "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e5},
                     "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
@@ -118,7 +121,7 @@ VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Any], list[int]]] = {
         {},
         LONG,
     ),
-    "qwen3-moe-renormalised-dense-layer": (
+    "qwen3-moe-renormalised": (
         {
             "arch": "qwen3_moe",
             "extra": {
@@ -126,7 +129,6 @@ VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Any], list[int]]] = {
                 "num_experts_per_tok": 2,
                 "moe_intermediate_size": 32,
                 "norm_topk_prob": True,
-                "mlp_only_layers": [1],
             },
         },
         {},
@@ -137,11 +139,11 @@ VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Any], list[int]]] = {
         {},
         LONG,
     ),
-    "mixtral-window-tied": (
+    "mixtral-tied": (
         {
             "arch": "mixtral",
             "tie_word_embeddings": True,
-            "extra": {"num_local_experts": 5, "num_experts_per_tok": 2, "sliding_window": 8},
+            "extra": {"num_local_experts": 5, "num_experts_per_tok": 2},
         },
         {},
         LONG,
@@ -176,7 +178,7 @@ def test_greedy_tokens_and_logits_match_transformers(
 @pytest.mark.parametrize(
     ("variant", "setting", "refusal"),
     [
-        ("mixtral-window-tied", "parallel.tensor_parallel_size", "with tensor parallelism"),
+        ("mixtral-tied", "parallel.tensor_parallel_size", "with tensor parallelism"),
         ("phi3-longrope-short-factors", "lora.enable_lora", "with LoRA adapters"),
     ],
 )
@@ -187,3 +189,35 @@ def test_a_combination_a_family_lacks_is_refused_at_start_naming_both(
     value = 2 if setting.startswith("parallel.") else True
     with pytest.raises(ValueError, match=f"ForCausalLM {refusal}.*not supported yet"):
         plan_engine(build_settings(**{setting: value}), str(path))
+
+
+# The families' GGUF files as llama.cpp's converter writes them (tests/family_gguf.py), in types
+# their 64-wide rows hold. Mistral's window is not in its GGUF file (llama.cpp's converter reads
+# it as a llama model): the llama family's GGUF files are tests/unit/test_gguf_model.py's.
+GGUF_CASES = {
+    "gemma2-softcaps-window-odd-heads": "F16",  # 48-wide rows: no 32-value blocks
+    "gemma3-qk-norms-two-rope-bases": "F16",
+    "phi3-partial-rotary-window-mha": "Q4_0",
+    "phi3-longrope-long-factors": "F32",
+    "qwen3-moe-renormalised": "Q8_0",
+    "olmoe-whole-qk-norms-mha": "Q4_1",
+    "mixtral-tied": "F16",
+}
+
+
+@pytest.mark.parametrize("variant", sorted(GGUF_CASES))
+def test_a_gguf_file_loads_as_its_weights_from_safetensors(variant: str, tmp_path: Path) -> None:
+    """Its config read from the file's metadata, its tensors from llama.cpp's names (stacked
+    experts, Gemma's 1 + w norms, Phi-3's fused tensors and rope factors): the same logits as
+    the same weights after the same quantization loaded from safetensors."""
+    spec, runner_args, lengths = VARIANTS[variant]
+    gguf_file, reference = family_gguf(tiny_checkpoint(**spec), GGUF_CASES[variant])
+    prompt = torch.randint(3, 512, (lengths[-1],), generator=torch.Generator().manual_seed(3))
+    chunk = [SeqChunk(0, prompt.tolist(), 0, list(range(-(-lengths[-1] // 4))), True)]
+    logits = [
+        ModelRunner(
+            str(path), kv_cache_memory=1 << 20, block_size=4, quantization="none", **runner_args
+        ).forward(chunk)
+        for path in (prepare_checkpoint(gguf_file, tmp_path), reference)
+    ]
+    assert torch.equal(logits[0], logits[1])

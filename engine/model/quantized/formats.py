@@ -131,8 +131,9 @@ def _file_formats(gguf: Path, config: ModelConfig) -> dict[str, WeightFormat]:
     # parameter -> {first row: (GGUF type, rows)} of its checkpoint parts
     parts: dict[str, dict[int, tuple[str, int]]] = {}
     with read_gguf(gguf) as file:
+        arch = str(file.metadata.get("general.architecture", ""))
         for info in file.tensors.values():
-            name = hf_name(info.name)
+            name = hf_name(info.name, arch)
             target = None if name is None else map_weight_name(name, config)
             if target is not None and target[0].endswith(QUANTIZABLE_SUFFIXES):
                 param, row = target
