@@ -6,6 +6,7 @@ with the default model's tokenizer (`engine export default`), converted by the l
 
     python tools/data/make_gguf.py smollm2-1.7b                     # Q4_K_M, Q5_K_M, Q6_K, ...
     python tools/data/make_gguf.py llama-3.2-1b --types Q4_K_M Q8_0 --out /tmp/l32
+    python tools/data/make_gguf.py smollm2-1.7b --layers 2 --types Q4_0 Q5_1  # a small file
     python tools/data/make_gguf.py --list
 
 Speed depends only on the shape, so random weights serve the benchmarks (tools/bench/serving.py
@@ -68,7 +69,7 @@ SHAPES = {
     "smollm2-1.7b": Shape("llama", 2048, 24, 32, 32, 8192, True, 130000.0, 8192),
     "llama-3.2-1b": Shape("llama", 2048, 16, 32, 8, 8192, True, 500000.0, 131072),
     "qwen2.5-1.5b": Shape("qwen2", 1536, 28, 12, 2, 8960, True, 1000000.0, 32768),
-    "llama-3.1-8b-4layers": Shape("llama", 4096, 4, 32, 8, 14336, False, 500000.0, 131072),
+    "llama-3.1-8b": Shape("llama", 4096, 32, 32, 8, 14336, False, 500000.0, 131072),
 }
 
 
@@ -210,6 +211,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--types", nargs="+", default=list(TYPES), help="llama-quantize's types")
     parser.add_argument("--out", type=Path, help="directory (default: peers/made/models/<shape>)")
     parser.add_argument("--init-std", type=float, default=0.05, help="the weights' spread")
+    parser.add_argument("--layers", type=int, help="cut the shape to this many layers")
     parser.add_argument("--sdist", type=Path, help="llama_cpp_python-*.tar.gz (else downloaded)")
     parser.add_argument("--list", action="store_true", help="print the shapes and stop")
     args = parser.parse_args(argv)
@@ -218,8 +220,11 @@ def main(argv: list[str] | None = None) -> None:
             fields: dict[str, Any] = dataclasses.asdict(shape)
             print(f"{name}: {', '.join(f'{k} {v}' for k, v in fields.items())}")
         return
-    out = args.out or made_directory() / "models" / args.shape
-    for path in make_files(args.shape, args.types, out, args.init_std, args.sdist):
+    name = args.shape if args.layers is None else f"{args.shape}-{args.layers}layers"
+    if args.layers is not None:
+        SHAPES[name] = dataclasses.replace(SHAPES[args.shape], layers=args.layers)
+    out = args.out or made_directory() / "models" / name
+    for path in make_files(name, args.types, out, args.init_std, args.sdist):
         print(f"{path} ({path.stat().st_size / 2**20:.0f} MiB)")
 
 

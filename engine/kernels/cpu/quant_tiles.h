@@ -11,7 +11,7 @@
 
 namespace engine_quant {
 
-constexpr int kTileSizes = 4;  // tiles of 1, 2, 4 and 8 rows at most
+constexpr int kTileSizes = 5;  // tiles of 1, 2, 4, 8 and 16 rows at most
 constexpr int kMaxRows = 1 << (kTileSizes - 1);
 
 // Rows [0, R) of a tile against one panel of a part in `format`: sums [R][16], before the bias.

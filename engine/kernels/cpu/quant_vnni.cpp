@@ -17,9 +17,10 @@ struct VnniTile {
 
 }  // namespace
 
-// Up to 8 float accumulators, 8 decoded groups, a row's 2 integer chains: 18 of 32 registers.
-// Each size is compiled for each format: only powers of two, to bound the build's time; other
-// row counts take several tiles (7 = 4 + 2 + 1).
+// Up to 16 rows: a block's 8 decoded groups serve every row of the tile, so that a decode step
+// of 16 sequences decodes each weight block once (its rows' accumulators, in a loop, may live in
+// L1). Each size is compiled for each format: only powers of two, to bound the build's time;
+// other row counts take several tiles (7 = 4 + 2 + 1).
 const engine_quant::Tiles& engine_quant::vnni_tiles() {
   static const Tiles tiles = make_tiles<kTileSizes, VnniTile>();
   return tiles;
