@@ -221,3 +221,32 @@ def test_a_gguf_file_loads_as_its_weights_from_safetensors(variant: str, tmp_pat
         for path in (prepare_checkpoint(gguf_file, tmp_path), reference)
     ]
     assert torch.equal(logits[0], logits[1])
+
+
+@pytest.mark.parametrize("variant", [v for v in sorted(GGUF_CASES) if "moe" in v or "mixtral" in v])
+def test_a_moe_files_experts_are_served_in_their_block_types(variant: str, tmp_path: Path) -> None:
+    """Each layer's stacked experts stay in the file's block type, each expert read where its
+    rows lie in the packed weight: on the same routes, a layer's output stays within the
+    kernel's int8-activation error of the dequantized experts' (0.5 % of the largest output
+    per matmul: tests/unit/test_quantized_model.py). Whole models are not compared: the router
+    of a random tiny model flips a token's expert on such an error."""
+    spec, runner_args, _ = VARIANTS[variant]
+    gguf_file, _ = family_gguf(tiny_checkpoint(**spec), "Q8_0")
+    derived = str(prepare_checkpoint(gguf_file, tmp_path))
+    served, dequantized = (
+        ModelRunner(derived, kv_cache_memory=1 << 20, block_size=4, quantization=q, **runner_args)
+        for q in ("auto", "none")
+    )
+    formats = served.model.weight_formats
+    assert {"layers.0.mlp.experts.gate_up", "layers.0.mlp.experts.down"} <= set(formats)
+    for layer in range(served.config.num_layers):
+        packed, floats = served.model.layers[layer].mlp, dequantized.model.layers[layer].mlp
+        assert packed.experts.gate_up.numel() == 0  # no float copy kept
+        x = torch.randn(
+            9, served.config.hidden_size, generator=torch.Generator().manual_seed(layer)
+        )
+        routes = packed.route(x)
+        packed.route = floats.route = lambda _x, routes=routes: routes
+        quantized, reference = packed(x), floats(x)
+        assert float((quantized - reference).abs().max()) <= 0.02 * float(reference.abs().max())
+        assert float(torch.cosine_similarity(quantized, reference, dim=-1).min()) > 0.999

@@ -20,6 +20,7 @@ from engine.kernels.attention_metadata import AttentionMetadata
 from engine.kernels.backend import KernelBackend, Linear
 from engine.kernels.kv_cache import PagedKVCache
 from engine.kernels.packed_weights import packs_decoder
+from engine.model.architectures.experts import SparseMoE
 from engine.model.architectures.fused_decode import FusedDecode, unfused_reason
 from engine.model.architectures.layers import PreparedLinears, RMSNorm, StepContext
 from engine.model.architectures.rope import rope_inv_freq, rotary_scale
@@ -113,6 +114,10 @@ class CausalLM(nn.Module):
 
         for layer in self.layers:
             cast(DecoderLayer, layer).fuse_weights(prepared)
+        for name, module in self.named_modules():
+            if isinstance(module, SparseMoE):
+                gate_up, down = (quantized.get(f"{name}.experts.{p}") for p in ("gate_up", "down"))
+                module.use_packed(gate_up, down)
         device = self.embed_tokens.weight.device
         self.inv_freq = rope_inv_freq(self.config).to(device)
         if self.local_inv_freq is not None:

@@ -62,6 +62,10 @@ def _expert_rows(config: ModelConfig, layer: str, expert: int, part: str) -> tup
 def parts_of(param: str, config: ModelConfig) -> int:
     """How many checkpoint tensors fill a parameter (the loader packs a quantized one when it
     has them all)."""
+    if param.endswith(".experts.gate_up"):
+        return 2 * config.num_experts
+    if param.endswith(".experts.down"):
+        return config.num_experts
     if config.fused_checkpoint:
         return 1
     return 3 if ".qkv_proj." in param else 2 if ".gate_up_proj." in param else 1
@@ -94,7 +98,7 @@ def expected_weight_keys(
 
 def matrix_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     """(rows, columns) of every matmul and embedding parameter of a whole (one-rank) model that
-    may be served quantized (the experts and routers of a MoE model are not yet); the
+    may be served quantized (a MoE layer's stacked experts among them, its router not); the
     vocabulary projection reads `embed_tokens.weight` when the embeddings are tied."""
     hidden, inter = config.hidden_size, config.intermediate_size
     q_out, kv_out = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
@@ -106,9 +110,14 @@ def matrix_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
         "mlp.gate_up_proj.weight": (2 * inter, hidden),
         "mlp.down_proj.weight": (hidden, inter),
     }
+    experts, size = config.num_experts, config.expert_intermediate_size
+    moe = {
+        "mlp.experts.gate_up": (experts * 2 * size, hidden),
+        "mlp.experts.down": (experts * hidden, size),
+    }
     shapes = {}
     for layer in range(config.num_layers):
-        parts = attention if config.is_moe_layer(layer) else {**attention, **mlp}
+        parts = {**attention, **(moe if config.is_moe_layer(layer) else mlp)}
         shapes.update({f"layers.{layer}.{part}": shape for part, shape in parts.items()})
     shapes["embed_tokens.weight"] = (config.vocab_size, hidden)
     if not config.tie_word_embeddings:

@@ -201,6 +201,8 @@ def packed_weight_bytes(
     for name, (rows, columns) in matrix_shapes(config).items():
         if name in skip or (name == "embed_tokens.weight" and not config.tie_word_embeddings):
             continue
+        if ".experts." in name:  # a MoE layer's float experts run unpacked
+            continue
         nbytes = rows * columns * size // tensor_parallel_size
         (decoder if name.startswith("layers.") else head).append(nbytes)
     counted = [*head, *decoder] if packs_decoder(sum(decoder)) else head

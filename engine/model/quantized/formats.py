@@ -33,6 +33,8 @@ QUANTIZABLE_SUFFIXES = (
     "self_attn.o_proj.weight",
     "mlp.gate_up_proj.weight",
     "mlp.down_proj.weight",
+    "mlp.experts.gate_up",
+    "mlp.experts.down",
     "embed_tokens.weight",
     "lm_head.weight",
 )
@@ -124,6 +126,18 @@ def quantized_gguf(
     return bool(quantized_formats(model_path, config, quantization))
 
 
+def _checkpoint_tensors(name: str | None, shape: tuple[int, ...]) -> list[tuple[str, int]]:
+    """(Hugging Face name, rows) of each checkpoint tensor a GGUF tensor holds: one, or one per
+    expert of a stacked [experts, rows, columns] tensor (engine/gguf/names.py)."""
+    from engine.gguf.names import EXPERT
+
+    if name is None:
+        return []
+    if EXPERT in name:
+        return [(name.replace(EXPERT, str(e)), shape[1]) for e in range(shape[0])]
+    return [(name, shape[0])]
+
+
 def _file_formats(gguf: Path, config: ModelConfig) -> dict[str, WeightFormat]:
     from engine.gguf.names import hf_name
     from engine.gguf.reader import read_gguf
@@ -133,11 +147,11 @@ def _file_formats(gguf: Path, config: ModelConfig) -> dict[str, WeightFormat]:
     with read_gguf(gguf) as file:
         arch = str(file.metadata.get("general.architecture", ""))
         for info in file.tensors.values():
-            name = hf_name(info.name, arch)
-            target = None if name is None else map_weight_name(name, config)
-            if target is not None and target[0].endswith(QUANTIZABLE_SUFFIXES):
-                param, row = target
-                parts.setdefault(param, {})[row] = (info.type_name, info.shape[0])
+            for name, rows in _checkpoint_tensors(hf_name(info.name, arch), info.shape):
+                target = map_weight_name(name, config)
+                if target is not None and target[0].endswith(QUANTIZABLE_SUFFIXES):
+                    param, row = target
+                    parts.setdefault(param, {})[row] = (info.type_name, rows)
     formats = {}
     for param, by_row in parts.items():
         types = [by_row[row] for row in sorted(by_row)]
