@@ -10,10 +10,11 @@ around a run.
 `llama_cpp.server` (the Python package's own server) serves one request at a time and is not a
 fair peer; `llama-server` with `-np N` batches N streams. The build (CMake, `GGML_NATIVE=ON`,
 static, Release; `llama-server`, `llama-bench`, `llama-tokenize`, `llama-quantize`, and the
-EXTRA_TARGETS, `llama-perplexity`) takes minutes on two cores and lands in
-$ENGINE_HOME/peers/llama.cpp-VERSION/bin, renamed into place whole. A directory built before an
-extra target was added gets just that binary built (a fresh configure, as the build directory is
-not kept) and renamed in beside the others, which are left alone; `binary(name)` asks for one.
+EXTRA_TARGETS, `llama-perplexity`; without AMX, see CMAKE_FLAGS) takes minutes on two cores and
+lands in $ENGINE_HOME/peers/llama.cpp-VERSION-bBUILD/bin, renamed into place whole. A directory
+built before an extra target was added gets just that binary built (a fresh configure, as the
+build directory is not kept) and renamed in beside the others, which are left alone;
+`binary(name)` asks for one.
 The model is the default model's GGUF file unless --model names another; `f32_file` makes a
 file's F32 copy once (for comparisons at float32, beside the engine's float32 export of it).
 """
@@ -42,8 +43,17 @@ TARGETS = ("llama-server", "llama-bench", "llama-tokenize", "llama-quantize")
 # Built with TARGETS into a fresh directory, and on their own into one that lacks them.
 EXTRA_TARGETS = ("llama-perplexity",)
 # Static binaries: the build directory is thrown away, so nothing may point back into it.
+# Without ggml's AMX code (its macros undefined, whatever -march=native says): these machines'
+# CPUs advertise AMX that their hypervisor does not run (`tilezero` faults: SIGILL in every
+# matmul ggml's AMX buffer type takes), and the engine's kernels use none (AVX512-VNNI at most),
+# so both sides run on the same instructions.
+NO_AMX = "-U__AMX_TILE__ -U__AMX_INT8__ -U__AMX_BF16__"
 CMAKE_FLAGS = ("-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DCMAKE_BUILD_TYPE=Release",
-               "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF")  # fmt: skip
+               "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+               f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}")  # fmt: skip
+# Part of the binaries' directory name: bumped when CMAKE_FLAGS change, so a build made with
+# other flags is not reused.
+BUILD = 2
 THREADS = 2
 
 
@@ -51,7 +61,7 @@ def peer_directory(engine_home: Path | None = None) -> Path:
     from engine.settings.home import default_engine_home
 
     home = engine_home or default_engine_home()
-    return home / "peers" / f"llama.cpp-{LLAMA_CPP_PYTHON}"
+    return home / "peers" / f"llama.cpp-{LLAMA_CPP_PYTHON}-b{BUILD}"
 
 
 def binaries(
