@@ -15,6 +15,8 @@ from typing import Any
 
 import httpx
 import pytest
+from selenium.webdriver.common.action_chains import ActionChains
+from selenium.webdriver.common.keys import Keys
 
 from tests.e2e.browser import ChatPage, chromium_missing, headless_chromium
 from tests.e2e.harness import API_KEY, Server, wait_until
@@ -56,6 +58,7 @@ def test_chat_page_in_chromium(server: Server, page: ChatPage) -> None:
     reload_finds_the_history(page)
     live_panel_lists_the_actors(server, page)
     refusals_are_shown(page)
+    settings_offer_only_what_applies(page)
     fits_a_phone(page)
     assert page.severe_log() == []
 
@@ -136,7 +139,7 @@ def refusals_are_shown(page: ChatPage) -> None:
     box.send_keys("5")
     page.element("#settings-save").click()
     error = page.element("#settings-error").text
-    assert error == "Temperature must be a number from 0 to 2", error
+    assert error == "Temperature must be a number from 0 to 2, or empty", error
     assert page.js("return document.getElementById('settings').open")
     page.element("#settings-cancel").click()
     page.element("#new-chat").click()
@@ -149,18 +152,77 @@ def refusals_are_shown(page: ChatPage) -> None:
     page.severe_log()  # the console's line for the refused request: expected here
 
 
+SIDEBAR_RIGHT = "return document.getElementById('sidebar').getBoundingClientRect().right"
+SIDEBAR_LEFT = "return document.getElementById('sidebar').getBoundingClientRect().left"
+# What a tap at the middle of an element would hit: the element itself, or what covers it.
+TAP_HITS = """
+    const box = arguments[0].getBoundingClientRect();
+    const hit = document.elementFromPoint(box.left + box.width / 2, box.top + box.height / 2);
+    return hit === arguments[0] || arguments[0].contains(hit);
+"""
+BESIDE_THE_LIST = "return document.elementFromPoint(innerWidth - 10, innerHeight / 2).id"
+# The widest text the prompt shows without input, against the room its box gives it.
+PLACEHOLDER_FITS = """
+    const box = document.getElementById('prompt');
+    const style = getComputedStyle(box);
+    const context = document.createElement('canvas').getContext('2d');
+    context.font = `${style.fontSize} ${style.fontFamily}`;
+    const room = box.clientWidth - parseFloat(style.paddingLeft) - parseFloat(style.paddingRight);
+    return context.measureText(box.placeholder).width <= room;
+"""
+
+
 def fits_a_phone(page: ChatPage) -> None:
+    """In a phone-sized window the chat list folds away; ☰ opens it and stays in reach to
+    close it, and so do a tap on the backdrop beside it and Escape; the prompt's placeholder
+    fits its box."""
     page.driver.set_window_size(*PHONE)
     page.wait(lambda: page.js("return window.innerWidth") <= PHONE[0])
     assert page.js("return document.documentElement.scrollWidth <= window.innerWidth")
     assert page.element("#prompt").is_displayed() and page.element("#send").is_displayed()
-    sidebar_right = "return document.getElementById('sidebar').getBoundingClientRect().right"
-    page.wait(lambda: page.js(sidebar_right) <= 0)  # folded away
-    page.element("#toggle-sidebar").click()
-    sidebar_left = "return document.getElementById('sidebar').getBoundingClientRect().left"
-    page.wait(lambda: page.js(sidebar_left) >= 0)  # all in view, its transition over
-    page.driver.find_elements("css selector", "#history .open-chat")[0].click()
-    page.wait(lambda: page.js(sidebar_right) <= 0)  # choosing a chat folds it again
+    assert page.js(PLACEHOLDER_FITS), page.js(
+        "return document.getElementById('prompt').placeholder"
+    )
+    page.wait(lambda: page.js(SIDEBAR_RIGHT) <= 0)  # folded away
+    toggle = page.element("#toggle-sidebar")
+    backdrop = page.element("#backdrop")
+    for close in ("toggle", "escape", "backdrop", "choose a chat"):
+        toggle.click()
+        page.wait(lambda: page.js(SIDEBAR_LEFT) >= 0)  # all in view, its transition over
+        assert toggle.get_attribute("aria-expanded") == "true"
+        assert page.js(TAP_HITS, toggle), "the open chat list covers ☰"
+        if close == "toggle":
+            toggle.click()
+        elif close == "escape":
+            ActionChains(page.driver).send_keys(Keys.ESCAPE).perform()
+        elif close == "backdrop":
+            # Beside the open list, at the right edge: the backdrop is what a tap hits there.
+            assert page.js(BESIDE_THE_LIST) == "backdrop"
+            beside = backdrop.size["width"] // 2 - 10
+            ActionChains(page.driver).move_to_element_with_offset(
+                backdrop, beside, 0
+            ).click().perform()
+        else:
+            page.driver.find_elements("css selector", "#history .open-chat")[0].click()
+        page.wait(lambda: page.js(SIDEBAR_RIGHT) <= 0)  # folded again
+        assert toggle.get_attribute("aria-expanded") == "false" and not backdrop.is_displayed()
+
+
+def settings_offer_only_what_applies(page: ChatPage) -> None:
+    """Forget API key shows only while a key is kept; empty sampling fields are left out of
+    the request, for the server's defaults (its own or llama.cpp's, and its output bound)."""
+    page.element("#open-settings").click()
+    assert page.element("#forget-key").is_displayed()  # the key given when the page opened
+    page.element("#settings-cancel").click()
+    kept = page.js("return localStorage.getItem('engine-chat.key')")
+    page.js("localStorage.removeItem('engine-chat.key')")
+    page.element("#open-settings").click()
+    assert not page.element("#forget-key").is_displayed()
+    page.element("#settings-cancel").click()
+    page.js("localStorage.setItem('engine-chat.key', arguments[0])", kept)
+    page.set_settings(temperature="", top_p="", max_tokens="", extra="")
+    sent = page.js("return JSON.parse(localStorage.getItem('engine-chat.settings'))")
+    assert (sent["temperature"], sent["top_p"], sent["max_tokens"]) == (None, None, None)
 
 
 MARKDOWN = """# Title
@@ -174,6 +236,15 @@ def greet(name):
 
 - one
 - two
+
+1. loose, with blank lines
+
+2. between its items
+
+3. and one list
+
+7) from seven
+8) on
 
 <script>window.injected = 1</script> [bad](javascript:window.injected=2) [good](https://example.org/a?b=1&c=2)
 """
@@ -197,6 +268,9 @@ def test_markdown_rendering_in_chromium(page: ChatPage) -> None:
           code: box.querySelector('pre code').textContent,
           copy: box.querySelectorAll('.code-block button.copy').length,
           items: [...box.querySelectorAll('li')].map(e => e.textContent),
+          lists: [...box.querySelectorAll('ol, ul')]
+            .map(l => [l.tagName, l.start, l.children.length]),
+          looseItem: box.querySelector('ol li').innerHTML,
           scripts: box.querySelectorAll('script').length,
           links: links.map(a => [a.textContent, a.getAttribute('href'), a.rel]),
           text: box.textContent,
@@ -210,7 +284,10 @@ def test_markdown_rendering_in_chromium(page: ChatPage) -> None:
     assert found["keywords"] == ["def", "return"]
     assert found["strings"] == ['"hi "'] and found["comments"] == ["# a comment"]
     assert found["code"] == 'def greet(name):\n    return "hi " + name  # a comment'
-    assert found["items"] == ["one", "two"]
+    assert found["items"][:2] == ["one", "two"]
+    # CommonMark: blank lines between items keep one (loose) list; a list keeps its first number
+    assert found["lists"] == [["UL", None, 2], ["OL", 1, 3], ["OL", 7, 2]]
+    assert found["looseItem"] == "<p>loose, with blank lines</p>"
     # An answer's markup is text: no element, no script link
     assert found["scripts"] == 0 and "<script>window.injected = 1</script>" in found["text"]
     assert found["links"] == [["good", "https://example.org/a?b=1&c=2", "noopener noreferrer"]]

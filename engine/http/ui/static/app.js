@@ -116,7 +116,16 @@
   function showChat() {
     renderHistory();
     renderChat();
-    $("layout").classList.remove("show-sidebar");
+    showSidebar(false);
+  }
+
+  // On a narrow screen the chat list slides over the page, with a backdrop behind it; ☰, a tap
+  // on the backdrop or Escape closes it.
+  const sidebarShown = () => $("layout").classList.contains("show-sidebar");
+  function showSidebar(shown) {
+    $("layout").classList.toggle("show-sidebar", shown);
+    $("toggle-sidebar").setAttribute("aria-expanded", String(shown));
+    $("toggle-sidebar").setAttribute("aria-label", shown ? "Hide chats" : "Show chats");
   }
 
   // ---- sending and stopping ----------------------------------------------------------------------
@@ -129,10 +138,11 @@
       messages.push({ role: m.role, content: m.role === "user" ? m.content : splitThink(m.content)[1] });
     }
     const extra = settings.extra.trim() ? JSON.parse(settings.extra) : {};
-    return {
-      model: modelName, messages, temperature: settings.temperature, top_p: settings.top_p,
-      max_tokens: settings.max_tokens, ...extra,
-    };
+    const chosen = {};  // what the person set; the rest is the server's default
+    for (const name of ["temperature", "top_p", "max_tokens"]) {
+      if (settings[name] !== null && settings[name] !== undefined) chosen[name] = settings[name];
+    }
+    return { model: modelName, messages, ...chosen, ...extra };
   }
 
   let renderQueued = false;
@@ -220,24 +230,28 @@
   function openSettings() {
     const s = store.settings;
     $("set-system").value = s.system;
-    $("set-temperature").value = s.temperature;
-    $("set-top-p").value = s.top_p;
-    $("set-max-tokens").value = s.max_tokens;
+    $("set-temperature").value = s.temperature ?? "";
+    $("set-top-p").value = s.top_p ?? "";
+    $("set-max-tokens").value = s.max_tokens ?? "";
     $("set-extra").value = s.extra;
     $("settings-error").textContent = "";
+    $("forget-key").hidden = !store.apiKey();  // only where there is one to forget
     $("settings").showModal();
   }
 
   function readSettings() {
     const number = (id, name, low, high) => {
+      if ($(id).value.trim() === "") return null;  // the server's default
       const value = Number($(id).value);
-      if ($(id).value.trim() === "" || !(value >= low && value <= high)) {
-        throw new Error(`${name} must be a number from ${low} to ${high}`);
+      if (!(value >= low && value <= high)) {
+        throw new Error(`${name} must be a number from ${low} to ${high}, or empty`);
       }
       return value;
     };
     const maxTokens = number("set-max-tokens", "Max tokens", 1, 1e9);
-    if (!Number.isInteger(maxTokens)) throw new Error("Max tokens must be a whole number");
+    if (maxTokens !== null && !Number.isInteger(maxTokens)) {
+      throw new Error("Max tokens must be a whole number");
+    }
     const extra = $("set-extra").value.trim();
     if (extra) {
       let parsed;
@@ -355,7 +369,17 @@
     $("new-chat").addEventListener("click", () => {
       if (!active) { store.newChat(); showChat(); $("prompt").focus(); }
     });
-    $("toggle-sidebar").addEventListener("click", () => $("layout").classList.toggle("show-sidebar"));
+    $("toggle-sidebar").addEventListener("click", () => showSidebar(!sidebarShown()));
+    $("backdrop").addEventListener("click", () => showSidebar(false));
+    document.addEventListener("keydown", (event) => {
+      if (event.key === "Escape" && sidebarShown()) showSidebar(false);
+    });
+    const narrow = window.matchMedia("(max-width: 700px)");
+    const fitPlaceholder = () => {
+      $("prompt").placeholder = narrow.matches ? "Message" : "Send a message (Shift+Enter: new line)";
+    };
+    narrow.addEventListener("change", fitPlaceholder);
+    fitPlaceholder();
     $("messages").addEventListener("click", onMessagesClick);
     $("open-settings").addEventListener("click", openSettings);
     $("settings-form").addEventListener("submit", saveSettings);

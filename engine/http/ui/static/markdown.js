@@ -124,33 +124,50 @@
     return [codeBlock(body.join("\n"), language), j + 1];
   }
 
+  // A list's kind: its bullet character, or an ordered list's delimiter ("." or ")"). Items of
+  // one kind at one indent make one list, blank lines between them included (CommonMark).
+  const listKind = (marker) => (/\d/.test(marker) ? marker.slice(-1) : marker);
+
   function list(lines, i) {
-    const indent = lines[i].match(ITEM)[1].length;
-    const ordered = /\d/.test(lines[i].match(ITEM)[2]);
+    const first = lines[i].match(ITEM);
+    const indent = first[1].length;
+    const kind = listKind(first[2]);
+    const sameList = (m) => m && m[1].length === indent && listKind(m[2]) === kind;
     const items = [];
+    let loose = false; // blank lines between items, or inside one: its blocks keep their <p>
     let j = i;
     while (j < lines.length) {
       const m = lines[j].match(ITEM);
-      if (m && m[1].length === indent) {
+      if (sameList(m)) {
         items.push([m[3]]);
-      } else if (lines[j].trim() === "" && j + 1 < lines.length &&
-                 /^\s+/.test(lines[j + 1]) && lines[j + 1].search(/\S/) > indent) {
-        items[items.length - 1].push("");
-      } else if (lines[j].trim() !== "" && (lines[j].search(/\S/) > indent || !startsBlock(lines[j]))) {
-        if (m && m[1].length < indent) break;
+      } else if (m && m[1].length <= indent) {
+        break; // another kind of list, or an outer list's next item
+      } else if (lines[j].trim() === "") {
+        let k = j;
+        while (k < lines.length && lines[k].trim() === "") k++;
+        const goesOn = k < lines.length &&
+          (sameList(lines[k].match(ITEM)) || lines[k].search(/\S/) > indent);
+        if (!goesOn) break;
+        loose = true;
+        if (!sameList(lines[k].match(ITEM))) items[items.length - 1].push("");
+        j = k;
+        continue;
+      } else if (lines[j].search(/\S/) > indent || !startsBlock(lines[j])) {
         items[items.length - 1].push(lines[j].slice(Math.min(indent + 2, lines[j].search(/\S/))));
       } else {
         break;
       }
       j++;
     }
-    const tag = ordered ? "ol" : "ul";
+    const number = parseInt(first[2], 10);
+    const open = Number.isNaN(number) ? "<ul>" : number === 1 ? "<ol>" : `<ol start="${number}">`;
     const body = items.map((item) => {
-      // A tight item's text sits in the <li> itself, not in a paragraph.
-      const html = blocks(item).replace(/^<p>((?:(?!<p>)[\s\S])*?)<\/p>(?=$|<[uo]l>)/, "$1");
-      return `<li>${html}</li>`;
+      const html = blocks(item);
+      // A tight list's item text sits in the <li> itself, not in a paragraph.
+      const tight = html.replace(/^<p>((?:(?!<p>)[\s\S])*?)<\/p>(?=$|<[uo]l)/, "$1");
+      return `<li>${loose ? html : tight}</li>`;
     }).join("");
-    return [`<${tag}>${body}</${tag}>`, j];
+    return [`${open}${body}</${Number.isNaN(number) ? "ul" : "ol"}>`, j];
   }
 
   function table(lines, i) {

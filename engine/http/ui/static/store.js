@@ -4,7 +4,9 @@
 
 (function () {
   const PREFIX = "engine-chat.";
-  const DEFAULT_SETTINGS = { system: "", temperature: 0.7, top_p: 1, max_tokens: 512, extra: "" };
+  // null: the field is left out of the request, and the server's default for the model applies
+  // (its own sampling defaults or llama.cpp's, and the server's output bound).
+  const DEFAULT_SETTINGS = { system: "", temperature: null, top_p: null, max_tokens: null, extra: "" };
 
   function read(name, fallback) {
     try {
