@@ -16,7 +16,7 @@ from engine.launch.lora import max_loras_of
 from engine.launch.pd_plan import replica_roles
 from engine.messages.ring_catalogue import PLAN_RING
 from engine.model.architectures.limits import check_combination
-from engine.model.config import ModelConfig
+from engine.model.config import SLIDING, ModelConfig
 from engine.model.parallel.config import Placement
 from engine.model.parallel.layout import check_tensor_parallel
 from engine.model.placement.capacity import available_cpu_memory, kv_block_bytes
@@ -259,6 +259,15 @@ def scheduler_config(
         max_plan_bytes=max_plan_bytes(),
         speculative_config=settings.scheduler.speculative_config,
         max_loras=max_loras_of(settings),
+        sliding_window=_window_everywhere(config),
     )
     scheduler.validate()
     return scheduler
+
+
+def _window_everywhere(config: ModelConfig) -> int:
+    """The sliding window when every layer has it (Mistral v0.1, Phi-3-mini); else 0: a global
+    layer reads the whole context."""
+    if config.sliding_window and all(t == SLIDING for t in config.layer_types):
+        return config.sliding_window
+    return 0

@@ -40,6 +40,18 @@ class SchedulerConfig(msgspec.Struct, kw_only=True):
     # that it outlives the scheduler's (engine/kv/cache/prefix_index.py, launch/lasting_kv.py).
     kv_outlives_workers: bool = False
     prefix_index_segment: str = ""
+    # Every layer of the model sees at most this many keys (0: no window): a sequence's blocks
+    # before its window go back to the pool as it runs (not with P/D or a draft model, which
+    # read a sequence's blocks on their own terms).
+    sliding_window: int = 0
+
+    @property
+    def window_tokens(self) -> int:
+        """The most tokens' KV one sequence holds with its window's blocks released (a chunk
+        and the window, at block granularity); 0: no window."""
+        if not self.sliding_window:
+            return 0
+        return self.sliding_window + self.max_num_batched_tokens + 2 * self.block_size
 
     def validate(self) -> None:
         """Raise ValueError naming the offending setting, its value and the allowed range."""
@@ -58,7 +70,7 @@ class SchedulerConfig(msgspec.Struct, kw_only=True):
                 "max_model_len"
             )
         capacity = self.num_blocks * self.block_size
-        if capacity < self.max_model_len:
+        if capacity < min(self.max_model_len, self.window_tokens or self.max_model_len):
             # Otherwise one long sequence could never fit, and would preempt itself forever.
             raise ValueError(
                 f"the KV cache holds {capacity} tokens ({self.num_blocks} blocks of "

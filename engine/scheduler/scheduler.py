@@ -66,6 +66,10 @@ class Scheduler:
         limits = (config.max_num_seqs, config.max_num_batched_tokens, config.max_plan_bytes)
         self.planner = BatchPlanner(self.kv, *limits, config.max_loras)
         self._eos_token_ids = frozenset(config.eos_token_ids)
+        speculation = parse_speculative_config(config.speculative_config)
+        drafted = speculation is not None and speculation.kind == "draft_model"
+        pd = config.kv_transfer_ranks > 0
+        self._window = 0 if pd or drafted else config.sliding_window  # released blocks' rule
         self._length_limits = (config.max_model_len, config.default_max_tokens)  # finish_reason's
         self._requests: dict[str, Request] = {}
         self._seqs: dict[int, SequenceState] = {}
@@ -281,6 +285,9 @@ class Scheduler:
                 end = chunk.start + chunk.num_tokens
                 seq.num_computed_tokens = end + accepted.get(seq.seq_id, 0)
                 self.kv.commit(seq.block_table, seq.hash_chain, seq.token_ids, end)
+                if self._window:
+                    first = seq.num_computed_tokens - self._window + 1
+                    self.kv.release_before(seq.block_table, first)
 
     def _proposals(self, chunks: list[ScheduledChunk]) -> dict[int, Proposal]:
         """Speculative decoding's proposals for the step's decode chunks, by sequence id."""

@@ -43,7 +43,13 @@ from llamacpp_peer import binary, download_sdist, peer_directory
 CLASSES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
 }
+# The converter's classes that read a sentencepiece model for their vocabulary: with the default
+# model's BPE tokenizer they take the converter's own gpt2 path instead (as for llama files).
+SENTENCEPIECE_VOCAB = ("Gemma2Model", "Gemma3Model", "Phi3MiniModel")
 TYPES = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "IQ4_XS")
 SENTENCEPIECE = "sentencepiece==0.2.3"
 # The converter and what it imports, from the source distribution's vendored llama.cpp.
@@ -61,6 +67,7 @@ class Shape:
     tie: bool
     rope_theta: float
     context: int
+    extra: tuple[tuple[str, Any], ...] = ()  # more of the config's arguments
 
 
 # Real models' shapes (their config.json), the vocabulary the default model's tokenizer's.
@@ -70,6 +77,45 @@ SHAPES = {
     "llama-3.2-1b": Shape("llama", 2048, 16, 32, 8, 8192, True, 500000.0, 131072),
     "qwen2.5-1.5b": Shape("qwen2", 1536, 28, 12, 2, 8960, True, 1000000.0, 32768),
     "llama-3.1-8b": Shape("llama", 4096, 32, 32, 8, 14336, False, 500000.0, 131072),
+    "gemma-2-2b": Shape(
+        "gemma2",
+        2304,
+        26,
+        8,
+        4,
+        9216,
+        True,
+        10000.0,
+        8192,
+        (
+            ("head_dim", 256),
+            ("query_pre_attn_scalar", 256),
+            ("sliding_window", 4096),
+            ("attn_logit_softcapping", 50.0),
+            ("final_logit_softcapping", 30.0),
+        ),
+    ),
+    "phi-3-mini": Shape(
+        "phi3", 3072, 32, 32, 32, 8192, False, 10000.0, 4096, (("sliding_window", 2047),)
+    ),
+    "qwen3-30b-a3b": Shape(
+        "qwen3_moe",
+        2048,
+        48,
+        32,
+        4,
+        6144,
+        False,
+        1000000.0,
+        40960,
+        (
+            ("head_dim", 128),
+            ("num_experts", 128),
+            ("num_experts_per_tok", 8),
+            ("moe_intermediate_size", 768),
+            ("norm_topk_prob", True),
+        ),
+    ),
 }
 
 
@@ -109,7 +155,9 @@ def make_checkpoint(name: str, shape: Shape, out: Path, tokenizer: Path, init_st
         rope_parameters={"rope_type": "default", "rope_theta": shape.rope_theta},
         bos_token_id=exported.get("bos_token_id"),
         eos_token_id=exported.get("eos_token_id"),
+        pad_token_id=exported.get("eos_token_id"),
         dtype="bfloat16",
+        **dict(shape.extra),
     )
     torch.set_default_dtype(torch.bfloat16)
     model = model_class(config)
@@ -165,7 +213,15 @@ def convert(checkpoint: Path, f16: Path, peer: Path, sdist: Path | None) -> None
     paths = [str(sentencepiece_target(peer)), str(source / "gguf-py"), str(source)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
     partial = f16.with_suffix(".partial")
-    script = [sys.executable, str(source / "convert_hf_to_gguf.py"), str(checkpoint)]
+    patch = (
+        "import runpy, sys; from conversion import base, gemma, phi\n"
+        f"for name in {SENTENCEPIECE_VOCAB!r}:\n"
+        "    cls = getattr(gemma, name, None) or getattr(phi, name)\n"
+        "    cls.set_vocab = base.TextModel._set_vocab_gpt2\n"
+        "sys.argv = sys.argv[1:]\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')"
+    )
+    script = [sys.executable, "-c", patch, str(source / "convert_hf_to_gguf.py"), str(checkpoint)]
     run([*script, "--outtype", "f16", "--outfile", str(partial)], env=env)
     partial.rename(f16)
 

@@ -114,11 +114,22 @@ class BlockManager:
                 self.pool.register(table.block_ids[index], keys[index])
         table.num_committed_blocks = num_full
 
+    def release_before(self, table: BlockTable, first_position: int) -> None:
+        """Release the blocks wholly before `first_position`, the first key any token the
+        sequence has yet to run may see (a model whose every layer has a sliding window): a long
+        stream then holds about window / block_size blocks. They stay in the prefix cache, as
+        committed blocks, until the pool reuses them."""
+        count = min(first_position // self.block_size, table.num_committed_blocks)
+        if count > table.num_released_blocks:
+            self.pool.release(table.block_ids[table.num_released_blocks : count][::-1])
+            table.num_released_blocks = count
+
     def free(self, table: BlockTable) -> None:
         """Release the table's blocks, tail first, so shared prefixes stay cached the longest."""
-        self.pool.release(table.block_ids[::-1])
+        self.pool.release(table.block_ids[table.num_released_blocks :][::-1])
         table.block_ids = []
         table.num_committed_blocks = 0
+        table.num_released_blocks = 0
 
     def reset_prefix_cache(self) -> None:
         """Forget all cached KV (the workers' cache memory was lost)."""
