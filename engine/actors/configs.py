@@ -35,6 +35,7 @@ class WorkerConfig(msgspec.Struct, frozen=True):
     num_threads: int | None = None  # torch threads for small steps (placement.ThreadPolicy)
     busy_threads: int | None = None  # for large steps (placement.ThreadPolicy.threads_for)
     kernel_backend: str = "auto"
+    kv_cache_dtype: str = "auto"  # the cache's (placement.resolve_kv_cache_dtype, by the root)
     quantization: str = "auto"  # model.quantization (engine/model/quantized/formats.py)
     engine_home: str = ""  # runtime.engine_home, where the CPU kernel is built; "": $ENGINE_HOME
     tensor_parallel: TensorParallelConfig | None = None  # None: a group of one

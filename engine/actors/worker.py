@@ -76,6 +76,7 @@ class WorkerActor(Actor):
             device=config.device,
             block_size=config.block_size,
             kv_cache_memory=config.kv_cache_memory,
+            kv_cache_dtype=config.kv_cache_dtype,
             max_model_len=config.max_model_len,
             num_threads=config.num_threads,
             busy_threads=config.busy_threads,

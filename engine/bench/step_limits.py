@@ -86,7 +86,9 @@ class ModelCost:
                 if quantized is not None
                 else numel[name] * params[name].element_size()
             )
-        per_token = kv_block_bytes(config, runner.block_size, runner.dtype) // runner.block_size
+        per_token = (
+            kv_block_bytes(config, runner.block_size, runner.kv_cache_dtype) // runner.block_size
+        )
         heads = runner.shape.num_heads
         return cls(
             sum(read.values()),

@@ -146,7 +146,7 @@ def paged_attention(
     assert isinstance(meta, InvariantAttentionMetadata)
     cache.write(layer, meta.slot_mapping, key, value)
     tokens, heads, head_dim = query.shape
-    kv_heads = cache.keys[layer].shape[1]
+    kv_heads = cache.num_kv_heads
     out = query.new_empty(tokens, heads * head_dim)
     keys = meta.key_slots.shape[1]
     positions = torch.arange(keys, device=query.device)
@@ -154,8 +154,8 @@ def paged_attention(
     for start in range(0, tokens, tile):
         stop = min(start + tile, tokens)
         slots = meta.key_slots[start:stop]
-        k = cache.keys[layer][slots].permute(0, 2, 1, 3)  # [tile, kv_heads, keys, head_dim]
-        v = cache.values[layer][slots].permute(0, 2, 1, 3)
+        k, v = cache.gather(layer, slots, query.dtype)  # [tile, keys, kv_heads, head_dim]
+        k, v = k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)
         q = query[start:stop].view(stop - start, kv_heads, -1, 1, head_dim)
         scores = (q * k[:, :, None]).sum(-1) * scale  # [tile, kv_heads, group, keys]
         if softcap is not None:

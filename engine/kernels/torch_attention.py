@@ -5,6 +5,9 @@ rows against only the cache rows each one may see, `torch.sparse.sampled_addmm`)
 per row, and the output is a weighted sum of value rows read where they lie (`embedding_bag`
 with per-sample weights). K and V are never copied.
 
+A cache of another dtype than the query's (a compact one: 16-bit or int8 rows) is read by gathering
+the rows each token sees and widening them to float32.
+
 Long prefill chunks use SDPA: on their own K/V, or on their context gathered once per chunk
 (amortised over the chunk's many queries). There grouped-query attention needs no K/V copies:
 the query heads that share one KV head are folded into SDPA's query-length axis ([kv_heads,
@@ -119,17 +122,12 @@ def _slot_rows(
     else:
         q = query.index_select(0, rows)
     num_tokens, heads, head_dim = q.shape
+    if cache.dtype != q.dtype:
+        return _compact_slot_rows(q, cache, layer, piece, scale, variant)
     keys = cache.keys[layer].view(-1, head_dim)  # [slots * kv_heads, head_dim]
     values = cache.values[layer].view(-1, head_dim)
     scores = variant.cap(_sampled_scores(piece.pattern, q.reshape(-1, head_dim), keys, scale))
-    if variant.window is not None:
-        probs = _windowed_probs(scores, piece, variant.window)
-    elif piece.grid_index is None:
-        probs = scores.view(-1, piece.longest).softmax(-1).view(-1)
-    else:
-        grid = scores.new_full((num_tokens * heads * piece.longest,), float("-inf"))
-        grid.index_copy_(0, piece.grid_index, scores)
-        probs = grid.view(-1, piece.longest).softmax(-1).view(-1).index_select(0, piece.grid_index)
+    probs = _probabilities(scores, piece, num_tokens * heads, variant)
     out = F.embedding_bag(
         piece.pattern.col_indices(),
         values,
@@ -139,6 +137,43 @@ def _slot_rows(
         include_last_offset=True,
     )
     return out.view(num_tokens, heads * head_dim)
+
+
+def _probabilities(
+    scores: torch.Tensor, piece: SlotRows, rows: int, variant: Variant
+) -> torch.Tensor:
+    """Softmax of each pattern row's scores (in the pattern's order)."""
+    if variant.window is not None:
+        return _windowed_probs(scores, piece, variant.window)
+    if piece.grid_index is None:
+        return scores.view(-1, piece.longest).softmax(-1).view(-1)
+    grid = scores.new_full((rows * piece.longest,), float("-inf"))
+    grid.index_copy_(0, piece.grid_index, scores)
+    return grid.view(-1, piece.longest).softmax(-1).view(-1).index_select(0, piece.grid_index)
+
+
+def _compact_slot_rows(
+    q: torch.Tensor,
+    cache: PagedKVCache,
+    layer: int,
+    piece: SlotRows,
+    scale: float,
+    variant: Variant,
+) -> torch.Tensor:
+    """_slot_rows for a cache of another dtype: each (token, head) row's keys and values
+    gathered, widened to float32, scored and summed there."""
+    num_tokens, heads, head_dim = q.shape
+    columns = piece.pattern.col_indices()
+    pattern_rows = torch.repeat_interleave(piece.pattern.crow_indices().diff())
+    width = cache.keys[layer].shape[-1]
+    keys = cache.decode(cache.keys[layer].view(-1, width)[columns], torch.float32)
+    queries = q.float().reshape(-1, head_dim).index_select(0, pattern_rows)
+    scores = variant.cap((keys * queries).sum(-1) * scale)
+    probs = _probabilities(scores, piece, num_tokens * heads, variant)
+    values = cache.decode(cache.values[layer].view(-1, width)[columns], torch.float32)
+    out = values.new_zeros(num_tokens * heads, head_dim)
+    out.index_add_(0, pattern_rows, values * probs[:, None])
+    return out.view(num_tokens, heads * head_dim).to(q.dtype)
 
 
 def _windowed_probs(scores: torch.Tensor, piece: SlotRows, window: int) -> torch.Tensor:
@@ -173,14 +208,18 @@ def _sampled_scores(
 
 
 def _gather(
-    cache: PagedKVCache, layer: int, slots: torch.Tensor, batch: int, kv_len: int
+    cache: PagedKVCache,
+    layer: int,
+    slots: torch.Tensor,
+    batch: int,
+    kv_len: int,
+    dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of the given slots as [batch, kv_heads, kv_len, head_dim] (strided views)."""
-    kv_heads, head_dim = cache.keys[layer].shape[1:]
-    shape = (batch, kv_len, kv_heads, head_dim)
-    k = cache.keys[layer].index_select(0, slots).view(shape)
-    v = cache.values[layer].index_select(0, slots).view(shape)
-    return k.transpose(1, 2), v.transpose(1, 2)
+    """K and V of the given slots as [batch, kv_heads, kv_len, head_dim] of `dtype` (strided
+    views)."""
+    shape = (batch, kv_len, cache.num_kv_heads, cache.head_dim)
+    k, v = cache.gather(layer, slots, dtype)
+    return k.view(shape).transpose(1, 2), v.view(shape).transpose(1, 2)
 
 
 def chunk_prefill(
@@ -200,13 +239,13 @@ def chunk_prefill(
         q, k, v = (t[start:stop].transpose(0, 1)[None] for t in (query, key, value))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         return out[0].transpose(0, 1).reshape(rows, heads * head_dim)
-    kv_heads = cache.keys[layer].shape[1]
+    kv_heads = cache.num_kv_heads
     q = query[start:stop].view(rows, kv_heads, -1, head_dim).permute(1, 2, 0, 3)
     q = q.reshape(1, kv_heads, -1, head_dim)  # [1, kv_heads, group * rows, head_dim]
     if piece.kv_slots is None:
         k, v = (t[start:stop].transpose(0, 1)[None] for t in (key, value))
     else:
-        k, v = _gather(cache, layer, piece.kv_slots, 1, piece.kv_len)
+        k, v = _gather(cache, layer, piece.kv_slots, 1, piece.kv_len, query.dtype)
     mask = piece.mask
     if variant == PLAIN:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)

@@ -44,11 +44,12 @@ def lasting_kv_segments(
     scheduler: SchedulerConfig,
     scheduler_name: str,
     config: ModelConfig,
-    dtype: str,
+    kv_dtype: str,
     workers: list[str],
     caches: bool = True,
 ) -> list[SegmentDecl]:
-    """The prefix index's segment and, with `caches`, each rank's KV cache segment."""
+    """The prefix index's segment and, with `caches`, each rank's KV cache segment (of
+    `kv_dtype`)."""
     segments = [
         SegmentDecl(
             name=PREFIX_INDEX_SEGMENT,
@@ -58,7 +59,7 @@ def lasting_kv_segments(
     ]
     tp = len(workers)
     for rank, worker in enumerate(workers if caches else []):
-        layout = kv_layout(config, dtype, scheduler.block_size, scheduler.num_blocks, tp, rank)
+        layout = kv_layout(config, kv_dtype, scheduler.block_size, scheduler.num_blocks, tp, rank)
         segments.append(
             SegmentDecl(name=cache_segment(rank), size=layout.segment_bytes, parties=(worker,))
         )

@@ -22,7 +22,7 @@ from engine.messages.kv_transfer import KvLayout
 from engine.messages.ring_catalogue import KV_EVENTS_RING, KV_ORDERS_RING
 from engine.model.config import ModelConfig
 from engine.model.parallel.layout import kv_heads_per_rank
-from engine.model.placement.capacity import dtype_bytes
+from engine.model.placement.capacity import ROW_SCALE_BYTES, dtype_bytes
 from engine.runtime.child_spec import ChildSpec, RingDecl, SegmentDecl, declare_ring
 from engine.settings import Settings
 
@@ -38,7 +38,7 @@ def replica_roles(settings: Settings) -> tuple[str, ...]:
 
 
 def kv_layout(
-    config: ModelConfig, dtype: str, block_size: int, num_blocks: int, tp: int, rank: int
+    config: ModelConfig, kv_dtype: str, block_size: int, num_blocks: int, tp: int, rank: int
 ) -> KvLayout:
     kv_heads = kv_heads_per_rank(config, tp)
     return KvLayout(
@@ -50,8 +50,9 @@ def kv_layout(
         num_kv_heads=kv_heads,
         head_dim=config.head_dim,
         block_size=block_size,
-        dtype=dtype,
-        itemsize=dtype_bytes(dtype),
+        dtype=kv_dtype,
+        itemsize=dtype_bytes(kv_dtype),
+        scale_bytes=ROW_SCALE_BYTES.get(kv_dtype, 0),
         tp_size=tp,
         tp_rank=rank,
         num_blocks=num_blocks,
@@ -61,7 +62,7 @@ def kv_layout(
 def kv_transfer_parts(
     settings: Settings,
     config: ModelConfig,
-    dtype: str,
+    kv_dtype: str,
     block_size: int,
     num_blocks: int,
     replica: int,
@@ -79,7 +80,7 @@ def kv_transfer_parts(
     children, rings, segments = [], [], []
     for rank, worker in enumerate(workers):
         name = f"kv_transfer{rank}{suffix}"
-        layout = kv_layout(config, dtype, block_size, num_blocks, tp, rank)
+        layout = kv_layout(config, kv_dtype, block_size, num_blocks, tp, rank)
         transfer = KvTransferConfig(
             rank=rank,
             layout=layout,

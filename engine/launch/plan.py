@@ -65,6 +65,7 @@ from engine.model.placement.policy import (
     device_type,
     resolve_device,
     resolve_dtype,
+    resolve_kv_cache_dtype,
     weight_bytes_by_format,
 )
 from engine.model.quantized.formats import quantized_bytes, quantized_formats
@@ -128,7 +129,6 @@ def plan_engine(settings: Settings, model_path: str) -> EnginePlan:
     dtype = resolve_dtype(settings.model.dtype, config.torch_dtype, device)
     block_size = settings.cache.block_size
     tp = settings.parallel.tensor_parallel_size
-    block_bytes = kv_block_bytes(config, block_size, dtype, tp)
     quantized = quantized_formats(
         model_path,
         config,
@@ -136,10 +136,14 @@ def plan_engine(settings: Settings, model_path: str) -> EnginePlan:
         tensor_parallel_size=tp,
         on_cpu=device_type(device) == "cpu",
     )
+    kv_dtype = resolve_kv_cache_dtype(
+        settings.cache.kv_cache_dtype, dtype, device, kernel_backend_of(settings), bool(quantized)
+    )
+    block_bytes = kv_block_bytes(config, block_size, kv_dtype, tp)
     draft = draft_worker_fields(settings, model_path, config)
     footprint = draft_footprint(draft["draft_model_path"], block_size, dtype, device)
     num_blocks = kv_cache_blocks(
-        settings, config, device, dtype, placement.local_ranks, quantized, footprint
+        settings, config, device, dtype, kv_dtype, placement.local_ranks, quantized, footprint
     )
     max_model_len = max_model_len_of(settings, config, num_blocks * block_size)
     scheduler = scheduler_config(settings, config, num_blocks, max_model_len)
@@ -147,7 +151,7 @@ def plan_engine(settings: Settings, model_path: str) -> EnginePlan:
     weights = weight_bytes_by_format(
         config, dtype, tp, device, {n: (f.source, sizes[n]) for n, f in quantized.items()}
     )
-    log_memory(settings, placement, weights, num_blocks, block_bytes, dtype, footprint)
+    log_memory(settings, placement, weights, num_blocks, block_bytes, kv_dtype, footprint)
     worker = WorkerConfig(
         model_path=model_path,
         rank=0,
@@ -156,6 +160,7 @@ def plan_engine(settings: Settings, model_path: str) -> EnginePlan:
         device=device,
         block_size=block_size,
         kv_cache_memory=num_blocks * block_bytes,
+        kv_cache_dtype=kv_dtype,
         max_model_len=max_model_len,
         **thread_fields(threads_per_rank(settings, device, placement)),
         kernel_backend=kernel_backend_of(settings),
@@ -200,6 +205,7 @@ def plan_worker_node(settings: Settings, model_path: str) -> tuple[SupervisorSpe
         device=device,
         block_size=settings.cache.block_size,
         kv_cache_memory=0,  # rank 0's value arrives over the group's store
+        kv_cache_dtype=settings.cache.kv_cache_dtype,  # resolved alike by each worker
         max_model_len=max_model_len_of(settings, config),
         **thread_fields(threads_per_rank(settings, device, placement)),
         kernel_backend=kernel_backend_of(settings),
@@ -242,12 +248,17 @@ def _replica_spec(
     segments: list[SegmentDecl] = []
     if keeps_kv:  # P/D declares the caches' segments below, with their kv_transfer actors
         segments = lasting_kv_segments(
-            scheduler, sched, config, worker.dtype, [w.name for w in workers], caches=not moves_kv
+            scheduler,
+            sched,
+            config,
+            worker.kv_cache_dtype,
+            [w.name for w in workers],
+            caches=not moves_kv,
         )
     if moves_kv:
         transfers, kv_rings, cache_segments = kv_transfer_parts(
-            settings, config, worker.dtype, worker.block_size, scheduler.num_blocks, replica,
-            suffix, sched, [w.name for w in workers],
+            settings, config, worker.kv_cache_dtype, worker.block_size, scheduler.num_blocks,
+            replica, suffix, sched, [w.name for w in workers],
         )  # fmt: skip
         children = (*children, *transfers)
         rings += kv_rings

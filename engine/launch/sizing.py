@@ -148,6 +148,7 @@ def kv_cache_blocks(
     config: ModelConfig,
     device: str,
     dtype: str,
+    kv_dtype: str,
     ranks: int,
     quantized: dict[str, WeightFormat] | None = None,
     draft: DraftFootprint | None = None,
@@ -155,9 +156,10 @@ def kv_cache_blocks(
 ) -> int:
     """One rank's KV cache in blocks (the scheduler's block count): kv_cache_bytes over a
     block's bytes, with a draft's block beside each of the target's (the draft's cache has as
-    many blocks), so that target and draft together stay within the budget."""
+    many blocks), so that target and draft together stay within the budget. `dtype`: the
+    weights'; `kv_dtype`: the cache's."""
     tp = settings.parallel.tensor_parallel_size
-    block_bytes = kv_block_bytes(config, settings.cache.block_size, dtype, tp)
+    block_bytes = kv_block_bytes(config, settings.cache.block_size, kv_dtype, tp)
     if draft is not None:
         block_bytes += draft.block_bytes
     budget = kv_cache_bytes(

@@ -35,11 +35,12 @@ from engine.messages.codec import Channel
 KvHandoff = Literal["", "continue", "hold"]
 
 
-class KvLayout(msgspec.Struct, frozen=True):
+class KvLayout(msgspec.Struct, frozen=True, omit_defaults=True):
     """The shape of one rank's KV cache: two ends of a transfer must agree on all of it (but
     `num_blocks`, each side's own). The cache is `[num_layers, 2, num_blocks * block_size + 1,
-    num_kv_heads, head_dim]` (K and V; the extra slot is the zero padding slot), so one layer's K
-    (or V) of one block is `chunk_bytes` contiguous bytes."""
+    num_kv_heads, head row]` (K and V; the extra slot is the zero padding slot; a head row is
+    `head_dim` elements of `dtype`, then `scale_bytes`), so one layer's K (or V) of one block is
+    `chunk_bytes` contiguous bytes."""
 
     model: str  # architecture and shape, e.g. "LlamaForCausalLM/L4/H8/D64/V8192"
     num_layers: int
@@ -51,11 +52,20 @@ class KvLayout(msgspec.Struct, frozen=True):
     tp_size: int
     tp_rank: int
     num_blocks: int
+    # After each head row's elements (an int8 row's float32 scale). Left out of the encoding
+    # when 0 (omit_defaults), so that every other layout is encoded as before it existed: the
+    # frames and signatures of a float cache's transfers do not change.
+    scale_bytes: int = 0
+
+    @property
+    def slot_bytes(self) -> int:
+        """One token's K (or V) of one layer: every KV head's row."""
+        return self.num_kv_heads * (self.head_dim * self.itemsize + self.scale_bytes)
 
     @property
     def chunk_bytes(self) -> int:
         """One block's K (or V) of one layer."""
-        return self.block_size * self.num_kv_heads * self.head_dim * self.itemsize
+        return self.block_size * self.slot_bytes
 
     @property
     def block_bytes(self) -> int:
@@ -65,8 +75,7 @@ class KvLayout(msgspec.Struct, frozen=True):
     @property
     def segment_bytes(self) -> int:
         """The whole cache (the padding slot included)."""
-        slot_bytes = self.num_kv_heads * self.head_dim * self.itemsize
-        return 2 * self.num_layers * (self.num_blocks * self.block_size + 1) * slot_bytes
+        return 2 * self.num_layers * (self.num_blocks * self.block_size + 1) * self.slot_bytes
 
     def mismatch(self, other: KvLayout) -> str | None:
         """What differs between two ends of a transfer (rank for rank), or None."""

@@ -77,6 +77,7 @@ class ModelRunner:
         weights_of_run: str | None = None,
         max_lora_rank: int = 0,
         max_cpu_loras: int = 8,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         """`kv_cache_buffer`: memory the KV cache must live in (a shared-memory segment its
         kv_transfer actor maps too); None: the cache allocates its own. `weights_of_run`: the
@@ -84,7 +85,8 @@ class ModelRunner:
         than read the checkpoint again (engine/model/loading/weight_store.py; CPU only); None: no
         store.
         `max_lora_rank` > 0: chunks may name LoRA adapters of at most that rank, loaded on first
-        use and `max_cpu_loras` of them kept loaded."""
+        use and `max_cpu_loras` of them kept loaded. `kv_cache_dtype`: the cache's
+        (placement.resolve_kv_cache_dtype)."""
         if block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size}")
         self.model_path = str(Path(model_path))
@@ -110,6 +112,14 @@ class ModelRunner:
                 self.config, max_lora_rank, self.dtype, self.device, max_cpu_loras
             )
         self.block_size = block_size
+        kv_name = placement.resolve_kv_cache_dtype(
+            kv_cache_dtype,
+            str(self.dtype).removeprefix("torch."),
+            self.device.type,
+            self.backend.name,
+            quantized=bool(self.model.weight_formats),
+        )
+        self.kv_cache_dtype: torch.dtype = getattr(torch, kv_name)
         self._allocate_kv_cache(kv_cache_memory, kv_cache_fraction, kv_cache_buffer)
 
     def _weight_slot(self, quantization: str, weights_of_run: str | None) -> StoreSlot | None:
@@ -174,7 +184,9 @@ class ModelRunner:
             ranks_on_device=1,
             device=self.device.type,
         )
-        block_bytes = kv_block_bytes(self.config, self.block_size, self.dtype, self.group.size)
+        block_bytes = kv_block_bytes(
+            self.config, self.block_size, self.kv_cache_dtype, self.group.size
+        )
         self.num_blocks = kv_cache_memory // block_bytes
         if self.num_blocks < 1:
             raise ValueError(
@@ -187,13 +199,13 @@ class ModelRunner:
             block_size=self.block_size,
             num_kv_heads=self.shape.num_kv_heads,
             head_dim=self.config.head_dim,
-            dtype=self.dtype,
+            dtype=self.kv_cache_dtype,
             device=self.device,
             buffer=buffer,
         )
         log.info(
             "%s%s on %s (%s threads) in %s (%s kernels): "
-            "KV cache of %d blocks x %d = %d tokens (%.1f MiB)",
+            "KV cache of %d blocks x %d = %d tokens (%.1f MiB, %s)",
             self.config.architecture,
             f" (tensor-parallel rank {self.group.rank} of {self.group.size})"
             if self.group.size > 1
@@ -206,6 +218,7 @@ class ModelRunner:
             self.block_size,
             self.num_blocks * self.block_size,
             self.num_blocks * block_bytes / 2**20,
+            str(self.kv_cache_dtype).removeprefix("torch."),
         )
 
     def forward(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:

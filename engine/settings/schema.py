@@ -28,7 +28,7 @@ Device = Literal["auto", "cpu", "cuda"]
 KernelBackendName = Literal["auto", "torch", "cpu", "triton"]
 # engine/model/quantized/formats.CHOICES (a test keeps the two alike)
 Quantization = Literal["auto", "none", "q8_0", "q4_0", "q4_1", "int8", "int4"]
-KvCacheDtype = Literal["auto"]
+KvCacheDtype = Literal["auto", "float32", "float16", "bfloat16", "int8"]
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 
 
@@ -170,7 +170,12 @@ class CacheSettings(_Section, frozen=True):
     ] = True
     kv_cache_dtype: Annotated[
         KvCacheDtype,
-        Meta(description="KV cache element type; auto = the model's dtype (the only one yet)"),
+        Meta(
+            description="KV cache element type: float16 or bfloat16 (half the bytes of "
+            "float32), int8 (a quarter, with a float32 scale per token and KV head) or float32; "
+            "auto = the model's dtype, except float16 for quantized weights on the CPU (as "
+            "llama.cpp's f16 cache); a GPU or the triton kernels take only the model's dtype"
+        ),
     ] = "auto"
 
 

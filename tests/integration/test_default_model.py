@@ -2,7 +2,8 @@
 with no model named: dequantized, its greedy chat answers equal transformers' load of the same
 file; served in its block types (the default), its answers agree with that float model on most
 tokens and its perplexity on a fixed text stays within 1 %; its tokenizer splits text exactly as
-llama.cpp does on that file, and bfloat16 stays close to float32.
+llama.cpp does on that file, and bfloat16 stays close to float32. A compact KV cache (float16,
+int8) keeps the float32 cache's perplexity and greedy answers.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from engine.launch.model_source import DEFAULT_MODEL_NAME, default_model_file, m
 from engine.model.runner import ModelRunner
 from engine.model.step_inputs import SeqChunk
 from engine.text.hf_tokenizer import load_tokenizer_without_torch
-from tests.checkpoints import BlockAllocator
+from tests.checkpoints import BlockAllocator, greedy_generate
 from tests.hf_reference import assert_greedy_matches_logits
 
 QUESTIONS = [
@@ -152,3 +153,75 @@ def test_bfloat16_stays_close_to_float32(derived: Path) -> None:
     assert lead - runner_up > 1.0
     assert int(half.argmax()) == int(full.argmax())
     assert set(half.topk(5).indices.tolist()) & set(full.topk(5).indices.tolist())
+
+
+# The float weights' logits move by at most 0.019 (float16 cache) and 1.08 (int8) from the
+# float32 cache's over the perplexity text: a greedy pick whose top two logits are further apart
+# than twice that may not change.
+CLEAR_MARGIN = {"float16": 0.04, "int8": 2.2}
+
+
+@pytest.fixture(scope="module")
+def kv_runners(derived: Path) -> dict[str, ModelRunner]:
+    """The default model's float weights (so that no rounding of int8 activations amplifies a
+    difference) with each KV cache dtype."""
+    return {
+        kv: ModelRunner(
+            str(derived), kv_cache_memory=32 << 20, quantization="none", kv_cache_dtype=kv
+        )
+        for kv in ("float32", "float16", "int8")
+    }
+
+
+def test_a_compact_kv_cache_keeps_the_float32_caches_perplexity(
+    derived: Path, kv_runners: dict[str, ModelRunner]
+) -> None:
+    """Prefilled in chunks of 16 tokens, each reading the ones before from the cache."""
+    tokens = load_tokenizer_without_torch(str(derived)).encode(PERPLEXITY_TEXT.read_text())
+    perplexity = {}
+    for kv, runner in kv_runners.items():
+        assert runner.kv_cache.dtype == getattr(torch, kv)
+        table = BlockAllocator(runner.num_blocks).allocate(-(-len(tokens) // 16))
+        rows = []
+        for start in range(0, len(tokens), 16):
+            chunk = SeqChunk(0, tokens[start : start + 16], start, table, True)
+            rows.append(runner.execute(runner.prepare([chunk], every_row={0})))
+        nll = torch.nn.functional.cross_entropy(torch.cat(rows)[:-1], torch.tensor(tokens[1:]))
+        perplexity[kv] = float(torch.exp(nll))
+    print(f"perplexity of {len(tokens)} tokens by KV cache dtype: {perplexity}")
+    assert abs(perplexity["float16"] / perplexity["float32"] - 1) < 0.005
+    assert abs(perplexity["int8"] / perplexity["float32"] - 1) < 0.01
+
+
+def test_a_compact_kv_cache_keeps_the_float32_caches_greedy_answers(
+    derived: Path, kv_runners: dict[str, ModelRunner]
+) -> None:
+    """Each compact cache's greedy chat answers, judged on the float32 cache's logits for the
+    same tokens: every token is its argmax, unless the two were closer than CLEAR_MARGIN."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(derived)
+    prompts = [
+        list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": q}], add_generation_prompt=True, return_dict=False
+            )
+        )
+        for q in QUESTIONS
+    ]
+    reference = kv_runners["float32"]
+    for kv in CLEAR_MARGIN:
+        for prompt, ours in zip(
+            prompts, greedy_generate(kv_runners[kv], prompts, NEW_TOKENS), strict=True
+        ):
+            table = BlockAllocator(reference.num_blocks).allocate(
+                -(-(len(prompt) + NEW_TOKENS) // 16)
+            )
+            step = reference.prepare([SeqChunk(0, prompt + ours, 0, table, True)], every_row={0})
+            logits = reference.execute(step)
+            for position, token in enumerate(ours):
+                row = logits[len(prompt) - 1 + position]
+                top2 = row.topk(2).values
+                if float(top2[0] - top2[1]) < CLEAR_MARGIN[kv]:
+                    break  # a near tie: either pick is right, and what follows may differ
+                assert token == int(row.argmax()), (kv, tokenizer.decode(prompt), position)

@@ -89,7 +89,9 @@ def test_the_budget_is_what_the_target_and_draft_weights_leave(target: Path, dra
     config = load_model_config(target)
     footprint = draft_footprint(str(draft), settings.cache.block_size, "float32", "cpu")
     assert footprint is not None
-    blocks = kv_cache_blocks(settings, config, "cpu", "float32", 1, None, footprint, available)
+    blocks = kv_cache_blocks(
+        settings, config, "cpu", "float32", "float32", 1, None, footprint, available
+    )
     runner = ModelRunner(str(target), kv_cache_memory=1 << 20, block_size=16)
     drafter = Drafter(str(draft), runner)
     pair = (blocks_bytes(runner) + blocks_bytes(drafter.runner)) // runner.num_blocks

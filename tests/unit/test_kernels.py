@@ -8,6 +8,7 @@ import torch
 
 from engine.kernels import attention_metadata
 from engine.kernels.attention_metadata import SlotRows, TableRows, build_attention_metadata
+from engine.kernels.cpu.attention import store_kv
 from engine.kernels.kv_cache import PagedKVCache
 from engine.kernels.registry import select_backend
 from engine.kernels.torch_ops import apply_rotary, output_projection, rms_norm
@@ -32,8 +33,13 @@ def make_cache(
         dtype=dtype,
         device=torch.device("cpu"),
     )
-    # Unwritten slots hold NaN: any read of one that is not masked away poisons the output.
-    cache.storage[:, :, : cache.null_slot].fill_(float("nan"))
+    # Unwritten slots hold NaN: any read of one that is not masked away poisons the output (an
+    # int8 row of all-ones bytes has the scale NaN).
+    unwritten = cache.storage[:, :, : cache.null_slot]
+    if dtype == torch.int8:
+        unwritten.fill_(-1)
+    else:
+        unwritten.fill_(float("nan"))
     return cache
 
 
@@ -62,13 +68,16 @@ def run_step(
     tolerance: float = 1e-5,
     backend: str = "torch",
     head_dim: int = HEAD_DIM,
+    cache_dtype: torch.dtype | None = None,
 ) -> None:
     """chunks: (start_pos, query_len) per sequence. Prefixes are written to scattered blocks
     (a random permutation of the cache) first, then one step runs all chunks together through
-    `backend`; each output must equal the reference."""
+    `backend`; each output must equal the reference. A `cache_dtype` other than `dtype`: the
+    reference attends to the K/V as the cache holds them (the chunks must read their own K/V
+    from the cache: none may start at 0 but decodes)."""
     kernels = select_backend("cpu", backend)
     generator = torch.Generator().manual_seed(seed)
-    cache = make_cache(kv_heads=kv_heads, dtype=dtype, head_dim=head_dim)
+    cache = make_cache(kv_heads=kv_heads, dtype=cache_dtype or dtype, head_dim=head_dim)
     blocks = torch.randperm(cache.num_blocks, generator=generator).tolist()
     tables, histories, queries = [], [], []
     for start, length in chunks:
@@ -97,6 +106,8 @@ def run_step(
     assert torch.isfinite(out).all()
     row = 0
     for (start, length), q, (k, v) in zip(chunks, queries, histories, strict=True):
+        if cache_dtype is not None:
+            k, v = (cache.decode(cache.encode(x), torch.float32) for x in (k, v))
         expected = reference_attention(q, k, v, start)
         torch.testing.assert_close(
             out[row : row + length].float(), expected, atol=tolerance, rtol=tolerance
@@ -196,6 +207,41 @@ def test_half_precision_cache_attends_like_float32(
 ) -> None:
     chunks = [(0, 5), (9, 1), (4, 7), (30, 1)]
     run_step(chunks, dtype=dtype, tolerance=3e-2, backend=backend, head_dim=head_dim)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize(
+    ("backend", "head_dim"), [("torch", 8), ("batch_invariant", 8), ("cpu", 8), ("cpu", 64)]
+)
+def test_a_compact_cache_attends_to_the_values_it_stores(
+    cache_dtype: torch.dtype, backend: str, head_dim: int
+) -> None:
+    """float32 queries against a 16-bit or int8 cache: each backend reads back what the cache
+    stores (cache.decode of cache.encode) and computes in float32 from there; a long chunk after
+    cached tokens goes through the gathering path of each."""
+    chunks = [(7, 1), (10, 6), (300, 1), (3, 1), (20, 40)]
+    run_step(chunks, backend=backend, head_dim=head_dim, cache_dtype=cache_dtype)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int8])
+def test_the_kernels_cache_writes_store_what_torch_stores(cache_dtype: torch.dtype) -> None:
+    """The compiled backend's writes (kv_store.cpp, which the fused decode step calls too) and
+    the cache's torch encoding leave the same bytes: K and V read alike whichever path wrote
+    them. int8 rows read back within half a step of their scale."""
+    generator = torch.Generator().manual_seed(3)
+    slots = torch.tensor([5, 17, 2, 30])
+    qkv = torch.randn(4, 3 * KV_HEADS, 64, generator=generator) * 3
+    qkv[1, KV_HEADS] = 0.0  # a key row of zeros: scale 0, codes 0
+    key, value = qkv[:, KV_HEADS : 2 * KV_HEADS], qkv[:, 2 * KV_HEADS :]  # strided, as in a step
+    ours, theirs = (make_cache(8, dtype=cache_dtype, head_dim=64) for _ in range(2))
+    store_kv(ours, 0, slots, key, value)
+    theirs.write(0, slots, key, value)
+    assert torch.equal(ours.storage.view(torch.uint8), theirs.storage.view(torch.uint8))
+    if cache_dtype == torch.int8:
+        k, _ = ours.gather(0, slots, torch.float32)
+        step = key.abs().amax(-1, keepdim=True) / 127
+        assert ((k - key).abs() <= step / 2 * (1 + 1e-6)).all()
+        assert torch.equal(k[1, 0], torch.zeros(64))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -104,3 +104,40 @@ def test_ids_outside_the_cache_and_other_layouts_are_refused() -> None:
         copy_blocks(other, dst, [0], [0])
     with pytest.raises(ValueError, match=r"takes .* bytes, but its buffer has 16"):
         CacheView(layout(4), bytearray(16))
+
+
+def test_int8_blocks_travel_with_their_scales() -> None:
+    """An int8 cache's rows carry their scales (engine/kernels/kv_cache.py): its layout's bytes
+    are exactly the cache's, and a copied block reads back the same values at the destination."""
+    import torch
+
+    from engine.kernels.kv_cache import PagedKVCache
+
+    def int8_cache(num_blocks: int) -> tuple[PagedKVCache, CacheView]:
+        int8 = layout(num_blocks, dtype="int8", itemsize=1, scale_bytes=4)
+        buffer = bytearray(int8.segment_bytes)  # PagedKVCache refuses a buffer of another size
+        cache = PagedKVCache(
+            num_layers=LAYERS,
+            num_blocks=num_blocks,
+            block_size=BLOCK,
+            num_kv_heads=HEADS,
+            head_dim=HEAD_DIM,
+            dtype=torch.int8,
+            device=torch.device("cpu"),
+            buffer=buffer,
+        )
+        return cache, CacheView(int8, buffer)
+
+    (src, src_view), (dst, dst_view) = int8_cache(8), int8_cache(10)
+    slots = torch.arange(2 * BLOCK, 4 * BLOCK)  # blocks 2 and 3
+    for layer in range(LAYERS):
+        rows = torch.randn(2 * BLOCK, HEADS, HEAD_DIM) * (layer + 1)
+        src.write(layer, slots, rows, -rows)
+    copy_blocks(src_view, dst_view, [2, 3], [7, 0])
+    moved = torch.cat((torch.arange(7 * BLOCK, 8 * BLOCK), torch.arange(0, BLOCK)))
+    for layer in range(LAYERS):
+        sent, arrived = (
+            src.gather(layer, slots, torch.float32),
+            dst.gather(layer, moved, torch.float32),
+        )
+        assert torch.equal(sent[0], arrived[0]) and torch.equal(sent[1], arrived[1])

@@ -31,6 +31,7 @@ from engine.model.placement.policy import (
     resident_weight_bytes,
     resolve_device,
     resolve_dtype,
+    resolve_kv_cache_dtype,
     thread_policy,
     weight_bytes,
     worker_threads,
@@ -72,6 +73,34 @@ def test_an_unsupported_dtype_names_what_works() -> None:
         ValueError, match="'float16' is not supported on cpu; use float32, bfloat16"
     ):
         resolve_dtype("float16", None, "cpu")
+
+
+@pytest.mark.parametrize(
+    ("requested", "dtype", "device", "backend", "quantized", "expected"),
+    [
+        ("auto", "float32", "cpu", "cpu", False, "float32"),  # float32's exactness
+        ("auto", "float32", "cpu", "auto", True, "float16"),  # quantized weights: llama.cpp's f16
+        ("auto", "bfloat16", "cpu", "cpu", False, "bfloat16"),
+        ("auto", "float32", "cpu", "triton", True, "float32"),  # triton reads the model's only
+        ("auto", "bfloat16", "cuda", "auto", True, "bfloat16"),
+        ("int8", "float32", "cpu", "batch_invariant", False, "int8"),
+        ("float16", "bfloat16", "cpu", "torch", False, "float16"),
+        ("bfloat16", "bfloat16", "cuda:0", "auto", False, "bfloat16"),
+    ],
+)
+def test_kv_cache_dtype_rule(
+    requested: str, dtype: str, device: str, backend: str, quantized: bool, expected: str
+) -> None:
+    assert resolve_kv_cache_dtype(requested, dtype, device, backend, quantized) == expected
+
+
+def test_a_kv_cache_dtype_the_kernels_cannot_read_is_refused() -> None:
+    with pytest.raises(ValueError, match="'int8' is not supported on cuda: use 'auto'"):
+        resolve_kv_cache_dtype("int8", "bfloat16", "cuda", "auto", False)
+    with pytest.raises(ValueError, match="'float16' is not supported on the triton kernels"):
+        resolve_kv_cache_dtype("float16", "float32", "cpu", "triton", False)
+    with pytest.raises(ValueError, match="unknown KV cache dtype 'fp4'"):
+        resolve_kv_cache_dtype("fp4", "float32", "cpu", "cpu", False)
 
 
 @pytest.mark.parametrize(

@@ -33,7 +33,9 @@ GGUF_CASES = [
 ]
 
 
-def runner(path: Path, quantization: str, backend: str = "auto") -> ModelRunner:
+def runner(
+    path: Path, quantization: str, backend: str = "auto", kv_cache_dtype: str = "auto"
+) -> ModelRunner:
     return ModelRunner(
         str(path),
         dtype="float32",
@@ -41,6 +43,7 @@ def runner(path: Path, quantization: str, backend: str = "auto") -> ModelRunner:
         block_size=16,
         quantization=quantization,
         kernel_backend=backend,
+        kv_cache_dtype=kv_cache_dtype,
     )
 
 
@@ -145,24 +148,27 @@ def test_the_setting_offers_every_choice_the_loader_takes() -> None:
     assert set(get_args(Quantization)) == set(CHOICES)
 
 
-FUSED_CASES = [  # (architecture, overrides, GGUF types or None for the float checkpoint)
-    *GGUF_CASES[1:],
-    ("qwen2", {}, None),
-    ("qwen3", {"num_kv_heads": 1}, None),
+FUSED_CASES = [  # (architecture, overrides, GGUF types or None for the float checkpoint, KV)
+    *((*case, "auto") for case in GGUF_CASES[1:]),  # quantized: a float16 cache
+    ("qwen2", {}, None, "auto"),  # float32 weights: a float32 cache
+    ("qwen3", {"num_kv_heads": 1}, None, "int8"),
+    ("llama", {}, "Q4_1", "bfloat16"),
 ]
 
 
-@pytest.mark.parametrize("case", FUSED_CASES, ids=lambda c: f"{c[0]}-{c[2] or 'float32'}")
+@pytest.mark.parametrize("case", FUSED_CASES, ids=lambda c: f"{c[0]}-{c[2] or 'float32'}-kv-{c[3]}")
 def test_the_fused_decode_step_equals_the_layers_bit_for_bit(case: tuple, tmp_path: Path) -> None:
     """engine/model/architectures/fused_decode.py runs a decode step's layers in one C++ call:
-    biases (qwen2), q/k norms (qwen3), mixed code widths and float32 panels give the same logits
-    as the layers one by one."""
-    arch, overrides, quant = case
+    biases (qwen2), q/k norms (qwen3), mixed code widths, float32 panels and every KV cache dtype
+    give the same logits as the layers one by one."""
+    arch, overrides, quant, kv_dtype = case
     if quant is None:
-        model = runner(tiny_checkpoint(arch, **overrides), "none")
+        model = runner(tiny_checkpoint(arch, **overrides), "none", kv_cache_dtype=kv_dtype)
     else:
         gguf_file, _ = gguf_of(tiny_checkpoint(arch, **overrides), quant)
-        model = runner(prepare_checkpoint(gguf_file, tmp_path), "auto")
+        model = runner(prepare_checkpoint(gguf_file, tmp_path), "auto", kv_cache_dtype=kv_dtype)
+    expected = {"auto": torch.float16 if quant else torch.float32}.get(kv_dtype)
+    assert model.kv_cache.dtype == (expected or getattr(torch, kv_dtype))
     fused = model.model.fused_decode
     assert fused is not None
     allocator = BlockAllocator(model.num_blocks)

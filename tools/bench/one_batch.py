@@ -171,7 +171,9 @@ def print_engine_overhead(
 
     cases = sorted({(r.batch_size, r.input_len) for r in results})
     output_len = max(args.output_len)
-    kv_bytes = runner.num_blocks * kv_block_bytes(runner.config, runner.block_size, runner.dtype)
+    kv_bytes = runner.num_blocks * kv_block_bytes(
+        runner.config, runner.block_size, runner.kv_cache_dtype
+    )
     engine = engine_decode_step_seconds(
         model, cases, output_len, kv_bytes, args.num_threads, runner_settings(runner, args)
     )

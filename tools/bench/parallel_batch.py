@@ -145,6 +145,7 @@ def _run_rank(job: RankJob, barrier: Any) -> list[tuple[float, float] | None]:
         device=job.device,
         block_size=job.block_size,
         kv_cache_memory=job.num_blocks * kv_block_bytes(config, job.block_size, dtype, job.tp),
+        kv_cache_dtype=dtype,
         num_threads=job.num_threads,
         tensor_parallel=group,
     )

@@ -1,6 +1,8 @@
 """The compiled CPU backend's paged_attention: decode tokens and short chunks go to the C++
 kernel (paged_attention.cpp), which reads each token's context through its block table where it
-lies in the cache; long prefill chunks take the torch backend's SDPA path (their many queries
+lies in the cache, in whatever dtype the cache has (kv_rows.h); the step's K/V go into the cache
+through kv_store.cpp, which rounds or quantizes them as the fused decode step does; long prefill
+chunks take the torch backend's SDPA path (their many queries
 amortise one gather of the context, and SDPA's matmuls beat a per-token loop there)."""
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from engine.kernels.cpu.build import load_library
 from engine.kernels.kv_cache import PagedKVCache
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+CACHE_DTYPE_CODES = {**DTYPE_CODES, torch.int8: 3}  # kv_rows.h's CacheDtype
 # A piece that reads at least this many keys runs on every core given to the rank, even in a step
 # whose matmuls run on fewer (placement.ThreadPolicy): a second core adds bandwidth and
 # arithmetic, and the kernel's pool never waits for a helper whose core is taken; within a step a
@@ -56,7 +59,7 @@ def paged_attention(
     softcap: float | None = None,
 ) -> torch.Tensor:
     """As torch_attention.paged_attention, for metadata built with in_place="table"."""
-    cache.write(layer, meta.slot_mapping, key, value)
+    store_kv(cache, layer, meta.slot_mapping, key, value)
     num_tokens, heads, head_dim = query.shape
     out = query.new_empty(num_tokens, heads * head_dim)
     variant = torch_attention.Variant(window, softcap)
@@ -73,6 +76,46 @@ def paged_attention(
     return out
 
 
+def store_kv(
+    cache: PagedKVCache,
+    layer: int,
+    slots: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+) -> None:
+    """cache.write by the kernel: the same bytes, in one call instead of torch's several ops."""
+    usable = slots.dtype == torch.int64 and slots.is_contiguous() and slots.device.type == "cpu"
+    if not (usable and _head_rows(key) and _head_rows(value)):
+        cache.write(layer, slots, key, value)
+        return
+    library = load_library()
+    for rows, part in ((key, cache.keys[layer]), (value, cache.values[layer])):
+        status = library.engine_kv_store(
+            DTYPE_CODES[rows.dtype],
+            rows.data_ptr(),
+            rows.stride(0),
+            rows.shape[0],
+            slots.data_ptr(),
+            CACHE_DTYPE_CODES[cache.dtype],
+            part.data_ptr(),
+            cache.num_kv_heads,
+            cache.head_dim,
+        )
+        if status != 0:
+            raise RuntimeError(f"the CPU KV cache write failed (status {status})")
+
+
+def _head_rows(x: torch.Tensor) -> bool:
+    """[tokens, heads, head_dim] of a kernel dtype, each token's heads side by side."""
+    return (
+        x.dtype in DTYPE_CODES
+        and x.dim() == 3
+        and x.stride(2) == 1
+        and x.stride(1) == x.shape[2]
+        and x.device.type == "cpu"
+    )
+
+
 def attend_in_place(
     query: torch.Tensor,
     cache: PagedKVCache,
@@ -86,20 +129,21 @@ def attend_in_place(
     head_dim]; query [step rows, heads, head_dim] with each head's row contiguous."""
     _, heads, head_dim = query.shape
     keys, values = cache.keys[layer], cache.values[layer]
-    kv_heads = keys.shape[1]
+    kv_heads = cache.num_kv_heads
     if query.stride(2) != 1 or query.stride(1) != head_dim:
         query = query.contiguous()
     for name, tensor in (("keys", keys), ("values", values), ("out", out)):
         if not tensor.is_contiguous():
             raise ValueError(f"the CPU attention kernel needs contiguous {name}")
-    if query.dtype not in DTYPE_CODES or keys.dtype != query.dtype or out.dtype != query.dtype:
+    if query.dtype not in DTYPE_CODES or out.dtype != query.dtype:
         raise ValueError(
             f"the CPU attention kernel takes one dtype of {sorted(map(str, DTYPE_CODES))} for "
-            f"query, cache and output, got {query.dtype}, {keys.dtype} and {out.dtype}"
+            f"query and output, got {query.dtype} and {out.dtype}"
         )
     library = load_library()
     status = library.engine_paged_attention_variant(
         DTYPE_CODES[query.dtype],
+        CACHE_DTYPE_CODES[cache.dtype],
         query.data_ptr(),
         query.stride(0),
         keys.data_ptr(),

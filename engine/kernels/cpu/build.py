@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 SOURCES = (
     HERE / "paged_attention.cpp",
+    HERE / "kv_store.cpp",
     HERE / "pointwise.cpp",
     HERE / "linear.cpp",
     HERE / "quantized_linear.cpp",
@@ -40,6 +41,7 @@ SOURCES = (
 )
 HEADERS = (
     HERE / "cpu_vector.h",
+    HERE / "kv_rows.h",
     HERE / "thread_pool.h",
     HERE / "quant_formats.h",
     HERE / "quant_activations.h",
@@ -150,7 +152,8 @@ i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _SIGNATURES: dict[str, list[type[Any]]] = {
     # engine/kernels/cpu/paged_attention.cpp
     "engine_paged_attention": [
-        ctypes.c_int,  # dtype
+        ctypes.c_int,  # dtype of the query and the output
+        ctypes.c_int,  # dtype of the cache's rows (kv_rows.h)
         ptr,  # query
         i64,  # query token stride
         ptr,  # key cache
@@ -170,7 +173,8 @@ _SIGNATURES: dict[str, list[type[Any]]] = {
         ctypes.c_int,  # threads
     ],
     "engine_paged_attention_variant": [
-        ctypes.c_int,  # dtype
+        ctypes.c_int,  # dtype of the query and the output
+        ctypes.c_int,  # dtype of the cache's rows (kv_rows.h)
         ptr,  # query
         i64,  # query token stride
         ptr,  # key cache
@@ -191,6 +195,9 @@ _SIGNATURES: dict[str, list[type[Any]]] = {
         i64,  # sliding window (0: none)
         ctypes.c_float,  # soft cap (0: none)
     ],
+    # engine/kernels/cpu/kv_store.cpp: dtype, src, token stride, tokens, int64 slots, cache dtype,
+    # cache, kv heads, head dim
+    "engine_kv_store": [ctypes.c_int, ptr, i64, i64, ptr, ctypes.c_int, ptr, i64, i64],
     # engine/kernels/cpu/pointwise.cpp; x and out point at activations, all of one dtype.
     # dtype, x, token stride, tokens, heads, dim, weight, weight head stride, eps, out
     "engine_rms_norm": [ctypes.c_int, ptr, i64, i64, i64, i64, ptr, i64, ctypes.c_float, ptr],

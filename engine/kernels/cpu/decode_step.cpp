@@ -28,7 +28,11 @@ int engine_rotary(int dtype, const void* x, int64_t token_stride, int64_t tokens
                   int64_t dim, const void* cos, const void* sin, void* out);
 int engine_silu_and_mul(int dtype, const void* gate_up, int64_t tokens, int64_t width,
                         void* out);
-int engine_paged_attention(int dtype, const void* query, int64_t query_token_stride,
+int engine_kv_store(int dtype, const void* src, int64_t token_stride, int64_t tokens,
+                    const int64_t* slots, int cache_dtype, void* cache, int64_t kv_heads,
+                    int64_t head_dim);
+int engine_paged_attention(int dtype, int cache_dtype, const void* query,
+                           int64_t query_token_stride,
                            const void* key_cache, const void* value_cache,
                            const int64_t* block_tables, int64_t table_width,
                            const int64_t* token_chunk, const int64_t* seen, const int64_t* rows,
@@ -56,13 +60,14 @@ struct Layer {
   const float* post_norm;      // [hidden]
   const float* qk_norm;        // [heads + kv_heads, head_dim], or null (no q/k norm)
   Matrix qkv, o, gate_up, down;
-  float* keys;                 // [slots + 1, kv_heads, head_dim]
-  float* values;
+  void* keys;                  // [slots + 1, kv_heads, head row] (kv_rows.h)
+  void* values;
 };
 
 struct Shape {
   int64_t hidden, heads, kv_heads, head_dim, intermediate, block_size;
   float eps, scale;
+  int64_t cache_dtype;  // kv_rows.h's CacheDtype
 };
 
 // The step's attention inputs (AttentionMetadata with one TableRows piece over every token).
@@ -121,13 +126,13 @@ int layer_step(const Layer& layer, const Shape& s, const Step& step, float* h, i
   }
   status |= engine_rotary(kFloat32, qk_in, qk_stride, m, qk_heads, s.head_dim, step.cos,
                           step.sin, qk);
-  for (int64_t t = 0; t < m; ++t) {  // the cache write: K after rotary, V as projected
-    std::memcpy(layer.keys + step.slots[t] * kv_size, qk + t * qk_size + attn_size,
-                kv_size * sizeof(float));
-    std::memcpy(layer.values + step.slots[t] * kv_size, qkv + t * qkv_size + qk_size,
-                kv_size * sizeof(float));
-  }
-  status |= engine_paged_attention(kFloat32, qk, qk_size, layer.keys, layer.values, step.tables,
+  const int cache_dtype = static_cast<int>(s.cache_dtype);  // the cache write: K after rotary
+  status |= engine_kv_store(kFloat32, qk + attn_size, qk_size, m, step.slots, cache_dtype,
+                            layer.keys, s.kv_heads, s.head_dim);
+  status |= engine_kv_store(kFloat32, qkv + qk_size, qkv_size, m, step.slots, cache_dtype,
+                            layer.values, s.kv_heads, s.head_dim);
+  status |= engine_paged_attention(kFloat32, cache_dtype, qk, qk_size, layer.keys, layer.values,
+                                   step.tables,
                                    step.table_width, step.token_chunk, step.seen, nullptr, m,
                                    s.heads, s.kv_heads, s.head_dim, s.block_size, s.scale, attn,
                                    step.attention_threads);

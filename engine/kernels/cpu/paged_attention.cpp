@@ -6,7 +6,9 @@
 // slot's row (every KV head) once, contiguously, and scores every query head of every token of
 // the run against it (grouped-query attention and a speculative chunk cost no extra traffic).
 // Softmax is exact (max-subtracted; a pass over the keys for the scores, which stay in a
-// per-thread buffer, then one over the values), accumulated in float32 whatever the cache dtype.
+// per-thread buffer, then one over the values), accumulated in float32 whatever the cache dtype:
+// a block's rows are widened (or dequantized, kv_rows.h) to float32 as it is read, so a cache of
+// 16-bit or int8 rows is read in half or a quarter of the bytes with the same arithmetic after.
 // Two variants of a layer: a sliding window (a token sees itself and the window - 1 keys before
 // it: the blocks before every token's window are skipped, the keys before a token's own are
 // -inf) and soft-capped scores (cap * tanh(score / cap), before the softmax).
@@ -21,6 +23,7 @@
 #include <vector>
 
 #include "cpu_vector.h"
+#include "kv_rows.h"
 #include "thread_pool.h"
 
 namespace {
@@ -31,17 +34,17 @@ namespace {
 // once, and a large context streaming through the last-level cache would evict the weights the
 // step's matmuls read next (a small context fits in the cache either way, and the hint costs
 // it nothing).
-template <typename T>
-inline void prefetch_row(const T* row, int64_t elements) {
-  const char* bytes = reinterpret_cast<const char*>(row);
-  const int64_t size = elements * static_cast<int64_t>(sizeof(T));
+inline void prefetch_row(const char* bytes, int64_t size) {
   for (int64_t offset = 0; offset < size; offset += 64) __builtin_prefetch(bytes + offset, 0, 0);
 }
 
 struct Problem {
+  int dtype;                   // the query's and the output's (Dtype)
+  int cache_dtype;             // the cache's (CacheDtype)
+  int64_t slot_bytes;          // one slot's rows, every KV head
   const void* query;
   int64_t query_token_stride;  // elements between consecutive tokens' queries
-  const void* key_cache;       // [slots, kv_heads, head_dim]
+  const void* key_cache;       // [slots, kv_heads, head row] (kv_rows.h)
   const void* value_cache;
   const int64_t* block_tables;  // [chunks, table_width]
   int64_t table_width;
@@ -71,15 +74,6 @@ struct Scratch {
   std::vector<float> block;   // one block's rows in float32 (caches of other dtypes)
 };
 
-// `elements` values from `rows` as float32: the cache itself when it is float32, else converted
-// into `buffer`.
-inline const float* as_float(const float* rows, int64_t, std::vector<float>&) { return rows; }
-template <typename T>
-const float* as_float(const T* rows, int64_t elements, std::vector<float>& buffer) {
-  buffer.resize(elements);
-  for (int64_t i = 0; i < elements; ++i) buffer[i] = to_float(rows[i]);
-  return buffer.data();
-}
 
 // One dot product of a query head and a key of DIM values (a multiple of 16) as 8 partial sums,
 // unrolled into two independent vector accumulators: sum8 of it is the score.
@@ -112,9 +106,9 @@ inline Vec8 sum8_each(const Vec8 (&v)[8]) {
 // Scores of every query head against `count` consecutive slot rows, prefetching `next`'s rows
 // one by one. DIM > 0: the head size known at compile time (a multiple of 16): keys go 8 at a
 // time through dot_lanes and sum8_each, the rest one by one.
-template <int DIM, typename T>
+template <int DIM>
 void score_rows(const Problem& p, const float* query, const float* rows, int64_t count,
-                float* scores, int64_t head_stride, const T* next) {
+                float* scores, int64_t head_stride, const char* next) {
   const int64_t dim = DIM > 0 ? DIM : p.head_dim;
   const int64_t group = p.heads / p.kv_heads;
   const int64_t slot_stride = p.kv_heads * dim;
@@ -122,7 +116,7 @@ void score_rows(const Problem& p, const float* query, const float* rows, int64_t
   if constexpr (DIM > 0) {
     for (; i + 8 <= count; i += 8) {
       if (next != nullptr) {
-        for (int j = 0; j < 8; ++j) prefetch_row(next + (i + j) * slot_stride, slot_stride);
+        for (int j = 0; j < 8; ++j) prefetch_row(next + (i + j) * p.slot_bytes, p.slot_bytes);
       }
       const float* row = rows + i * slot_stride;
       for (int64_t g = 0; g < p.kv_heads; ++g) {
@@ -137,7 +131,7 @@ void score_rows(const Problem& p, const float* query, const float* rows, int64_t
     }
   }
   for (; i < count; ++i) {
-    if (next != nullptr) prefetch_row(next + i * slot_stride, slot_stride);
+    if (next != nullptr) prefetch_row(next + i * p.slot_bytes, p.slot_bytes);
     const float* row = rows + i * slot_stride;
     for (int64_t g = 0; g < p.kv_heads; ++g) {
       const float* key = row + g * dim;
@@ -159,14 +153,14 @@ void score_rows(const Problem& p, const float* query, const float* rows, int64_t
 
 // acc[h] += sum over the `count` rows of weight[h, row] * value[row, kv head of h]; `next`'s
 // rows are prefetched first.
-template <int DIM, typename T>
+template <int DIM>
 void accumulate_rows(const Problem& p, const float* weights, int64_t head_stride,
-                     const float* rows, int64_t count, float* acc, const T* next) {
+                     const float* rows, int64_t count, float* acc, const char* next) {
   const int64_t dim = DIM > 0 ? DIM : p.head_dim;
   const int64_t group = p.heads / p.kv_heads;
   const int64_t slot_stride = p.kv_heads * dim;
   if (next != nullptr) {
-    for (int64_t i = 0; i < count; ++i) prefetch_row(next + i * slot_stride, slot_stride);
+    for (int64_t i = 0; i < count; ++i) prefetch_row(next + i * p.slot_bytes, p.slot_bytes);
   }
   for (int64_t h = 0; h < p.heads; ++h) {
     const float* wh = weights + h * head_stride;
@@ -270,7 +264,7 @@ inline int64_t token_row(const Problem& p, int64_t token) {
 
 // The run's queries as float32, scaled, into s.query [tokens, heads * head_dim].
 template <typename T>
-void load_queries(const Problem& p, const Run& run, Scratch& s) {
+void load_queries_of(const Problem& p, const Run& run, Scratch& s) {
   const int64_t query_size = p.heads * p.head_dim;
   s.query.resize(run.count * query_size);
   for (int64_t t = 0; t < run.count; ++t) {
@@ -281,9 +275,17 @@ void load_queries(const Problem& p, const Run& run, Scratch& s) {
   }
 }
 
+inline void load_queries(const Problem& p, const Run& run, Scratch& s) {
+  switch (p.dtype) {
+    case kFloat32: return load_queries_of<float>(p, run, s);
+    case kBFloat16: return load_queries_of<BFloat16>(p, run, s);
+    default: return load_queries_of<Float16>(p, run, s);
+  }
+}
+
 // The run's outputs from s.acc and s.inverse_sums; a part's unnormalised output to `partials`.
 template <typename T>
-void finish_run(const Problem& p, const Run& run, const Scratch& s, float* partials) {
+void finish_run_of(const Problem& p, const Run& run, const Scratch& s, float* partials) {
   const int64_t query_size = p.heads * p.head_dim;
   for (int64_t t = 0; t < run.count; ++t) {
     const float* acc = s.acc.data() + t * query_size;
@@ -300,14 +302,22 @@ void finish_run(const Problem& p, const Run& run, const Scratch& s, float* parti
   }
 }
 
+inline void finish_run(const Problem& p, const Run& run, const Scratch& s, float* partials) {
+  switch (p.dtype) {
+    case kFloat32: return finish_run_of<float>(p, run, s, partials);
+    case kBFloat16: return finish_run_of<BFloat16>(p, run, s, partials);
+    default: return finish_run_of<Float16>(p, run, s, partials);
+  }
+}
+
 // One run of tokens, or one part of it: both passes over their context, block by block through
-// their chunk's block table. A token's arithmetic is the same whatever run it is in (its scores
-// padded further with -inf only add zeros), so its output is the same bits as alone.
-template <typename T, int DIM>
+// their chunk's block table, each block's rows read as float32 (C: the cache's row type). A
+// token's arithmetic is the same whatever run it is in (its scores padded further with -inf only
+// add zeros), so its output is the same bits as alone.
+template <typename C, int DIM>
 void attend(const Problem& p, const Run& run, Scratch& s, float* partials) {
   const int64_t heads = p.heads;
   const int64_t dim = p.head_dim;
-  const int64_t slot_stride = p.kv_heads * dim;
   const int64_t* table = p.block_tables + p.token_chunk[run.first] * p.table_width;
   const int64_t* seen = p.seen + run.first;
   int64_t longest = 0;  // the token with the most keys: it goes first, prefetching for all
@@ -317,7 +327,7 @@ void attend(const Problem& p, const Run& run, Scratch& s, float* partials) {
   const int64_t padded = (keys - begin + 7) / 8 * 8;  // each head's scores, whole vectors
   const int64_t query_size = heads * dim;
 
-  load_queries<T>(p, run, s);
+  load_queries(p, run, s);
   s.scores.resize(run.count * heads * padded);
   s.acc.assign(run.count * query_size, 0.0f);
   s.inverse_sums.resize(run.count * heads);
@@ -327,21 +337,21 @@ void attend(const Problem& p, const Run& run, Scratch& s, float* partials) {
   const int64_t skip = std::max(begin, lowest / p.block_size * p.block_size);
 
   for (int pass = 0; pass < 2; ++pass) {  // 0: scores from keys; 1: values weighted by them
-    const T* cache = static_cast<const T*>(pass == 0 ? p.key_cache : p.value_cache);
+    const char* cache = static_cast<const char*>(pass == 0 ? p.key_cache : p.value_cache);
+    const int64_t block_bytes = p.block_size * p.slot_bytes;
     for (int64_t start = skip; start < keys; start += p.block_size) {
       const int64_t block = start / p.block_size;
-      const T* next = start + p.block_size < keys
-                          ? cache + table[block + 1] * p.block_size * slot_stride
-                          : nullptr;
-      const T* first = cache + table[block] * p.block_size * slot_stride;
-      const float* rows = as_float(first, std::min(p.block_size, keys - start) * slot_stride,
-                                   s.block);
+      const char* next =
+          start + p.block_size < keys ? cache + table[block + 1] * block_bytes : nullptr;
+      const char* first = cache + table[block] * block_bytes;
+      const float* rows = slots_as_float<C>(first, std::min(p.block_size, keys - start),
+                                            p.kv_heads, dim, s.block);
       for (int64_t i = 0; i < run.count; ++i) {
         const int64_t t = i == 0 ? longest : i <= longest ? i - 1 : i;
         if (seen[t] <= start) continue;
         const int64_t count = std::min(p.block_size, seen[t] - start);
         float* scores = s.scores.data() + t * heads * padded + (start - begin);
-        const T* prefetch = i == 0 ? next : nullptr;
+        const char* prefetch = i == 0 ? next : nullptr;
         if (pass == 0) {
           score_rows<DIM>(p, s.query.data() + t * query_size, rows, count, scores, padded,
                           prefetch);
@@ -367,13 +377,14 @@ void attend(const Problem& p, const Run& run, Scratch& s, float* partials) {
       }
     }
   }
-  finish_run<T>(p, run, s, partials);
+  finish_run(p, run, s, partials);
 }
 
 // The output of the tokens [first, first + count) of a run split into `parts` consecutive work
 // items, from their partial results: each part's output and sum rescaled to the largest max.
 template <typename T>
-void merge_parts(const Problem& p, const Run* parts, int64_t num_parts, const float* partials) {
+void merge_parts_of(const Problem& p, const Run* parts, int64_t num_parts,
+                    const float* partials) {
   const int64_t heads = p.heads, dim = p.head_dim, query_size = heads * dim;
   const Run& whole = parts[0];
   for (int64_t t = 0; t < whole.count; ++t) {
@@ -402,21 +413,30 @@ void merge_parts(const Problem& p, const Run* parts, int64_t num_parts, const fl
   }
 }
 
+inline void merge_parts(const Problem& p, const Run* parts, int64_t num_parts,
+                        const float* partials) {
+  switch (p.dtype) {
+    case kFloat32: return merge_parts_of<float>(p, parts, num_parts, partials);
+    case kBFloat16: return merge_parts_of<BFloat16>(p, parts, num_parts, partials);
+    default: return merge_parts_of<Float16>(p, parts, num_parts, partials);
+  }
+}
+
 struct Runs {
   const Problem* problem;
   const Run* runs;
   float* partials;
 };
 
-template <typename T>
+template <typename C>
 void attend_item(const void* context, int64_t item) {
   const Runs& work = *static_cast<const Runs*>(context);
   const Problem& p = *work.problem;
   thread_local Scratch scratch;
   switch (p.head_dim) {  // the usual head sizes get register-blocked code
-    case 64: return attend<T, 64>(p, work.runs[item], scratch, work.partials);
-    case 128: return attend<T, 128>(p, work.runs[item], scratch, work.partials);
-    default: return attend<T, 0>(p, work.runs[item], scratch, work.partials);
+    case 64: return attend<C, 64>(p, work.runs[item], scratch, work.partials);
+    case 128: return attend<C, 128>(p, work.runs[item], scratch, work.partials);
+    default: return attend<C, 0>(p, work.runs[item], scratch, work.partials);
   }
 }
 
@@ -463,25 +483,29 @@ int64_t split_runs(const Problem& p, int64_t num_tokens, int threads, std::vecto
 
 extern "C" {
 
+// dtype: the query's and the output's (Dtype); cache_dtype: the cache's rows (kv_rows.h).
 // Returns 0, -1 for an unknown dtype, -2 for a head size over kMaxHeadDim. Arguments are checked
 // by the Python caller. `window` 0: no sliding window; `softcap` 0: no soft-capping.
-int engine_paged_attention_variant(int dtype, const void* query, int64_t query_token_stride,
-                                   const void* key_cache, const void* value_cache,
-                                   const int64_t* block_tables, int64_t table_width,
-                                   const int64_t* token_chunk, const int64_t* seen,
-                                   const int64_t* rows, int64_t num_tokens, int64_t heads,
-                                   int64_t kv_heads, int64_t head_dim, int64_t block_size,
-                                   float scale, void* out, int num_threads, int64_t window,
-                                   float softcap) {
-  const Problem problem{query,       query_token_stride, key_cache,  value_cache, block_tables,
-                        table_width, token_chunk,        seen,       rows,        heads,
-                        kv_heads,    head_dim,           block_size, scale,       out,
-                        window,      softcap};
+int engine_paged_attention_variant(int dtype, int cache_dtype, const void* query,
+                                   int64_t query_token_stride, const void* key_cache,
+                                   const void* value_cache, const int64_t* block_tables,
+                                   int64_t table_width, const int64_t* token_chunk,
+                                   const int64_t* seen, const int64_t* rows, int64_t num_tokens,
+                                   int64_t heads, int64_t kv_heads, int64_t head_dim,
+                                   int64_t block_size, float scale, void* out, int num_threads,
+                                   int64_t window, float softcap) {
+  const int64_t slot_bytes = kv_heads * head_row_bytes(cache_dtype, head_dim);
+  const Problem problem{dtype,       cache_dtype,  slot_bytes, query,      query_token_stride,
+                        key_cache,   value_cache,  block_tables, table_width, token_chunk,
+                        seen,        rows,         heads,      kv_heads,   head_dim,
+                        block_size,  scale,        out,        window,     softcap};
   engine_cpu::Task task;
-  switch (dtype) {
-    case kFloat32: task.run = attend_item<float>; break;
-    case kBFloat16: task.run = attend_item<BFloat16>; break;
-    case kFloat16: task.run = attend_item<Float16>; break;
+  if (dtype != kFloat32 && dtype != kBFloat16 && dtype != kFloat16) return -1;
+  switch (cache_dtype) {
+    case kCacheFloat32: task.run = attend_item<float>; break;
+    case kCacheBFloat16: task.run = attend_item<BFloat16>; break;
+    case kCacheFloat16: task.run = attend_item<Float16>; break;
+    case kCacheInt8: task.run = attend_item<Int8Row>; break;
     default: return -1;
   }
   if (head_dim > kMaxHeadDim) return -2;
@@ -498,11 +522,7 @@ int engine_paged_attention_variant(int dtype, const void* query, int64_t query_t
     size_t j = i + 1;
     if (runs[i].partial >= 0) {
       while (j < runs.size() && runs[j].partial >= 0 && runs[j].first == runs[i].first) ++j;
-      switch (dtype) {
-        case kFloat32: merge_parts<float>(problem, &runs[i], j - i, partials.data()); break;
-        case kBFloat16: merge_parts<BFloat16>(problem, &runs[i], j - i, partials.data()); break;
-        default: merge_parts<Float16>(problem, &runs[i], j - i, partials.data()); break;
-      }
+      merge_parts(problem, &runs[i], j - i, partials.data());
     }
     i = j;
   }
@@ -511,16 +531,17 @@ int engine_paged_attention_variant(int dtype, const void* query, int64_t query_t
 
 // Every key before the token, scores as they are (the decoder layers of engine/kernels/cpu/
 // decode_step.cpp, and every family without a window or a cap).
-int engine_paged_attention(int dtype, const void* query, int64_t query_token_stride,
-                           const void* key_cache, const void* value_cache,
-                           const int64_t* block_tables, int64_t table_width,
-                           const int64_t* token_chunk, const int64_t* seen, const int64_t* rows,
-                           int64_t num_tokens, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                           int64_t block_size, float scale, void* out, int num_threads) {
-  return engine_paged_attention_variant(dtype, query, query_token_stride, key_cache, value_cache,
-                                        block_tables, table_width, token_chunk, seen, rows,
-                                        num_tokens, heads, kv_heads, head_dim, block_size, scale,
-                                        out, num_threads, 0, 0.0f);
+int engine_paged_attention(int dtype, int cache_dtype, const void* query,
+                           int64_t query_token_stride, const void* key_cache,
+                           const void* value_cache, const int64_t* block_tables,
+                           int64_t table_width, const int64_t* token_chunk, const int64_t* seen,
+                           const int64_t* rows, int64_t num_tokens, int64_t heads,
+                           int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                           void* out, int num_threads) {
+  return engine_paged_attention_variant(dtype, cache_dtype, query, query_token_stride, key_cache,
+                                        value_cache, block_tables, table_width, token_chunk,
+                                        seen, rows, num_tokens, heads, kv_heads, head_dim,
+                                        block_size, scale, out, num_threads, 0, 0.0f);
 }
 
 }  // extern "C"

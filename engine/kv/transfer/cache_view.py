@@ -34,7 +34,7 @@ class CacheView:
                 f"but its buffer has {size}"
             )
         slots = layout.num_blocks * layout.block_size + 1
-        slot_bytes = layout.num_kv_heads * layout.head_dim * layout.itemsize
+        slot_bytes = layout.slot_bytes
         flat = np.frombuffer(buffer, dtype=np.uint8, count=layout.segment_bytes)
         self.layout = layout
         self.slots = flat.reshape(layout.num_layers, 2, slots, slot_bytes)

@@ -20,7 +20,7 @@ import torch
 
 from engine.kernels.attention_metadata import AttentionMetadata, TableRows
 from engine.kernels.cpu import pointwise
-from engine.kernels.cpu.attention import kernel_threads
+from engine.kernels.cpu.attention import CACHE_DTYPE_CODES, kernel_threads
 from engine.kernels.cpu.build import load_library
 from engine.kernels.cpu.linear import PanelLinear
 from engine.kernels.kv_cache import PagedKVCache
@@ -65,6 +65,7 @@ class _Shape(ctypes.Structure):
         ("block_size", _i64),
         ("eps", _f32),
         ("scale", _f32),
+        ("cache_dtype", _i64),
     ]
 
 
@@ -119,6 +120,7 @@ class FusedDecode:
             0,  # the cache's, set with the layers
             config.rms_norm_eps,
             config.attention_scale or config.head_dim**-0.5,
+            0,  # the cache's, set with the layers
         )
         self._layers: Any = None
         self._cache: PagedKVCache | None = None
@@ -189,13 +191,14 @@ class FusedDecode:
         if self._cache is cache:
             return self._layers
         for tensor in (*cache.keys, *cache.values):
-            if tensor.dtype != torch.float32 or not tensor.is_contiguous():
-                raise ValueError("the fused decode step needs a contiguous float32 KV cache")
+            if tensor.dtype not in CACHE_DTYPE_CODES or not tensor.is_contiguous():
+                raise ValueError(f"the fused decode step cannot use a {tensor.dtype} KV cache")
         for layer in self.model.layers:
             norm = layer.self_attn.qk_norm_weight
             if norm is not None and not norm.is_contiguous():
                 raise ValueError("the fused decode step needs contiguous q/k norm weights")
         self._shape.block_size = cache.block_size
+        self._shape.cache_dtype = CACHE_DTYPE_CODES[cache.dtype]
         layers = (_Layer * len(self.model.layers))()
         for i, layer in enumerate(self.model.layers):
             qk_norm = layer.self_attn.qk_norm_weight

@@ -9,7 +9,16 @@ from typing import Any
 from engine.model.config import ModelConfig
 from engine.model.parallel.layout import kv_heads_per_rank
 
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
+DTYPE_BYTES = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "int8": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+}
+# Bytes after each head row's elements: an int8 row's float32 scale (engine/kernels/kv_cache.py)
+ROW_SCALE_BYTES = {"int8": 4}
 
 
 def dtype_bytes(dtype: Any) -> int:
@@ -20,14 +29,21 @@ def dtype_bytes(dtype: Any) -> int:
     return DTYPE_BYTES[name]
 
 
+def kv_head_row_bytes(head_dim: int, dtype: Any) -> int:
+    """Bytes one KV head's K (or V) of one token takes in a cache of `dtype`."""
+    name = str(dtype).removeprefix("torch.")
+    return head_dim * dtype_bytes(name) + ROW_SCALE_BYTES.get(name, 0)
+
+
 def kv_block_bytes(
     config: ModelConfig, block_size: int, dtype: Any, tensor_parallel_size: int = 1
 ) -> int:
-    """Bytes one block of `block_size` tokens takes across all layers (K and V) on one rank: a
-    tensor-parallel rank holds only its KV heads (replicated ones included)."""
+    """Bytes one block of `block_size` tokens takes across all layers (K and V) on one rank, in
+    a cache of `dtype`: a tensor-parallel rank holds only its KV heads (replicated ones
+    included)."""
     kv_heads = kv_heads_per_rank(config, tensor_parallel_size)
-    per_token = 2 * kv_heads * config.head_dim
-    return config.num_layers * block_size * per_token * dtype_bytes(dtype)
+    per_token = 2 * kv_heads * kv_head_row_bytes(config.head_dim, dtype)
+    return config.num_layers * block_size * per_token
 
 
 def kv_cache_blocks(

@@ -79,6 +79,33 @@ def resolve_dtype(requested: str, checkpoint_dtype: str | None, device: str) -> 
     return requested
 
 
+KV_CACHE_DTYPES = ("float32", "float16", "bfloat16", "int8")  # kernels/kv_cache.py's formats
+
+
+def resolve_kv_cache_dtype(
+    requested: str, dtype: str, device: str, kernel_backend: str, quantized: bool
+) -> str:
+    """The KV cache's dtype. "auto" is the model's `dtype`, except on the CPU for quantized
+    weights (float32 activations): float16, half the bytes, as llama.cpp's f16 cache; the
+    float32 cache stays where float32 weights ask for float32's exactness. On a GPU, and for the
+    triton kernels, the cache has the model's dtype (their kernels read no other)."""
+    own_dtype_only = device_type(device) != "cpu" or kernel_backend == "triton"
+    if requested == "auto":
+        return "float16" if dtype == "float32" and quantized and not own_dtype_only else dtype
+    if requested not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"unknown KV cache dtype {requested!r}; expected 'auto' or one of "
+            f"{', '.join(KV_CACHE_DTYPES)}"
+        )
+    if own_dtype_only and requested != dtype:
+        where = "the triton kernels" if kernel_backend == "triton" else device_type(device)
+        raise ValueError(
+            f"KV cache dtype {requested!r} is not supported on {where}: use 'auto' (the "
+            f"model's, {dtype})"
+        )
+    return requested
+
+
 # Steps with at least this many tokens, or whose attention reads at least this many keys, run
 # on ThreadPolicy.busy threads.
 BUSY_STEP_TOKENS = 128
