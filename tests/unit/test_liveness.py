@@ -53,9 +53,9 @@ def test_an_event_loop_stuck_outside_a_step_is_a_hang() -> None:
 
 
 def test_a_steps_deadline_grows_with_its_size_at_the_measured_rate() -> None:
-    rate = WorkRate(floor=30.0, margin=4.0, initial=300.0)
-    assert rate.deadline(8192) == 300.0  # nothing measured yet
+    rate = WorkRate(floor=30.0, margin=8.0)
+    assert rate.deadline(8192) == 0.0  # nothing measured yet: no deadline
     rate.observe(512, 2.0)  # a prefill chunk: ~3.9 ms a token
     rate.observe(16, 0.16)  # a decode step of 16 sequences: 10 ms a token, the slowest rate
     assert rate.deadline(16) == 30.0  # the floor
-    assert rate.deadline(2048) == pytest.approx(4 * 2048 * 0.01)  # ~82 s; the chunk takes ~8 s
+    assert rate.deadline(2048) == pytest.approx(8 * 2048 * 0.01)  # ~164 s; the chunk takes ~8 s
