@@ -17,6 +17,10 @@ class TokenizerConfig(msgspec.Struct, frozen=True):
     max_model_len: int
     vocab_size: int
     allow_special_tokens_in_chat: bool = False
+    # A chat rendering's bounds (engine/text/template_bounds.py): characters and CPU seconds;
+    # 0: PromptBuilder's defaults
+    template_chars: int = 0
+    template_cpu_seconds: float = 0.0
 
 
 class DetokenizerConfig(msgspec.Struct, frozen=True):

@@ -36,6 +36,7 @@ from engine.text.hf_tokenizer import (
     save_text_encoder,
 )
 from engine.text.prompt import PromptBuilder
+from engine.text.template_bounds import Bounds, TemplateBoundError
 
 # Prompts with more characters than this are tokenized on a thread: a multi-megabyte prompt takes
 # seconds, during which the loop must keep beating the heart and serving the other requests.
@@ -43,7 +44,8 @@ from engine.text.prompt import PromptBuilder
 INLINE_CHARS = 16_384
 # One request's frame for the scheduler, and for the gateway the ids made of its text (None: it
 # came as ids, or failed).
-Tokenized = tuple[bytes, bytes | None]
+# (the frame for the scheduler, if any; the frame of the prompt's ids for the gateway, if any)
+Tokenized = tuple[bytes | None, bytes | None]
 SAVED_DIR = "/dev/shm"  # where the built tokenizer waits for a restart (see on_start)
 SAVE_WAIT_S = 10.0  # a stop waits this long for the first start's save to end
 
@@ -98,8 +100,15 @@ class TokenizerActor(Actor):
 
     def _prompt_builder(self, tokenizer: Any) -> PromptBuilder:
         config = self._config
+        bounds = None
+        if config.template_chars and config.template_cpu_seconds:
+            bounds = Bounds(config.template_chars, config.template_cpu_seconds)
         return PromptBuilder(
-            tokenizer, config.max_model_len, config.vocab_size, config.allow_special_tokens_in_chat
+            tokenizer,
+            config.max_model_len,
+            config.vocab_size,
+            config.allow_special_tokens_in_chat,
+            bounds,
         )
 
     def _load_builder(self) -> Any:
@@ -135,8 +144,9 @@ class TokenizerActor(Actor):
     async def _pass_on(self, done: list[Tokenized]) -> None:
         """Submissions to the scheduler, then the prompts' ids to the gateway: the scheduler's
         work is on each request's path; the gateway needs the ids only by its first output."""
-        if done:
-            await self.send_many(SUBMIT_RING, [to_scheduler for to_scheduler, _ in done])
+        to_scheduler = [frame for frame, _ in done if frame is not None]
+        if to_scheduler:
+            await self.send_many(SUBMIT_RING, to_scheduler)
         to_gateway = [prompt for _, prompt in done if prompt is not None]
         if to_gateway:
             await self.send_many(PROMPTS_RING, to_gateway)
@@ -145,8 +155,9 @@ class TokenizerActor(Actor):
         """The builder to tokenize `message` with on the loop; None: on the thread."""
         if message.request.prompt_token_ids is not None:
             return self._ids_builder
-        if _prompt_chars(message) > INLINE_CHARS:
-            return None
+        chat = message.request.chat
+        if _prompt_chars(message) > INLINE_CHARS or (chat is not None and chat.template):
+            return None  # a client's template too: its bounds allow seconds of rendering
         if self.builder is None and message.request.messages is None:
             return self._text_builder  # None too while there is none: after the load
         return self.builder
@@ -163,6 +174,9 @@ class TokenizerActor(Actor):
             token_ids = builder.build(message)
         except Exception as exc:  # fails this request alone
             return SUBMIT_RING.encode(_failure(message, exc)), None
+        if message.request.tokenize_only:  # /tokenize: the ids are all it asked for
+            prompt = PromptTokens(message.request_id, message.epoch, token_ids)
+            return None, PROMPTS_RING.encode(prompt)
         frame = SUBMIT_RING.encode(_submission(message, token_ids))
         if len(frame) > self._max_frame_bytes:
             error = too_large_for_one_frame(len(frame), self._max_frame_bytes)
@@ -218,6 +232,9 @@ def _submission(submitted: GenerateRequest, token_ids: list[int]) -> SubmitReque
 def _failure(request: GenerateRequest, exc: Exception) -> RequestFailed:
     if isinstance(exc, EngineError):
         return _failed(request, exc.status, exc.message, exc.param)
+    chat = request.request.chat
+    if isinstance(exc, TemplateBoundError) and chat is not None and chat.template:
+        return _failed(request, 400, str(exc), "chat_template")  # the client's own template
     if _input_error(exc):
         return _failed(request, 400, str(exc), _param_of(request))
     return _failed(request, 500, f"could not tokenize this request: {type(exc).__name__}: {exc}")

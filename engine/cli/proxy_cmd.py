@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from urllib.parse import urlsplit
 
 from engine.proxy.config import ProxyConfig
+from engine.settings.api_key import COMMAND_LINE_WARNING, ApiKeyFileError, read_api_key_file
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -81,8 +82,10 @@ def _parser() -> _Parser:
         "--api-key",
         default=None,
         help="require 'Authorization: Bearer KEY' on every route but /health, /ready and "
-        "/metrics (also env ENGINE_API_KEY); /health/instances names instances and their errors",
+        "/metrics; /health/instances names instances and their errors. Every local user can "
+        "read a command line: pass the key as env ENGINE_API_KEY or --api-key-file instead",
     )
+    p.add_argument("--api-key-file", default=None, help="read the API key from this file")
     return p
 
 
@@ -113,11 +116,26 @@ def _instances(urls: Sequence[str], flag: str) -> tuple[str, ...]:
     return found
 
 
-def parse_proxy_args(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> ProxyConfig:
-    args = _parser().parse_args(list(argv))
-    api_key = args.api_key if args.api_key is not None else (environ or {}).get("ENGINE_API_KEY")
+def _api_key(args: argparse.Namespace, environ: Mapping[str, str]) -> str | None:
+    """The key from --api-key-file, --api-key (with a warning) or ENGINE_API_KEY."""
+    if args.api_key is not None and args.api_key_file is not None:
+        raise ProxyUsageError("give the API key one way: --api-key or --api-key-file")
+    if args.api_key_file is not None:
+        try:
+            return read_api_key_file(args.api_key_file)
+        except ApiKeyFileError as exc:
+            raise ProxyUsageError(str(exc)) from None
+    if args.api_key is not None:
+        print(COMMAND_LINE_WARNING, file=sys.stderr)
+    api_key = args.api_key if args.api_key is not None else environ.get("ENGINE_API_KEY")
     if api_key is not None and not api_key:
         raise ProxyUsageError("--api-key must not be empty")
+    return api_key
+
+
+def parse_proxy_args(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> ProxyConfig:
+    args = _parser().parse_args(list(argv))
+    api_key = _api_key(args, environ or {})
     if not 0 <= args.port <= 65535:
         raise ProxyUsageError(f"--port {args.port}: must be in [0, 65535]")
     timeouts = ("connect_timeout", "first_byte_timeout", "read_timeout")

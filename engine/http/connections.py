@@ -16,7 +16,9 @@
 - A cap on open connections (`server.max_connections`). uvicorn's `limit_concurrency` answers
   503 only once a head has arrived, and counts every open connection, so past the limit the next
   request of an existing client is refused too. Here a connection over the cap is answered 503
-  and closed as it opens, and those already open keep working.
+  and closed as it opens, and those already open keep working. Below it, a cap per peer address
+  (`server.max_connections_per_client`): one client holding idle connections could otherwise
+  take the whole cap, and with it /health and /ready from every probe.
 - No resets. A connection answered 408 or 503 here is closed without reading what its client is
   still sending, and closing a socket with unread bytes, or receiving bytes after the close, makes
   the kernel answer with a reset: the client's next send fails, and over a network the reset can
@@ -60,15 +62,17 @@ def guarded_http_protocol(
     max_connections: int,
     send_buffer: int = 0,
     body_timeout: float = 60.0,
+    max_per_client: int | None = None,
 ) -> type[asyncio.Protocol]:
     """The protocol class to pass as `uvicorn.Config(http=...)`; `send_buffer` 0 leaves the
-    kernel's send buffer autotuned."""
+    kernel's send buffer autotuned; `max_per_client` None: an eighth of `max_connections`."""
     return type(
         "GuardedH11Protocol",
         (GuardedH11Protocol,),
         {
             "header_timeout": header_timeout,
             "max_connections": max_connections,
+            "max_per_client": max_per_client or max(1, max_connections // 8),
             "send_buffer": send_buffer,
             "body_timeout": body_timeout,
         },
@@ -89,6 +93,7 @@ LINGER_S = 2.0
 class GuardedH11Protocol(H11Protocol):
     header_timeout: float = 10.0
     max_connections: int = 2048
+    max_per_client: int = 256
     send_buffer: int = 0
     body_timeout: float = 60.0
     _head_timer: asyncio.TimerHandle | None = None
@@ -97,16 +102,32 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)  # counts this connection in self.connections
-        if len(self.connections) > self.max_connections:
-            _warn_refusal(self.max_connections)
-            message = (
-                f"the server has {self.max_connections} connections open "
-                "(server.max_connections); retry shortly"
-            )
-            self._refuse(ApiError(503, message, headers={"Retry-After": "1"}))
+        refusal, linger = self._over_a_cap()
+        if refusal is not None:
+            _warn_refusal(refusal)
+            error = ApiError(503, f"{refusal}; retry shortly", headers={"Retry-After": "1"})
+            self._refuse(error, linger)
             return
         _fix_send_buffer(transport, self.send_buffer)
         self._watch_head()
+
+    def _over_a_cap(self) -> tuple[str | None, bool]:
+        """Why this new connection is one too many (or None), and whether its refusal lingers.
+        A client over its own cap is refused without lingering: its refused connections would
+        otherwise pile up for LINGER_S each and fill the server's cap, which is what the
+        per-client cap is there to prevent (it may miss its 503 to a reset: it is flooding)."""
+        if len(self.connections) > self.max_connections:
+            why = f"the server has {self.max_connections} connections open (server.max_connections)"
+            return why, True
+        peer = _peer(self)  # None: a Unix socket's peers
+        mine = sum(_peer(other) == peer for other in self.connections)
+        if peer is not None and mine > self.max_per_client:
+            why = (
+                f"this client has {self.max_per_client} connections open "
+                "(server.max_connections_per_client)"
+            )
+            return why, False
+        return None, False
 
     def data_received(self, data: bytes) -> None:
         if self._linger_timer is not None:
@@ -192,12 +213,12 @@ class GuardedH11Protocol(H11Protocol):
         )
         self._refuse(ApiError(408, message))
 
-    def _refuse(self, error: ApiError) -> None:
+    def _refuse(self, error: ApiError, linger: bool = True) -> None:
         """Answer `error` outside h11 (there is no request, or none it can still answer) and
         end the connection without a reset. Closing a socket whose client is still sending makes
         the kernel answer with a reset, which can destroy the answer before the client reads
         it. So the server only ends its own side (FIN after the answer), drops what still comes
-        and closes when the client does, or after LINGER_S at most."""
+        and closes when the client does, or after LINGER_S at most (at once without `linger`)."""
         self._stop_head_timer()
         self._stop_body_timer()
         self._unset_keepalive_if_required()
@@ -205,7 +226,7 @@ class GuardedH11Protocol(H11Protocol):
         if cycle is not None and not cycle.response_complete:
             cycle.disconnected = True  # the handler reading this request sees the client gone
             cycle.message_event.set()
-        self._linger_timer = self.loop.call_later(LINGER_S, self.transport.close)
+        self._linger_timer = self.loop.call_later(LINGER_S if linger else 0, self.transport.close)
         self.transport.write(_error_response(error))
         if self.transport.can_write_eof():
             self.transport.write_eof()
@@ -236,9 +257,15 @@ def _error_response(error: ApiError) -> bytes:
     return "\r\n".join(head).encode() + b"\r\n\r\n" + body
 
 
-def _warn_refusal(max_connections: int) -> None:
+def _peer(connection: object) -> str | None:
+    """A connection's peer address (uvicorn's `client`), None without one."""
+    client = getattr(connection, "client", None)
+    return client[0] if client else None
+
+
+def _warn_refusal(why: str) -> None:
     global _last_refusal_warning
     now = time.monotonic()
     if now - _last_refusal_warning >= _WARN_INTERVAL_S:
         _last_refusal_warning = now
-        log.warning("refusing connections: %d open (server.max_connections)", max_connections)
+        log.warning("refusing connections: %s", why)

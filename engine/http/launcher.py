@@ -283,6 +283,7 @@ def _http_server(state: ServerState, settings: Settings) -> _Server:
                 settings.server.max_connections,
                 settings.server.send_buffer,
                 settings.server.body_timeout,
+                settings.server.max_connections_per_client,
             ),
             ws="none",  # no websocket routes; an upgrade would also escape the head deadline
         )

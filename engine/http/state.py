@@ -6,10 +6,12 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from engine.http.metrics import ServerMetrics
 from engine.http.openai.tokens import Tokens
+from engine.library.chat_tokens import chat_token_ids
 from engine.messages.params import LoRARequest
 from engine.settings import Settings
 from engine.testing.http_faults import HttpFaults
@@ -69,6 +71,7 @@ class ServerState:
                 llm.model_path,
                 llm.max_model_len,
                 settings.server.allow_special_tokens_in_chat,
+                partial(chat_token_ids, llm),
                 chat_template,
             ),
             chat_template=chat_template,

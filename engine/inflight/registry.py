@@ -165,6 +165,11 @@ class Gateway:
         if record is None or record.prompt_token_ids is not None:
             return
         record.request.prompt_token_ids = prompt.prompt_token_ids
+        if record.request.tokenize_only:  # all it asked for
+            del self._records[record.request_id]
+            record.stream.put_nowait(record.output([], finished=True))
+            self._forget(record)
+            return
         early, record.early = record.early, []
         if early:
             self._apply(record, early)

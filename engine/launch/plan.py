@@ -287,6 +287,8 @@ def _pipeline_specs(
         worker.max_model_len,
         config.vocab_size,
         settings.server.allow_special_tokens_in_chat,
+        worker.max_model_len * settings.limits.max_prompt_chars_per_token,
+        settings.limits.template_cpu_seconds,
     )
     return (
         ChildSpec(

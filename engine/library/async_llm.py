@@ -97,7 +97,9 @@ class AsyncLLM:
         # As vLLM: the name clients use is the --model value as given, unless one is set.
         served = model.served_name or (default_name,)
         self.model_name = served[0]
-        self.adapters = start_registry(self.settings.lora, self._plan.model_config, served)
+        self.adapters = start_registry(
+            self.settings.lora, self._plan.model_config, served, resolve_home(self.settings)
+        )
         # --otlp-traces-endpoint: each request's span, made as it leaves the gateway
         tracer = open_request_tracer(self.settings.server.otlp_traces_endpoint, self.model_name)
         self.gateway.on_request_end = tracer.record if tracer is not None else None

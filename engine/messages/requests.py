@@ -79,6 +79,9 @@ class EngineRequest(msgspec.Struct, array_like=True, kw_only=True):
     trace_headers: dict[str, str] | None = None
     defaulted_fields: frozenset[str] = frozenset()
     field_names: dict[str, str] = msgspec.field(default_factory=dict)
+    # /tokenize: the tokenizer only sends the prompt's ids back (PromptTokens), the model never
+    # sees it; chats are rendered where any chat is, in the tokenizer actor, within its bounds.
+    tokenize_only: bool = False
 
 
 class GenerateRequest(msgspec.Struct, tag=True, array_like=True):
@@ -118,6 +121,7 @@ class RoutedRequest(msgspec.Struct, array_like=True, kw_only=True):
     trace_headers: msgspec.Raw = NIL
     defaulted_fields: msgspec.Raw = msgspec.Raw(b"\x90")  # an empty array
     field_names: msgspec.Raw = msgspec.Raw(b"\x80")  # an empty map
+    tokenize_only: bool = False
 
 
 class RoutingView(msgspec.Struct, tag="GenerateRequest", array_like=True):

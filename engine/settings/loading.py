@@ -14,6 +14,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
+from engine.settings.api_key import ApiKeyFileError, read_api_key_file
 from engine.settings.fields import _FALSE, _TRUE, FIELDS, FieldSpec
 from engine.settings.schema import SECTIONS, Settings, cross_field_problems
 
@@ -49,6 +52,7 @@ FLAG_ALIASES: dict[str, str] = {
     "--speculative-config": "scheduler.speculative_config",
     "--enable-lora": "lora.enable_lora",
     "--lora-modules": "lora.lora_modules",
+    "--lora-path-allow": "lora.lora_path_allow",
     "--max-loras": "lora.max_loras",
     "--max-lora-rank": "lora.max_lora_rank",
     "--max-cpu-loras": "lora.max_cpu_loras",
@@ -75,6 +79,7 @@ FLAG_ALIASES: dict[str, str] = {
     "--host": "server.host",
     "--port": "server.port",
     "--api-key": "server.api_key",
+    "--api-key-file": "server.api_key_file",
     "--max-request-bytes": "server.max_request_bytes",
     "--drain-timeout": "server.drain_timeout",
     "--record-trace": "server.record_trace",
@@ -135,7 +140,20 @@ def load_settings(argv: list[str], environ: Mapping[str, str]) -> tuple[Settings
             sources[key] = source
     settings = _assemble(values)
     _check_cross_field(settings, sources)
-    return settings, sources
+    return _with_key_from_file(settings), sources
+
+
+def _with_key_from_file(settings: Settings) -> Settings:
+    """server.api_key read from server.api_key_file, when that is set."""
+    path = settings.server.api_key_file
+    if path is None:
+        return settings
+    try:
+        key = read_api_key_file(path)
+    except ApiKeyFileError as exc:
+        raise SettingsError(f"invalid setting server.api_key_file: {exc}") from None
+    server = msgspec.structs.replace(settings.server, api_key=key)
+    return msgspec.structs.replace(settings, server=server)
 
 
 def _fail(spec: FieldSpec, where: str, problem: str) -> SettingsError:

@@ -35,6 +35,14 @@ class LoraSettings(Section, frozen=True):
             "(POST /v1/load_lora_adapter)"
         ),
     ] = ()
+    lora_path_allow: Annotated[
+        tuple[str, ...],
+        Meta(
+            description="directories adapters loaded at run time may come from (any depth, "
+            "links followed to their real place; elsewhere: 403); unset = the --lora-modules "
+            "paths and the engine home"
+        ),
+    ] = ()
     max_loras: Annotated[
         int, Meta(ge=1, le=1024, description="distinct adapters in one batch (step)")
     ] = 1

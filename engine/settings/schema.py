@@ -248,6 +248,15 @@ class LimitsSettings(_Section, frozen=True):
             "characters is refused before it is tokenized",
         ),
     ] = 32
+    template_cpu_seconds: Annotated[
+        float,
+        Meta(
+            gt=0.0,
+            description="CPU seconds one chat template rendering may take (a client's template "
+            "to /tokenize included); past it, 400. Its output is bounded as prompt text is "
+            "(max_model_len x max_prompt_chars_per_token characters)",
+        ),
+    ] = 1.0
     max_grammar_chars: Annotated[
         int,
         Meta(
@@ -410,6 +419,19 @@ def cross_field_problems(settings: Settings) -> list[tuple[str, str]]:
             "scheduler.max_num_batched_tokens",
             f"must be at least scheduler.max_num_seqs ({scheduler.max_num_seqs}) so that every "
             f"running sequence gets a token each step, got {scheduler.max_num_batched_tokens}",
+        ))  # fmt: skip
+    server = settings.server
+    per_client = server.max_connections_per_client
+    if per_client is not None and per_client >= server.max_connections:
+        problems.append((
+            "server.max_connections_per_client",
+            f"must be below server.max_connections ({server.max_connections}) so that one "
+            f"client cannot take every connection, got {per_client}",
+        ))  # fmt: skip
+    if server.api_key is not None and server.api_key_file is not None:
+        problems.append((
+            "server.api_key_file",
+            "give the API key one way: server.api_key (ENGINE_API_KEY) or server.api_key_file",
         ))  # fmt: skip
     model = settings.model
     if model.deterministic and model.kernel_backend not in ("auto", "torch"):

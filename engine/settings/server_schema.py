@@ -18,7 +18,14 @@ class ServerSettings(Section, frozen=True):
     ] = 8000
     api_key: Annotated[
         str | None,
-        Meta(description="require 'Authorization: Bearer KEY' (also env ENGINE_API_KEY)"),
+        Meta(
+            description="require 'Authorization: Bearer KEY'; pass it as env ENGINE_API_KEY "
+            "or --api-key-file (on the command line every local user can read it)"
+        ),
+    ] = None
+    api_key_file: Annotated[
+        str | None,
+        Meta(description="read server.api_key from this file (its first line)"),
     ] = None
     max_request_bytes: Annotated[
         int, Meta(ge=1, description="largest request body accepted (bigger: 413)", extra=BYTES_UNIT)
@@ -83,6 +90,18 @@ class ServerSettings(Section, frozen=True):
         int,
         Meta(ge=1, description="open HTTP connections; one more is answered 503 and closed"),
     ] = 2048
+    max_connections_per_client: (
+        Annotated[
+            int,
+            Meta(
+                ge=1,
+                description="open HTTP connections from one peer address, below "
+                "max_connections, so that one client cannot take the server (and /health, "
+                "/ready) from the others; unset = an eighth of max_connections",
+            ),
+        ]
+        | None
+    ) = None
     uds: Annotated[
         str | None,
         Meta(description="serve HTTP on this Unix socket path instead of host:port"),

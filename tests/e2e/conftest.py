@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from engine.testing.http_faults import HTTP_FAULT_INJECTION_ENV
+from tests.checkpoints import CACHE_ROOT
 from tests.e2e.harness import API_KEY, Server, served
 from tests.holds import hold_env
 
@@ -78,8 +79,11 @@ def server(
     work = tmp_path_factory.mktemp("server")
     trace = work / "trace.jsonl"
     args = server_args(model_args, work / "admin.sock", "--server.record_trace", str(trace))
-    # LoRA on: test_lora_serving loads its adapters at run time (and unloads them after).
+    # LoRA on: test_lora_serving loads its adapters at run time (and unloads them after), from
+    # the test checkpoints' directory and the tests' temporary ones.
+    allowed = f"{CACHE_ROOT},{tmp_path_factory.getbasetemp()}"
     args += ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8"]
+    args += ["--lora-path-allow", allowed]
     # Prompts holding tests/holds.py's HOLD_TEXT are held in flight while a test acts on them.
     env = {
         HTTP_FAULT_INJECTION_ENV: f"raise:{FAULT_500},raise-in-stream:{FAULT_IN_STREAM}",

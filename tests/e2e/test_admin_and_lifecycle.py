@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
+from engine.settings.api_key import COMMAND_LINE_WARNING
 from tests.e2e.conftest import server_args
 from tests.e2e.harness import REPO, Server, leftover_ipc, start_server, wait_until
 from tests.holds import HOLD_TEXT, hold_env
@@ -256,5 +257,6 @@ def test_engine_that_gives_up_stops_the_server_with_its_reason(
     finally:
         srv.stop()
     assert "engine: stopped:" in srv.log()
+    assert COMMAND_LINE_WARNING in srv.log()  # it was given --api-key: every user can read it
     assert not (tmp_path / "a.sock").exists()
     assert leftover_ipc(srv.pid) == []

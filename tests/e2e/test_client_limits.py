@@ -74,6 +74,42 @@ def test_chat_content_cannot_write_control_tokens(
     assert prompt_tokens(f"a{literal}") - prompt_tokens("a") == len(as_text)
 
 
+@pytest.mark.parametrize(
+    ("template", "bound"),
+    [
+        ("{{ (9**(4782969*5)) % 7 }}", "integer power"),  # held the root's GIL for 22 s
+        (
+            "{% for a in range(30000) %}{% for b in range(30000) %}{% endfor %}{% endfor %}",
+            "CPU seconds",
+        ),
+        # rendered 30 M characters and grew the root by 6 GiB
+        (
+            "{% for a in messages * 9999 %}{% for b in messages * 9999 %}x{% endfor %}{% endfor %}",
+            "characters",
+        ),
+    ],
+    ids=["power", "loop", "output"],
+)
+def test_a_clients_chat_template_is_bounded_and_rendered_off_the_root(
+    server: Server, template: str, bound: str
+) -> None:
+    """/tokenize renders the client's `chat_template` (the client's code) in a tokenizer actor
+    within its bounds: refused with 400 naming the bound, while /health answers throughout."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "chat_template": template}
+    with server.http() as http, server.http() as probe:
+        answer: list[httpx.Response] = []
+        render = threading.Thread(target=lambda: answer.append(http.post("/tokenize", json=body)))
+        render.start()
+        healthy = []
+        while render.is_alive():  # the root's event loop serves everyone meanwhile
+            healthy.append(probe.get("/health", timeout=5).status_code)
+        render.join()
+    error = error_of(answer[0], 400)
+    assert error["param"] == "chat_template" and bound in error["message"], error
+    assert set(healthy) <= {200}
+    assert_still_serves(server)
+
+
 @pytest.fixture(scope="module")
 def roomy_server(
     model_args: list[str], tmp_path_factory: pytest.TempPathFactory

@@ -250,6 +250,9 @@ def guarded(model_args: list[str], tmp_path_factory: pytest.TempPathFactory) -> 
         "--server.header_timeout", str(HEADER_TIMEOUT_S),
         "--server.body_timeout", str(BODY_TIMEOUT_S),
         "--server.max_connections", str(MAX_CONNECTIONS),
+        # Every client here is this test, on 127.0.0.1: the per-client cap is
+        # tests/unit/test_connection_guards.py's to show.
+        "--server.max_connections_per_client", str(MAX_CONNECTIONS - 1),
     )  # fmt: skip
     with served(args, work, name="guarded") as srv:
         yield srv

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import struct
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -114,10 +116,48 @@ def test_load_and_unload_answer_as_vllm_and_unknown_names_are_model_not_found(
             "/v1/load_lora_adapter", json={"lora_name": "big", "lora_path": str(tmp_path)}
         )
         assert refused.status_code == 400
-        assert "rank 64 exceeds --max-lora-rank 8" in refused.json()["error"]["message"]
+        assert "its rank (r) exceeds --max-lora-rank 8" in refused.json()["error"]["message"]
         assert "big" not in {card["id"] for card in http.get("/v1/models").json()["data"]}
     anonymous = httpx.post(f"{server.url}/v1/load_lora_adapter", json=body, timeout=30)
     assert anonymous.status_code == 401
+
+
+def test_adapter_loads_refuse_paths_outside_the_allowed_directories_and_odd_files(
+    server: Server, tmp_path: Path
+) -> None:
+    """The attacks of issue 46: any server path was read, errors told whether it existed and
+    echoed JSON values of files under it, a FIFO as adapter_config.json froze every route
+    until something wrote to it, and a 2^62-byte header length answered 500."""
+    secret = tmp_path / "secret"
+    secret.mkdir()
+    (secret / "adapter_config.json").write_text(json.dumps({"r": "hunter2-token"}))
+    fifo, huge = tmp_path / "fifo", tmp_path / "huge"
+    fifo.mkdir()
+    os.mkfifo(fifo / "adapter_config.json")
+    shutil.copytree(lora_adapter(tiny_checkpoint(), rank=4, targets=("q_proj",), seed=2), huge)
+    with (huge / "adapter_model.safetensors").open("r+b") as weights:
+        weights.write(struct.pack("<Q", 1 << 62))
+    with server.http() as http:
+
+        def load_from(path: Path | str) -> httpx.Response:
+            return http.post(
+                "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(path)}
+            )
+
+        outside = [
+            load_from(path)
+            for path in ("/etc", "/nonexistent/adapter", f"{secret}/../../../../etc")
+        ]
+        assert [r.status_code for r in outside] == [403, 403, 403]
+        assert len({r.text for r in outside}) == 1  # one answer: nothing told about the path
+        echoed = load_from(secret)
+        assert echoed.status_code == 400 and "hunter2" not in echoed.text
+        assert "LoRA adapter 'x'" in echoed.json()["error"]["message"]
+        stuck = load_from(fifo)
+        assert stuck.status_code == 400 and "not a regular file" in stuck.text
+        big = load_from(huge)
+        assert big.status_code == 400 and "header length" in big.text
+        assert http.get("/health").status_code == 200
 
 
 def stream_tokens(server: Server, model: str, kill_pid: int | None = None) -> tuple[list[int], int]:

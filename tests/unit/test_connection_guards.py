@@ -9,6 +9,7 @@ API key check does); every other path reads the body, then answers 200.
 
 from __future__ import annotations
 
+import contextlib
 import select
 import socket
 import threading
@@ -45,11 +46,14 @@ def guarded_server(
     header_timeout: float = HEADER_TIMEOUT_S,
     body_timeout: float = BODY_TIMEOUT_S,
     max_connections: int = 64,
+    max_per_client: int | None = None,
 ) -> Iterator[int]:
     """A guarded uvicorn serving `app` on 127.0.0.1; its port."""
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
-    protocol = guarded_http_protocol(header_timeout, max_connections, 0, body_timeout)
+    protocol = guarded_http_protocol(
+        header_timeout, max_connections, 0, body_timeout, max_per_client
+    )
     config = uvicorn.Config(
         app, http=protocol, lifespan="off", log_level="warning", timeout_keep_alive=KEEP_ALIVE_S
     )
@@ -69,8 +73,9 @@ def guarded_server(
     assert not thread.is_alive(), "uvicorn did not stop"
 
 
-def connect(port: int) -> socket.socket:
-    return socket.create_connection(("127.0.0.1", port), timeout=10)
+def connect(port: int, source: str = "127.0.0.1") -> socket.socket:
+    """A connection to the server from `source`, a loopback address (127.0.0.0/8 is all lo)."""
+    return socket.create_connection(("127.0.0.1", port), timeout=10, source_address=(source, 0))
 
 
 def head(method: str, path: str, content_length: int | None = None) -> bytes:
@@ -142,3 +147,24 @@ def test_a_client_still_sending_when_refused_over_the_cap_reads_the_whole_503() 
         held.sendall(head("GET", "/ok"))  # and the open connection still serves
         assert read_response(held).startswith(b"HTTP/1.1 200 ")
     assert failures == [], f"{len(failures)} of {REFUSED_CLIENTS} refused clients: {failures[:3]}"
+
+
+def test_one_client_cannot_take_every_connection_from_the_others() -> None:
+    """A client holding idle connections took the whole cap (server.max_connections), and with it
+    /health and /ready from every probe; its own connections now stop at the per-client cap."""
+    with (
+        guarded_server(header_timeout=30.0, max_connections=8, max_per_client=2) as port,
+        contextlib.ExitStack() as held,
+    ):
+        answers = []
+        for _ in range(8):  # the flood: as many idle connections as the server takes in all
+            sock = held.enter_context(connect(port))
+            answers.append(b"503" if select.select([sock], [], [], 0.5)[0] else b"open")
+        assert answers.count(b"open") == 2
+        refused = connect(port)
+        refused.sendall(head("GET", "/ok"))
+        assert b"server.max_connections_per_client" in read_response(refused)
+        refused.close()
+        with connect(port, source="127.0.0.2") as probe:  # another client: served
+            probe.sendall(head("GET", "/ok"))
+            assert read_response(probe).startswith(b"HTTP/1.1 200 ")

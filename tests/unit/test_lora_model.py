@@ -96,14 +96,14 @@ def test_adapters_the_engine_cannot_apply_are_refused_in_one_line(
 ) -> None:
     config = load_model_config(base)
     wide = lora_adapter(base, rank=8, targets=ALL_MODULES, seed=1, use_rslora=True)
-    with pytest.raises(AdapterError, match="rank 8 exceeds --max-lora-rank 4"):
+    with pytest.raises(AdapterError, match=r"its rank \(r\) exceeds --max-lora-rank 4"):
         check_adapter(wide, config, max_rank=4)
     dora = lora_adapter(base, rank=4, targets=("q_proj",), seed=3, extra={"use_dora": True})
     with pytest.raises(AdapterError, match="use_dora is not supported"):
         check_adapter(dora, config, max_rank=8)
     other = tiny_checkpoint("qwen3", hidden_size=32)  # another model's adapter: shapes differ
     foreign = lora_adapter(other, rank=4, targets=("q_proj",), seed=4)
-    with pytest.raises(AdapterError, match=r"has shape \[4, 32\]; the base model needs \[4, 64\]"):
+    with pytest.raises(AdapterError, match="its tensor shapes do not fit the base model"):
         check_adapter(foreign, config, max_rank=8)
     edited = tmp_path / "edited"
     shutil.copytree(wide, edited)
@@ -114,7 +114,7 @@ def test_adapters_the_engine_cannot_apply_are_refused_in_one_line(
     with pytest.raises(AdapterError, match=r"no adapter_config\.json"):
         check_adapter(tmp_path / "missing", config, max_rank=8)
     embedding = lora_adapter(base, rank=4, targets=("embed_tokens",), seed=5)
-    with pytest.raises(AdapterError, match=r"target module\(s\) \['embed_tokens'\]"):
+    with pytest.raises(AdapterError, match="targets modules this engine does not support"):
         check_adapter(embedding, config, max_rank=8)
 
 
@@ -130,12 +130,12 @@ def test_start_adapters_are_checked_by_the_plan_and_served_by_name(base: Path) -
     ]
     settings = build_settings(**{"lora.enable_lora": True, "lora.lora_modules": modules})
     assert lora_worker_fields(settings, config) == {"max_lora_rank": 16, "max_cpu_loras": 1}
-    registry = start_registry(settings.lora, config, ["base"])
+    registry = start_registry(settings.lora, config, ["base"], base)
     assert registry is not None and registry.names() == ("narrow", "wide")
     assert registry.get("wide") == LoRARequest("wide", 2, str(wide))
     assert registry.parents == {"wide": "m"}  # /v1/models shows it as the adapter's parent
     small = build_settings(settings, **{"lora.max_lora_rank": 4})
-    with pytest.raises(AdapterError, match="rank 8 exceeds --max-lora-rank 4"):
+    with pytest.raises(AdapterError, match=r"its rank \(r\) exceeds --max-lora-rank 4"):
         lora_worker_fields(small, config)
     with pytest.raises(ValueError, match="is the base model's name"):
         registry.load("base", str(narrow))

@@ -89,7 +89,10 @@ def test_vllm_style_aliases_reach_their_settings() -> None:
     assert sources["parallel.data_parallel_size"] == "flag"
 
 
-def test_every_setting_is_reachable_as_section_dot_field() -> None:
+def test_every_setting_is_reachable_as_section_dot_field(tmp_path: Path) -> None:
+    key_file = tmp_path / "key"
+    key_file.write_text("a-key")
+    key_file.chmod(0o600)
     for key, spec in FIELDS.items():
         if spec.kind == "bool":
             text = "false" if spec.default else "true"
@@ -104,6 +107,8 @@ def test_every_setting_is_reachable_as_section_dot_field() -> None:
                 text = '{"pooling_type": "MEAN"}'
             if key == "model.override_generation_config":  # checked at load: vLLM's JSON
                 text = '{"temperature": 0.5}'
+            if key == "server.api_key_file":  # read at load
+                text = str(key_file)
         elif spec.kind == "list":
             text = "a=/adapters/a,b=/adapters/b" if key == "lora.lora_modules" else "a,b"
         elif spec.kind == "int":
@@ -331,3 +336,20 @@ def test_pd_flags_reach_their_settings() -> None:
     kv = s.kv_transfer
     assert (kv.role, kv.port, kv.hold_timeout) == ("prefill", 7100, 5.0)
     assert (kv.host, kv.advertise_host) == ("0.0.0.0", "10.0.0.2")
+
+
+def test_the_api_key_comes_from_a_file_only_its_owner_can_write(tmp_path: Path) -> None:
+    """A key on the command line is readable by every local user (/proc/<pid>/cmdline): a file
+    (or ENGINE_API_KEY) keeps it from them."""
+    key_file = tmp_path / "key"
+    key_file.write_text("s3cret-key\n")
+    key_file.chmod(0o600)
+    settings, _ = load_settings(["--api-key-file", str(key_file)], {})
+    assert settings.server.api_key == "s3cret-key"
+    settings, sources = load_settings([], {"ENGINE_API_KEY": "from-env"})
+    assert settings.server.api_key == "from-env" and sources["server.api_key"] == "env"
+    key_file.chmod(0o622)
+    with pytest.raises(SettingsError, match="writable by other users"):
+        load_settings(["--api-key-file", str(key_file)], {})
+    with pytest.raises(SettingsError, match="give the API key one way"):
+        load_settings(["--api-key", "x", "--api-key-file", str(key_file)], {})

@@ -3,12 +3,15 @@
 plain-text success line; an OpenAI-style error otherwise), behind the API key when one is set.
 
 An adapter is checked (config and tensor shapes against the base model) before it is served; the
-workers load it when a request first names it (engine/lora/registry.py says why). Unloading an
-adapter that running requests use lets them finish with it; new requests naming it get 404.
+workers load it when a request first names it (engine/lora/registry.py says why). Its path must
+lie in a directory lora.lora_path_allow names (--lora-path-allow; 403 without detail otherwise),
+and its files are read on a thread, bounded in size and time. Unloading an adapter that running
+requests use lets them finish with it; new requests naming it get 404.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 
 import msgspec
@@ -20,7 +23,7 @@ from engine.http.openai.decoding import decode_request
 from engine.http.openai.errors import ApiError
 from engine.http.openai.protocol import ModelCard
 from engine.http.state import ServerState
-from engine.lora.registry import AdapterRegistry
+from engine.lora.registry import AdapterForbidden, AdapterRegistry
 
 
 class LoadLoRAAdapterRequest(msgspec.Struct, kw_only=True):
@@ -33,6 +36,7 @@ class UnloadLoRAAdapterRequest(msgspec.Struct, kw_only=True):
     lora_int_id: int | None = None  # accepted as vLLM does; the name says which
 
 
+LOAD_TIMEOUT_S = 10.0  # reading an adapter's config and header: milliseconds on a local disk
 _LOAD = msgspec.json.Decoder(LoadLoRAAdapterRequest)
 _UNLOAD = msgspec.json.Decoder(UnloadLoRAAdapterRequest)
 
@@ -48,8 +52,19 @@ def lora_routes(
 
     async def load(request: Request) -> Response:
         body = decode_request(_LOAD, await body_of(request))
-        try:
-            _registry(state).load(body.lora_name, body.lora_path)
+        registry = _registry(state)
+        reading = asyncio.to_thread(registry.admit, body.lora_name, body.lora_path)
+        try:  # its files are read on a thread: a slow or odd file never holds the event loop
+            registry.add(await asyncio.wait_for(reading, LOAD_TIMEOUT_S))
+        except AdapterForbidden:
+            raise ApiError(403, "lora_path is not allowed", param="lora_path") from None
+        except TimeoutError:
+            raise ApiError(
+                400,
+                f"LoRA adapter '{body.lora_name}': its files took over {LOAD_TIMEOUT_S:g} s to "
+                "read",
+                param="lora_path",
+            ) from None
         except ValueError as exc:
             raise ApiError(400, str(exc), param="lora_path") from None
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")

@@ -1,13 +1,16 @@
 """`/tokenize` and `/detokenize`, with vLLM's request and response shapes.
 
-The root process has no tokenizer of its own for serving (the tokenizer actors have); these
-routes load one on first use, off the event loop, and render chat messages with the same
-`PromptBuilder` the tokenizer actor uses, so the counts they give are the ones a request gets.
+Chat messages are rendered and tokenized by a tokenizer actor, as a chat request's are, with
+the client's `chat_template` if it gives one: that is the client's code, run within the
+template bounds (engine/text/template_bounds.py), in that actor's process, never on the root's
+event loop or in its memory; the counts are the ones a request gets. Plain text, the token
+strings and /detokenize use a tokenizer the root loads on first use, off the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -17,7 +20,8 @@ from engine.http.openai.decoding import decode_request
 from engine.http.openai.echo import EchoedPrompt
 from engine.http.openai.errors import ApiError
 from engine.http.openai.protocol import ChatMessageIn, TokenId, encode
-from engine.messages.requests import ChatOptions
+from engine.messages.requests import ChatMessage, ChatOptions
+from engine.request.outputs import EngineError
 from engine.text.prompt import PromptBuilder
 
 
@@ -54,17 +58,23 @@ _TOKENIZE = msgspec.json.Decoder(TokenizeRequest)
 _DETOKENIZE = msgspec.json.Decoder(DetokenizeRequest)
 
 
+ChatRenderer = Callable[[list[ChatMessage], ChatOptions], Awaitable[list[int]]]
+
+
 class Tokens:
-    """The root's tokenizer, loaded once on first use."""
+    """The root's tokenizer, loaded once on first use; chats go to `render_chat` (a tokenizer
+    actor: engine/library/chat_tokens.py)."""
 
     def __init__(
         self,
         model_path: str,
         max_model_len: int,
         allow_special_in_chat: bool,
+        render_chat: ChatRenderer,
         chat_template: str | None = None,
     ) -> None:
         self._model_path = model_path
+        self._render_chat = render_chat
         self._chat_template = chat_template  # the server's (--chat-template), as chats use
         self._max_model_len = max_model_len
         self._allow_special_in_chat = allow_special_in_chat
@@ -102,11 +112,9 @@ class Tokens:
                 req.add_generation_prompt,
             )
             try:
-                ids = await asyncio.to_thread(builder.chat_token_ids, messages, chat)
-            except Exception as e:  # a template that fails on these messages: theirs to fix
-                raise ApiError(
-                    400, f"cannot apply the chat template: {e}", param="messages"
-                ) from None
+                ids = await self._render_chat(messages, chat)
+            except EngineError as e:  # a template that fails on these messages: theirs to fix
+                raise ApiError(e.status, e.message, param=e.param) from None
         strs = tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
         return encode(
             TokenizeResponse(

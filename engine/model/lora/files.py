@@ -8,22 +8,37 @@ target_modules, ...) and `adapter_model.safetensors`, whose tensors are named
 The root reads the config and the safetensors header (a JSON object after an 8-byte length) to
 refuse, in one line, an adapter the workers could not apply; the workers load its tensors
 (engine/model/lora/weights.py), checked by the same rules.
+
+A client may name the path (POST /v1/load_lora_adapter), so nothing here trusts the files: each
+is opened without following a link and without blocking (a FIFO would otherwise hold the reader
+until someone wrote to it), must be a regular file, and is read only up to a bound (the config's
+size, the header's length). Errors name the adapter and the rule it broke, never a value read
+from its files: those go to the log, for the operator.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
+import os
 import re
+import stat
 import struct
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import msgspec
 
 from engine.model.config import ModelConfig
 
+log = logging.getLogger(__name__)
+
 CONFIG_FILE = "adapter_config.json"
+MAX_CONFIG_BYTES = 1 << 20  # PEFT writes a few hundred bytes
+MAX_HEADER_BYTES = 16 << 20  # a rank-1024 adapter of every module of 200 layers takes ~250 KiB
 WEIGHTS_FILE = "adapter_model.safetensors"
 # The projections an adapter may target, by PEFT's module names.
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -68,32 +83,33 @@ def module_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     }
 
 
-def read_adapter_config(path: str | Path, max_rank: int) -> AdapterConfig:
-    """The adapter's config, refused (AdapterError) where it asks for what is not supported."""
-    file = Path(path) / CONFIG_FILE
+def read_adapter_config(path: str | Path, max_rank: int, label: str = "") -> AdapterConfig:
+    """The adapter's config, refused (AdapterError) where it asks for what is not supported.
+    `label`: what errors call the adapter (default: its path)."""
+    where = f"LoRA adapter {label or path}"
+    text = read_bounded(Path(path) / CONFIG_FILE, MAX_CONFIG_BYTES, where)
     try:
-        raw = json.loads(file.read_text())
-    except FileNotFoundError:
-        raise AdapterError(f"LoRA adapter {path}: no {CONFIG_FILE}") from None
-    except (OSError, ValueError) as exc:
-        raise AdapterError(f"LoRA adapter {path}: cannot read {CONFIG_FILE}: {exc}") from None
+        raw = json.loads(text)
+    except ValueError:
+        raise AdapterError(f"{where}: {CONFIG_FILE} is not valid JSON") from None
     if not isinstance(raw, dict):
-        raise AdapterError(f"LoRA adapter {path}: {CONFIG_FILE} is not a JSON object")
-    _refuse_unsupported(path, raw)
+        raise AdapterError(f"{where}: {CONFIG_FILE} is not a JSON object")
+    _refuse_unsupported(where, raw)
     rank = raw.get("r")
     if not isinstance(rank, int) or rank < 1:
-        raise AdapterError(f"LoRA adapter {path}: r must be an integer >= 1, got {rank!r}")
+        raise AdapterError(f"{where}: r must be an integer >= 1")
     if rank > max_rank:
-        raise AdapterError(f"LoRA adapter {path}: rank {rank} exceeds --max-lora-rank {max_rank}")
+        log.warning("%s: rank %d exceeds --max-lora-rank %d", where, rank, max_rank)
+        raise AdapterError(f"{where}: its rank (r) exceeds --max-lora-rank {max_rank}")
     alpha = raw.get("lora_alpha", 8)
     if not isinstance(alpha, int | float) or isinstance(alpha, bool):
-        raise AdapterError(f"LoRA adapter {path}: lora_alpha must be a number, got {alpha!r}")
-    return AdapterConfig(rank, float(alpha), bool(raw.get("use_rslora")), _targets(path, raw))
+        raise AdapterError(f"{where}: lora_alpha must be a number")
+    return AdapterConfig(rank, float(alpha), bool(raw.get("use_rslora")), _targets(where, raw))
 
 
-def _refuse_unsupported(path: str | Path, raw: dict[str, Any]) -> None:
+def _refuse_unsupported(where: str, raw: dict[str, Any]) -> None:
     if raw.get("peft_type", "LORA") != "LORA":
-        raise AdapterError(f"LoRA adapter {path}: peft_type {raw['peft_type']!r} is not LORA")
+        raise AdapterError(f"{where}: its peft_type is not LORA")
     unsupported = {
         "use_dora": raw.get("use_dora"),
         "bias": raw.get("bias", "none") != "none",
@@ -105,39 +121,74 @@ def _refuse_unsupported(path: str | Path, raw: dict[str, Any]) -> None:
     }
     named = [key for key, value in unsupported.items() if value]
     if named:
-        raise AdapterError(f"LoRA adapter {path}: {', '.join(named)} is not supported")
+        raise AdapterError(f"{where}: {', '.join(named)} is not supported")
 
 
-def _targets(path: str | Path, raw: dict[str, Any]) -> tuple[str, ...]:
+def _targets(where: str, raw: dict[str, Any]) -> tuple[str, ...]:
     targets = raw.get("target_modules")
     if isinstance(targets, str):  # PEFT allows a regular expression over module names
         raise AdapterError(
-            f"LoRA adapter {path}: target_modules as a pattern ({targets!r}) is not supported; "
-            f"list module names among {list(SUPPORTED_MODULES)}"
+            f"{where}: target_modules as a pattern is not supported; list module names among "
+            f"{list(SUPPORTED_MODULES)}"
         )
     if not isinstance(targets, list) or not targets:
-        raise AdapterError(f"LoRA adapter {path}: target_modules must be a non-empty list")
+        raise AdapterError(f"{where}: target_modules must be a non-empty list")
     unknown = sorted(set(map(str, targets)) - set(SUPPORTED_MODULES))
     if unknown:
+        log.warning("%s: unsupported target modules %s", where, unknown)
         raise AdapterError(
-            f"LoRA adapter {path}: target module(s) {unknown} are not supported; "
-            f"supported: {list(SUPPORTED_MODULES)}"
+            f"{where}: it targets modules this engine does not support; supported: "
+            f"{list(SUPPORTED_MODULES)}"
         )
     return tuple(sorted(map(str, targets)))
 
 
-def tensor_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
-    """Each tensor's shape, from the safetensors header alone."""
-    file = Path(path) / WEIGHTS_FILE
-    try:
-        with file.open("rb") as stream:
-            (length,) = struct.unpack("<Q", stream.read(8))
+def tensor_shapes(path: str | Path, label: str = "") -> dict[str, tuple[int, ...]]:
+    """Each tensor's shape, from the safetensors header alone (read up to MAX_HEADER_BYTES)."""
+    where = f"LoRA adapter {label or path}"
+    with _opened(Path(path) / WEIGHTS_FILE, where) as (stream, size):
+        prefix = stream.read(8)
+        length = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else -1
+        if not 0 < length <= min(MAX_HEADER_BYTES, size - 8):
+            raise AdapterError(
+                f"{where}: {WEIGHTS_FILE} does not start with a header length between 1 and "
+                f"{MAX_HEADER_BYTES:,} bytes that fits in the file"
+            )
+        try:
             header = json.loads(stream.read(length))
+            return {
+                name: tuple(int(n) for n in entry["shape"])
+                for name, entry in header.items()
+                if name != "__metadata__"
+            }
+        except (ValueError, TypeError, KeyError, AttributeError):
+            raise AdapterError(f"{where}: {WEIGHTS_FILE} has no valid safetensors header") from None
+
+
+def read_bounded(file: Path, limit: int, where: str) -> bytes:
+    """A regular file's bytes, at most `limit` of them (AdapterError naming the rule broken)."""
+    with _opened(file, where) as (stream, size):
+        if size > limit:
+            raise AdapterError(f"{where}: {file.name} is over {limit:,} bytes")
+        return stream.read(limit + 1)[:limit]
+
+
+@contextlib.contextmanager
+def _opened(file: Path, where: str) -> Iterator[tuple[BinaryIO, int]]:
+    """`file` open for reading and its size: never through a link, never blocking, only a
+    regular file."""
+    try:
+        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
-        raise AdapterError(f"LoRA adapter {path}: no {WEIGHTS_FILE}") from None
-    except (OSError, ValueError, struct.error) as exc:
-        raise AdapterError(f"LoRA adapter {path}: unreadable {WEIGHTS_FILE}: {exc}") from None
-    return {name: tuple(entry["shape"]) for name, entry in header.items() if name != "__metadata__"}
+        raise AdapterError(f"{where}: no {file.name}") from None
+    except OSError as exc:
+        raise AdapterError(f"{where}: cannot open {file.name} ({exc.strerror})") from None
+    with os.fdopen(fd, "rb") as stream:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise AdapterError(f"{where}: {file.name} is not a regular file")
+        os.set_blocking(fd, True)
+        yield stream, info.st_size
 
 
 def check_tensors(
@@ -145,41 +196,47 @@ def check_tensors(
     adapter: AdapterConfig,
     base: ModelConfig,
     shapes: dict[str, tuple[int, ...]],
+    label: str = "",
 ) -> dict[tuple[int, str], tuple[str, str]]:
     """The names of each (layer, module)'s A and B tensors, every tensor's shape checked
-    against the base model; AdapterError naming the first that does not fit."""
+    against the base model; AdapterError naming the first rule broken (the offending tensor
+    and shapes go to the log)."""
+    where = f"LoRA adapter {label or path}"
     expected = module_shapes(base)
     found: dict[tuple[int, str, str], str] = {}
     for name, shape in shapes.items():
         match = _TENSOR_NAME.match(name)
         if match is None:
-            raise AdapterError(f"LoRA adapter {path}: tensor {name} is not a supported LoRA weight")
+            log.warning("%s: tensor %r is not a supported LoRA weight", where, name)
+            raise AdapterError(f"{where}: {WEIGHTS_FILE} holds a tensor that is no LoRA weight")
         layer, module, part = int(match[1]), match[2], match[3]
         if module not in adapter.target_modules or layer >= base.num_layers:
-            raise AdapterError(f"LoRA adapter {path}: tensor {name} fits no base model module")
+            log.warning("%s: tensor %r fits no base model module", where, name)
+            raise AdapterError(f"{where}: {WEIGHTS_FILE} holds a tensor for no base model module")
         in_features, out_features = expected[module]
         want = (adapter.rank, in_features) if part == "A" else (out_features, adapter.rank)
         if shape != want:
-            raise AdapterError(
-                f"LoRA adapter {path}: tensor {name} has shape {list(shape)}; the base model "
-                f"needs {list(want)}"
-            )
+            log.warning("%s: tensor %s has shape %s, needs %s", where, name, list(shape), want)
+            raise AdapterError(f"{where}: its tensor shapes do not fit the base model")
         found[layer, module, part] = name
     pairs = {}
     for layer, module, part in found:
         other = "B" if part == "A" else "A"
         if (layer, module, other) not in found:
             raise AdapterError(
-                f"LoRA adapter {path}: layer {layer} {module} has lora_{part} without lora_{other}"
+                f"{where}: layer {layer} {module} has lora_{part} without lora_{other}"
             )
         pairs[layer, module] = (found[layer, module, "A"], found[layer, module, "B"])
     if not pairs:
-        raise AdapterError(f"LoRA adapter {path}: {WEIGHTS_FILE} holds no LoRA weight")
+        raise AdapterError(f"{where}: {WEIGHTS_FILE} holds no LoRA weight")
     return pairs
 
 
-def check_adapter(path: str | Path, base: ModelConfig, max_rank: int) -> AdapterConfig:
-    """Everything the root can check before a worker loads the adapter."""
-    adapter = read_adapter_config(path, max_rank)
-    check_tensors(path, adapter, base, tensor_shapes(path))
+def check_adapter(
+    path: str | Path, base: ModelConfig, max_rank: int, label: str = ""
+) -> AdapterConfig:
+    """Everything the root can check before a worker loads the adapter; `label`: what errors
+    call it (a served name; default: its path)."""
+    adapter = read_adapter_config(path, max_rank, label)
+    check_tensors(path, adapter, base, tensor_shapes(path, label), label)
     return adapter
