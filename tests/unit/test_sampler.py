@@ -81,17 +81,25 @@ def test_penalties_follow_the_formulas() -> None:
     assert penalized[0].tolist() == pytest.approx(expected)
 
 
-def test_repeat_last_n_penalizes_only_the_last_tokens_of_prompt_and_output() -> None:
+@pytest.mark.parametrize("frequency_penalty", [0.0, 0.25])
+def test_repeat_last_n_penalizes_only_the_last_tokens_of_prompt_and_output(
+    frequency_penalty: float,
+) -> None:
     """llama.cpp's window: with repeat_last_n 3 the context is the prompt's last token and the
-    two of output (5, 2, 3); 1, early in the prompt, and 4, never seen, keep their logits."""
+    two of output (5, 2, 3); 1, early in the prompt, and 4, never seen, keep their logits. Alone
+    it edits those logits in place; beside a frequency penalty, through the vocabulary's masks:
+    the same rule either way."""
     vocab = 6
-    logits = torch.tensor([[1.0, -2.0, 3.0, 0.5, -0.5, 2.0]])
-    seq = new_seq(0, prompt=[1, 1, 5], output=[2, 3], repetition_penalty=2.0, repeat_last_n=3)
-    sampler = sampler_with(seq, vocab_size=vocab)
+    logits = torch.tensor([[1.0, -2.0, 3.0, 0.5, -0.5, 2.0], [1.0, -2.0, 3.0, 0.5, -0.5, 2.0]])
+    window = dict(repetition_penalty=2.0, repeat_last_n=3, frequency_penalty=frequency_penalty)
+    seq = new_seq(0, prompt=[1, 1, 5], output=[2, 3], **window)
+    sampler = sampler_with(seq, new_seq(1, prompt=[1, 1, 5], output=[2, 3]), vocab_size=vocab)
     penalized = logits.clone()
-    _apply_penalties(penalized, [sampler._seqs[0]], vocab)
+    _apply_penalties(penalized, [sampler._seqs[0], sampler._seqs[1]], vocab)
     expected = [v / 2.0 if t in (2, 3, 5) else v for t, v in enumerate(logits[0].tolist())]
+    expected = [v - frequency_penalty * (t in (2, 3)) for t, v in enumerate(expected)]
     assert penalized[0].tolist() == pytest.approx(expected)
+    assert penalized[1].tolist() == logits[1].tolist()  # a row without penalties is untouched
     with pytest.raises(ValueError, match="repeat_last_n must be an integer >= 1"):
         SamplingParams(repeat_last_n=0).validate()
 
@@ -158,6 +166,27 @@ def test_seeded_sampling_is_independent_of_batch_composition() -> None:
     assert len(set(solo_tokens)) > 1, "twenty draws at T=1 should not all agree"
 
 
+def test_a_top_k_row_draws_the_same_tokens_in_any_batch() -> None:
+    """Rows that all keep few tokens are drawn on their candidates alone (top_k_draw.py): still
+    a pure function of (seed, position), whatever the other rows keep."""
+    logits = torch.randn(1, 300, generator=torch.Generator().manual_seed(4))
+    defaults = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repetition_penalty=1.1,
+                    repeat_last_n=64)  # fmt: skip
+    alone = sampler_with(new_seq(0, seed=42, **defaults), vocab_size=300)
+    crowd = sampler_with(
+        new_seq(5, seed=1, temperature=2.0, top_k=200),
+        new_seq(0, seed=42, **defaults),
+        new_seq(6, seed=7, top_k=2),
+        vocab_size=300,
+    )
+    solo_tokens, crowd_tokens = [], []
+    for _ in range(20):
+        solo_tokens += alone.sample([0], logits)[0]
+        crowd_tokens.append(crowd.sample([5, 0, 6], logits.repeat(3, 1))[0][1])
+    assert solo_tokens == crowd_tokens
+    assert len(set(solo_tokens)) > 1
+
+
 def test_a_resumed_sequence_draws_the_same_tokens_it_would_have() -> None:
     logits = torch.randn(1, 8, generator=torch.Generator().manual_seed(3))
     first = sampler_with(new_seq(0, seed=9, prompt=[1, 2, 3]))
@@ -179,7 +208,7 @@ def test_seeds_give_different_streams() -> None:
 @pytest.mark.parametrize(
     ("temperature", "min_p", "top_k", "top_p"),
     [(1.0, 0.0, 0, 1.0), (0.7, 0.0, 0, 1.0), (1.3, 0.0, 3, 1.0), (1.0, 0.0, 0, 0.8),
-     (1.0, 0.3, 0, 1.0), (0.9, 0.1, 4, 0.9)],
+     (1.0, 0.3, 0, 1.0), (0.9, 0.1, 4, 0.9), (1.2, 0.2, 5, 0.85)],
 )  # fmt: skip
 def test_many_seeds_sample_the_filtered_softmax(
     temperature: float, min_p: float, top_k: int, top_p: float

@@ -10,9 +10,9 @@ Order of operations on each row (as vLLM does it):
 
 Randomness is a pure function of (sequence seed, token position, vocabulary index): a counter-
 based hash gives each logit its own uniform number, turned into Gumbel noise; the argmax of
-logits / T + noise is a sample from softmax(logits / T) (drawn in two levels, see
-`gumbel_argmax`). No generator state exists, so batch composition, preemption, restarts and
-even the device (CPU or GPU: same integer hash) cannot change which token a seed draws.
+logits / T + noise is a sample from softmax(logits / T) (in two levels, `gumbel_argmax`; on the
+top-k candidates alone, top_k_draw.py). No generator state exists, so batch composition,
+preemption, restarts and the device (CPU or GPU: same hash) cannot change what a seed draws.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from engine.model.sampling.token_controls import (
     apply_grammars,
     apply_token_controls,
 )
+from engine.model.sampling.top_k_draw import takes_top_k_draw, top_k_draw
 from engine.model.step_inputs import SequenceStart
 from engine.structured.grammars import GrammarService
 
@@ -94,15 +95,12 @@ class _SeqState:
             self._prompt_mask = mask[:vocab_size]
         return self._prompt_mask
 
-    def recent_mask(self, count: int, vocab_size: int, device: torch.device) -> torch.Tensor:
-        """[vocab] bool: which tokens occur among the last `count` of prompt + output."""
+    def recent_tokens(self, count: int, vocab_size: int) -> list[int]:
+        """The distinct vocabulary tokens among the last `count` of prompt + output."""
         tail = self.output[-count:]
         missing = count - len(tail)
         recent = (self.prompt[-missing:] if missing > 0 else []) + tail
-        ids = _padded([recent], vocab_size, device)[0]
-        mask = torch.zeros(vocab_size + 1, dtype=torch.bool, device=device)
-        mask[ids] = True
-        return mask[:vocab_size]
+        return [token for token in set(recent) if 0 <= token < vocab_size]
 
     def min_tokens_pending(self) -> bool:
         return len(self.output) < self.params.min_tokens and bool(self.banned_early)
@@ -189,7 +187,6 @@ class Sampler:
                 outputs = [state.output for state in states]
                 apply_grammars(logits, controls, outputs, self.grammars)
         random_rows = [row for row, state in enumerate(states) if not state.is_greedy]
-        draw = draw or _gumbel_draw
         if len(random_rows) == len(states):
             chosen = _sample_random(logits, states, random_rows, draw)
         else:
@@ -242,7 +239,12 @@ def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tens
 def _apply_penalties(logits: torch.Tensor, states: list[_SeqState], vocab_size: int) -> None:
     """Repetition over prompt + output (or its last repeat_last_n tokens); presence and
     frequency over the output (vLLM's rules)."""
-    rows = [row for row, state in enumerate(states) if state.has_penalties]
+    with_penalties = [row for row, state in enumerate(states) if state.has_penalties]
+    # A windowed repetition penalty alone (llama.cpp's default) touches at most repeat_last_n
+    # logits of a row: those are edited in place, not through masks over the vocabulary.
+    windowed = [row for row in with_penalties if _window_only(states[row].params)]
+    _apply_recent_repetition(logits, [(row, states[row]) for row in windowed], vocab_size)
+    rows = [row for row in with_penalties if row not in windowed]
     if not rows:
         return
     device = logits.device
@@ -262,7 +264,8 @@ def _apply_penalties(logits: torch.Tensor, states: list[_SeqState], vocab_size: 
         if window is None:
             in_context[position] |= state.prompt_mask(vocab_size, device)
         else:  # llama.cpp's rule: only the last `window` tokens of prompt + output
-            in_context[position] = state.recent_mask(window, vocab_size, device)
+            in_context[position] = False
+            in_context[position, state.recent_tokens(window, vocab_size)] = True
 
     def column(values: list[float]) -> torch.Tensor:
         return torch.tensor(values, dtype=sub.dtype, device=device).unsqueeze(1)
@@ -273,6 +276,32 @@ def _apply_penalties(logits: torch.Tensor, states: list[_SeqState], vocab_size: 
     sub -= column([state.params.frequency_penalty for state in picked]) * counts
     sub -= column([state.params.presence_penalty for state in picked]) * in_output
     logits[index] = sub
+
+
+def _window_only(params: SamplingParams) -> bool:
+    others = params.presence_penalty or params.frequency_penalty
+    return params.repeat_last_n is not None and not others
+
+
+def _apply_recent_repetition(
+    logits: torch.Tensor, picked: list[tuple[int, _SeqState]], vocab_size: int
+) -> None:
+    """repetition_penalty on each row's last repeat_last_n tokens, as the dense rule would."""
+    rows: list[int] = []
+    tokens: list[int] = []
+    factors: list[float] = []
+    for row, state in picked:
+        window = state.params.repeat_last_n or 0
+        recent = state.recent_tokens(window, vocab_size)
+        rows += [row] * len(recent)
+        tokens += recent
+        factors += [state.params.repetition_penalty] * len(recent)
+    if not rows:
+        return
+    where = (torch.tensor(rows, device=logits.device), torch.tensor(tokens, device=logits.device))
+    values = logits[where]
+    factor = torch.tensor(factors, dtype=values.dtype, device=logits.device)
+    logits[where] = torch.where(values > 0, values / factor, values * factor)
 
 
 def _apply_min_tokens(logits: torch.Tensor, states: list[_SeqState], vocab_size: int) -> None:
@@ -304,10 +333,14 @@ def is_greedy(params: SamplingParams) -> bool:
 
 
 def _sample_random(
-    logits: torch.Tensor, states: list[_SeqState], rows: list[int], draw: RandomDraw
+    logits: torch.Tensor, states: list[_SeqState], rows: list[int], draw: RandomDraw | None
 ) -> torch.Tensor:
-    final = final_logits(logits, [state.params for state in states])
-    return draw(final, rows, [s.seed for s in states], [s.position for s in states])
+    """`draw` None: the plain draw, on the top-k candidates where every row keeps few."""
+    params = [state.params for state in states]
+    seeds, positions = [s.seed for s in states], [s.position for s in states]
+    if draw is None and takes_top_k_draw(params, logits.shape[1]):
+        return top_k_draw(logits, params, seeds, positions)
+    return (draw or _gumbel_draw)(final_logits(logits, params), rows, seeds, positions)
 
 
 def final_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
