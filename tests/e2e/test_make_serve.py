@@ -75,6 +75,7 @@ def test_make_serve_answers_a_chat_question_on_the_default_model(tmp_path) -> No
                 break
         assert ANSWER in sure, choice["message"]["content"]
         _the_readmes_commands_work_as_printed(match["url"], runtime)
+        _an_answer_with_the_servers_defaults_ends_on_its_own(match["url"])
     finally:
         if make.poll() is None:
             os.killpg(make.pid, signal.SIGTERM)
@@ -108,6 +109,19 @@ def _the_readmes_commands_work_as_printed(url: str, runtime: Path) -> None:
     assert "sampling defaults: temperature=0.8" in listed.stdout
     assert f"at {url} (SmolLM2-135M-Instruct)" in listed.stdout and "ready" in listed.stdout
     assert _fresh_shell(f"{activate} && python -m engine --help", runtime).stdout
+
+
+def _an_answer_with_the_servers_defaults_ends_on_its_own(url: str) -> None:
+    """A request that sets nothing but its messages (as the chat page's, and most clients')
+    samples with llama.cpp's defaults, the file having none: the model's answers end with its
+    own end of turn, not at a length (before: temperature 1.0, unbounded, runs of thousands of
+    tokens). Four samples; one may ramble, as sampling allows."""
+    question = {"role": "user", "content": QUESTION}
+    body = {"messages": [question], "n": 4}
+    reply = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300)
+    assert reply.status_code == 200, reply.text
+    reasons = [choice["finish_reason"] for choice in reply.json()["choices"]]
+    assert reasons.count("stop") >= 3, reasons
 
 
 def _fresh_shell(
