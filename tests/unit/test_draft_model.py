@@ -297,12 +297,12 @@ def test_the_plan_hands_the_draft_and_its_acceptance_method_to_rank_0(
         child = next(c for c in plan.spec.children if c.name.startswith("worker"))
         config = msgspec.msgpack.decode(child.config, type=WorkerConfig)
         assert config.draft_model_path == str(other)
-        drafter = _drafter(config, runner)
+        drafter = _drafter(config, runner, None)  # no run: its weights are not kept
         assert isinstance(drafter, Drafter)
         if drafter.runner.weight_slot is not None:  # kept for restarts of a run we are not
             drafter.runner.weight_slot.remove()
         assert drafter.rejection_sampling == (method == "rejection_sampler")
-        assert _drafter(msgspec.structs.replace(config, rank=1), runner) is None
+        assert _drafter(msgspec.structs.replace(config, rank=1), runner, None) is None
     fields = {"model.path": str(target), "model.deterministic": True}
     spec = {"scheduler.speculative_config": draft_config(other, "rejection_sampler")}
     with pytest.raises(ValueError, match='"rejection_sampler" cannot run in deterministic mode'):
