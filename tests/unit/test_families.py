@@ -250,3 +250,33 @@ def test_a_moe_files_experts_are_served_in_their_block_types(variant: str, tmp_p
         quantized, reference = packed(x), floats(x)
         assert float((quantized - reference).abs().max()) <= 0.02 * float(reference.abs().max())
         assert float(torch.cosine_similarity(quantized, reference, dim=-1).min()) > 0.999
+
+
+@pytest.mark.parametrize("variant", ["gemma2-softcaps-window-odd-heads", "qwen3-moe-renormalised"])
+def test_deterministic_mode_gives_a_token_the_same_bits_alone_or_in_a_batch(variant: str) -> None:
+    """The batch-invariant kernels with windows, soft-caps and routed experts (each expert's
+    matmul over however many tokens picked it): the prompt's last token prefilled alone and
+    decoded beside a short and a long prefill get the same logits, bit for bit."""
+    spec, runner_args, _ = VARIANTS[variant]
+    runner = ModelRunner(
+        str(tiny_checkpoint(**spec)),
+        kv_cache_memory=4 << 20,
+        block_size=4,
+        kernel_backend="batch_invariant",
+        **runner_args,
+    )
+    generator = torch.Generator().manual_seed(0)
+    prompt, short, long = (
+        torch.randint(3, 512, (n,), generator=generator).tolist() for n in (30, 5, 17)
+    )
+    tables = [list(range(8 * i, 8 * i + 8)) for i in range(4)]
+    alone = runner.forward([SeqChunk(0, prompt, 0, tables[0], True)])[0]
+    runner.forward([SeqChunk(1, prompt[:-1], 0, tables[1], False)])
+    beside = runner.forward(
+        [
+            SeqChunk(2, short, 0, tables[2], True),
+            SeqChunk(1, prompt[-1:], len(prompt) - 1, tables[1], True),
+            SeqChunk(3, long, 0, tables[3], True),
+        ]
+    )[1]
+    assert torch.equal(alone, beside)
