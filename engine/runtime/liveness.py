@@ -5,8 +5,10 @@ Four signs, each from something the child's work cannot hold up or fake:
 - its process state in /proc: a process stopped by a signal (SIGSTOP, a debugger) is `T` or `t`
   at once, and one seen stopped for `stopped_timeout` (two watchdog ticks or more) is hung;
 - its heartbeats, sent from a thread that a step (native code without the GIL, or work on
-  another thread) never blocks: none for `heartbeat_timeout` means the process is stopped or
-  stuck as a whole;
+  another thread) never blocks: none for `heartbeat_timeout` while the process uses no CPU
+  means it is stuck as a whole (waiting on something that will not come); one that goes on
+  computing (a native call that holds the GIL, such as building a large tokenizer, keeps the
+  heartbeat thread out) is given up to `stall_timeout`;
 - a step past its deadline: the worker gives each step one derived from the step's size and
   the rate measured on earlier steps (engine/runtime/work_rate.py), and its beats carry how long
   the step has run, so a step of several seconds is judged by its own size, never by a fixed
@@ -23,6 +25,11 @@ from dataclasses import dataclass
 from engine.messages.control import Heartbeat
 from engine.runtime.stopped import STOPPED_FROM_OUTSIDE
 
+# CPU time a silent process must have used since it was last heard from to count as computing:
+# one clock tick, as a busy process on a loaded machine may get a small share of a core, and a
+# stuck one (waiting on a lock, a peer, the disk) gets none.
+MIN_PROGRESS_S = 0.01
+
 
 @dataclass(frozen=True)
 class Observed:
@@ -32,6 +39,7 @@ class Observed:
     last_seen: float  # when its last status frame was read
     beat: Heartbeat | None  # its last heartbeat, if any yet
     stopped_since: float | None  # when its process was first seen stopped, if it is now
+    cpu_since_seen: float | None = None  # CPU seconds it used since last_seen; None: unknown
 
 
 @dataclass(frozen=True)
@@ -50,8 +58,16 @@ def why_hung(seen: Observed, timeouts: Timeouts) -> str | None:
         return f"{STOPPED_FROM_OUTSIDE} (its process state is T for {stopped_for:.1f} s)"
     heartbeat_timeout, stall_timeout = timeouts.heartbeat, timeouts.stall
     silent = seen.now - seen.last_seen
-    if silent > heartbeat_timeout:
-        return f"no heartbeat for {silent:.1f} s, heartbeat_timeout is {heartbeat_timeout:g} s"
+    computing = seen.cpu_since_seen is not None and seen.cpu_since_seen >= MIN_PROGRESS_S
+    if silent > heartbeat_timeout and not computing:
+        return (
+            f"no heartbeat for {silent:.1f} s and no CPU time used meanwhile, heartbeat_timeout "
+            f"is {heartbeat_timeout:g} s"
+        )
+    if silent > stall_timeout:
+        return (
+            f"no heartbeat for {silent:.1f} s while computing, stall_timeout is {stall_timeout:g} s"
+        )
     beat = seen.beat
     if beat is None:
         return None

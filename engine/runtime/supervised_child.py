@@ -11,6 +11,7 @@ from engine.runtime.child_process import ChildProcess
 from engine.runtime.child_spec import ChildSpec
 from engine.runtime.events import ChildStatus
 from engine.runtime.liveness import Observed, Timeouts, why_hung
+from engine.runtime.process_cpu import cpu_seconds
 from engine.runtime.stopped import STOPPED_FROM_OUTSIDE, is_stopped
 
 
@@ -30,6 +31,8 @@ class SupervisedChild:
     frames_before: dict[str, int] = field(default_factory=dict)
     bytes_before: dict[str, int] = field(default_factory=dict)
     stopped_since: float | None = None  # monotonic: when its process was first seen stopped
+    # (pid, its last_seen, its CPU seconds then): how much CPU it has used since it was last heard
+    heard: tuple[int, float, float] | None = None
 
     def kill_if_hung(self, now: float) -> None:
         """A running child that counts as hung (engine/runtime/liveness.py) is killed, which
@@ -42,7 +45,13 @@ class SupervisedChild:
         process.read_status()  # what arrived while the watchdog was busy counts too
         stopped = process.pid is not None and is_stopped(process.pid)
         self.stopped_since = (self.stopped_since or now) if stopped else None
-        seen = Observed(now, process.last_seen, process.last_beat, self.stopped_since)
+        seen = Observed(
+            now,
+            process.last_seen,
+            process.last_beat,
+            self.stopped_since,
+            self._cpu_since_heard(process.pid, process.last_seen),
+        )
         spec = self.spec
         timeouts = Timeouts(spec.heartbeat_timeout, spec.stall_timeout, spec.stopped_timeout)
         why = why_hung(seen, timeouts)
@@ -51,6 +60,16 @@ class SupervisedChild:
                 why = f"{STOPPED_FROM_OUTSIDE}, {why}"
             self.stopped_since = None
             process.kill(why)
+
+    def _cpu_since_heard(self, pid: int | None, last_seen: float) -> float | None:
+        """CPU seconds the process used since its last status frame arrived (None: unknown)."""
+        cpu = cpu_seconds(pid) if pid is not None else None
+        if pid is None or cpu is None:
+            return None
+        heard = self.heard
+        if heard is None or heard[:2] != (pid, last_seen):
+            heard = self.heard = (pid, last_seen, cpu)
+        return cpu - heard[2]
 
     def replace_process(self, process: ChildProcess) -> None:
         """A new generation: the old one's traffic (as of its last heartbeat) is kept."""

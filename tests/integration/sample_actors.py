@@ -73,14 +73,17 @@ class EchoActor(Actor):
                 await self.send(out, NOTES.encode(Note(f"{self.name}:{note.text}")))
 
     async def _work(self, text: str) -> None:
-        """ "step S LIMIT": a model step's stand-in, S seconds on a thread inside busy(LIMIT);
-        "block S": S seconds holding the event loop, as code stuck on it would."""
+        """'step S LIMIT': a model step's stand-in, S seconds on a thread inside busy(LIMIT);
+        'block S': S seconds holding the event loop, as code stuck on it would; 'gil N': one
+        native call that holds the GIL (and so the heartbeat thread) while it computes."""
         verb, *numbers = text.split()
         if verb == "step":
             seconds, limit = map(float, numbers)
             await asyncio.to_thread(self._step, seconds, limit)
         elif verb == "block":
             time.sleep(float(numbers[0]))
+        elif verb == "gil":
+            sum(range(int(numbers[0])))  # one C call: no bytecode boundary to switch threads at
 
     def _step(self, seconds: float, limit: float) -> None:
         with self.busy(limit):

@@ -160,6 +160,18 @@ async def test_a_stopped_child_is_found_by_its_process_state_not_its_heartbeat_t
         assert await run.roundtrip("awake") == "echo:awake"
 
 
+async def test_a_child_silent_while_it_computes_is_not_taken_for_a_hang() -> None:
+    """A native call holding the GIL keeps the heartbeat thread out: a restarted tokenizer
+    building its tokenizer at load 34 went 2 s without a heartbeat and was killed, again and
+    again. Silent but using CPU, a child is given stall_timeout."""
+    timeouts = {"heartbeat_interval": 0.1, "heartbeat_timeout": 0.5, "stall_timeout": 120.0}
+    spec = supervisor_spec(child("echo", **timeouts), rings=echo_rings())
+    async with supervised(spec) as run:
+        first = run.pid("echo")
+        assert await run.roundtrip("gil 60000000") == "echo:gil 60000000"
+        assert run.pid("echo") == first
+
+
 async def test_a_step_is_judged_by_its_own_deadline_and_a_stuck_loop_by_the_stall_timeout() -> None:
     timeouts = {"heartbeat_timeout": 1.0, "stall_timeout": 1.0}
     spec = supervisor_spec(child("echo", **timeouts), rings=echo_rings())
