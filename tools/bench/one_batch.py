@@ -18,7 +18,8 @@ of the batch; tools/bench/parallel_batch.py), printed against the TP=1 / DP=1 fi
 run.
 With --llama-bench, llama.cpp's `llama-bench -t 2 -p 256 -n 128` on the same GGUF file
 (tools/peers/llamacpp_peer.py builds it once) runs before ours, and is printed beside our batch-1
-case of 256 in / 128 out: prompt processing and decode tokens/s and the ratios.
+case of 256 in / 128 out: prompt processing and decode tokens/s and the ratios
+(--llama-bench-prompt 512: pp512 and a 512-token prompt).
 
 The timing functions (`prefill_batch`, `raw_decode_step_seconds`, `bench_case`) live in
 tools/bench/raw_model.py, for other benchmarks to import.
@@ -94,6 +95,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="also run llama.cpp's llama-bench (pp256, tg128, 2 threads) on the same GGUF file",
     )
     parser.add_argument(
+        "--llama-bench-prompt",
+        type=int,
+        default=256,
+        help="the prompt of the llama-bench comparison (default 256: pp256)",
+    )
+    parser.add_argument(
         "--no-engine-overhead",
         dest="engine_overhead",
         action="store_false",
@@ -107,7 +114,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     # llama-bench runs first, while this process has no threads of its own: torch's and the
     # kernels' idle workers would take cores from it.
-    llama_rates = run_llama_bench(args.model) if args.llama_bench else None
+    prompt = args.llama_bench_prompt
+    llama_rates = run_llama_bench(args.model, prompt) if args.llama_bench else None
     measured = run_step(args)
     if measured is None:
         return
@@ -119,7 +127,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.compare_hf:
         compare_with_hf(runner, results)
     if llama_rates is not None:
-        compare_with_llama_bench(runner, llama_rates)
+        compare_with_llama_bench(runner, llama_rates, prompt)
 
 
 def print_parallel(
@@ -196,20 +204,23 @@ def runner_settings(runner: ModelRunner, args: argparse.Namespace) -> dict[str, 
     }
 
 
-def run_llama_bench(model: str | None) -> dict[str, float]:
-    """llama-bench's pp256 / tg128 tokens/s on the GGUF file --model names (or the default's)."""
+def run_llama_bench(model: str | None, prompt: int = 256) -> dict[str, float]:
+    """llama-bench's pp<prompt> / tg128 tokens/s on the GGUF file --model names (or the
+    default's)."""
     from tools.peers import llamacpp_peer
 
-    return llamacpp_peer.llama_bench(llamacpp_peer.model_file(model), prompt=256, generate=128)
+    return llamacpp_peer.llama_bench(llamacpp_peer.model_file(model), prompt=prompt, generate=128)
 
 
-def compare_with_llama_bench(runner: ModelRunner, theirs: dict[str, float]) -> None:
-    """Our batch-1 prefill of 256 tokens and decode of 128 beside llama-bench's pp256 / tg128
-    (ours decodes after the 256-token prompt, llama-bench's tg after none)."""
-    ours = bench_case(runner, 1, 256, 128)
+def compare_with_llama_bench(
+    runner: ModelRunner, theirs: dict[str, float], prompt: int = 256
+) -> None:
+    """Our batch-1 prefill of `prompt` tokens and decode of 128 beside llama-bench's
+    pp<prompt> / tg128 (ours decodes after the prompt, llama-bench's tg after none)."""
+    ours = bench_case(runner, 1, prompt, 128)
     print("\nllama-bench -t 2, run before ours, same file; ratio: ours / llama.cpp")
     print(f"{'test':>6} | {'ours tok/s':>10} {'llama.cpp tok/s':>15} {'ratio':>6}")
-    for test, rate in (("pp256", ours.prefill_tokens_per_second),
+    for test, rate in ((f"pp{prompt}", ours.prefill_tokens_per_second),
                        ("tg128", ours.decode_tokens_per_second)):  # fmt: skip
         peer = theirs[test[:2]]
         print(f"{test:>6} | {rate:>10.1f} {peer:>15.1f} {rate / peer:>6.2f}")
