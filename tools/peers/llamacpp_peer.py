@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -68,15 +69,19 @@ def binaries(
     engine_home: Path | None = None, sdist: Path | None = None, targets: Sequence[str] = TARGETS
 ) -> Path:
     """The directory of the built binaries, building them first when they are not there; any of
-    `targets` missing from an existing directory is built alone and added to it."""
+    `targets` missing from an existing directory is built alone and added to it. The build
+    renames its bin/ into the peer's directory, which other tools fill too (quantized/, f32/):
+    it never replaces the directory whole."""
     from engine.settings.home import build_directory
 
     target = peer_directory(engine_home)
-    marker = Path("bin") / TARGETS[0]
-    if not (target / marker).is_file():
+    if not (target / "bin" / TARGETS[0]).is_file():
         print(f"llamacpp_peer: building llama.cpp into {target} (minutes)", file=sys.stderr)
         everything = tuple(dict.fromkeys((*TARGETS, *EXTRA_TARGETS, *targets)))
-        build_directory(target, lambda staging: _build(staging, sdist, everything), str(marker))
+        target.mkdir(parents=True, exist_ok=True)
+        build_directory(
+            target / "bin", functools.partial(_build, sdist=sdist, targets=everything), TARGETS[0]
+        )
     missing = [name for name in targets if not (target / "bin" / name).is_file()]
     if missing:
         _add_binaries(target, missing, sdist)
@@ -92,19 +97,26 @@ def _add_binaries(target: Path, names: Sequence[str], sdist: Path | None) -> Non
     """Build `names` alone in a staging directory beside `target` and rename each into
     target/bin (the same file system, so a concurrent reader sees the whole file or none)."""
     print(f"llamacpp_peer: building {', '.join(names)} into {target} (minutes)", file=sys.stderr)
-    staging = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
+    staging = Path(tempfile.mkdtemp(prefix=".build-", dir=target))
     try:
         _build(staging, sdist, tuple(names))
         for name in names:
-            os.rename(staging / "bin" / name, target / "bin" / name)
+            os.rename(staging / name, target / "bin" / name)
         os.replace(staging / "build.log", target / f"build-{'-'.join(names)}.log")
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
 
 def _build(staging: Path, sdist: Path | None, targets: Sequence[str] = TARGETS) -> None:
-    work = staging / "work"
-    work.mkdir()
+    """Build `targets` and copy them, with build.log, into `staging` (the bin/ to be)."""
+    work = Path(tempfile.mkdtemp(prefix=".work-", dir=staging.parent))
+    try:
+        _build_in(work, staging, sdist, targets)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _build_in(work: Path, staging: Path, sdist: Path | None, targets: Sequence[str]) -> None:
     archive = sdist or download_sdist(work)
     with tarfile.open(archive) as tar:
         tar.extractall(work, filter="data")
@@ -120,10 +132,8 @@ def _build(staging: Path, sdist: Path | None, targets: Sequence[str] = TARGETS) 
                 kept = Path(tempfile.mkdtemp(prefix="llamacpp-build-")) / "build.log"
                 shutil.copy(log, kept)
                 raise SystemExit(f"llamacpp_peer: `{' '.join(cmd[:3])} ...` failed; log: {kept}")
-    (staging / "bin").mkdir()
     for name in targets:
-        shutil.copy2(build / "bin" / name, staging / "bin" / name)
-    shutil.rmtree(work)
+        shutil.copy2(build / "bin" / name, staging / name)
 
 
 def download_sdist(into: Path) -> Path:
