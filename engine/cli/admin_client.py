@@ -28,7 +28,8 @@ USAGE = (
     "[--json] COMMAND [ARGS]\n"
     f"commands: {' | '.join(' '.join([cmd, *args]) for cmd, args in COMMANDS.items())}"
 )
-_SLOW_COMMANDS = {"drain", "shutdown"}  # these wait for in-flight requests
+# these wait for in-flight requests, or for a model to load
+_SLOW_COMMANDS = {"drain", "shutdown", "load", "unload"}
 _VALUED = ("--socket", "--pid", "--port", "--timeout")
 _IDENTIFY_TIMEOUT_S = 5.0  # asking each of several servers who it is
 

@@ -23,10 +23,12 @@ from starlette.routing import Route
 
 from engine.http.adapted_routes import adapted_api_routes
 from engine.http.metrics import CONTENT_TYPE
+from engine.http.model_routes import model_routes, model_tokens
+from engine.http.ollama.routes import ollama_routes
 from engine.http.openai.decoding import decode_request
 from engine.http.openai.embeddings import embedding_routes
 from engine.http.openai.errors import INTERNAL_ERROR_MESSAGE, ApiError, outcome_of
-from engine.http.openai.lora_routes import adapter_cards, lora_routes
+from engine.http.openai.lora_routes import lora_routes
 from engine.http.openai.operations import (
     AbortRequest,
     abort_request,
@@ -34,8 +36,9 @@ from engine.http.openai.operations import (
     take_client_request_id,
 )
 from engine.http.openai.parsing import OpenAIRequest, parse_chat, parse_completion
-from engine.http.openai.protocol import ModelCard, ModelList, encode
+from engine.http.openai.protocol import encode
 from engine.http.openai.runs import RequestRun
+from engine.http.served import pool_health
 from engine.http.state import ServerState
 from engine.http.steps import HttpSteps
 from engine.http.streams import ReleasingStream
@@ -62,7 +65,10 @@ def build_app(state: ServerState) -> Starlette:
         # /v1/responses and /v1/messages, run as chat requests
         *adapted_api_routes(state, HttpSteps(_check_auth, _read_body, _until_disconnect)),
         *embedding_routes(state, HttpSteps(_check_auth, _read_body, _until_disconnect)),
+        *ollama_routes(state, HttpSteps(_check_auth, _read_body, _until_disconnect)),
         *_probe_routes(state),
+        # /v1/models with each model's state; /models/load, /models/unload
+        *model_routes(state, HttpSteps(_check_auth, _read_body, _until_disconnect)),
         *_token_routes(state),
         *lora_routes(state, _check_auth, _read_body),  # /v1/load_lora_adapter, unload
         *chat_page_routes(state, _check_auth),  # GET /: the chat page, unless --no-ui
@@ -86,15 +92,6 @@ def _api_routes(state: ServerState) -> list[Route]:
     async def chat_completions(request: Request) -> Response:
         return await _generate(request, state, parse_chat, "chat_completions")
 
-    async def models(request: Request) -> Response:
-        _check_auth(request, state)
-        cards = [
-            ModelCard(id=name, created=state.started_at, max_model_len=state.max_model_len)
-            for name in state.base_names
-        ]
-        cards += adapter_cards(state)
-        return Response(encode(ModelList(data=cards)), media_type=JSON)
-
     async def version_route(request: Request) -> Response:
         # And whether greedy and seeded outputs are reproducible (engine replay --compare).
         deterministic = state.settings.model.deterministic
@@ -106,7 +103,6 @@ def _api_routes(state: ServerState) -> list[Route]:
     return [
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/v1/models", models, methods=["GET"]),
         Route("/version", version_route, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
@@ -118,7 +114,7 @@ def _probe_routes(state: ServerState) -> list[Route]:
     async def health(request: Request) -> Response:
         """Liveness: 503 only once the engine has given up. An actor being restarted is the
         engine healing itself; a liveness probe that failed then would restart the pod."""
-        report = state.llm.health()
+        report = pool_health(state.models)
         if report.reason is not None:
             return _json(503, {"status": "failed", "reason": report.reason})
         if state.draining:
@@ -129,7 +125,7 @@ def _probe_routes(state: ServerState) -> list[Route]:
 
     async def ready(request: Request) -> Response:
         """Readiness: 200 only while new requests can be served now."""
-        report = state.llm.health()
+        report = pool_health(state.models)
         if state.draining:
             return _json(503, {"status": "draining"})
         if report.ready:
@@ -146,12 +142,14 @@ def _token_routes(state: ServerState) -> list[Route]:
     async def tokenize(request: Request) -> Response:
         _check_auth(request, state)
         body = await _read_body(request, state.settings.server.max_request_bytes)
-        return Response(await state.tokens.tokenize(body), media_type=JSON)
+        async with model_tokens(state, body) as tokens:
+            return Response(await tokens.tokenize(body), media_type=JSON)
 
     async def detokenize(request: Request) -> Response:
         _check_auth(request, state)
         body = await _read_body(request, state.settings.server.max_request_bytes)
-        return Response(await state.tokens.detokenize(body), media_type=JSON)
+        async with model_tokens(state, body) as tokens:
+            return Response(await tokens.detokenize(body), media_type=JSON)
 
     async def abort(request: Request) -> Response:
         _check_auth(request, state)

@@ -29,14 +29,17 @@ from typing import Any
 import uvicorn
 import uvloop
 
+from engine.catalogue.pool import ModelPool
 from engine.http.admin.paths import prepare_default_socket
 from engine.http.admin.server import AdminServer
 from engine.http.app import build_app
 from engine.http.connections import KEEP_ALIVE_S, guarded_http_protocol
 from engine.http.pidfile import PidFile
 from engine.http.request_log import log_stats_forever
+from engine.http.served import ServedModel, pool_health
 from engine.http.service_notify import ServiceNotifier, stop_keep_alive
 from engine.http.state import ServerState
+from engine.launch.run_files import remove_run_files
 from engine.settings import Settings
 
 log = logging.getLogger("engine.http")
@@ -197,19 +200,22 @@ async def _serve_holding_pidfile(settings: Settings) -> int:
 async def _run(
     settings: Settings, sock: socket.socket, admin_path: Path, shutdown: _Shutdown
 ) -> int:
-    from engine import AsyncLLM
-
-    llm = AsyncLLM(settings)
-    if not await _start_engine(llm, shutdown):
+    try:
+        state = ServerState.create(settings)  # the catalogue: --model, --models-dir
+    except (OSError, ValueError) as e:
+        print(f"engine: {e}", file=sys.stderr, flush=True)
+        return 1
+    models = state.models
+    if not await _start_engine(models, shutdown):
         return 0 if shutdown.requested.is_set() else 1
-    log.info("sampling defaults: %s", llm.policy.describe_defaults())
-    state = ServerState.create(llm, settings, llm.chat_template)
+    for name, served in models.loaded():
+        log.info("model %s: sampling defaults: %s", name, served.llm.policy.describe_defaults())
     background = [] if settings.server.disable_log_stats else [log_stats_forever(state)]
     stats_tasks = [asyncio.create_task(work) for work in background]
 
     async def drain() -> dict[str, Any]:
         await _drain(state, shutdown)
-        return {"drained": True, "in_flight": len(llm.requests())}
+        return {"drained": True, "in_flight": len(_requests_in_flight(state))}
 
     url = (
         f"unix:{settings.server.uds}"
@@ -237,7 +243,7 @@ async def _run(
         service = ServiceNotifier.from_environ(os.environ, os.getpid())  # systemd, if under it
         service.ready(f"serving {url}")
         keep_alive = service.start_keep_alive()
-        exit_status = await _serve_until_stopped(llm, serve_task, shutdown)
+        exit_status = await _serve_until_stopped(state, serve_task, shutdown)
         service.stopping("draining in-flight requests")
         log.info("shutting down: draining in-flight requests")
         await _drain(state, shutdown)
@@ -251,7 +257,8 @@ async def _run(
                 await asyncio.wait_for(serve_task, _CONNECTION_GRACE_S + 5.0)
         await admin.close()
         with contextlib.suppress(Exception):
-            await llm.shutdown()
+            await models.close()
+        remove_run_files()  # the models' restart files: the run's, not one model's
         if state.trace is not None:
             state.trace.close()
     return exit_status
@@ -291,11 +298,11 @@ def _http_server(state: ServerState, settings: Settings) -> _Server:
 
 
 async def _serve_until_stopped(
-    llm: Any, serve_task: asyncio.Task[None], shutdown: _Shutdown
+    state: ServerState, serve_task: asyncio.Task[None], shutdown: _Shutdown
 ) -> int:
     """Until a stop is asked (0), the engine gives up or the HTTP server stops (1, said)."""
     stop_waiter = asyncio.create_task(shutdown.requested.wait())
-    engine_failed = asyncio.create_task(_engine_failure(llm))
+    engine_failed = asyncio.create_task(_engine_failure(state))
     waiters = {serve_task, stop_waiter, engine_failed}
     await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
     stop_waiter.cancel()
@@ -309,18 +316,20 @@ async def _serve_until_stopped(
     return 0
 
 
-async def _engine_failure(llm: Any, interval: float = 0.5) -> str:
-    """Return why, once the engine has given up (its supervisor escalated past restarts)."""
+async def _engine_failure(state: ServerState, interval: float = 0.5) -> str:
+    """Return why, once the engine has given up (its supervisor escalated past restarts): a
+    one-model server's only model (a catalogue's failed model is that model's state)."""
     while True:
-        reason = llm.health().reason
+        reason = pool_health(state.models).reason
         if reason:
             return str(reason)
         await asyncio.sleep(interval)
 
 
-async def _start_engine(llm: Any, shutdown: _Shutdown) -> bool:
-    """Start the engine unless a signal comes first; say why in one line if it fails."""
-    start = asyncio.create_task(llm.start())
+async def _start_engine(models: ModelPool[ServedModel], shutdown: _Shutdown) -> bool:
+    """Start the models loaded at start unless a signal comes first; say why in one line if
+    that fails."""
+    start = asyncio.create_task(models.start())
     stop_waiter = asyncio.create_task(shutdown.requested.wait())
     await asyncio.wait({start, stop_waiter}, return_when=asyncio.FIRST_COMPLETED)
     stop_waiter.cancel()
@@ -336,15 +345,17 @@ async def _start_engine(llm: Any, shutdown: _Shutdown) -> bool:
     if failure is not None:
         print(f"engine: failed to start: {failure}", file=sys.stderr, flush=True)
     with contextlib.suppress(Exception):
-        await llm.shutdown()
+        await models.close()
+    remove_run_files()
     return False
 
 
 async def _drain(state: ServerState, shutdown: _Shutdown) -> None:
     """Stop taking requests; give in-flight ones drain_timeout; abort what is left."""
     state.draining = True
-    llm = state.llm
-    drain = asyncio.create_task(llm.drain(state.settings.server.drain_timeout))
+    engines = [served.llm for _, served in state.models.loaded()]
+    timeout = state.settings.server.drain_timeout
+    drain = asyncio.create_task(_drain_all(engines, timeout))
     forced = asyncio.create_task(shutdown.forced.wait())
     await asyncio.wait({drain, forced}, return_when=asyncio.FIRST_COMPLETED)
     forced.cancel()
@@ -352,9 +363,18 @@ async def _drain(state: ServerState, shutdown: _Shutdown) -> None:
         drain.cancel()
     with contextlib.suppress(BaseException):
         await drain
-    for row in llm.requests():
-        with contextlib.suppress(Exception):
-            await llm.abort(row.request_id)
+    for llm in engines:
+        for row in llm.requests():
+            with contextlib.suppress(Exception):
+                await llm.abort(row.request_id)
+
+
+async def _drain_all(engines: list[Any], timeout: float) -> None:
+    await asyncio.gather(*(llm.drain(timeout) for llm in engines))
+
+
+def _requests_in_flight(state: ServerState) -> list[Any]:
+    return [row for _, served in state.models.loaded() for row in served.llm.requests()]
 
 
 def _admin_socket_path(settings: Settings) -> tuple[Path, Path | None]:

@@ -20,12 +20,11 @@ alert rules can be checked against any running server (deploy/grafana/, deploy/p
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import (
     CollectorRegistry,
     Counter,
-    Gauge,
     Histogram,
     disable_created_metrics,
     generate_latest,
@@ -83,13 +82,21 @@ _ENGINE_COUNTERS = (
 )  # fmt: skip
 
 
+# A loaded model's live figures as the collector reads them: its name, its stats, and the
+# resident bytes of one rank's weights by format.
+LoadedModel = tuple[str, Callable[[], EngineStats], dict[str, int]]
+
+
 class ServerMetrics:
     def __init__(
         self,
-        engine_stats: Callable[[], EngineStats],
+        loaded_models: Callable[[], Iterable[LoadedModel]],
         model_name: str,
-        weight_bytes: dict[str, int] | None = None,
+        catalogue: Callable[[], Iterable[Metric]] | None = None,
     ) -> None:
+        """`loaded_models`: each loaded model's figures, read at scrape time; `model_name`:
+        the model a request names when it names none; `catalogue`: the families of the models'
+        loads and unloads (engine/http/model_metrics.py)."""
         # *_created series only add noise to every scrape
         disable_created_metrics()  # type: ignore[no-untyped-call]
         self.registry = CollectorRegistry(auto_describe=True)
@@ -97,8 +104,12 @@ class ServerMetrics:
         self.prompt_token_count = 0  # the same as the counters, for the periodic stats line
         self.generation_token_count = 0
         self._declare_latencies()
-        self._declare_counts(weight_bytes or {})
-        self.registry.register(_EngineStatsCollector(engine_stats, model_name))
+        self._declare_counts()
+        self.registry.register(_EngineStatsCollector(loaded_models, catalogue))
+
+    def for_model(self, name: str) -> ModelMetrics:
+        """The same metrics, labelled with model `name`: what one request observes."""
+        return ModelMetrics(self, name)
 
     def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
         label = ["model_name"]
@@ -149,8 +160,8 @@ class ServerMetrics:
             _TOKEN_BUCKETS,
         )
 
-    def _declare_counts(self, weight_bytes: dict[str, int]) -> None:
-        """Requests by outcome and finish reason, tokens, and the weights' bytes by format."""
+    def _declare_counts(self) -> None:
+        """Requests by outcome and finish reason, and tokens."""
         registry, label = self.registry, ["model_name"]
         self.requests = Counter(
             PREFIX + "http_requests",
@@ -170,47 +181,73 @@ class ServerMetrics:
         self.generation_tokens = Counter(
             PREFIX + "generation_tokens", "Tokens generated", label, registry=registry
         )
-        weights = Gauge(
-            PREFIX + "model_weight_bytes",
-            "Resident bytes of one rank's weights, by format (a GGUF type or quantization "
-            "scheme kept quantized, else the dtype)",
-            ["model_name", "format"],
-            registry=registry,
-        )
-        for weight_format, size in weight_bytes.items():
-            weights.labels(self.model_name, weight_format).set(size)
 
     def count_request(self, endpoint: str, outcome: str) -> None:
-        self.requests.labels(self.model_name, endpoint, outcome).inc()
+        self.for_model(self.model_name).count_request(endpoint, outcome)
 
     def add_prompt_tokens(self, count: int) -> None:
-        self.prompt_token_count += count
-        self.prompt_tokens.labels(self.model_name).inc(count)
-
-    def add_generation_tokens(self, count: int) -> None:
-        self.generation_token_count += count
-        self.generation_tokens.labels(self.model_name).inc(count)
+        self.for_model(self.model_name).add_prompt_tokens(count)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
-class _EngineStatsCollector(Collector):
-    """Reads the engine's live figures when Prometheus scrapes, so they are never stale."""
+class ModelMetrics:
+    """The server's metrics as one model's requests observe them (labelled with its name)."""
 
-    def __init__(self, engine_stats: Callable[[], EngineStats], model_name: str) -> None:
-        self._engine_stats = engine_stats
-        self._model_name = model_name
+    def __init__(self, server: ServerMetrics, model_name: str) -> None:
+        self.server = server
+        self.model_name = model_name
+        self.ttft, self.itl, self.tpot = server.ttft, server.itl, server.tpot
+        self.e2e, self.queue_time = server.e2e, server.queue_time
+        self.prefill_time, self.decode_time = server.prefill_time, server.decode_time
+        self.request_prompt_tokens = server.request_prompt_tokens
+        self.request_generation_tokens = server.request_generation_tokens
+        self.request_success = server.request_success
+
+    def count_request(self, endpoint: str, outcome: str) -> None:
+        self.server.requests.labels(self.model_name, endpoint, outcome).inc()
+
+    def add_prompt_tokens(self, count: int) -> None:
+        self.server.prompt_token_count += count
+        self.server.prompt_tokens.labels(self.model_name).inc(count)
+
+    def add_generation_tokens(self, count: int) -> None:
+        self.server.generation_token_count += count
+        self.server.generation_tokens.labels(self.model_name).inc(count)
+
+
+class _EngineStatsCollector(Collector):
+    """Reads the loaded models' live figures when Prometheus scrapes, so they are never stale.
+    Each family holds every loaded model's samples (a family appears once in a scrape)."""
+
+    def __init__(
+        self,
+        loaded_models: Callable[[], Iterable[LoadedModel]],
+        catalogue: Callable[[], Iterable[Metric]] | None,
+    ) -> None:
+        self._loaded_models = loaded_models
+        self._catalogue = catalogue
 
     def describe(self) -> list[Metric]:
-        return []  # figures depend on a live engine; nothing to declare up front
+        return []  # figures depend on live engines; nothing to declare up front
 
     def collect(self) -> Iterator[Metric]:
-        try:
-            stats = self._engine_stats()
-        except Exception:  # a scrape must not fail because the engine is restarting
-            return
-        model = [self._model_name]
+        families: list[Metric] = []
+        for name, engine_stats, weight_bytes in self._loaded_models():
+            try:
+                stats = engine_stats()
+            except Exception:  # a scrape must not fail because an engine is restarting
+                continue
+            families += self._model_families(name, stats, weight_bytes)
+        if self._catalogue is not None:
+            families += self._catalogue()
+        yield from merged_families(families)
+
+    def _model_families(
+        self, model_name: str, stats: EngineStats, weight_bytes: dict[str, int]
+    ) -> Iterator[Metric]:
+        model = [model_name]
         for name, doc, field in _ENGINE_GAUGES:
             gauge = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
             gauge.add_metric(model, float(getattr(stats, field)))
@@ -225,19 +262,28 @@ class _EngineStatsCollector(Collector):
             labels=["model_name", "position"],
         )
         for position, count in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
-            per_position.add_metric([self._model_name, str(position)], float(count))
+            per_position.add_metric([model_name, str(position)], float(count))
         yield per_position
-        yield from self._per_actor(stats)
-        yield from self._recovery_and_rings(stats)
-        yield from kv_transfer_metrics(stats, self._model_name)
+        weights = GaugeMetricFamily(
+            PREFIX + "model_weight_bytes",
+            "Resident bytes of one rank's weights, by format (a GGUF type or quantization "
+            "scheme kept quantized, else the dtype)",
+            labels=["model_name", "format"],
+        )
+        for weight_format, size in weight_bytes.items():
+            weights.add_metric([model_name, weight_format], float(size))
+        yield weights
+        yield from self._per_actor(model_name, stats)
+        yield from self._recovery_and_rings(model_name, stats)
+        yield from kv_transfer_metrics(stats, model_name)
 
-    def _per_actor(self, stats: EngineStats) -> Iterator[Metric]:
+    def _per_actor(self, model_name: str, stats: EngineStats) -> Iterator[Metric]:
         """Restarts and CPU seconds by actor; frames and bytes by actor and ring."""
         family = CounterMetricFamily(
             PREFIX + "actor_restarts", "Restarts of each actor", labels=["model_name", "actor"]
         )
         for actor, count in sorted(stats.restarts.items()):
-            family.add_metric([self._model_name, actor], float(count))
+            family.add_metric([model_name, actor], float(count))
         yield family
         cpu = CounterMetricFamily(
             PREFIX + "actor_cpu_seconds",
@@ -245,7 +291,7 @@ class _EngineStatsCollector(Collector):
             labels=["model_name", "actor"],
         )
         for actor, seconds in sorted(stats.actor_cpu.items()):
-            cpu.add_metric([self._model_name, actor], seconds)
+            cpu.add_metric([model_name, actor], seconds)
         yield cpu
         labels = ["model_name", "actor", "ring"]
         frames = CounterMetricFamily(
@@ -255,12 +301,12 @@ class _EngineStatsCollector(Collector):
             PREFIX + "ring_bytes_sent", "Bytes each actor wrote to each ring", labels=labels
         )
         for row in stats.ring_traffic:
-            frames.add_metric([self._model_name, row.actor, row.ring], float(row.frames))
-            sent.add_metric([self._model_name, row.actor, row.ring], float(row.bytes))
+            frames.add_metric([model_name, row.actor, row.ring], float(row.frames))
+            sent.add_metric([model_name, row.actor, row.ring], float(row.bytes))
         yield frames
         yield sent
 
-    def _recovery_and_rings(self, stats: EngineStats) -> Iterator[Metric]:
+    def _recovery_and_rings(self, model_name: str, stats: EngineStats) -> Iterator[Metric]:
         """How long restarts kept each actor down, and how full each ring is."""
         recovery = CounterMetricFamily(
             PREFIX + "actor_recovery_seconds",
@@ -269,7 +315,7 @@ class _EngineStatsCollector(Collector):
             labels=["model_name", "actor"],
         )
         for actor, seconds in sorted(stats.actor_recovery_seconds.items()):
-            recovery.add_metric([self._model_name, actor], seconds)
+            recovery.add_metric([model_name, actor], seconds)
         yield recovery
         fill = GaugeMetricFamily(
             PREFIX + "ring_occupancy_perc",
@@ -278,5 +324,16 @@ class _EngineStatsCollector(Collector):
             labels=["model_name", "actor", "ring"],
         )
         for row in stats.ring_traffic:
-            fill.add_metric([self._model_name, row.actor, row.ring], row.fill)
+            fill.add_metric([model_name, row.actor, row.ring], row.fill)
         yield fill
+
+
+def merged_families(families: Iterable[Metric]) -> Iterator[Metric]:
+    """One family per name, holding the samples of every family of that name, in first-seen
+    order."""
+    by_name: dict[str, Metric] = {}
+    for family in families:
+        first = by_name.setdefault(family.name, family)
+        if first is not family:
+            first.samples.extend(family.samples)
+    yield from by_name.values()

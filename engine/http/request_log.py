@@ -25,16 +25,19 @@ async def log_stats_forever(state: ServerState, interval: float = STATS_INTERVAL
         now = time.monotonic()
         elapsed = max(now - last, 1e-9)
         try:
-            stats = state.llm.stats()
-        except Exception:  # the engine is restarting: try again next time
+            every = [served.llm.stats() for _, served in state.models.loaded()]
+        except Exception:  # an engine is restarting: try again next time
             continue
+        if not every:
+            continue  # no model loaded: nothing ran
+        stats = every[0]
         stats_log.info(
             "prompt throughput %.1f tokens/s, generation throughput %.1f tokens/s, "
             "running %d, waiting %d, KV cache usage %.1f%%, prefix cache hit rate %.1f%%",
             (metrics.prompt_token_count - prompt) / elapsed,
             (metrics.generation_token_count - generated) / elapsed,
-            stats.num_running,
-            stats.num_waiting,
+            sum(one.num_running for one in every),
+            sum(one.num_waiting for one in every),
             100 * stats.kv_usage,
             100 * stats.prefix_cache_hit_rate,
         )

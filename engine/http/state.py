@@ -1,36 +1,27 @@
-"""What the HTTP handlers and the admin socket share: the engine, settings, metrics, drain flag,
-the API requests in flight by id, the root's tokenizer, the model's sampling defaults."""
+"""What the HTTP handlers and the admin socket share: the models (the pool of engines, loaded on
+demand), settings, metrics, drain flag, the API requests in flight by id."""
 
 from __future__ import annotations
 
 import os
 import time
 from dataclasses import dataclass, field
-from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from engine.catalogue.pool import ModelPool
 from engine.http.metrics import ServerMetrics
-from engine.http.openai.tokens import Tokens
-from engine.library.chat_tokens import chat_token_ids
-from engine.messages.params import LoRARequest
+from engine.http.served import ModelLease, ServedModel, metrics_for, model_pool
+from engine.request.outputs import EngineError
 from engine.settings import Settings
 from engine.testing.http_faults import HttpFaults
 from engine.trace.recorder import TraceRecorder
 
-if TYPE_CHECKING:
-    from engine.library.async_llm import AsyncLLM
-
 
 @dataclass
 class ServerState:
-    llm: AsyncLLM
+    models: ModelPool[ServedModel]
     settings: Settings
     metrics: ServerMetrics
-    model_name: str
-    max_model_len: int
-    tokens: Tokens
-    base_names: tuple[str, ...] = ()  # the base model's names a request may use; first shown
-    chat_template: str | None = None  # model.chat_template's text, for chats that bring none
     started_at: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
     trace: TraceRecorder | None = None
@@ -39,42 +30,54 @@ class ServerState:
     faults: HttpFaults = field(default_factory=HttpFaults)  # tests' fault injection; off
 
     @property
-    def served_names(self) -> tuple[str, ...]:
-        """Every model name a request may use: the base model's, then each LoRA adapter's."""
-        adapters = self.llm.adapters
-        return self.base_names + (adapters.names() if adapters is not None else ())
+    def model_name(self) -> str:
+        """The model a request that names none gets: the catalogue's first."""
+        return self.models.default_name
 
-    def adapter_of(self, model: str) -> LoRARequest | None:
-        """The LoRA adapter a request's model name names; None: the base model."""
-        adapters = self.llm.adapters
-        return adapters.get(model) if adapters is not None else None
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        """Every model name a request may use: each model's and alias, loaded or not, then
+        each loaded model's LoRA adapters."""
+        adapters = [
+            name
+            for _, served in self.models.loaded()
+            for name in served.names[len(served.entry.names) :]
+        ]
+        return self.models.names() + tuple(adapters)
+
+    def base_of(self, model: str) -> str:
+        """The catalogue model a request's model name runs on (an adapter: its base's)."""
+        if self.models.canonical(model) is not None:
+            return model
+        for name, served in self.models.loaded():
+            if model in served.names:
+                return name
+        return model  # unknown: acquire() refuses it, naming the models there are
+
+    async def acquire(self, model: str | None, keep_alive: float | None = None) -> ModelLease:
+        """A lease on the model a request names (loaded first if need be); EngineError if the
+        server is draining or the model cannot be had."""
+        if self.draining:
+            raise EngineError("the server is shutting down", 503)
+        return await self.models.acquire(self.base_of(model or self.model_name), keep_alive)
+
+    def primary(self) -> ServedModel:
+        """The default model, for the routes that name no model (LoRA loading): loaded."""
+        slot = self.models.slots[self.model_name]
+        if slot.engine is None:
+            raise EngineError(f"model '{slot.name}' is not loaded", 503)
+        return slot.engine
 
     @classmethod
-    def create(
-        cls,
-        llm: AsyncLLM,
-        settings: Settings,
-        chat_template: str | None = None,
-    ) -> ServerState:
+    def create(cls, settings: Settings) -> ServerState:
         record = settings.server.record_trace
         deterministic = settings.model.deterministic
         trace = TraceRecorder(record, deterministic=deterministic) if record else None
-        names = settings.model.served_name or (llm.model_name,)
+        pool = model_pool(settings)
         return cls(
-            llm=llm,
+            models=pool,
             settings=settings,
-            metrics=ServerMetrics(llm.stats, names[0], llm.weight_bytes),
-            model_name=names[0],
-            max_model_len=llm.max_model_len,
-            base_names=tuple(names),
-            tokens=Tokens(
-                llm.model_path,
-                llm.max_model_len,
-                settings.server.allow_special_tokens_in_chat,
-                partial(chat_token_ids, llm),
-                chat_template,
-            ),
-            chat_template=chat_template,
+            metrics=metrics_for(pool),
             trace=trace,
             faults=HttpFaults.from_environment(os.environ),
         )

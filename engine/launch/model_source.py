@@ -41,6 +41,12 @@ def default_model_file() -> Path:
     )
 
 
+def client_name(model: str | None) -> str:
+    """The name clients use for the `model.path` setting when no served name is set: the value
+    as given, as vLLM does (the default model's own name when unset)."""
+    return DEFAULT_MODEL_NAME if model is None else model
+
+
 def model_directory(
     model: str | None, engine_home: Path, tokenizer: str | None = None
 ) -> tuple[str, str]:
@@ -50,7 +56,7 @@ def model_directory(
     tokenizer_dir = Path(tokenizer).expanduser().resolve() if tokenizer else None
     if model is None:
         default = default_model_file()
-        return str(prepare_checkpoint(default, engine_home, tokenizer_dir)), DEFAULT_MODEL_NAME
+        return str(prepare_checkpoint(default, engine_home, tokenizer_dir)), client_name(model)
     if model == DEMO_MODEL:
         from engine.demo.default_model import ensure_default_model
 

@@ -101,6 +101,7 @@ class EnginePlan:
     replica_roles: tuple[str, ...] = ()  # "both" | "prefill" | "decode" per replica (P/D)
     # Resident bytes of one rank's weights by what they are ("Q4_1", "float32"): /metrics
     weight_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
+    kv_bytes_per_rank: int = 0
 
     def __post_init__(self) -> None:
         if not self.replica_specs:
@@ -122,7 +123,11 @@ def replica_suffix(replica: int, data_parallel_size: int) -> str:
     return f"-r{replica}" if data_parallel_size > 1 else ""
 
 
-def plan_engine(settings: Settings, model_path: str) -> EnginePlan:
+def plan_engine(
+    settings: Settings, model_path: str, available_memory: int | None = None
+) -> EnginePlan:
+    """The engine's children, rings and sizes; `available_memory`: the bytes to size the KV
+    cache from (None: the machine's free memory)."""
     config = load_model_config(model_path)
     placement = check_parallel(settings, config)
     device = resolve_device(settings.model.device)
@@ -143,7 +148,15 @@ def plan_engine(settings: Settings, model_path: str) -> EnginePlan:
     draft = draft_worker_fields(settings, model_path, config)
     footprint = draft_footprint(draft["draft_model_path"], block_size, dtype, device)
     num_blocks = kv_cache_blocks(
-        settings, config, device, dtype, kv_dtype, placement.local_ranks, quantized, footprint
+        settings,
+        config,
+        device,
+        dtype,
+        kv_dtype,
+        placement.local_ranks,
+        quantized,
+        footprint,
+        available_memory,
     )
     max_model_len = max_model_len_of(settings, config, num_blocks * block_size)
     scheduler = scheduler_config(settings, config, num_blocks, max_model_len)
@@ -186,6 +199,7 @@ def plan_engine(settings: Settings, model_path: str) -> EnginePlan:
         specs,
         roles,
         weights,
+        num_blocks * block_bytes,
     )
 
 

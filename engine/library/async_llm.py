@@ -24,6 +24,7 @@ from engine.inflight.kv_params import KvParams, instance_kv_params
 from engine.inflight.registry import Gateway, ToTokenizer
 from engine.inflight.replicas import Replicas, supervise
 from engine.inflight.restarts import SupervisorFollower
+from engine.launch.footprint import planned_memory_bytes
 from engine.launch.model_source import model_directory
 from engine.launch.plan import EnginePlan, plan_engine
 from engine.launch.run_files import remove_run_files
@@ -51,8 +52,19 @@ MAX_FRAME_BYTES = REQUESTS_RING.max_frame_bytes  # the most the root sends the t
 
 
 class AsyncLLM:
-    def __init__(self, settings: Settings | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings | None = None,
+        *,
+        memory_room: int | None = None,
+        owns_run_files: bool = True,
+    ) -> None:
+        """`memory_room`: the bytes its weights and KV cache may take (the KV cache is sized
+        from it; None: from the machine's free memory); `owns_run_files`: whether its shutdown
+        removes the run's restart files (not where other models of the run keep theirs)."""
         self.settings = settings or Settings()
+        self._memory_room = memory_room
+        self._owns_run_files = owns_run_files
         server = self.settings.server
         self.gateway = Gateway(
             self.settings.runtime.quarantine_after,
@@ -87,7 +99,7 @@ class AsyncLLM:
         )
         self.model_path = model_path
         self._kv_params = instance_kv_params(self.settings)  # reads the KV secret, if it needs one
-        self._plan = plan_engine(self.settings, model_path)
+        self._plan = plan_engine(self.settings, model_path, self._memory_room)
         self.policy = RequestPolicy.load(self.settings, model_path, self._plan.max_model_len)
         require_shm_space(self._plan.replica_specs, remedy=SHM_REMEDY)  # not a SIGBUS later
         # One-launch P/D: a prefill replica's handoff goes on to a decode replica here.
@@ -148,7 +160,8 @@ class AsyncLLM:
         await asyncio.gather(*self._tasks, *self._sends, return_exceptions=True)
         if self._supervisor is not None:
             await self._supervisor.shutdown(reason)
-        remove_run_files()
+        if self._owns_run_files:
+            remove_run_files()
 
     async def wait_closed(self) -> str:
         """Wait until the actor system has shut down (asked to, or given up); the reason."""
@@ -296,6 +309,10 @@ class AsyncLLM:
             ring_traffic=ring_traffic(rows),
             actor_cpu=actor_cpu(rows),
         )
+
+    def memory_bytes(self) -> int:
+        """What its weights and KV caches take on this host, every rank of every replica."""
+        return planned_memory_bytes(self._plan) if self._plan is not None else 0
 
     def actors(self) -> list[ActorRow]:
         return actor_rows(self._supervisor.status() if self._supervisor is not None else [])

@@ -23,6 +23,7 @@ class ActorRow(msgspec.Struct, kw_only=True):
     restarts: int
     last_restart_reason: str
     generation: int
+    model: str = ""  # the model whose actor it is (the server's name for it)
 
 
 class RequestRow(msgspec.Struct, kw_only=True):
@@ -34,6 +35,7 @@ class RequestRow(msgspec.Struct, kw_only=True):
     strikes: int  # actor crashes it was in flight at since it last made progress
     age_s: float
     replica: int | None = None  # with data parallelism: the replica serving it
+    model: str = ""  # the model it runs on
 
 
 class RingTraffic(msgspec.Struct, kw_only=True):

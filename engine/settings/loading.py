@@ -109,6 +109,12 @@ FLAG_ALIASES: dict[str, str] = {
     "--allow-credentials": "server.allow_credentials",
     "--log-level": "runtime.log_level",
     "--engine-home": "runtime.engine_home",
+    # many models in one server (llama-server's router mode, Ollama's keep_alive)
+    "--models-dir": "models.dir",
+    "--keep-alive": "models.keep_alive",
+    "--max-loaded-models": "models.max_loaded",
+    "--models-max": "models.max_loaded",
+    "--models-memory": "models.memory",
 }
 
 Sources = dict[str, str]  # "section.field" → "default" | "file" | "env" | "flag"

@@ -15,12 +15,13 @@ from msgspec import Meta
 from engine.messages.params import PoolingParams, override_generation_config
 from engine.settings.kv_transfer_schema import KvTransferSettings, kv_transfer_problems
 from engine.settings.lora_schema import LoraSettings, lora_problems
+from engine.settings.models_schema import ModelsSettings, models_problems
 from engine.settings.section import BYTES_UNIT
 from engine.settings.section import Section as _Section
 from engine.settings.server_schema import ServerSettings
 
 # re-exported: the schema's names live here
-__all__ = ["BYTES_UNIT", "KvTransferSettings", "LoraSettings", "ServerSettings"]
+__all__ = ["BYTES_UNIT", "KvTransferSettings", "LoraSettings", "ModelsSettings", "ServerSettings"]
 
 
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]
@@ -386,6 +387,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     runtime: RuntimeSettings = msgspec.field(default_factory=RuntimeSettings)
     kv_transfer: KvTransferSettings = msgspec.field(default_factory=KvTransferSettings)
     lora: LoraSettings = msgspec.field(default_factory=LoraSettings)
+    models: ModelsSettings = msgspec.field(default_factory=ModelsSettings)
 
 
 SECTIONS: dict[str, type[_Section]] = {
@@ -399,6 +401,7 @@ SECTIONS: dict[str, type[_Section]] = {
     "runtime": RuntimeSettings,
     "kv_transfer": KvTransferSettings,
     "lora": LoraSettings,
+    "models": ModelsSettings,
 }
 
 
@@ -448,4 +451,9 @@ def cross_field_problems(settings: Settings) -> list[tuple[str, str]]:
         override_generation_config(model.override_generation_config)
     except ValueError as exc:
         problems.append(("model.override_generation_config", str(exc)))
-    return problems + kv_transfer_problems(settings) + lora_problems(settings)
+    return [
+        *problems,
+        *kv_transfer_problems(settings),
+        *lora_problems(settings),
+        *models_problems(settings.models),
+    ]

@@ -84,12 +84,16 @@ async def test_a_client_gone_before_the_first_body_step_leaves_nothing_behind() 
         }
     )
     with holding():
-        async with AsyncLLM(settings) as llm:
-            await _leave_twice_and_find_nothing_left(llm, settings)
+        state = ServerState.create(settings)
+        await state.models.start()  # the one model, as the server starts it
+        try:
+            ((_, served),) = state.models.loaded()
+            await _leave_twice_and_find_nothing_left(state, served.llm)
+        finally:
+            await state.models.close()
 
 
-async def _leave_twice_and_find_nothing_left(llm: AsyncLLM, settings: Any) -> None:
-    state = ServerState.create(llm, settings)
+async def _leave_twice_and_find_nothing_left(state: ServerState, llm: AsyncLLM) -> None:
     app = build_app(state)
     for _ in range(2):  # the second time, the same X-Request-Id must be accepted again
         sent = await leave_before_the_first_body_step(app)

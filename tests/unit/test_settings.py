@@ -109,6 +109,8 @@ def test_every_setting_is_reachable_as_section_dot_field(tmp_path: Path) -> None
                 text = '{"temperature": 0.5}'
             if key == "server.api_key_file":  # read at load
                 text = str(key_file)
+            if key == "models.keep_alive":  # checked at load: Ollama's duration
+                text = "10m"
         elif spec.kind == "list":
             text = "a=/adapters/a,b=/adapters/b" if key == "lora.lora_modules" else "a,b"
         elif spec.kind == "int":

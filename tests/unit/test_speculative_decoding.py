@@ -202,7 +202,7 @@ def test_spec_decode_counts_sum_over_replicas_and_reach_metrics_with_vllms_names
     root = dict(in_flight=0, resubmitted_requests=0, stalled_stream_aborts=0, restarts={},
                 kv_cache_blocks=1, replicas=[])  # fmt: skip
     stats = EngineStats(**msgspec.structs.asdict(merged), **root)  # type: ignore[arg-type]
-    text = ServerMetrics(lambda: stats, "m").render().decode()
+    text = ServerMetrics(lambda: [("m", lambda: stats, {})], "m").render().decode()
     assert 'engine:spec_decode_num_drafts_total{model_name="m"} 5.0' in text
     assert 'engine:spec_decode_num_accepted_tokens_total{model_name="m"} 8.0' in text
     assert (

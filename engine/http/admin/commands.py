@@ -14,6 +14,9 @@ COMMANDS: dict[str, tuple[str, ...]] = {
     "drain": (),
     "shutdown": (),
     "log-level": ("LEVEL",),
+    "models": (),
+    "load": ("MODEL",),
+    "unload": ("MODEL",),
 }
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import logging
 import os
 from collections.abc import Awaitable, Callable
@@ -20,7 +19,14 @@ from typing import Any
 import msgspec
 
 from engine.http.admin.commands import command_problem
+from engine.http.admin.models import (
+    AdminError,
+    every_models_rows,
+    manage_models,
+    model_stats,
+)
 from engine.http.openai.operations import abort_request
+from engine.http.served import pool_health
 from engine.http.state import ServerState
 from engine.settings.fields import FIELDS
 
@@ -40,10 +46,6 @@ class AdminReply(msgspec.Struct, omit_defaults=True):
     result: Any = None
     error: str | None = None
     server: dict[str, Any] | None = None  # which server answered: pid, url, model
-
-
-class AdminError(Exception):
-    pass
 
 
 _DECODER = msgspec.json.Decoder(AdminCommand)
@@ -132,22 +134,22 @@ class AdminServer:
             return AdminReply(ok=False, error=f"{command.cmd} failed: {type(e).__name__}: {e}")
 
     async def run(self, cmd: str, args: list[str]) -> Any:
-        llm = self.state.llm
         problem = command_problem(cmd, args)
         if problem is not None:
             raise AdminError(problem)
+        state = self.state
         if cmd == "health":
-            return msgspec.structs.replace(llm.health(), draining=self.state.draining)
+            return msgspec.structs.replace(pool_health(state.models), draining=state.draining)
         if cmd == "stats":
-            return msgspec.structs.replace(llm.stats(), draining=self.state.draining)
-        if cmd == "actors":
-            return llm.actors()
-        if cmd == "requests":
-            return llm.requests()
+            return msgspec.structs.replace(model_stats(state), draining=state.draining)
+        if cmd in ("actors", "requests"):
+            return every_models_rows(state, cmd)
+        if cmd in ("models", "load", "unload"):
+            return await manage_models(state, cmd, args)
         if cmd == "abort":
             (request_id,) = args
             # An engine request's id, or an API request's X-Request-Id (all of its prompts)
-            if not await abort_request(self.state, request_id):
+            if not await abort_request(state, request_id):
                 raise AdminError(f"no in-flight request {request_id!r} (see the requests command)")
             return {"aborted": request_id}
         if cmd == "drain":
@@ -155,18 +157,15 @@ class AdminServer:
         if cmd == "shutdown":
             self._shutdown()
             return {"shutting_down": True}
-        return await _set_log_level(llm, args[0])  # log-level, the one command left
+        return await _set_log_level(state, args[0])  # log-level, the one command left
 
 
-async def _set_log_level(llm: Any, level: str) -> dict[str, str]:
+async def _set_log_level(state: ServerState, level: str) -> dict[str, str]:
     level = level.lower()
     if level not in LOG_LEVELS:
         raise AdminError(f"log level must be one of {', '.join(LOG_LEVELS)}, got {level!r}")
     logging.getLogger().setLevel(level.upper())
     logging.getLogger("engine").setLevel(level.upper())
-    set_actors_level = getattr(llm, "set_log_level", None)  # actors follow when the engine can
-    if callable(set_actors_level):
-        result = set_actors_level(level)
-        if inspect.isawaitable(result):
-            await result
+    for _, served in state.models.loaded():  # every loaded model's actors follow
+        served.llm.set_log_level(level)
     return {"log_level": level}

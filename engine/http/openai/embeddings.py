@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import time
+from collections.abc import Sequence
 from typing import Literal
 
 import msgspec
@@ -32,6 +33,7 @@ from engine.library.embeddings import embed
 from engine.messages.vectors import float32_bytes
 from engine.request.embeddings import pooling_for
 from engine.request.outputs import EmbeddingRequestOutput, EngineError
+from engine.request.prompts import Prompt
 
 JSON = "application/json"
 ENDPOINT = "embeddings"
@@ -90,25 +92,17 @@ async def _serve(request: Request, state: ServerState, steps: HttpSteps) -> Resp
     req = decode_request(_DECODER, body)
     model = check_model(req.model, state.served_names)
     inputs = prompts_of(req.input, "input")
-    pooling = pooling_for(state.llm.policy.pooling, normalize=req.normalize)
-    request_id = f"embd-{time.time_ns():x}"
-    runs = [
-        embed(state.llm, prompt, pooling, f"{request_id}-{index}", state.adapter_of(model))
-        for index, prompt in enumerate(inputs)
-    ]
-    try:
-        outputs = await steps.until_disconnect(request, asyncio.gather(*runs))
-    except EngineError as e:  # the engine's refusal of an input (a 4xx) or its failure
-        raise ApiError(e.status, e.message, param="input" if e.status < 500 else None) from None
+    metrics = state.metrics.for_model(state.base_of(model))
+    outputs = await steps.until_disconnect(request, embed_all(state, model, inputs, req.normalize))
     if outputs is None:  # the client left; gather's cancellation aborted its requests
-        state.metrics.count_request(ENDPOINT, "aborted")
+        metrics.count_request(ENDPOINT, "aborted")
         return Response(status_code=499)
     _check_dimensions(req.dimensions, outputs)
-    state.metrics.count_request(ENDPOINT, "success")
+    metrics.count_request(ENDPOINT, "success")
     prompt_tokens = sum(len(output.prompt_token_ids) for output in outputs)
-    state.metrics.add_prompt_tokens(prompt_tokens)
+    metrics.add_prompt_tokens(prompt_tokens)
     response = EmbeddingResponse(
-        id=request_id,
+        id=f"embd-{time.time_ns():x}",
         data=[
             EmbeddingData(index=index, embedding=_encoded(output, req.encoding_format))
             for index, output in enumerate(outputs)
@@ -118,6 +112,34 @@ async def _serve(request: Request, state: ServerState, steps: HttpSteps) -> Resp
         created=int(time.time()),
     )
     return Response(msgspec.json.encode(response), media_type=JSON)
+
+
+async def embed_all(
+    state: ServerState,
+    model: str,
+    inputs: Sequence[Prompt],
+    normalize: bool | None = None,
+    keep_alive: float | None = None,
+) -> list[EmbeddingRequestOutput]:
+    """One embedding per input, on the model `model` names (loaded if need be); EngineError
+    as ApiError (a refused input names `input`)."""
+    try:
+        lease = await state.acquire(model, keep_alive)
+    except EngineError as e:
+        raise ApiError(e.status, e.message, param="model" if e.status == 404 else None) from None
+    served = lease.engine
+    try:
+        pooling = pooling_for(served.llm.policy.pooling, normalize=normalize)
+        request_id = f"embd-{time.time_ns():x}"
+        runs = [
+            embed(served.llm, prompt, pooling, f"{request_id}-{index}", served.adapter_of(model))
+            for index, prompt in enumerate(inputs)
+        ]
+        return list(await asyncio.gather(*runs))
+    except EngineError as e:  # the engine's refusal of an input (a 4xx) or its failure
+        raise ApiError(e.status, e.message, param="input" if e.status < 500 else None) from None
+    finally:
+        lease.release()
 
 
 def _check_dimensions(asked: int | None, outputs: list[EmbeddingRequestOutput]) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Protocol
 
-from engine.http.metrics import ServerMetrics
+from engine.http.metrics import ModelMetrics
 from engine.http.openai.bodies import ChoiceState
 from engine.http.openai.parsing import OpenAIRequest
 from engine.http.openai.protocol import Usage
@@ -31,7 +31,7 @@ class FinishedRun(Protocol):
     def choices(self) -> list[ChoiceState]: ...
 
 
-def observe_finished(metrics: ServerMetrics, run: FinishedRun, now: float, usage: Usage) -> None:
+def observe_finished(metrics: ModelMetrics, run: FinishedRun, now: float, usage: Usage) -> None:
     """The per-request histograms of a request that was served (not refused)."""
     model = metrics.model_name
     generated = usage.completion_tokens

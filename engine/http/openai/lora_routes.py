@@ -24,6 +24,7 @@ from engine.http.openai.errors import ApiError
 from engine.http.openai.protocol import ModelCard
 from engine.http.state import ServerState
 from engine.lora.registry import AdapterForbidden, AdapterRegistry
+from engine.request.outputs import EngineError
 
 
 class LoadLoRAAdapterRequest(msgspec.Struct, kw_only=True):
@@ -84,24 +85,32 @@ def lora_routes(
 
 
 def _registry(state: ServerState) -> AdapterRegistry:
-    if state.llm.adapters is None:
+    """The default model's adapters (vLLM's routes name no base model)."""
+    try:
+        adapters = state.primary().llm.adapters
+    except EngineError as e:
+        raise ApiError(e.status, e.message) from None
+    if adapters is None:
         raise ApiError(400, "LoRA adapters are not enabled: start the server with --enable-lora")
-    return state.llm.adapters
+    return adapters
 
 
 def adapter_cards(state: ServerState) -> list[ModelCard]:
-    """/v1/models' entries for the adapters, as vLLM lists them: root = the adapter's path,
-    parent = its --lora-modules base_model_name, else the base model's served name."""
-    adapters = state.llm.adapters
-    if adapters is None:
-        return []
-    return [
-        ModelCard(
-            id=lora.lora_name,
-            created=state.started_at,
-            max_model_len=state.max_model_len,
-            root=lora.lora_path,
-            parent=adapters.parents.get(lora.lora_name, state.model_name),
-        )
-        for lora in adapters.adapters.values()
-    ]
+    """/v1/models' entries for the loaded models' adapters, as vLLM lists them: root = the
+    adapter's path, parent = its --lora-modules base_model_name, else its model's name."""
+    cards = []
+    for name, served in state.models.loaded():
+        adapters = served.llm.adapters
+        if adapters is None:
+            continue
+        cards += [
+            ModelCard(
+                id=lora.lora_name,
+                created=state.started_at,
+                max_model_len=served.max_model_len,
+                root=lora.lora_path,
+                parent=adapters.parents.get(lora.lora_name, name),
+            )
+            for lora in adapters.adapters.values()
+        ]
+    return cards

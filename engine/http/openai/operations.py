@@ -52,10 +52,11 @@ async def abort_request(state: ServerState, request_id: str) -> bool:
     """Abort an API request by the id its response carries in X-Request-Id (every engine
     request of it), or an engine request by its own id; False if none is in flight."""
     run = state.runs.get(request_id)
+    engines = [served.llm for _, served in state.models.loaded()]
     if run is None:
-        return await state.llm.abort(request_id)
+        return any([await llm.abort(request_id) for llm in engines])
     engine_ids = [request.request_id for request in run.api.requests]
-    aborted = [await state.llm.abort(engine_id) for engine_id in engine_ids if engine_id]
+    aborted = [await llm.abort(eid) for eid in engine_ids if eid for llm in engines]
     return any(aborted)
 
 

@@ -336,14 +336,28 @@ class CompletionChunk(msgspec.Struct, kw_only=True):
     object: str = "text_completion"
 
 
+class ModelStatus(msgspec.Struct, kw_only=True):
+    """A catalogue model's state, as llama-server's router shows it (`value`), and ours."""
+
+    value: str  # loaded | loading | unloading | unloaded | failed
+    in_flight: int = 0
+    memory_bytes: int = 0
+    loads: int = 0
+    last_load_seconds: float = 0.0
+    expires_in: float | None = None  # seconds until keep_alive unloads it; None: not armed
+    error: str | None = None
+
+
 class ModelCard(msgspec.Struct, kw_only=True):
     id: str
     created: int
-    max_model_len: int
+    max_model_len: int | None  # None: not known until the model is loaded
     object: str = "model"
     owned_by: str = "engine"
-    root: str | None = None  # a LoRA adapter's path
+    root: str | None = None  # a LoRA adapter's path; a catalogue model's file or directory
     parent: str | None = None  # a LoRA adapter's base model (its served name)
+    aliases: list[str] | None = None  # other names of a catalogue model
+    status: ModelStatus | None = None
 
 
 class ModelList(msgspec.Struct, kw_only=True):

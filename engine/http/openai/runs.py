@@ -27,6 +27,7 @@ from engine.request.outputs import EngineError, RequestOutput
 from engine.testing.http_faults import HttpFaults
 
 if TYPE_CHECKING:
+    from engine.http.served import ModelLease, ServedModel
     from engine.http.state import ServerState
 
 log = logging.getLogger("engine.requests")
@@ -100,6 +101,10 @@ class RequestRun:
         self.key = api.client_request_id or api.request_id  # X-Request-Id, /abort
         self.trace_headers: dict[str, str] | None = None  # W3C trace context its spans continue
         state.runs[self.key] = self
+        # The model it runs on: leased (loaded if need be) when it opens, released at its end.
+        self.metrics = state.metrics.for_model(state.base_of(api.model))
+        self.keep_alive: float | None = None  # the request's own; None: the model's default
+        self._lease: ModelLease | None = None
         self.outcome = "aborted"
         self.status = 200  # the HTTP status answered; an engine refusal's otherwise
         self._counted = False
@@ -114,12 +119,13 @@ class RequestRun:
     async def open(self) -> list[tuple[int, RequestOutput]]:
         """Submit every prompt and wait for each one's first output (or its refusal)."""
         p = self.api
-        lora = self.state.adapter_of(p.model)
+        served = await self._lease_model()
+        lora = served.adapter_of(p.model)
         for request in p.requests:
             request.trace_headers = self.trace_headers
             if lora is not None:
                 request.params = msgspec.structs.replace(request.params, lora_request=lora)
-            self._streams.append(aiter(self.state.llm.submit(request)))
+            self._streams.append(aiter(served.llm.submit(request)))
         results = await asyncio.gather(
             *(anext(stream) for stream in self._streams), return_exceptions=True
         )
@@ -147,9 +153,21 @@ class RequestRun:
         if p.echo:
             for i, first in firsts:
                 text = p.requests[i].prompt
-                echoed = await self.state.tokens.echo(text, first.prompt_token_ids)
+                assert served.tokens is not None
+                echoed = await served.tokens.echo(text, first.prompt_token_ids)
                 self.builder.echoed[i] = echoed
         return firsts
+
+    async def _lease_model(self) -> ServedModel:
+        """The request's model, loaded if need be: its loading is part of the wait for the
+        first token. A model that cannot be had is the request's refusal."""
+        try:
+            self._lease = await self.state.acquire(self.api.model, self.keep_alive)
+        except EngineError as e:
+            self.status, self.outcome = e.status, outcome_of(e.status)
+            self.finish()
+            raise api_error_from(e) from None
+        return self._lease.engine
 
     # ------------------------------------------------------------ relaying
 
@@ -196,7 +214,7 @@ class RequestRun:
 
     def _observe(self, i: int, out: RequestOutput) -> None:
         now = time.monotonic()
-        metrics = self.state.metrics
+        metrics = self.metrics
         model = metrics.model_name
         if out.scheduling is not None:
             self.scheduling.setdefault(i, out.scheduling)
@@ -310,8 +328,10 @@ class RequestRun:
             task.add_done_callback(_BACKGROUND.discard)
 
     async def _abort(self, engine_request_id: str, stream: AsyncIterator[RequestOutput]) -> None:
-        with contextlib.suppress(Exception):
-            await self.state.llm.abort(engine_request_id)
+        lease = self._lease
+        if lease is not None:
+            with contextlib.suppress(Exception):
+                await lease.engine.llm.abort(engine_request_id)
         aclose = getattr(stream, "aclose", None)
         if aclose is not None:
             with contextlib.suppress(Exception):
@@ -325,7 +345,7 @@ class RequestRun:
         if self.state.runs.get(self.key) is self:
             del self.state.runs[self.key]
         now = time.monotonic()
-        metrics = self.state.metrics
+        metrics = self.metrics
         metrics.count_request(self.endpoint, self.outcome)
         usage = self.builder.usage()
         metrics.add_prompt_tokens(usage.prompt_tokens)
@@ -334,6 +354,8 @@ class RequestRun:
         server = self.state.settings.server
         if server.enable_log_requests:
             log_request(self, now, usage, server.max_log_len)
+        if self._lease is not None:
+            self._lease.release()
         if self.recording is not None and self.state.trace is not None:
             first = self.first_token_at
             self.state.trace.submit(

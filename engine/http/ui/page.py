@@ -22,8 +22,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from engine.http.model_routes import model_cards
 from engine.http.openai.errors import ApiError
+from engine.http.openai.protocol import ModelCard
+from engine.http.served import pool_health
 from engine.http.state import ServerState
+from engine.messages.admin import ActorRow
 
 AuthCheck = Callable[[Request, ServerState], None]
 
@@ -89,28 +93,57 @@ def chat_page_routes(state: ServerState, check_auth: AuthCheck) -> list[Route]:
 
 
 def live_figures(state: ServerState) -> dict[str, Any]:
-    """What the live panel shows: the engine's health, load and actors."""
-    llm = state.llm
-    health = llm.health()
-    stats = llm.stats()
-    actors = [
-        {"name": row.name, "state": row.state, "pid": row.pid, "restarts": row.restarts}
-        for row in llm.actors()
-    ]
+    """What the live panel shows: the server's health; the loaded models' load summed (KV use:
+    the default model's); every loaded model's actors; and each model's state, memory and
+    actors (`models`), for the page's model picker."""
+    health = pool_health(state.models)
+    loaded = state.models.loaded()
+    figures = [(name, served.llm.stats(), served.llm.actors()) for name, served in loaded]
+    several = len(state.models.slots) > 1
+    main = next((stats for name, stats, _ in figures if name == state.model_name), None)
     return {
         "model": state.model_name,
         "ready": health.ready,
         "not_ready": health.not_ready,
         "failure": health.reason,
         "draining": state.draining,
-        "in_flight": stats.in_flight,
-        "running": stats.num_running,
-        "waiting": stats.num_waiting,
-        "kv_usage": stats.kv_usage,
-        "kv_cache_blocks": stats.kv_cache_blocks,
-        "resubmitted_requests": stats.resubmitted_requests,
-        "restarts": sum(stats.restarts.values()),
-        "actors": actors,
+        "in_flight": sum(stats.in_flight for _, stats, _ in figures),
+        "running": sum(stats.num_running for _, stats, _ in figures),
+        "waiting": sum(stats.num_waiting for _, stats, _ in figures),
+        "kv_usage": main.kv_usage if main is not None else 0.0,
+        "kv_cache_blocks": main.kv_cache_blocks if main is not None else 0,
+        "resubmitted_requests": sum(stats.resubmitted_requests for _, stats, _ in figures),
+        "restarts": sum(sum(stats.restarts.values()) for _, stats, _ in figures),
+        "actors": [
+            _actor(row, f"{name}/" if several else "") for name, _, rows in figures for row in rows
+        ],
+        "models": [_model(state, card) for card in model_cards(state)],
+    }
+
+
+def _actor(row: ActorRow, prefix: str = "") -> dict[str, Any]:
+    return {
+        "name": prefix + row.name,
+        "state": row.state,
+        "pid": row.pid,
+        "restarts": row.restarts,
+    }
+
+
+def _model(state: ServerState, card: ModelCard) -> dict[str, Any]:
+    """One model as the picker shows it: its names, state, memory and actors."""
+    slot = state.models.slots[card.id]
+    status = card.status
+    actors = slot.engine.llm.actors() if slot.engine is not None and slot.state == "loaded" else []
+    return {
+        "name": card.id,
+        "aliases": card.aliases or [],
+        "state": status.value if status is not None else "unloaded",
+        "memory_bytes": slot.memory,
+        "in_flight": slot.in_flight,
+        "last_load_seconds": slot.last_load_seconds,
+        "error": slot.error,
+        "actors": [_actor(row) for row in actors],
     }
 
 

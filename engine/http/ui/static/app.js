@@ -17,7 +17,11 @@
   }
 
   function statsLine(reply) {
-    if (reply.state === "streaming" && reply.ttft_ms === undefined) return "…";
+    if (reply.state === "streaming" && reply.ttft_ms === undefined) {
+      // The load indicator: a model not loaded yet is loaded before its first token.
+      const state = window.chatModels.modelState(modelName);
+      return state === "loaded" ? "…" : `loading ${modelName}…`;
+    }
     const parts = [reply.model || modelName];
     if (reply.ttft_ms !== undefined && reply.ttft_ms !== null) {
       parts.push(`TTFT ${Math.round(reply.ttft_ms)} ms`);
@@ -307,8 +311,10 @@
     for (;;) {
       try {
         const models = await api.getJson("v1/models", store.apiKey());
-        modelName = models.data[0].id;
+        modelName = store.settings.model || models.data[0].id;
+        if (!models.data.some((card) => card.id === modelName)) modelName = models.data[0].id;
         $("model-name").textContent = modelName;
+        window.chatModels.showModelCards(models.data, modelName);
         return;
       } catch (e) {
         if (e.status !== 401) {
@@ -361,6 +367,12 @@
 
   function bind() {
     $("composer").addEventListener("submit", submitPrompt);
+    $("model-picker").addEventListener("change", (event) => {
+      modelName = event.target.value;
+      store.saveSettings({ ...store.settings, model: modelName });
+      $("model-name").textContent = modelName;
+      renderChat();
+    });
     $("prompt").addEventListener("keydown", (event) => {
       if (event.key === "Enter" && !event.shiftKey && !event.isComposing) submitPrompt(event);
     });

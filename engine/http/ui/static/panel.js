@@ -45,6 +45,9 @@
     $("live-restarts").textContent = figures.restarts +
       (figures.resubmitted_requests ? ` (${figures.resubmitted_requests} resubmitted)` : "");
     showActors(figures.actors);
+    if (figures.models && window.chatModels) {
+      window.chatModels.showModelStates(figures.models, $("model-picker").value || figures.model);
+    }
   }
 
   function startLivePanel(apiKey) {

@@ -1,0 +1,1 @@
+"""Ollama's API (routes.py), run on the engine's models as the OpenAI API is."""

@@ -1,0 +1,177 @@
+"""Many models in one server (issue 48): what loading on demand costs, and what routing costs.
+
+1. Time to first token of a request to a model that is not loaded, served from a --models-dir:
+   with its files cold (dropped from the page cache with posix_fadvise, the GGUF file and what
+   the engine derived from it under $ENGINE_HOME/gguf/) and warm (unloaded a moment ago), beside
+   llama-server's time from its start to the first token of the same request on the same file
+   (where $ENGINE_HOME/peers holds it: tools/peers/llamacpp_peer.py builds it).
+2. The routing layer's cost on a loaded model's throughput: the model served alone (--model)
+   and the same model served from a catalogue with two more models loaded and idle, closed-loop
+   streams of greedy completions against each in alternating rounds; output tokens/s and the
+   ratio.
+
+    .venv/bin/python tools/bench/model_load.py [--model FILE.gguf] [--rounds 3] [--streams 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+from engine.client.servers import engine_running
+from engine.launch.model_source import default_model_file
+from engine.settings.home import default_engine_home
+from tools.peers.llamacpp_peer import llama_server
+
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+ARGS = ["--host", "127.0.0.1", "--port", "0", "--disable-log-stats"]
+
+
+def first_token_seconds(url: str, model: str, max_tokens: int = 1) -> float:
+    """Seconds from sending a streamed completion to its first token's event."""
+    body = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0}
+    began = time.perf_counter()
+    streamed = body | {"stream": True}
+    with (
+        httpx.Client(base_url=url, timeout=900) as http,
+        http.stream("POST", "/v1/completions", json=streamed) as reply,
+    ):
+        reply.raise_for_status()
+        for line in reply.iter_lines():
+            if line.startswith("data: {"):
+                return time.perf_counter() - began
+    raise RuntimeError("no token came")
+
+
+def drop_from_page_cache(paths: list[Path]) -> None:
+    """Evict these files' pages (only theirs: other users' caches stay)."""
+    for path in paths:
+        files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+        for file in files:
+            fd = os.open(file, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def load_times(model: Path, rounds: int, logs: Path) -> dict[str, list[float]]:
+    directory = Path(tempfile.mkdtemp(prefix="models-", dir=logs))
+    (directory / model.name).symlink_to(model)
+    name = model.stem
+    derived = default_engine_home() / "gguf"
+    found: dict[str, list[float]] = {"cold": [], "warm": []}
+    args = ["serve", "--models-dir", str(directory), *ARGS]
+    with engine_running(args, logs / "catalogue.log") as server:
+        for _ in range(rounds):
+            for kind in ("cold", "warm"):
+                if kind == "cold":
+                    drop_from_page_cache([model, derived])
+                found[kind].append(first_token_seconds(server.url, name))
+                httpx.post(f"{server.url}/models/unload", json={"model": name}, timeout=300)
+    return found
+
+
+def llama_server_times(model: Path, rounds: int, logs: Path) -> list[float]:
+    """llama-server from its start to the first token of the same request."""
+    times = []
+    for _ in range(rounds):
+        drop_from_page_cache([model])
+        began = time.perf_counter()
+        with llama_server(model, 1, 4096, logs) as url:
+            ready = time.perf_counter() - began
+            times.append(ready + first_token_seconds(url, model.stem))
+    return times
+
+
+def tokens_per_second(url: str, model: str, streams: int, seconds: float) -> float:
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 64, "temperature": 0}
+    body["ignore_eos"] = True
+    deadline = time.perf_counter() + seconds
+
+    def loop() -> int:
+        done = 0
+        with httpx.Client(base_url=url, timeout=300) as http:
+            while time.perf_counter() < deadline:
+                reply = http.post("/v1/completions", json=body)
+                done += reply.json()["usage"]["completion_tokens"]
+        return done
+
+    began = time.perf_counter()
+    with ThreadPoolExecutor(streams) as pool:
+        total = sum(pool.map(lambda _: loop(), range(streams)))
+    return total / (time.perf_counter() - began)
+
+
+@contextlib.contextmanager
+def catalogue_with_others(model: Path, logs: Path) -> Iterator[str]:
+    """`model` in a models directory beside two more models, all three loaded."""
+    directory = Path(tempfile.mkdtemp(prefix="routed-", dir=logs))
+    for name in ("target", "other-a", "other-b"):
+        (directory / f"{name}.gguf").symlink_to(model)
+    args = ["serve", "--models-dir", str(directory), "--keep-alive", "-1", *ARGS]
+    with engine_running(args, logs / "routed.log") as server:
+        for name in ("target", "other-a", "other-b"):
+            httpx.post(f"{server.url}/models/load", json={"model": name}, timeout=600)
+        yield server.url
+
+
+def routing_cost(model: Path, rounds: int, streams: int, seconds: float, logs: Path) -> None:
+    alone_args = ["serve", "--model", str(model), "--served-model-name", "target", *ARGS]
+    alone_rates, routed_rates = [], []
+    with (
+        engine_running(alone_args, logs / "alone.log") as alone,
+        catalogue_with_others(model, logs) as routed,
+    ):
+        for url in (alone.url, routed):  # warm both up
+            tokens_per_second(url, "target", streams, 3.0)
+        for _ in range(rounds):
+            alone_rates.append(tokens_per_second(alone.url, "target", streams, seconds))
+            routed_rates.append(tokens_per_second(routed, "target", streams, seconds))
+    ratios = [r / a for a, r in zip(alone_rates, routed_rates, strict=True)]
+    print(f"output tokens/s, {streams} streams, alternating rounds:")
+    print(f"  alone:   {', '.join(f'{x:.1f}' for x in alone_rates)}")
+    print(f"  routed:  {', '.join(f'{x:.1f}' for x in routed_rates)} (2 more models loaded)")
+    print(f"  routed / alone per round: {', '.join(f'{x:.3f}' for x in ratios)}; "
+          f"median {statistics.median(ratios):.3f}")  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, default=None, help="a .gguf file (default model)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--streams", type=int, default=4)
+    parser.add_argument("--seconds", type=float, default=15.0)
+    parser.add_argument("--skip-routing", action="store_true")
+    args = parser.parse_args()
+    model = (args.model or default_model_file()).resolve()
+    logs = Path(tempfile.mkdtemp(prefix="model-load-"))
+    print(f"load: {os.getloadavg()[0]:.1f}; model {model.name}")
+    times = load_times(model, args.rounds, logs)
+    for kind, found in times.items():
+        print(f"engine TTFT, model not loaded, {kind} files: "
+              f"{', '.join(f'{t:.2f}' for t in found)} s")  # fmt: skip
+    try:
+        peer = llama_server_times(model, args.rounds, logs)
+        print(
+            f"llama-server start to first token, cold file: {', '.join(f'{t:.2f}' for t in peer)} s"
+        )
+    except (SystemExit, FileNotFoundError) as e:
+        print(f"llama-server: not measured ({e}; tools/peers/llamacpp_peer.py builds it)")
+    if not args.skip_routing:
+        routing_cost(model, args.rounds, args.streams, args.seconds, logs)
+    shutil.rmtree(logs, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
