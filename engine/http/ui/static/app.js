@@ -278,7 +278,7 @@
   function saveSettings(event) {
     event.preventDefault();
     try {
-      store.saveSettings(readSettings());
+      store.saveSettings({ ...readSettings(), model: store.settings.model });
       $("settings").close();
     } catch (e) {
       $("settings-error").textContent = e.message;
