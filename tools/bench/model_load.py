@@ -28,10 +28,11 @@ from pathlib import Path
 
 import httpx
 
-from engine.client.servers import engine_running
+from engine.client.process import free_port
+from engine.client.servers import engine_running, http_server
 from engine.launch.model_source import default_model_file
 from engine.settings.home import default_engine_home
-from tools.peers.llamacpp_peer import llama_server
+from tools.peers.llamacpp_peer import THREADS, peer_directory, peer_environment
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 ARGS = ["--host", "127.0.0.1", "--port", "0", "--disable-log-stats"]
@@ -82,16 +83,30 @@ def load_times(model: Path, rounds: int, logs: Path) -> dict[str, list[float]]:
     return found
 
 
-def llama_server_times(model: Path, rounds: int, logs: Path) -> list[float]:
-    """llama-server from its start to the first token of the same request."""
+def llama_server_times(model: Path, binary: Path, rounds: int, logs: Path) -> list[float]:
+    """llama-server from its start (file cold) to the first token of the same request."""
     times = []
     for _ in range(rounds):
         drop_from_page_cache([model])
         began = time.perf_counter()
-        with llama_server(model, 1, 4096, logs) as url:
-            ready = time.perf_counter() - began
-            times.append(ready + first_token_seconds(url, model.stem))
+        port = free_port()
+        cmd = [str(binary), "-m", str(model), "-t", str(THREADS), "-np", "1", "-c", "4096"]
+        cmd += ["--host", "127.0.0.1", "--port", str(port)]
+        log = logs / "llama-server.log"
+        with http_server(cmd, "llama-server", log, "/health", 300.0, peer_environment(), 30.0):
+            first_token_seconds(f"http://127.0.0.1:{port}", model.stem)
+            times.append(time.perf_counter() - began)  # the start, the load, the first token
     return times
+
+
+def llama_server_binary(given: Path | None) -> Path | None:
+    """--llama-server, else the peer's build if it is there (never built here: minutes)."""
+    if given is not None:
+        return given
+    for directory in (peer_directory(), peer_directory().with_name("llama.cpp-0.3.36")):
+        if (directory / "bin" / "llama-server").is_file():
+            return directory / "bin" / "llama-server"
+    return None
 
 
 def tokens_per_second(url: str, model: str, streams: int, seconds: float) -> float:
@@ -153,6 +168,7 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=4)
     parser.add_argument("--seconds", type=float, default=15.0)
     parser.add_argument("--skip-routing", action="store_true")
+    parser.add_argument("--llama-server", type=Path, default=None, help="its binary")
     args = parser.parse_args()
     model = (args.model or default_model_file()).resolve()
     logs = Path(tempfile.mkdtemp(prefix="model-load-"))
@@ -161,13 +177,13 @@ def main() -> None:
     for kind, found in times.items():
         print(f"engine TTFT, model not loaded, {kind} files: "
               f"{', '.join(f'{t:.2f}' for t in found)} s")  # fmt: skip
-    try:
-        peer = llama_server_times(model, args.rounds, logs)
-        print(
-            f"llama-server start to first token, cold file: {', '.join(f'{t:.2f}' for t in peer)} s"
-        )
-    except (SystemExit, FileNotFoundError) as e:
-        print(f"llama-server: not measured ({e}; tools/peers/llamacpp_peer.py builds it)")
+    binary = llama_server_binary(args.llama_server)
+    if binary is None:
+        print("llama-server: not measured (tools/peers/llamacpp_peer.py builds it)")
+    else:
+        peer = llama_server_times(model, binary, args.rounds, logs)
+        shown = ", ".join(f"{t:.2f}" for t in peer)
+        print(f"llama-server ({binary}) start to first token, cold file: {shown} s")
     if not args.skip_routing:
         routing_cost(model, args.rounds, args.streams, args.seconds, logs)
     shutil.rmtree(logs, ignore_errors=True)
