@@ -20,6 +20,7 @@ import contextlib
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -28,8 +29,12 @@ from pathlib import Path
 
 import httpx
 
+if __package__ in (None, ""):  # run as a script: make `engine` and `tools` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+
 from engine.client.process import free_port
-from engine.client.servers import engine_running, http_server
+from engine.client.servers import ServerFailed, engine_running, http_server
 from engine.launch.model_source import default_model_file
 from engine.settings.home import default_engine_home
 from tools.peers.llamacpp_peer import THREADS, peer_directory, peer_environment
@@ -168,22 +173,27 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=4)
     parser.add_argument("--seconds", type=float, default=15.0)
     parser.add_argument("--skip-routing", action="store_true")
+    parser.add_argument("--skip-load", action="store_true")
     parser.add_argument("--llama-server", type=Path, default=None, help="its binary")
     args = parser.parse_args()
     model = (args.model or default_model_file()).resolve()
     logs = Path(tempfile.mkdtemp(prefix="model-load-"))
     print(f"load: {os.getloadavg()[0]:.1f}; model {model.name}")
-    times = load_times(model, args.rounds, logs)
+    times = {} if args.skip_load else load_times(model, args.rounds, logs)
     for kind, found in times.items():
         print(f"engine TTFT, model not loaded, {kind} files: "
               f"{', '.join(f'{t:.2f}' for t in found)} s")  # fmt: skip
     binary = llama_server_binary(args.llama_server)
     if binary is None:
         print("llama-server: not measured (tools/peers/llamacpp_peer.py builds it)")
-    else:
-        peer = llama_server_times(model, binary, args.rounds, logs)
-        shown = ", ".join(f"{t:.2f}" for t in peer)
-        print(f"llama-server ({binary}) start to first token, cold file: {shown} s")
+    elif not args.skip_load:
+        try:
+            peer = llama_server_times(model, binary, args.rounds, logs)
+        except ServerFailed as e:
+            print(f"llama-server: not measured: {e}")
+        else:
+            shown = ", ".join(f"{t:.2f}" for t in peer)
+            print(f"llama-server ({binary}) start to first token, cold file: {shown} s")
     if not args.skip_routing:
         routing_cost(model, args.rounds, args.streams, args.seconds, logs)
     shutil.rmtree(logs, ignore_errors=True)
