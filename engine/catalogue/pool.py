@@ -151,7 +151,7 @@ class ModelPool(Generic[M]):
         """Load the models marked for loading at start; then watch expiries and failures."""
         for slot in self.slots.values():
             if slot.entry.preload:
-                await self._load(slot, keep_alive=math.inf)
+                await self._load(slot, keep_alive=math.inf, at_start=True)
                 if slot.cause is not None:
                     raise slot.cause  # as a one-model server's start always said it
         self._watcher = asyncio.get_running_loop().create_task(self._watch(), name="models")
@@ -265,7 +265,9 @@ class ModelPool(Generic[M]):
             task.add_done_callback(self._tasks.discard)
         return task
 
-    async def _load(self, slot: Slot[M], keep_alive: float | None) -> None:
+    async def _load(self, slot: Slot[M], keep_alive: float | None, at_start: bool = False) -> None:
+        """Load `slot`'s model; a failure is the slot's state. `at_start`: the failure stops the
+        start, which says why in its one line, so it is not logged here as well."""
         async with self._load_lock:
             if slot.state == "loaded":
                 return
@@ -280,7 +282,8 @@ class ModelPool(Generic[M]):
                 await self._discard(slot)
                 raise
             except Exception as e:  # the model's own failure: it alone is failed
-                log.warning("model %s failed to load: %s", slot.name, e)
+                if not at_start:
+                    log.warning("model %s failed to load: %s", slot.name, e)
                 await self._discard(slot)
                 slot.state, slot.error, slot.cause = "failed", f"failed to load: {e}", e
                 await self._notify()

@@ -43,7 +43,7 @@ _MODEL_ONLY = msgspec.json.Decoder(_ModelOnly)
 def model_routes(state: ServerState, steps: HttpSteps) -> list[Route]:
     async def models(request: Request) -> Response:
         steps.check_auth(request, state)
-        cards = model_cards(state) + adapter_cards(state)
+        cards = [*listed_cards(state), *adapter_cards(state)]
         return Response(encode(ModelList(data=cards)), media_type=JSON)
 
     async def load(request: Request) -> Response:
@@ -80,6 +80,17 @@ async def _act(
 
 def model_cards(state: ServerState) -> list[ModelCard]:
     return [card_of(state, slot) for slot in state.models.slots.values()]
+
+
+def listed_cards(state: ServerState) -> list[ModelCard]:
+    """/v1/models' entries: a card for every name a request may use, as vLLM lists each
+    --served-model-name (a client picks its model from this list); an alias's card is its
+    model's, under the alias."""
+    cards = []
+    for card in model_cards(state):
+        cards.append(card)
+        cards += [msgspec.structs.replace(card, id=alias) for alias in card.aliases or ()]
+    return cards
 
 
 def card_of(state: ServerState, slot: Slot[ServedModel]) -> ModelCard:

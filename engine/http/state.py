@@ -47,8 +47,9 @@ class ServerState:
 
     def base_of(self, model: str) -> str:
         """The catalogue model a request's model name runs on (an adapter: its base's)."""
-        if self.models.canonical(model) is not None:
-            return model
+        canonical = self.models.canonical(model)
+        if canonical is not None:
+            return canonical  # an alias's metrics and lease are its model's
         for name, served in self.models.loaded():
             if model in served.names:
                 return name

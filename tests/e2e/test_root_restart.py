@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.conftest import server_args
+from tests.e2e.conftest import server_args, without_api_key
 from tests.e2e.harness import (
     API_KEY,
     REPO,
@@ -141,7 +141,7 @@ def test_a_root_killed_mid_stream_is_restarted_and_a_retry_with_its_id_is_answer
         systemd.next_message("WATCHDOG")
         assert pidfile.read_text().strip() == str(first.pid)
         refused = subprocess.run(
-            [sys.executable, "-m", "engine", *args], cwd=REPO,
+            [sys.executable, "-m", "engine", *without_api_key(args)], cwd=REPO,
             capture_output=True, text=True, timeout=60,
         )  # fmt: skip
         assert refused.returncode == 1

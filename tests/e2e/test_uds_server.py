@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.e2e.conftest import server_args
+from tests.e2e.conftest import server_args, without_api_key
 from tests.e2e.harness import API_KEY, REPO, start_server
 
 
@@ -54,7 +54,9 @@ def test_a_file_or_directory_at_the_socket_path_is_refused_not_removed(
     directory = tmp_path / "dir.sock"
     directory.mkdir()
     for path in (regular, directory):
-        args = server_args(model_args, tmp_path / "admin.sock", "--uds", str(path))
+        args = without_api_key(
+            server_args(model_args, tmp_path / "admin.sock", "--uds", str(path))
+        )
         refused = subprocess.run(
             [sys.executable, "-m", "engine", *args],
             cwd=REPO,

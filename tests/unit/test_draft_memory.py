@@ -26,6 +26,7 @@ from engine.model.config import load_model_config
 from engine.model.runner import ModelRunner
 from engine.model.speculation.drafter import Drafter
 from engine.model.step_inputs import SeqChunk
+from engine.runtime.shm import run_directory
 from tests.checkpoints import hf_model, tiny_checkpoint
 
 MIB = 2**20
@@ -116,7 +117,7 @@ def test_a_restarted_worker_maps_the_drafts_weights_without_its_checkpoint(
         max_model_len=runner.config.max_model_len,
         draft_model_path=str(copy),
     )
-    first = _drafter(config, runner)
+    first = _drafter(config, runner, run_directory())
     slot = first.runner.weight_slot
     assert slot is not None and os.path.exists(slot.path)
     chunk = SeqChunk(
@@ -125,7 +126,7 @@ def test_a_restarted_worker_maps_the_drafts_weights_without_its_checkpoint(
     try:
         expected = first.runner.forward([chunk])
         (copy / "model.safetensors").unlink()  # a restart that read it would fail
-        restarted = _drafter(config, runner)
+        restarted = _drafter(config, runner, run_directory())
         assert restarted.runner.weight_slot.path == slot.path
         assert torch.equal(restarted.runner.forward([chunk]), expected)
     finally:
