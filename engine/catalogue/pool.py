@@ -311,7 +311,8 @@ class ModelPool(Generic[M]):
         count and the budget; wait for busy ones to become idle when only they are left. The
         room the budget leaves, for the new model's KV cache (None: no budget)."""
         budget = self.limits.memory_budget
-        needed = self._estimate(slot.entry) if budget is not None else 0
+        # Off the event loop (it plans the model): the loaded models serve on meanwhile.
+        needed = await asyncio.to_thread(self._estimate, slot.entry) if budget is not None else 0
         if budget is not None and needed > budget:
             raise EngineError(
                 f"needs at least {needed / 2**20:.1f} MiB, more than the models' memory budget "

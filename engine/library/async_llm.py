@@ -94,12 +94,16 @@ class AsyncLLM:
 
     async def start(self) -> None:
         model = self.settings.model
-        model_path, default_name = model_directory(
-            model.path, resolve_home(self.settings), model.tokenizer
+        # A GGUF file's first start derives its config and tokenizer: off the event loop too.
+        model_path, default_name = await asyncio.to_thread(
+            model_directory, model.path, resolve_home(self.settings), model.tokenizer
         )
         self.model_path = model_path
         self._kv_params = instance_kv_params(self.settings)  # reads the KV secret, if it needs one
-        self._plan = plan_engine(self.settings, model_path, self._memory_room)
+        # Off the event loop: other models of the server serve on while this one is planned.
+        self._plan = await asyncio.to_thread(
+            plan_engine, self.settings, model_path, self._memory_room
+        )
         self.policy = RequestPolicy.load(self.settings, model_path, self._plan.max_model_len)
         require_shm_space(self._plan.replica_specs, remedy=SHM_REMEDY)  # not a SIGBUS later
         # One-launch P/D: a prefill replica's handoff goes on to a decode replica here.

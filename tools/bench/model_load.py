@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 if __package__ in (None, ""):  # run as a script: make `engine` and `tools` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -114,6 +115,23 @@ def llama_server_binary(given: Path | None) -> Path | None:
     return None
 
 
+def root_figures(url: str, model: str) -> tuple[float, float, float]:
+    """(the root process's CPU seconds, `model`'s HTTP requests, every other model's actors'
+    CPU seconds) from /metrics: the routing layer lives in the root."""
+    root = requests = others = 0.0
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=60).text):
+        for sample in family.samples:
+            labels = sample.labels
+            if sample.name == "engine:actor_cpu_seconds_total":
+                if labels["actor"] == "root" and labels["model_name"] == model:
+                    root = sample.value
+                elif labels["actor"] != "root" and labels["model_name"] != model:
+                    others += sample.value
+            elif sample.name == "engine:http_requests_total" and labels["model_name"] == model:
+                requests += sample.value
+    return root, requests, others
+
+
 def tokens_per_second(url: str, model: str, streams: int, seconds: float) -> float:
     body = {"model": model, "prompt": PROMPT, "max_tokens": 64, "temperature": 0}
     body["ignore_eos"] = True
@@ -155,9 +173,22 @@ def routing_cost(model: Path, rounds: int, streams: int, seconds: float, logs: P
     ):
         for url in (alone.url, routed):  # warm both up
             tokens_per_second(url, "target", streams, 3.0)
+        cpu: dict[str, list[float]] = {"alone": [], "routed": [], "idle models": []}
         for _ in range(rounds):
-            alone_rates.append(tokens_per_second(alone.url, "target", streams, seconds))
-            routed_rates.append(tokens_per_second(routed, "target", streams, seconds))
+            for name, url, rates in (
+                ("alone", alone.url, alone_rates),
+                ("routed", routed, routed_rates),
+            ):
+                before = root_figures(url, "target")
+                rates.append(tokens_per_second(url, "target", streams, seconds))
+                after = root_figures(url, "target")
+                cpu[name].append((after[0] - before[0]) / max(after[1] - before[1], 1.0))
+                if name == "routed":
+                    cpu["idle models"].append(after[2] - before[2])
+    print("root CPU ms per request (the routing layer's home), alternating rounds:")
+    for name in ("alone", "routed"):
+        print(f"  {name}: {', '.join(f'{1000 * x:.2f}' for x in cpu[name])}")
+    print(f"  the two idle models' actors, CPU s per round: {cpu['idle models']}")
     ratios = [r / a for a, r in zip(alone_rates, routed_rates, strict=True)]
     print(f"output tokens/s, {streams} streams, alternating rounds:")
     print(f"  alone:   {', '.join(f'{x:.1f}' for x in alone_rates)}")
