@@ -54,9 +54,7 @@ def test_a_file_or_directory_at_the_socket_path_is_refused_not_removed(
     directory = tmp_path / "dir.sock"
     directory.mkdir()
     for path in (regular, directory):
-        args = without_api_key(
-            server_args(model_args, tmp_path / "admin.sock", "--uds", str(path))
-        )
+        args = without_api_key(server_args(model_args, tmp_path / "admin.sock", "--uds", str(path)))
         refused = subprocess.run(
             [sys.executable, "-m", "engine", *args],
             cwd=REPO,
