@@ -31,6 +31,18 @@ ARCHS = {
     "qwen3-tied": {"arch": "qwen3", "tie_word_embeddings": True},  # q/k norms, tied LM head
     "llama-1kv": {"arch": "llama", "num_kv_heads": 1},  # one KV head for two ranks: replicated
     "llama-odd-vocab-bias": {"arch": "llama", "vocab_size": 511, "attention_bias": True},
+    "mistral-window": {"arch": "mistral", "extra": {"sliding_window": 7}},  # windows per head
+    "gemma2-softcaps": {  # sandwich norms on whole hidden states, capped scores and logits
+        "arch": "gemma2",
+        "tie_word_embeddings": True,
+        "head_dim": 16,
+        "extra": {
+            "sliding_window": 6,
+            "query_pre_attn_scalar": 16,
+            "attn_logit_softcapping": 5.0,
+            "final_logit_softcapping": 3.0,
+        },
+    },
 }
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [40, 41, 42], list(range(100, 137))]
 NEW_TOKENS = 8
