@@ -226,6 +226,9 @@ def _submission(submitted: GenerateRequest, token_ids: list[int]) -> SubmitReque
         resume=submitted.resume,
         kv_handoff=request.kv_handoff,
         kv_source=request.kv_source,
+        tenant=request.tenant,
+        priority=request.priority,
+        cache_salt=request.cache_salt,
     )
 
 

@@ -19,7 +19,7 @@ import msgspec
 from engine.messages.codec import Channel
 from engine.messages.kv_transfer import KvHandoff, KvSource
 from engine.messages.params import SamplingParams
-from engine.messages.scheduling import AbortRequests, SampleResume
+from engine.messages.scheduling import AbortRequests, SampleResume, TenantTag
 
 
 class ChatMessage(msgspec.Struct, array_like=True):
@@ -82,6 +82,12 @@ class EngineRequest(msgspec.Struct, array_like=True, kw_only=True):
     # /tokenize: the tokenizer only sends the prompt's ids back (PromptTokens), the model never
     # sees it; chats are rendered where any chat is, in the tokenizer actor, within its bounds.
     tokenize_only: bool = False
+    # Whom it runs for, and how (engine/tenants/): set by the server from the API key (None:
+    # the one tenant of a server without a tenants file); vLLM's `priority` (lower runs first,
+    # bounded by the tenant's ceiling) and `cache_salt`. The scheduler reads them (SubmitRequest).
+    tenant: TenantTag | None = None
+    priority: int = 0
+    cache_salt: str | None = None
 
 
 class GenerateRequest(msgspec.Struct, tag=True, array_like=True):
@@ -122,6 +128,9 @@ class RoutedRequest(msgspec.Struct, array_like=True, kw_only=True):
     defaulted_fields: msgspec.Raw = msgspec.Raw(b"\x90")  # an empty array
     field_names: msgspec.Raw = msgspec.Raw(b"\x80")  # an empty map
     tokenize_only: bool = False
+    tenant: msgspec.Raw = NIL
+    priority: int = 0
+    cache_salt: msgspec.Raw = NIL
 
 
 class RoutingView(msgspec.Struct, tag="GenerateRequest", array_like=True):

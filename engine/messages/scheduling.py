@@ -25,6 +25,16 @@ from engine.messages.params import SamplingParams
 from engine.messages.steps import SampledLogprobs
 
 
+class TenantTag(msgspec.Struct, array_like=True, frozen=True):
+    """Whom a request runs for, as the scheduler needs it (engine/tenants/): the tenant's name,
+    its weight in each step's fair share of tokens, and the prefix-cache scope its KV is keyed
+    in (tenants of one scope share cached prefixes; the tenants file says which do)."""
+
+    name: str
+    weight: float = 1.0
+    cache_scope: str = ""
+
+
 class SampleResume(msgspec.Struct, array_like=True):
     """Restart sample `index` from prompt + `delivered_token_ids` (already sent to the client)."""
 
@@ -50,6 +60,12 @@ class SubmitRequest(msgspec.Struct, tag=True, array_like=True):
     # instance where the prompt's KV lies, to pull instead of computing it.
     kv_handoff: KvHandoff = ""
     kv_source: KvSource | None = None
+    # Tenants (engine/tenants/): whom it runs for (None: the one tenant of a server without a
+    # tenants file), vLLM's `priority` (lower runs first) and `cache_salt` (cached prefixes are
+    # shared only among requests of one salt, within one tenant's scope).
+    tenant: TenantTag | None = None
+    priority: int = 0
+    cache_salt: str | None = None
 
 
 class TextParams(msgspec.Struct, array_like=True):

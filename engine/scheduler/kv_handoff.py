@@ -86,12 +86,18 @@ class KvHolds:
         self.new_transfer_id = new_transfer_id  # tests may make ids predictable
 
     def hand_off(
-        self, request_id: str, epoch: int, block_ids: list[int], prompt_token_ids: Sequence[int]
+        self,
+        request_id: str,
+        epoch: int,
+        block_ids: list[int],
+        prompt_token_ids: Sequence[int],
+        salt: bytes = b"",
     ) -> KvSource | None:
         """Hold the full prompt blocks among `block_ids` for a puller; None when this instance
         cannot serve them (a rank's kv_transfer actor has not announced itself yet). With the
         held blocks at their cap (MAX_HELD_SHARE), none are held: the puller computes the
-        prompt itself, as for a prompt shorter than a block."""
+        prompt itself, as for a prompt shorter than a block. `salt`: what the request's KV is
+        keyed by beside its tokens (the puller files the blocks under the same keys)."""
         if not self._endpoints.complete:
             return None
         block_size = self._kv.block_size
@@ -112,7 +118,8 @@ class KvHolds:
             self._blocks_held += len(held)
             self._by_attempt[attempt] = tid
             self._orders.append(HoldBlocks(tid, held, deadline))
-            prompt_key = BlockHashChain(block_size).key(prompt_token_ids, len(held) - 1).hex()
+            chain = BlockHashChain(block_size, salt)
+            prompt_key = chain.key(prompt_token_ids, len(held) - 1).hex()
         self._figures.handoffs += 1
         ranks = [self._endpoints.by_rank[rank] for rank in range(self._endpoints.num_ranks)]
         return KvSource(

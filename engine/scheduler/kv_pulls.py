@@ -24,6 +24,7 @@ from engine.kv.cache.prefix_cache import BlockHashChain
 from engine.messages.kv_transfer import BlocksPulled, KvOrder, KvSource, PullBlocks
 from engine.messages.scheduling import SubmitRequest
 from engine.scheduler.kv_tally import KvEndpoints, KvTransferFigures, Outcome, RankTally
+from engine.scheduler.requests import submitted_kv_salt
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ class KvPulls:
             # The same transfer submitted again while its first pull is under way: the ranks'
             # reports could not be told apart, and its blocks are still being written.
             problem = f"transfer {source.transfer_id} is already being pulled"
-        keys = BlockHashChain(self._kv.block_size).first(
+        keys = BlockHashChain(self._kv.block_size, submitted_kv_salt(submit)).first(
             submit.prompt_token_ids, len(source.block_ids) if problem is None else 0
         )
         if problem is None and keys[-1].hex() != source.prompt_key:

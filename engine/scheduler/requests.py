@@ -8,8 +8,9 @@ import logging
 import msgspec
 
 from engine.kv.cache.block_table import BlockTable
-from engine.kv.cache.prefix_cache import BlockHashChain
+from engine.kv.cache.prefix_cache import BlockHashChain, scope_salt
 from engine.messages.params import SamplingParams
+from engine.messages.scheduling import SubmitRequest, TenantTag
 from engine.messages.steps import NewRequest, NewSeq, PromptLogprobs, SampledLogprobs
 
 _MASK64 = (1 << 64) - 1
@@ -43,10 +44,10 @@ ENTRY_BYTES = 32  # the fixed fields of one NewRequest, NewSeq or PlannedChunk
 
 class Request:
     __slots__ = ("announcement_bytes", "arrival", "epoch", "first_reported", "first_scheduled",
-                 "key", "known_to_workers", "kv_handoff", "num_cached_tokens", "num_preemptions",
-                 "params",
+                 "key", "known_to_workers", "kv_handoff", "kv_salt", "num_cached_tokens",
+                 "num_preemptions", "params", "priority",
                  "prompt_scores", "prompt_token_ids", "request_id", "samples", "seed",
-                 "worker_params")  # fmt: skip
+                 "tenant", "weight", "worker_params")  # fmt: skip
 
     def __init__(
         self,
@@ -78,11 +79,25 @@ class Request:
         # Stop strings are matched by the detokenizer: the workers never get them.
         self.worker_params = msgspec.structs.replace(params, stop=[])
         self.known_to_workers = False  # a plan announced it and none has retired it since
+        # Whom it runs for (run_for): the default is the one tenant of a server without tenants.
+        self.tenant = ""
+        self.weight = 1.0
+        self.priority = 0
+        self.kv_salt = adapter_salt(params)
         self.announcement_bytes = (
             ENTRY_BYTES
             + ID_BYTES * len(prompt_token_ids)
             + len(msgspec.msgpack.encode(self.worker_params))
         )
+
+    def run_for(self, tenant: TenantTag | None, priority: int, cache_salt: str | None) -> None:
+        """Whom it runs for: its tenant's name and weight (fair share), its priority (lower runs
+        first), and what its KV is keyed by beside its tokens: its adapter, its tenant's cache
+        scope and its own salt (engine/kv/cache/prefix_cache.py)."""
+        if tenant is not None:
+            self.tenant, self.weight = tenant.name, tenant.weight
+        self.priority = priority
+        self.kv_salt = kv_salt(self.params, tenant, cache_salt)
 
     def announcement(self) -> NewRequest:
         return NewRequest(self.key, self.prompt_token_ids, self.worker_params)
@@ -120,7 +135,7 @@ class SequenceState:
     """One sample of a request: prompt + generated tokens, and how much of it has KV."""
 
     __slots__ = ("block_size", "block_table", "blocks_sent", "hash_chain", "index",
-                 "known_to_workers", "needs_announce", "num_computed_tokens",
+                 "known_to_workers", "last_planned", "needs_announce", "num_computed_tokens",
                  "num_prompt_tokens", "request", "seed", "seq_id", "status",
                  "token_ids")  # fmt: skip
 
@@ -143,7 +158,8 @@ class SequenceState:
         self.block_size = block_size
         self.block_table = BlockTable()
         self.blocks_sent = 0  # of block_table's ids, those the workers have
-        self.hash_chain = BlockHashChain(block_size, adapter_salt(request.params))
+        self.hash_chain = BlockHashChain(block_size, request.kv_salt)
+        self.last_planned = -1  # the planner's step that last ran it (decodes take turns)
         self.needs_announce = True  # the next plan must carry a NewSeq for it
         self.known_to_workers = False  # some plan announced it: it must be retired by name
 
@@ -188,6 +204,17 @@ class SequenceState:
             f"SequenceState(id={self.seq_id}, {self.request.request_id}#{self.index}, "
             f"{self.status.value}, tokens={self.num_tokens}, computed={self.num_computed_tokens})"
         )
+
+
+def kv_salt(params: SamplingParams, tenant: TenantTag | None, cache_salt: str | None) -> bytes:
+    """What the prefix cache keys a request's KV by beside its tokens (every tier, and the KV
+    that P/D moves): its adapter, its tenant's cache scope and its own salt."""
+    scope = "" if tenant is None else tenant.cache_scope
+    return adapter_salt(params) + scope_salt(scope, cache_salt)
+
+
+def submitted_kv_salt(submit: SubmitRequest) -> bytes:
+    return kv_salt(submit.params, submit.tenant, submit.cache_salt)
 
 
 def adapter_salt(params: SamplingParams) -> bytes:

@@ -127,6 +127,7 @@ class Scheduler:
         )
         self._next_request_key += 1
         request.kv_handoff = submit.kv_handoff if submit.params.n == 1 else ""
+        request.run_for(submit.tenant, submit.priority, submit.cache_salt)
         reason = announcement_too_large(request, self.config.max_plan_bytes // 2)
         if reason is not None:
             return failed(submit.request_id, submit.epoch, 400, reason, "scheduler")
@@ -349,7 +350,7 @@ class Scheduler:
         request = seq.request
         return self.kv_transfer.holds.hand_off(
             request.request_id, request.epoch, seq.block_table.block_ids,
-            request.prompt_token_ids,
+            request.prompt_token_ids, request.kv_salt,
         )  # fmt: skip
 
     def take_outputs(self) -> TokenBatch | None:

@@ -72,6 +72,18 @@ class BlockManager:
         """
         if table.block_ids:
             raise ValueError(f"admit needs an empty block table, got {table!r}")
+        if not self.can_admit(prefix_block_ids, num_tokens):
+            return False
+        num_new = self.blocks_for(num_tokens) - len(prefix_block_ids)
+        for block_id in prefix_block_ids:
+            self.pool.acquire(block_id)
+        table.block_ids = [*prefix_block_ids, *self.pool.allocate(num_new)]
+        table.num_committed_blocks = len(prefix_block_ids)
+        return True
+
+    def can_admit(self, prefix_block_ids: list[int], num_tokens: int) -> bool:
+        """Whether `admit` would find the blocks for a table of `num_tokens` that starts from
+        the computed `prefix_block_ids`."""
         num_new = self.blocks_for(num_tokens) - len(prefix_block_ids)
         if num_new < 0:
             raise ValueError(
@@ -79,13 +91,7 @@ class BlockManager:
             )
         # A cached free block leaves the free list when it is taken back.
         revived = sum(1 for block_id in prefix_block_ids if self.pool.ref_counts[block_id] == 0)
-        if num_new + revived > self.pool.num_free_blocks:
-            return False
-        for block_id in prefix_block_ids:
-            self.pool.acquire(block_id)
-        table.block_ids = [*prefix_block_ids, *self.pool.allocate(num_new)]
-        table.num_committed_blocks = len(prefix_block_ids)
-        return True
+        return num_new + revived <= self.pool.num_free_blocks
 
     def grow(self, table: BlockTable, num_tokens: int) -> bool:
         """Extend `table` to cover `num_tokens`; False (nothing changed) if blocks are short."""

@@ -21,6 +21,17 @@ def hash_block(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
     return digest.digest()
 
 
+def scope_salt(cache_scope: str, cache_salt: str | None) -> bytes:
+    """What keys a request's KV beside its tokens and adapter: its tenant's cache scope and its
+    own salt (vLLM's `cache_salt`); b"" for neither, so a server without tenants keys as before.
+    Each part is length-prefixed: no salt a client chooses can spell another tenant's scope."""
+    if not cache_scope and cache_salt is None:
+        return b""
+    parts = [cache_scope.encode(), (cache_salt or "").encode()]
+    flag = b"s" if cache_salt is not None else b"-"
+    return b"scope" + flag + b"".join(len(part).to_bytes(4, "big") + part for part in parts)
+
+
 class BlockHashChain:
     """One sequence's block keys, extended lazily as its tokens fill more blocks.
 
