@@ -91,6 +91,48 @@ def ratio_pairs(figures: list[Figures]) -> list[tuple[Figures, Figures]]:
     return [(ours[f.load], f) for f in figures if _name(f) != first and f.load in ours]
 
 
+ROUND = " #"  # between a load's label and its round's number: "1 stream #2"
+RANGED = (("out tok/s", "output_tokens_per_s"), ("TPOT p50", "tpot_p50_ms"))
+
+
+def round_label(label: str, number: int, rounds: int) -> str:
+    """A load's label in round `number` of `rounds` (as it was when there is one round)."""
+    return label if rounds == 1 else f"{label}{ROUND}{number}"
+
+
+def round_ranges(figures: list[Figures]) -> dict[str, dict[str, dict[str, list[float]]]]:
+    """Per peer and load (its round taken off the label), each RANGED ratio's [lowest, highest]
+    over the rounds: {"llama.cpp": {"1 stream": {"output_tokens_per_s": [1.3, 1.5], ...}}}."""
+    seen: dict[str, dict[str, dict[str, list[float]]]] = {}
+    for ours, peer in ratio_pairs(figures):
+        if ROUND not in ours.load:
+            continue
+        load = ours.load.rsplit(ROUND, 1)[0]
+        by_name = seen.setdefault(_name(peer), {}).setdefault(load, {})
+        for name, value in ratios(ours, peer).items():
+            if value is not None and name in dict(RANGED).values():
+                by_name.setdefault(name, []).append(value)
+    return {
+        peer: {
+            load: {n: [min(v), max(v)] for n, v in names.items()} for load, names in loads.items()
+        }
+        for peer, loads in seen.items()
+    }
+
+
+def _range_lines(figures: list[Figures]) -> list[str]:
+    lines = []
+    for peer, loads in round_ranges(figures).items():
+        for load, names in loads.items():
+            spans = [
+                f"{header} {names[field][0]:.2f}-{names[field][1]:.2f}x"
+                for header, field in RANGED
+                if field in names
+            ]
+            lines.append(f"ratio vs {peer}, {load}, over the rounds: {', '.join(spans)}")
+    return lines
+
+
 def render(describe: str, figures: list[Figures], steps: list[EngineSteps] | None = None) -> str:
     names = list(dict.fromkeys(_name(f) for f in figures))
     pairs = ratio_pairs(figures)
@@ -118,6 +160,9 @@ def render(describe: str, figures: list[Figures], steps: list[EngineSteps] | Non
             lines.append(
                 f"{_name(f)} at {f.load}: {f.requests - f.ok} failed, first: {f.first_error}"
             )
+    ranges = _range_lines(figures)
+    if ranges:
+        lines += ["", *ranges]
     if steps:
         lines += ["", render_steps(steps)]
     return "\n".join(lines)

@@ -34,12 +34,20 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from functools import partial
 from pathlib import Path
 
 from engine.bench.engine_steps import EngineSteps, engine_steps, settled_scrape
-from engine.bench.figures import Figures, ratio_pairs, ratios, render, summarize
+from engine.bench.figures import (
+    Figures,
+    ratio_pairs,
+    ratios,
+    render,
+    round_label,
+    round_ranges,
+    summarize,
+)
 from engine.bench.loads import (
     Load,
     add_load_arguments,
@@ -88,18 +96,24 @@ def run_servers(
 ) -> int:
     """Each server in turn (never two running), every load on each; the table or JSON printed.
     The server named "engine" comes first: its /metrics are read and the others' ratios are
-    against it."""
+    against it. With --rounds N above 1, all that N times, every other round in the reverse order
+    (so that neither side always runs on the machine the other left), each load's label naming
+    its round ("1 stream #2"): a ratio per round, and their ranges under the table."""
     figures: list[Figures] = []
     steps: list[EngineSteps] = []
-    for name, start in servers.items():
-        try:
-            with start() as url:
-                server_figures, server_steps = measure(name, url, loads, args, name == "engine")
-        except ServerFailed as e:
-            print(f"bench serve: {e}", file=sys.stderr)  # its log is kept
-            return 1
-        figures += server_figures
-        steps += server_steps
+    rounds = getattr(args, "rounds", 1)
+    for number in range(1, rounds + 1):
+        order = list(servers.items())[:: 1 if number % 2 else -1]
+        labelled = [replace(load, label=round_label(load.label, number, rounds)) for load in loads]
+        for name, start in order:
+            try:
+                with start() as url:
+                    found = measure(name, url, labelled, args, name == "engine")
+            except ServerFailed as e:
+                print(f"bench serve: {e}", file=sys.stderr)  # its log is kept
+                return 1
+            figures += found[0]
+            steps += found[1]
     if args.json:
         by_peer: dict[str, dict[str, dict[str, float | None]]] = {}
         for ours, peer in ratio_pairs(figures):
@@ -108,6 +122,7 @@ def run_servers(
             "workload": describe,
             "figures": [asdict(f) for f in figures],
             "ratios": by_peer,
+            "ratio_ranges": round_ranges(figures),
             "engine_steps": [asdict(s) for s in steps],
         }
         print(json.dumps(report))
@@ -124,9 +139,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="",
         help="more flags for `engine serve`, e.g. --engine-args='--max-num-seqs 64'",
     )
+    p.add_argument(
+        "--rounds",
+        type=_rounds,
+        default=1,
+        help="run every server this many times, alternating their order (default 1)",
+    )
     p.add_argument("--start-timeout", type=float, default=600.0, help="seconds per server start")
     p.add_argument("--request-timeout", type=float, default=1800.0)
     p.add_argument("--json", action="store_true", help="print one JSON object instead")
+
+
+def _rounds(text: str) -> int:
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a number of rounds >= 1, got {text!r}")
+    return int(text)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -10,7 +10,14 @@ import re
 import pytest
 
 from engine.bench.engine_steps import EngineSteps, engine_steps, parse_metrics
-from engine.bench.figures import Figures, ratios, render, summarize
+from engine.bench.figures import (
+    Figures,
+    ratios,
+    render,
+    round_label,
+    round_ranges,
+    summarize,
+)
 from engine.bench.loads import _counts, _rates, _window, loads_of
 from engine.trace.client import ReplayResult
 from engine.trace.schedule import ScheduledRequest
@@ -99,6 +106,25 @@ def test_each_peer_gets_a_ratio_row_against_the_engine_for_each_load() -> None:
     ]  # fmt: skip
     ratio_rows = [row[2:] for row in cells if row[0].startswith("ratio")]
     assert ratio_rows == [["2.00x"] * 8, ["4.00x"] * 8] * 2
+
+
+def test_rounds_give_a_ratio_each_and_their_range_per_peer_and_load() -> None:
+    # Round 2 ran in the reverse order (the peer first): pairs still match by load and round.
+    figures = [
+        _figures("engine", 1.0, round_label("8 streams", 1, 2)),
+        _figures("llamacpp", 2.0, round_label("8 streams", 1, 2)),
+        _figures("llamacpp", 3.0, round_label("8 streams", 2, 2)),
+        _figures("engine", 1.0, round_label("8 streams", 2, 2)),
+    ]
+    ranges = round_ranges(figures)["llama.cpp"]["8 streams"]
+    assert ranges == {"output_tokens_per_s": [2.0, 3.0], "tpot_p50_ms": [2.0, 3.0]}
+    assert render("w", figures).splitlines()[-1] == (
+        "ratio vs llama.cpp, 8 streams, over the rounds: out tok/s 2.00-3.00x, TPOT p50 2.00-3.00x"
+    )
+    one_round = [
+        _figures(server, 1.0, round_label("8 streams", 1, 1)) for server in ("engine", "vllm")
+    ]
+    assert one_round[0].load == "8 streams" and round_ranges(one_round) == {}
 
 
 # What the engine's GET /metrics says (prometheus_client's text format), before and after a load

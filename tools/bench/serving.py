@@ -6,6 +6,8 @@
         --num-requests 16 --input-len 64 --output-len 16
     python tools/bench/serving.py --trace /work/shared/traces/mooncake_fast25_conversation.jsonl \\
         --window 40 --input-scale 32
+    python tools/bench/serving.py --model FILE.gguf --precision q4_1 --peer llamacpp \\
+        --streams 1,8 --rates none --rounds 3      # alternating rounds, each with its ratio
 
 Every server serves the same model (SmolLM2-135M-Instruct from its GGUF file unless --model;
 `--model demo`: the random demo model) on 127.0.0.1 at a free port and gets the same requests.
@@ -22,7 +24,8 @@ so none hits the prefix cache another one filled. Or, with --trace, a time windo
 (Mooncake JSONL or Azure CSV, inputs divided by --input-scale, arrival times kept). The engine
 runs first, then each peer of --peer; each server is warmed up with two short requests, runs
 every load, and is stopped (SIGTERM, a wait, then SIGKILL for it and anything it left in its
-session) before the next one starts.
+session) before the next one starts. --rounds N does all that N times, every other round in the
+reverse order (the peers first), and prints each ratio's lowest and highest over the rounds.
 
 Printed: one table, for each load and server: requests served, req/s, output tok/s, TTFT p50 /
 p99, TPOT p50 / p99 (per request: (end - first token) / (tokens - 1)), ITL p50 / p99, then one
