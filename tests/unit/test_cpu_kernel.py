@@ -136,3 +136,17 @@ def test_without_a_working_compiler_the_cpu_runs_the_torch_backend(
     assert chosen == "torch"
     assert "kernel backend 'cpu' is unavailable" in refusal and reason in refusal
     assert reason in done.stderr  # the fallback is logged, naming why
+
+
+def test_extra_compiler_flags_name_a_library_of_their_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An AVX2 copy of the kernels (-mno-avx512f) never takes the native library's place.
+    from engine.kernels.cpu import build
+
+    monkeypatch.setenv("ENGINE_HOME", str(tmp_path))
+    monkeypatch.delenv(build.EXTRA_FLAGS_VARIABLE, raising=False)
+    native = build.library_path()
+    monkeypatch.setenv(build.EXTRA_FLAGS_VARIABLE, " -mno-avx512f  -DX='a b'")
+    assert build.extra_flags() == ("-mno-avx512f", "-DX=a b")
+    assert build.library_path().parent == native.parent and build.library_path() != native

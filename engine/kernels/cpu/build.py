@@ -16,6 +16,7 @@ import functools
 import hashlib
 import logging
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -60,6 +61,14 @@ COMPILE_FLAGS = (
 )
 FLAGS = (*COMPILE_FLAGS, "-shared")
 BUILD_TIMEOUT_S = 300.0
+# More compiler flags, part of the library's name: "-mno-avx512f" builds this CPU's kernels as an
+# AVX2 machine's (-march=native's vector code without AVX-512, the quantized kernel's best path
+# then AVX2), to measure or test that path on an AVX-512 machine.
+EXTRA_FLAGS_VARIABLE = "ENGINE_KERNEL_FLAGS"
+
+
+def extra_flags() -> tuple[str, ...]:
+    return tuple(shlex.split(os.environ.get(EXTRA_FLAGS_VARIABLE, "")))
 
 
 class KernelBuildError(RuntimeError):
@@ -76,7 +85,7 @@ def library_path() -> Path:
     digest = hashlib.sha256()
     for part in (*SOURCES, *HEADERS):
         digest.update(part.read_bytes())
-    digest.update(" ".join(FLAGS).encode())
+    digest.update(" ".join((*FLAGS, *extra_flags())).encode())
     digest.update(_cpu_flags().encode())
     return home / "kernels" / f"cpu_kernels-{digest.hexdigest()[:16]}.so"
 
@@ -105,11 +114,12 @@ def build(target: Path) -> None:
     try:
         objects = [work / f"{source.stem}.o" for source in SOURCES]
         compiles = [
-            [cxx, *COMPILE_FLAGS, "-c", "-o", str(o), str(source)]
+            [cxx, *COMPILE_FLAGS, *extra_flags(), "-c", "-o", str(o), str(source)]
             for source, o in zip(SOURCES, objects, strict=True)
         ]
         _run_all(cxx, compiles, parallel=os.cpu_count() or 1)
-        _run_all(cxx, [[cxx, *FLAGS, "-o", str(staging), *map(str, objects)]], parallel=1)
+        link = [cxx, *FLAGS, *extra_flags(), "-o", str(staging), *map(str, objects)]
+        _run_all(cxx, [link], parallel=1)
         os.chmod(staging, 0o755)
         os.replace(staging, target)
     finally:

@@ -118,10 +118,17 @@ bool path_available(int path) {
 #endif
 }
 
-// The tiles of `path` (kBest: the fastest this CPU runs), or null where it cannot run.
+// The tiles of `path` (kBest: the fastest this CPU runs), or null where it cannot run. A library
+// built without AVX-512 (ENGINE_KERNEL_FLAGS=-mno-avx512f, build.py) takes AVX2 for its best, as
+// an AVX2 machine does; the VNNI tiles stay there for a caller that names them.
 const Tiles* tiles_for(int path) {
   if (path == kBest) {
-    path = path_available(kVnni) ? kVnni : path_available(kAvx2) ? kAvx2 : kScalar;
+#if defined(__AVX512F__)
+    const bool vnni = path_available(kVnni);
+#else
+    const bool vnni = false;
+#endif
+    path = vnni ? kVnni : path_available(kAvx2) ? kAvx2 : kScalar;
   }
   if (!path_available(path)) return nullptr;
   // A scalar tile of one row: the reference has no registers to share between rows.
