@@ -39,7 +39,10 @@
 
   // models: ui/state's `models` (the live panel's poll)
   function showModelStates(models, current) {
-    for (const model of models) states.set(model.name, model);
+    for (const model of models) {
+      states.set(model.name, model);
+      for (const alias of model.aliases) states.set(alias, model); // /v1/models lists it too
+    }
     render(current);
     const chosen = states.get(current);
     $("model-name").dataset.state = chosen ? chosen.state : "loaded";

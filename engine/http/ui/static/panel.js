@@ -1,4 +1,4 @@
-// The live panel: the engine's actors, restarts, requests in flight and KV cache usage, read
+// The live panel: the models loaded (when there are several), the engine's actors, restarts, requests in flight and KV cache usage, read
 // from ui/state every second while the page is visible, so a person can watch an actor be
 // killed and restarted while an answer keeps streaming.
 "use strict";
@@ -35,6 +35,28 @@
     }));
   }
 
+  // Each model that is not unloaded (loading, loaded, unloading, failed): its state, memory
+  // (weights + KV cache) and requests in flight; listed only when the server has several.
+  function showModels(models) {
+    const list = $("live-models");
+    const shown = (models || []).filter((model) => model.state !== "unloaded");
+    list.hidden = !models || models.length < 2;
+    list.replaceChildren(...shown.map((model) => {
+      const item = document.createElement("li");
+      item.dataset.state = model.state;
+      const name = document.createElement("span");
+      name.className = "model-name";
+      name.textContent = model.name;
+      const detail = document.createElement("span");
+      const memory = model.memory_bytes ? ` · ${(model.memory_bytes / 2 ** 20).toFixed(0)} MiB` : "";
+      const busy = model.in_flight ? ` · ${model.in_flight} in flight` : "";
+      detail.textContent = `${model.state}${memory}${busy}`;
+      detail.title = model.error || "";
+      item.append(name, detail);
+      return item;
+    }));
+  }
+
   function show(figures) {
     showStatus(figures);
     $("live-in-flight").textContent = figures.in_flight;
@@ -44,6 +66,7 @@
     $("live-kv-meter").value = figures.kv_usage;
     $("live-restarts").textContent = figures.restarts +
       (figures.resubmitted_requests ? ` (${figures.resubmitted_requests} resubmitted)` : "");
+    showModels(figures.models);
     showActors(figures.actors);
     if (figures.models && window.chatModels) {
       window.chatModels.showModelStates(figures.models, $("model-picker").value || figures.model);
