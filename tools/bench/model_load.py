@@ -2,13 +2,16 @@
 
 1. Time to first token of a request to a model that is not loaded, served from a --models-dir:
    with its files cold (dropped from the page cache with posix_fadvise, the GGUF file and what
-   the engine derived from it under $ENGINE_HOME/gguf/) and warm (unloaded a moment ago), beside
-   llama-server's time from its start to the first token of the same request on the same file
-   (where $ENGINE_HOME/peers holds it: tools/peers/llamacpp_peer.py builds it).
+   the engine derived from it under $ENGINE_HOME/gguf/) and warm (unloaded a moment ago), in
+   rounds alternating with a one-model server's time from its start to the same first token
+   (files cold), and beside llama-server's time from its start to the first token of the same
+   request on the same file (where $ENGINE_HOME/peers holds it: tools/peers/llamacpp_peer.py
+   builds it).
 2. The routing layer's cost on a loaded model's throughput: the model served alone (--model)
    and the same model served from a catalogue with two more models loaded and idle, closed-loop
-   streams of greedy completions against each in alternating rounds; output tokens/s and the
-   ratio.
+   streams of greedy completions against each in alternating rounds; output tokens/s, the
+   server's CPU seconds per output token (every process of it), the root's CPU per request, and
+   the ratios.
 
     .venv/bin/python tools/bench/model_load.py [--model FILE.gguf] [--rounds 3] [--streams 4]
 """
@@ -73,11 +76,14 @@ def drop_from_page_cache(paths: list[Path]) -> None:
 
 
 def load_times(model: Path, rounds: int, logs: Path) -> dict[str, list[float]]:
+    """Alternating rounds: a catalogue's load of `model` on its first request, files cold then
+    warm, and a one-model server (--model) from its start to the same request's first token,
+    files cold."""
     directory = Path(tempfile.mkdtemp(prefix="models-", dir=logs))
     (directory / model.name).symlink_to(model)
     name = model.stem
     derived = default_engine_home() / "gguf"
-    found: dict[str, list[float]] = {"cold": [], "warm": []}
+    found: dict[str, list[float]] = {"cold": [], "warm": [], "one-model server": []}
     args = ["serve", "--models-dir", str(directory), *ARGS]
     with engine_running(args, logs / "catalogue.log") as server:
         for _ in range(rounds):
@@ -86,7 +92,18 @@ def load_times(model: Path, rounds: int, logs: Path) -> dict[str, list[float]]:
                     drop_from_page_cache([model, derived])
                 found[kind].append(first_token_seconds(server.url, name))
                 httpx.post(f"{server.url}/models/unload", json={"model": name}, timeout=300)
+            drop_from_page_cache([model, derived])
+            found["one-model server"].append(one_model_server_seconds(model, logs))
     return found
+
+
+def one_model_server_seconds(model: Path, logs: Path) -> float:
+    """`engine serve --model` from its start to the first token of the same request."""
+    began = time.perf_counter()
+    args = ["serve", "--model", str(model), "--served-model-name", "alone", *ARGS]
+    with engine_running(args, logs / "alone-start.log") as server:
+        first_token_seconds(server.url, "alone")
+        return time.perf_counter() - began
 
 
 def llama_server_times(model: Path, binary: Path, rounds: int, logs: Path) -> list[float]:
@@ -115,24 +132,27 @@ def llama_server_binary(given: Path | None) -> Path | None:
     return None
 
 
-def root_figures(url: str, model: str) -> tuple[float, float, float]:
-    """(the root process's CPU seconds, `model`'s HTTP requests, every other model's actors'
-    CPU seconds) from /metrics: the routing layer lives in the root."""
-    root = requests = others = 0.0
+def cpu_figures(url: str, model: str) -> dict[str, float]:
+    """From /metrics: the root process's CPU seconds (where the routing layer lives), every
+    actor's of every model with the root's (each model's stats repeat the root: counted once),
+    and `model`'s HTTP requests."""
+    found = {"root": 0.0, "all": 0.0, "requests": 0.0}
     for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=60).text):
         for sample in family.samples:
             labels = sample.labels
             if sample.name == "engine:actor_cpu_seconds_total":
                 if labels["actor"] == "root" and labels["model_name"] == model:
-                    root = sample.value
-                elif labels["actor"] != "root" and labels["model_name"] != model:
-                    others += sample.value
+                    found["root"] = sample.value
+                if labels["actor"] != "root":
+                    found["all"] += sample.value
             elif sample.name == "engine:http_requests_total" and labels["model_name"] == model:
-                requests += sample.value
-    return root, requests, others
+                found["requests"] += sample.value
+    found["all"] += found["root"]
+    return found
 
 
-def tokens_per_second(url: str, model: str, streams: int, seconds: float) -> float:
+def output_tokens(url: str, model: str, streams: int, seconds: float) -> tuple[int, float]:
+    """Closed-loop greedy completions for `seconds`: (output tokens, seconds taken)."""
     body = {"model": model, "prompt": PROMPT, "max_tokens": 64, "temperature": 0}
     body["ignore_eos"] = True
     deadline = time.perf_counter() + seconds
@@ -148,7 +168,7 @@ def tokens_per_second(url: str, model: str, streams: int, seconds: float) -> flo
     began = time.perf_counter()
     with ThreadPoolExecutor(streams) as pool:
         total = sum(pool.map(lambda _: loop(), range(streams)))
-    return total / (time.perf_counter() - began)
+    return total, time.perf_counter() - began
 
 
 @contextlib.contextmanager
@@ -165,36 +185,41 @@ def catalogue_with_others(model: Path, logs: Path) -> Iterator[str]:
 
 
 def routing_cost(model: Path, rounds: int, streams: int, seconds: float, logs: Path) -> None:
+    """Alternating rounds against the model alone and routed (two more models loaded, idle):
+    output tokens/s (wall clock: at the machine's mercy when it is shared), and the CPU seconds
+    the whole server (root, every model's actors) spent per output token, which other users of
+    the machine disturb far less."""
     alone_args = ["serve", "--model", str(model), "--served-model-name", "target", *ARGS]
-    alone_rates, routed_rates = [], []
+    figures: dict[str, dict[str, list[float]]] = {
+        name: {"tokens/s": [], "CPU ms/token": [], "root CPU ms/request": []}
+        for name in ("alone", "routed")
+    }
     with (
         engine_running(alone_args, logs / "alone.log") as alone,
         catalogue_with_others(model, logs) as routed,
     ):
-        for url in (alone.url, routed):  # warm both up
-            tokens_per_second(url, "target", streams, 3.0)
-        cpu: dict[str, list[float]] = {"alone": [], "routed": [], "idle models": []}
+        servers = {"alone": alone.url, "routed": routed}
+        for url in servers.values():  # warm both up
+            output_tokens(url, "target", streams, 3.0)
         for _ in range(rounds):
-            for name, url, rates in (
-                ("alone", alone.url, alone_rates),
-                ("routed", routed, routed_rates),
-            ):
-                before = root_figures(url, "target")
-                rates.append(tokens_per_second(url, "target", streams, seconds))
-                after = root_figures(url, "target")
-                cpu[name].append((after[0] - before[0]) / max(after[1] - before[1], 1.0))
-                if name == "routed":
-                    cpu["idle models"].append(after[2] - before[2])
-    print("root CPU ms per request (the routing layer's home), alternating rounds:")
-    for name in ("alone", "routed"):
-        print(f"  {name}: {', '.join(f'{1000 * x:.2f}' for x in cpu[name])}")
-    print(f"  the two idle models' actors, CPU s per round: {cpu['idle models']}")
-    ratios = [r / a for a, r in zip(alone_rates, routed_rates, strict=True)]
-    print(f"output tokens/s, {streams} streams, alternating rounds:")
-    print(f"  alone:   {', '.join(f'{x:.1f}' for x in alone_rates)}")
-    print(f"  routed:  {', '.join(f'{x:.1f}' for x in routed_rates)} (2 more models loaded)")
-    print(f"  routed / alone per round: {', '.join(f'{x:.3f}' for x in ratios)}; "
-          f"median {statistics.median(ratios):.3f}")  # fmt: skip
+            for name, url in servers.items():
+                before = cpu_figures(url, "target")
+                tokens, took = output_tokens(url, "target", streams, seconds)
+                after = cpu_figures(url, "target")
+                requests = max(after["requests"] - before["requests"], 1.0)
+                figures[name]["tokens/s"].append(tokens / took)
+                figures[name]["CPU ms/token"].append(1000 * (after["all"] - before["all"]) / tokens)
+                root = after["root"] - before["root"]
+                figures[name]["root CPU ms/request"].append(1000 * root / requests)
+    print(f"{streams} streams of greedy completions, alternating rounds of {seconds:.0f} s; "
+          "routed: 2 more models loaded and idle")  # fmt: skip
+    for what in ("tokens/s", "CPU ms/token", "root CPU ms/request"):
+        for name in ("alone", "routed"):
+            print(f"  {what}, {name}: {', '.join(f'{x:.2f}' for x in figures[name][what])}")
+        pairs = zip(figures["alone"][what], figures["routed"][what], strict=True)
+        ratios = [routed / alone for alone, routed in pairs]
+        shown = ", ".join(f"{x:.3f}" for x in ratios)
+        print(f"  {what}, routed / alone: {shown}; median {statistics.median(ratios):.3f}")
 
 
 def main() -> None:
@@ -212,7 +237,7 @@ def main() -> None:
     print(f"load: {os.getloadavg()[0]:.1f}; model {model.name}")
     times = {} if args.skip_load else load_times(model, args.rounds, logs)
     for kind, found in times.items():
-        print(f"engine TTFT, model not loaded, {kind} files: "
+        print(f"engine TTFT, model not loaded, {kind}: "
               f"{', '.join(f'{t:.2f}' for t in found)} s")  # fmt: skip
     binary = llama_server_binary(args.llama_server)
     if binary is None:
