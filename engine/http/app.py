@@ -37,6 +37,7 @@ from engine.http.openai.operations import (
 )
 from engine.http.openai.parsing import OpenAIRequest, parse_chat, parse_completion
 from engine.http.openai.protocol import encode
+from engine.http.openai.rerank import rerank_routes
 from engine.http.openai.runs import RequestRun
 from engine.http.served import pool_health
 from engine.http.state import ServerState
@@ -65,6 +66,8 @@ def build_app(state: ServerState) -> Starlette:
         # /v1/responses and /v1/messages, run as chat requests
         *adapted_api_routes(state, HttpSteps(_check_auth, _read_body, _until_disconnect)),
         *embedding_routes(state, HttpSteps(_check_auth, _read_body, _until_disconnect)),
+        # /rerank, /v1/rerank, /v2/rerank, /reranking, /score: cosines of embeddings
+        *rerank_routes(state, HttpSteps(_check_auth, _read_body, _until_disconnect)),
         *ollama_routes(state, HttpSteps(_check_auth, _read_body, _until_disconnect)),
         *_probe_routes(state),
         # /v1/models with each model's state; /models/load, /models/unload

@@ -120,9 +120,10 @@ async def embed_all(
     inputs: Sequence[Prompt],
     normalize: bool | None = None,
     keep_alive: float | None = None,
+    field: str = "input",
 ) -> list[EmbeddingRequestOutput]:
     """One embedding per input, on the model `model` names (loaded if need be); EngineError
-    as ApiError (a refused input names `input`)."""
+    as ApiError (a refused input names `field`, the request's name for the inputs)."""
     try:
         lease = await state.acquire(model, keep_alive)
     except EngineError as e:
@@ -137,7 +138,7 @@ async def embed_all(
         ]
         return list(await asyncio.gather(*runs))
     except EngineError as e:  # the engine's refusal of an input (a 4xx) or its failure
-        raise ApiError(e.status, e.message, param="input" if e.status < 500 else None) from None
+        raise ApiError(e.status, e.message, param=field if e.status < 500 else None) from None
     finally:
         lease.release()
 
