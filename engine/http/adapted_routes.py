@@ -1,6 +1,8 @@
 """The routes of the APIs served over the chat path: OpenAI's Responses API (/v1/responses) and
 Anthropic's Messages API (/v1/messages).
 
+Anthropic's /v1/messages/count_tokens counts the prompt a Messages request would run.
+
 A request of either is turned into a chat run by its Adapter (an EngineRequest built straight
 from the API's body), which runs as /v1/chat/completions runs one: the same request policy,
 limits, metrics, aborts, request ids and actor restarts. The chat answer, read from the engine's
@@ -13,13 +15,19 @@ import contextlib
 import logging
 import secrets
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from typing import Protocol
+from typing import Protocol, TypeVar
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from engine.http.anthropic.adapter import MessagesAdapter, messages_error_body
+from engine.http.anthropic.adapter import (
+    MessagesAdapter,
+    count_tokens_request,
+    messages_error_body,
+)
+from engine.http.model_routes import model_tokens
 from engine.http.openai.chat_relay import ChatResult, ChatStep, ChatSteps, chat_result
 from engine.http.openai.errors import INTERNAL_ERROR_MESSAGE, ApiError, outcome_of
 from engine.http.openai.operations import take_client_request_id
@@ -31,9 +39,11 @@ from engine.http.openai.runs import RequestRun
 from engine.http.state import ServerState
 from engine.http.steps import HttpSteps
 from engine.http.streams import ReleasingStream
+from engine.messages.requests import ChatOptions
 from engine.telemetry.tracer import trace_headers
 
 log = logging.getLogger("engine.http")
+T = TypeVar("T")
 
 JSON = "application/json"
 
@@ -68,12 +78,7 @@ def adapted_api_routes(state: ServerState, steps: HttpSteps) -> list[Route]:
         try:
             return await serve_adapted(request, state, steps, "messages", adapt, x_api_key=True)
         except ApiError as e:
-            return Response(
-                messages_error_body(e.status, e.message),
-                status_code=e.status,
-                media_type=JSON,
-                headers=e.headers,
-            )
+            return _messages_error(e)
         except Exception:
             log.exception("a /v1/messages request failed")
             return Response(
@@ -83,10 +88,43 @@ def adapted_api_routes(state: ServerState, steps: HttpSteps) -> list[Route]:
                 headers={"Connection": "close"},
             )
 
+    async def count_tokens(request: Request) -> Response:
+        try:
+            return await _count_tokens(request, state, steps)
+        except ApiError as e:
+            state.metrics.count_request("count_tokens", outcome_of(e.status))
+            return _messages_error(e)
+
     return [
         Route("/v1/responses", responses, methods=["POST"]),
         Route("/v1/messages", messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
     ]
+
+
+async def _count_tokens(request: Request, state: ServerState, steps: HttpSteps) -> Response:
+    """Anthropic's token count: the prompt /v1/messages would run for the same system,
+    messages and tools, rendered and tokenized as that request's would be."""
+    if state.draining:
+        raise ApiError(503, "the server is shutting down", headers={"Retry-After": "5"})
+    _authorize(request, state, steps, x_api_key=True)
+    body = await steps.read_body(request, state.settings.server.max_request_bytes)
+    api = _adapt(lambda raw: count_tokens_request(raw, state.served_names), body, request.url.path)
+    (chat,) = api.requests
+    assert chat.messages is not None
+    async with model_tokens(state, body) as tokens:
+        ids = await tokens.chat_tokens(chat.messages, chat.chat or ChatOptions())
+    state.metrics.for_model(state.base_of(api.model)).count_request("count_tokens", "success")
+    return Response(msgspec.json.encode({"input_tokens": len(ids)}), media_type=JSON)
+
+
+def _messages_error(e: ApiError) -> Response:
+    return Response(
+        messages_error_body(e.status, e.message),
+        status_code=e.status,
+        media_type=JSON,
+        headers=e.headers,
+    )
 
 
 async def serve_adapted(
@@ -151,7 +189,7 @@ def _authorize(request: Request, state: ServerState, steps: HttpSteps, x_api_key
     steps.check_auth(request, state)
 
 
-def _adapt(adapt: Callable[[bytes], Adapter], body: bytes, path: str) -> Adapter:
+def _adapt(adapt: Callable[[bytes], T], body: bytes, path: str) -> T:
     """The body's chat run; a failure the adapter did not foresee is still the body's fault (a
     400), logged with its traceback."""
     try:

@@ -172,6 +172,19 @@ def test_messages_text_streamed_and_not(claude: anthropic.Anthropic, server: Ser
         {"role": "user", "content": "Say something."},
     ]
     assert whole.usage.input_tokens == template_tokens(server.model, expected_prompt)
+    # count_tokens: the same prompt's size, without running it; with a tool, as the template
+    # lays out the tool's OpenAI form
+    count = claude.messages.count_tokens(
+        model=server.model, system="Be brief.", messages=request["messages"]
+    )
+    assert count.input_tokens == whole.usage.input_tokens
+    weather = forced_tool_use(server.model)
+    with_tool = claude.messages.count_tokens(
+        model=server.model, messages=weather["messages"], tools=weather["tools"]
+    )
+    function = {"name": "get_weather", "description": "Weather", "parameters": WEATHER_PARAMS}
+    tools = [{"type": "function", "function": function}]
+    assert with_tool.input_tokens == template_tokens(server.model, weather["messages"], tools)
 
     with claude.messages.stream(**request) as stream:
         text = "".join(stream.text_stream)
@@ -212,6 +225,9 @@ def test_messages_errors_have_anthropics_shape(claude: anthropic.Anthropic, serv
             model=server.model, max_tokens=4, messages=[{"role": "user", "content": "x"}]
         )
     assert denied.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
+    with pytest.raises(anthropic.BadRequestError) as bad_count:
+        claude.messages.count_tokens(model=server.model, messages=[])
+    assert bad_count.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
 
     # Anthropic's API takes the key as x-api-key, as its older clients send it (the client
     # installed here sends a bearer token).

@@ -16,6 +16,7 @@ import msgspec
 
 from engine.http.anthropic.protocol import (
     ContentBlock,
+    CountTokensRequest,
     MessageIn,
     MessagesRequest,
     TextBlock,
@@ -44,6 +45,7 @@ from engine.messages.params import SamplingParams
 from engine.messages.requests import ChatMessage, ChatOptions, EngineRequest
 
 _DECODER = msgspec.json.Decoder(MessagesRequest)
+_COUNT_DECODER = msgspec.json.Decoder(CountTokensRequest)
 _ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -75,37 +77,8 @@ class MessagesAdapter:
         req = decode_request(_DECODER, body)
         self.req = req
         self.created = int(time.time())
-        self.api = self._chat_request(served_names)
+        self.api = chat_request(req, served_names)
         self.stream = req.stream
-
-    def _chat_request(self, served_names: Sequence[str]) -> OpenAIRequest:
-        """The chat run this message is: its messages, sampling and tools."""
-        req = self.req
-        model = check_model(req.model, served_names)
-        system = [] if req.system is None else [ChatMessage("system", _text(req.system))]
-        messages = [chat for i, m in enumerate(req.messages) for chat in _chat_messages(i, m)]
-        if not system and not messages:
-            raise ApiError(400, "'messages' must hold at least one message", param="messages")
-        tools = [_chat_tool(i, tool) for i, tool in enumerate(req.tools or [])] or None
-        choice = req.tool_choice
-        parallel = False if choice is not None and choice.disable_parallel_tool_use else None
-        chat_choice = None if choice is None else _chat_tool_choice(choice)
-        plan, constraint = plan_tools(tools, chat_choice, parallel)
-        sampling = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k}
-        params = SamplingParams(
-            **given(sampling),
-            max_tokens=req.max_tokens,
-            stop=list(req.stop_sequences or []),
-            structured_outputs=constraint,
-        )
-        request = EngineRequest(
-            params=params,
-            messages=[*system, *messages],
-            chat=ChatOptions(template_kwargs=template_kwargs(tools)),
-            defaulted_fields=unset_fields({**sampling, "max_tokens": req.max_tokens}),
-            field_names={"stop": "stop_sequences", "structured_outputs": "tool_choice"},
-        )
-        return chat_api_request(request, model, stream=req.stream, tool_plan=plan)
 
     # ------------------------------------------------------------ the Message object
 
@@ -227,6 +200,43 @@ def _stop(result: ChatResult) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- requests → chat requests
+
+
+def chat_request(req: MessagesRequest, served_names: Sequence[str]) -> OpenAIRequest:
+    """The chat run a message is: its messages, sampling and tools."""
+    model = check_model(req.model, served_names)
+    system = [] if req.system is None else [ChatMessage("system", _text(req.system))]
+    messages = [chat for i, m in enumerate(req.messages) for chat in _chat_messages(i, m)]
+    if not system and not messages:
+        raise ApiError(400, "'messages' must hold at least one message", param="messages")
+    tools = [_chat_tool(i, tool) for i, tool in enumerate(req.tools or [])] or None
+    choice = req.tool_choice
+    parallel = False if choice is not None and choice.disable_parallel_tool_use else None
+    chat_choice = None if choice is None else _chat_tool_choice(choice)
+    plan, constraint = plan_tools(tools, chat_choice, parallel)
+    sampling = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k}
+    params = SamplingParams(
+        **given(sampling),
+        max_tokens=req.max_tokens,
+        stop=list(req.stop_sequences or []),
+        structured_outputs=constraint,
+    )
+    request = EngineRequest(
+        params=params,
+        messages=[*system, *messages],
+        chat=ChatOptions(template_kwargs=template_kwargs(tools)),
+        defaulted_fields=unset_fields({**sampling, "max_tokens": req.max_tokens}),
+        field_names={"stop": "stop_sequences", "structured_outputs": "tool_choice"},
+    )
+    return chat_api_request(request, model, stream=req.stream, tool_plan=plan)
+
+
+def count_tokens_request(body: bytes, served_names: Sequence[str]) -> OpenAIRequest:
+    """A /v1/messages/count_tokens body as the chat run whose prompt it counts: the one
+    /v1/messages would run for the same system, messages and tools."""
+    req = decode_request(_COUNT_DECODER, body)
+    fields = {name: getattr(req, name) for name in req.__struct_fields__}
+    return chat_request(MessagesRequest(**fields, max_tokens=1), served_names)
 
 
 def _chat_messages(index: int, message: MessageIn) -> list[ChatMessage]:

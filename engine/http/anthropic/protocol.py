@@ -59,3 +59,13 @@ class MessagesRequest(msgspec.Struct, kw_only=True):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     metadata: dict[str, Any] | None = None
+
+
+class CountTokensRequest(msgspec.Struct, kw_only=True):
+    """/v1/messages/count_tokens: what a Messages request's prompt is made of."""
+
+    model: str
+    messages: list[MessageIn]
+    system: str | list[TextBlock] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None

@@ -111,16 +111,23 @@ class Tokens:
                 dict(req.chat_template_kwargs or {}),
                 req.add_generation_prompt,
             )
-            try:
-                ids = await self._render_chat(messages, chat)
-            except EngineError as e:  # a template that fails on these messages: theirs to fix
-                raise ApiError(e.status, e.message, param=e.param) from None
+            ids = await self.chat_tokens(messages, chat)
         strs = tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
         return encode(
             TokenizeResponse(
                 count=len(ids), max_model_len=self._max_model_len, tokens=ids, token_strs=strs
             )
         )
+
+    async def chat_tokens(self, messages: list[ChatMessage], chat: ChatOptions) -> list[int]:
+        """A chat's prompt as a request of it gets it (rendered in a tokenizer actor, with the
+        server's --chat-template unless `chat` has its own)."""
+        if chat.template is None:
+            chat = msgspec.structs.replace(chat, template=self._chat_template)
+        try:
+            return await self._render_chat(messages, chat)
+        except EngineError as e:  # a template that fails on these messages: theirs to fix
+            raise ApiError(e.status, e.message, param=e.param) from None
 
     async def echo(self, prompt: str | None, token_ids: list[int]) -> EchoedPrompt:
         """The text an echoed prompt shows (the client's own when it sent text) and its first
