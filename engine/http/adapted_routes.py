@@ -95,8 +95,23 @@ def adapted_api_routes(state: ServerState, steps: HttpSteps) -> list[Route]:
             state.metrics.count_request("count_tokens", outcome_of(e.status))
             return _messages_error(e)
 
+    async def stored_response(request: Request) -> Response:
+        """GET /v1/responses/{id}: a stored Response; DELETE drops it."""
+        steps.check_auth(request, state)
+        response_id = request.path_params["response_id"]
+        if request.method == "DELETE":
+            if not store.delete(response_id):
+                raise _no_response(response_id)
+            deleted = {"id": response_id, "object": "response.deleted", "deleted": True}
+            return Response(msgspec.json.encode(deleted), media_type=JSON)
+        response = store.response(response_id)
+        if response is None:
+            raise _no_response(response_id)
+        return Response(msgspec.json.encode(response), media_type=JSON)
+
     return [
         Route("/v1/responses", responses, methods=["POST"]),
+        Route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"]),
         Route("/v1/messages", messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
     ]
@@ -116,6 +131,15 @@ async def _count_tokens(request: Request, state: ServerState, steps: HttpSteps) 
         ids = await tokens.chat_tokens(chat.messages, chat.chat or ChatOptions())
     state.metrics.for_model(state.base_of(api.model)).count_request("count_tokens", "success")
     return Response(msgspec.json.encode({"input_tokens": len(ids)}), media_type=JSON)
+
+
+def _no_response(response_id: str) -> ApiError:
+    return ApiError(
+        404,
+        f"no response {response_id!r} is stored here (unknown, made with store false, deleted, "
+        "or dropped past server.responses_store_size)",
+        param="response_id",
+    )
 
 
 def _messages_error(e: ApiError) -> Response:

@@ -134,6 +134,17 @@ def test_responses_previous_response_id_continues_the_conversation(
     assert second.usage is not None
     assert second.usage.input_tokens == template_tokens(server.model, conversation)
 
+    # A stored response is retrieved as it was answered, and deleted; one not stored is not found.
+    assert client.responses.retrieve(first.id).model_dump() == first.model_dump()
+    client.responses.delete(first.id)
+    unstored = client.responses.create(
+        model=server.model, input="Hi.", max_output_tokens=1, store=False
+    )
+    for gone in (first.id, unstored.id):
+        with pytest.raises(openai.NotFoundError) as missing:
+            client.responses.retrieve(gone)
+        assert missing.value.body["param"] == "response_id"  # type: ignore[index]
+
     with pytest.raises(openai.NotFoundError) as unknown:
         client.responses.create(
             model=server.model, input="x", previous_response_id="resp_nope", max_output_tokens=1

@@ -87,3 +87,5 @@ def test_a_finished_responses_stream_is_stored_with_its_answer() -> None:
     assert final["incomplete_details"] == {"reason": "max_output_tokens"}
     # The instructions are not part of the stored conversation, as in OpenAI's API.
     assert store.get("x_1") == [ChatMessage("user", "hi"), ChatMessage("assistant", "yo")]
+    assert store.response("x_1") == final  # what GET /v1/responses/{id} answers
+    assert store.delete("x_1") and store.response("x_1") is None and not store.delete("x_1")

@@ -68,7 +68,8 @@ class ResponsesAdapter:
         if status == "incomplete":
             response["incomplete_details"] = {"reason": "max_output_tokens"}
         if self.req.store and status != "cancelled":
-            self.store.put(api_id, [*self.conversation, result.assistant_message()])
+            conversation = [*self.conversation, result.assistant_message()]
+            self.store.put(api_id, conversation, response)
         return response
 
     def _response(self, api_id: str, status: str, output: list[Any]) -> dict[str, Any]:
