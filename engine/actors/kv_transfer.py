@@ -71,8 +71,9 @@ class KvTransferActor(Actor):
         self.holds = HoldTable()
         self._pull_delay = float(os.environ.get(KV_PULL_DELAY_ENV) or 0.0)
         if self._pull_delay:
-            self.log.warning("%s is set: each pull waits %g s first", KV_PULL_DELAY_ENV,
-                             self._pull_delay)  # fmt: skip
+            self.log.warning(
+                "%s is set: each pull waits %g s first", KV_PULL_DELAY_ENV, self._pull_delay
+            )
         here = host_id(SHM_DIR)
         self._open_transfers(config, segment, here)
         self._listener = socket.create_server((config.listen_host, config.port), backlog=64)

@@ -83,7 +83,7 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds one request may take (default 600)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    return p  # fmt: skip
+    return p
 
 
 def run_replay(argv: list[str], environ: Mapping[str, str]) -> int:
@@ -111,9 +111,12 @@ def run_replay(argv: list[str], environ: Mapping[str, str]) -> int:
     if args.model is None and any(e.body.get("model") is None for e in trace.entries):
         default_model = _first_model(args.url, api_key)
     schedule = build_schedule(
-        trace.entries, speed=args.speed, limit=args.limit, model=args.model,
+        trace.entries,
+        speed=args.speed,
+        limit=args.limit,
+        model=args.model,
         default_model=default_model,
-    )  # fmt: skip
+    )
     options = ClientOptions(args.url, api_key, args.max_concurrency, args.timeout)
     results = _run_with_progress(schedule, options, show=not args.no_progress)
     report = build_report(

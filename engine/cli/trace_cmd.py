@@ -63,7 +63,7 @@ def _parser() -> argparse.ArgumentParser:
     poisson.add_argument("--output-len", type=_positive_int, required=True, help="output tokens")
     for kind in (mooncake, azure, poisson):
         _common_options(kind)
-    return p  # fmt: skip
+    return p
 
 
 def _common_options(p: argparse.ArgumentParser) -> None:
@@ -108,8 +108,11 @@ def _common_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", type=_positive_int, default=None, help="keep the first N requests")
     p.add_argument("--model", default=None, help="model name to put in every request")
     p.add_argument("--seed", type=int, default=0, help="seed of prompts and Poisson arrivals")
-    p.add_argument("--no-ignore-eos", action="store_true",
-                   help="do not send ignore_eos (outputs may then end early)")  # fmt: skip
+    p.add_argument(
+        "--no-ignore-eos",
+        action="store_true",
+        help="do not send ignore_eos (outputs may then end early)",
+    )
 
 
 def run_trace(argv: list[str], environ: Mapping[str, str]) -> int:
@@ -146,11 +149,16 @@ def run_trace(argv: list[str], environ: Mapping[str, str]) -> int:
         print(f"engine trace: {e}", file=sys.stderr)
         return 2
     for problem in result.problems[:MAX_LISTED_PROBLEMS]:
-        print(f"engine trace: {getattr(args, 'source', 'poisson')} {problem} (skipped)",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"engine trace: {getattr(args, 'source', 'poisson')} {problem} (skipped)",
+            file=sys.stderr,
+        )
     if len(result.problems) > MAX_LISTED_PROBLEMS:
-        print(f"engine trace: … and {len(result.problems) - MAX_LISTED_PROBLEMS} more malformed "
-              "lines", file=sys.stderr)  # fmt: skip
+        print(
+            f"engine trace: … and {len(result.problems) - MAX_LISTED_PROBLEMS} more malformed "
+            "lines",
+            file=sys.stderr,
+        )
     try:
         with _output(args.output) as out:
             count = write_trace(result.records, out)
@@ -159,8 +167,10 @@ def run_trace(argv: list[str], environ: Mapping[str, str]) -> int:
         return 2
     where = "stdout" if args.output == "-" else args.output
     skipped = f", {len(result.problems)} malformed skipped" if result.problems else ""
-    print(f"engine trace: wrote {count} requests to {where} ({result.rows_read} rows read"
-          f"{skipped})", file=sys.stderr)  # fmt: skip
+    print(
+        f"engine trace: wrote {count} requests to {where} ({result.rows_read} rows read{skipped})",
+        file=sys.stderr,
+    )
     return 0
 
 

@@ -39,13 +39,42 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PREFIX = "engine:"
 
 _LATENCY_BUCKETS = (
-    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
-)  # fmt: skip
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+)
 # vLLM's: 1, 2, 5 x powers of ten
 _TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(7) for m in (1, 2, 5))
 _REQUEST_BUCKETS = (
-    0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0,
-)  # fmt: skip
+    0.01,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+)
 
 
 # The engine's figures (EngineStats fields) under their metric names: (name, help, field).
@@ -55,31 +84,52 @@ _ENGINE_GAUGES = (
     ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1)", "kv_usage"),
 )
 _ENGINE_COUNTERS = (
-    ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
-     "prefix_cache_queried_tokens"),
+    (
+        "prefix_cache_queries",
+        "Prompt tokens looked up in the prefix cache",
+        "prefix_cache_queried_tokens",
+    ),
     ("prefix_cache_hits", "Prompt tokens found in the prefix cache", "prefix_cache_hit_tokens"),
     ("num_preemptions", "Sequences preempted (to be recomputed)", "num_preemptions"),
-    ("request_resubmissions", "Requests resubmitted after an actor restart",
-     "resubmitted_requests"),
-    ("stalled_stream_aborts", "Requests aborted because their client stopped reading",
-     "stalled_stream_aborts"),
+    (
+        "request_resubmissions",
+        "Requests resubmitted after an actor restart",
+        "resubmitted_requests",
+    ),
+    (
+        "stalled_stream_aborts",
+        "Requests aborted because their client stopped reading",
+        "stalled_stream_aborts",
+    ),
     ("steps", "Model steps run", "num_steps"),
-    ("spec_decode_num_drafts", "Decode steps of a sequence that verified proposed tokens",
-     "spec_decode_num_drafts"),
+    (
+        "spec_decode_num_drafts",
+        "Decode steps of a sequence that verified proposed tokens",
+        "spec_decode_num_drafts",
+    ),
     ("spec_decode_num_draft_tokens", "Proposed tokens verified", "spec_decode_num_draft_tokens"),
-    ("spec_decode_num_accepted_tokens", "Proposed tokens accepted",
-     "spec_decode_num_accepted_tokens"),
-    ("step_compute_seconds",
-     "Seconds rank 0 spent computing steps (plan taken in to result ready)",
-     "step_compute_seconds"),
+    (
+        "spec_decode_num_accepted_tokens",
+        "Proposed tokens accepted",
+        "spec_decode_num_accepted_tokens",
+    ),
+    (
+        "step_compute_seconds",
+        "Seconds rank 0 spent computing steps (plan taken in to result ready)",
+        "step_compute_seconds",
+    ),
     ("step_gaps", "Gaps between two steps of a running batch", "step_gaps"),
-    ("step_gap_seconds",
-     "Seconds the workers waited in those gaps (result ready to next plan taken in)",
-     "step_gap_seconds"),
-    ("step_gap_scheduler_seconds",
-     "The scheduler's part of the gaps (result read to next plan made)",
-     "step_gap_scheduler_seconds"),
-)  # fmt: skip
+    (
+        "step_gap_seconds",
+        "Seconds the workers waited in those gaps (result ready to next plan taken in)",
+        "step_gap_seconds",
+    ),
+    (
+        "step_gap_scheduler_seconds",
+        "The scheduler's part of the gaps (result read to next plan made)",
+        "step_gap_scheduler_seconds",
+    ),
+)
 
 
 # A loaded model's live figures as the collector reads them: its name, its stats, and the

@@ -34,7 +34,8 @@ from engine.launch.lasting_kv import (
     lasting_kv_segments,
 )
 from engine.launch.lora import lora_worker_fields
-from engine.launch.pd_plan import cache_segment, kv_transfer_parts, replica_roles
+from engine.launch.pd_plan import kv_transfer_parts, replica_roles
+from engine.launch.ranks import replica_suffix, supervisor_spec, worker_specs
 from engine.launch.sizing import (
     check_parallel,
     check_pd_device,
@@ -59,7 +60,7 @@ from engine.messages.ring_catalogue import (
     TOKENS_RING,
 )
 from engine.model.config import ModelConfig, load_model_config
-from engine.model.parallel.config import Placement, TensorParallelConfig
+from engine.model.parallel.config import Placement
 from engine.model.placement.capacity import kv_block_bytes
 from engine.model.placement.policy import (
     device_type,
@@ -74,7 +75,6 @@ from engine.runtime.child_spec import (
     ChildSpec,
     RingDecl,
     SegmentDecl,
-    Strategy,
     SupervisorSpec,
     declare_ring,
 )
@@ -82,10 +82,6 @@ from engine.scheduler.config import SchedulerConfig
 from engine.settings import Settings, resolve_home
 
 log = logging.getLogger(__name__)
-
-WORKER = "engine.actors.worker:WorkerActor"
-RELAY_WORKER = "engine.actors.tp_relay:PlanRelayWorker"
-FOLLOWER_WORKER = "engine.actors.tp_relay:PlanFollowerWorker"
 
 
 @dataclass(frozen=True)
@@ -116,11 +112,6 @@ class ChildTiming(TypedDict):
     stall_timeout: float
     stopped_timeout: float
     ready_timeout: float
-
-
-def replica_suffix(replica: int, data_parallel_size: int) -> str:
-    """What tells replica i's actors apart ("-r1"); none with a single replica."""
-    return f"-r{replica}" if data_parallel_size > 1 else ""
 
 
 def plan_engine(
@@ -203,36 +194,6 @@ def plan_engine(
     )
 
 
-def plan_worker_node(settings: Settings, model_path: str) -> tuple[SupervisorSpec, ...]:
-    """Node k > 0 of a multi-host topology: its ranks of every replica, one spec per replica.
-    They read no ring: rank 0 (on node 0) relays each plan, and tells them its KV cache size."""
-    config = load_model_config(model_path)
-    placement = check_parallel(settings, config)
-    if settings.parallel.node_rank == 0:
-        raise ValueError("parallel.node_rank 0 serves the API: run it as the engine, not a node")
-    device = resolve_device(settings.model.device)
-    worker = WorkerConfig(
-        model_path=model_path,
-        rank=0,
-        world_size=settings.parallel.tensor_parallel_size,
-        dtype=resolve_dtype(settings.model.dtype, config.torch_dtype, device),
-        device=device,
-        block_size=settings.cache.block_size,
-        kv_cache_memory=0,  # rank 0's value arrives over the group's store
-        kv_cache_dtype=settings.cache.kv_cache_dtype,  # resolved alike by each worker
-        max_model_len=max_model_len_of(settings, config),
-        **thread_fields(threads_per_rank(settings, device, placement)),
-        kernel_backend=kernel_backend_of(settings),
-        quantization=settings.model.quantization,
-        engine_home=str(resolve_home(settings)),
-    )
-    specs = []
-    for replica in range(settings.parallel.data_parallel_size):
-        workers = _worker_specs(settings, placement, replica, worker)
-        specs.append(_supervisor_spec(settings, tuple(workers), ()))
-    return tuple(specs)
-
-
 def _replica_spec(
     settings: Settings,
     placement: Placement,
@@ -246,7 +207,7 @@ def _replica_spec(
     suffix = replica_suffix(replica, num_replicas)
     moves_kv = role != "both"
     keeps_kv = kv_outlives_workers(worker.device, placement)
-    workers = _worker_specs(settings, placement, replica, worker, moves_kv or keeps_kv)
+    workers = worker_specs(settings, placement, replica, worker, moves_kv or keeps_kv)
     if moves_kv:
         scheduler = msgspec.structs.replace(
             scheduler,
@@ -271,13 +232,20 @@ def _replica_spec(
         )
     if moves_kv:
         transfers, kv_rings, cache_segments = kv_transfer_parts(
-            settings, config, worker.kv_cache_dtype, worker.block_size, scheduler.num_blocks,
-            replica, suffix, sched, [w.name for w in workers],
-        )  # fmt: skip
+            settings,
+            config,
+            worker.kv_cache_dtype,
+            worker.block_size,
+            scheduler.num_blocks,
+            replica,
+            suffix,
+            sched,
+            [w.name for w in workers],
+        )
         children = (*children, *transfers)
         rings += kv_rings
         segments += cache_segments
-    return _supervisor_spec(settings, children, tuple(rings), tuple(segments))
+    return supervisor_spec(settings, children, tuple(rings), tuple(segments))
 
 
 def _pipeline_specs(
@@ -356,77 +324,3 @@ def _pipeline_rings(
         # Rank 0 tells the other ranks of this host the port it bound (fresh at each restart).
         rings.append(declare_ring(RENDEZVOUS_RING, rank0, workers[1:]))
     return rings
-
-
-def _worker_specs(
-    settings: Settings,
-    placement: Placement,
-    replica: int,
-    worker: WorkerConfig,
-    kv_in_segments: bool = False,
-) -> list[ChildSpec]:
-    """This host's ranks of one replica, one group (they restart together: one_for_all).
-    `kv_in_segments`: each rank's KV cache lives in its segment of the run (lasting_kv.py)."""
-    parallel = settings.parallel
-    tp = parallel.tensor_parallel_size
-    suffix = replica_suffix(replica, len(replica_roles(settings)))
-    spans_hosts = placement.nnodes > 1
-    port = parallel.master_port + replica if parallel.master_port else 0
-    runtime = settings.runtime
-    specs = []
-    for local_rank, rank in enumerate(placement.ranks_on(parallel.node_rank)):
-        group_config = None
-        if tp > 1:
-            group_config = TensorParallelConfig(
-                rank=rank,
-                size=tp,
-                master_addr=parallel.master_addr,
-                master_port=port,
-                relay_plans=spans_hosts,
-                local_rank=replica * placement.ranks_per_node + local_rank,
-                timeout_s=runtime.start_timeout,
-                collective_timeout_s=parallel.collective_timeout,
-            )
-        entry = WORKER
-        if spans_hosts:
-            entry = RELAY_WORKER if rank == 0 else FOLLOWER_WORKER
-        config = msgspec.structs.replace(
-            worker,
-            rank=rank,
-            tensor_parallel=group_config,
-            kv_cache_segment=cache_segment(rank) if kv_in_segments else "",
-        )
-        specs.append(
-            ChildSpec(
-                name=f"worker{rank}{suffix}",
-                entry=entry,
-                role=Role.WORKER,
-                group=f"workers{suffix}",
-                config=msgspec.msgpack.encode(config),
-                heartbeat_interval=runtime.heartbeat_interval,
-                heartbeat_timeout=runtime.heartbeat_timeout,
-                stall_timeout=runtime.stall_timeout,
-                stopped_timeout=runtime.stopped_timeout,
-                ready_timeout=runtime.start_timeout,
-            )
-        )
-    return specs
-
-
-def _supervisor_spec(
-    settings: Settings,
-    children: tuple[ChildSpec, ...],
-    rings: tuple[RingDecl, ...],
-    segments: tuple[SegmentDecl, ...] = (),
-) -> SupervisorSpec:
-    runtime = settings.runtime
-    return SupervisorSpec(
-        children=children,
-        rings=rings,
-        segments=segments,
-        strategy=Strategy.ONE_FOR_ONE,
-        max_restarts=runtime.restart_intensity,
-        max_seconds=runtime.restart_period,
-        log_level=runtime.log_level.upper(),
-        spares=runtime.spare_processes,
-    )

@@ -1,7 +1,7 @@
 """`python -m engine --nnodes N --node-rank K ...` with K > 0: a host that only runs worker ranks.
 
 Node 0 is the engine (API, gateway, schedulers, rank 0 of every replica). Node K runs its share
-of every replica's TP ranks (engine/launch/plan.py: `plan_worker_node`), one supervisor per replica
+of every replica's TP ranks (engine/launch/ranks.py: `plan_worker_node`), one supervisor per replica
 as on node 0, and serves nothing else: its ranks join rank 0's process group at
 master_addr:master_port (+ replica index) and run the plans rank 0 relays over it. Every launch
 takes the same model and parallel flags.
@@ -22,7 +22,7 @@ from typing import Any
 import uvloop
 
 from engine.launch.model_source import model_directory
-from engine.launch.plan import plan_worker_node
+from engine.launch.ranks import plan_worker_node
 from engine.runtime.shm_space import ShmSpaceError, require_shm_space
 from engine.runtime.supervisor import Supervisor
 from engine.settings import Settings, resolve_home

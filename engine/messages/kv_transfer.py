@@ -79,8 +79,16 @@ class KvLayout(msgspec.Struct, frozen=True, omit_defaults=True):
 
     def mismatch(self, other: KvLayout) -> str | None:
         """What differs between two ends of a transfer (rank for rank), or None."""
-        for field in ("model", "num_layers", "num_kv_heads", "head_dim", "block_size", "dtype",
-                      "tp_size", "tp_rank"):  # fmt: skip
+        for field in (
+            "model",
+            "num_layers",
+            "num_kv_heads",
+            "head_dim",
+            "block_size",
+            "dtype",
+            "tp_size",
+            "tp_rank",
+        ):
             mine, theirs = getattr(self, field), getattr(other, field)
             if mine != theirs:
                 return f"KV layout mismatch: {field} is {mine!r} here but {theirs!r} at the peer"

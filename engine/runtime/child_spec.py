@@ -123,8 +123,9 @@ class SupervisorSpec(msgspec.Struct, frozen=True, kw_only=True):
         for ring in self.rings:
             _validate_ring(ring, parties)
         segment_names = [segment.name for segment in self.segments]
-        _require(len(set(segment_names)) == len(segment_names), "segment names", segment_names,
-                 "unique")  # fmt: skip
+        _require(
+            len(set(segment_names)) == len(segment_names), "segment names", segment_names, "unique"
+        )
         for segment in self.segments:
             _validate_segment(segment, set(names))
         strategies = " | ".join(f"Strategy.{s.name}" for s in Strategy)

@@ -43,6 +43,7 @@ from engine.messages.kv_transfer import (
 from engine.messages.scheduling import SubmitRequest
 from engine.scheduler.kv_pulls import KvPulls
 from engine.scheduler.kv_tally import KvEndpoints, KvTransferFigures, Outcome, RankTally
+from engine.scheduler.requests import SequenceState
 
 # Held blocks may take at most this share of the KV pool. A hold pins its blocks until a puller
 # acknowledges it or its deadline passes, and any client of a prefill instance can ask for one
@@ -224,6 +225,22 @@ class KvTransfer:
             "kv_blocks_from_cache": figures.blocks_from_cache,
             "kv_refused_connections": figures.refused_connections,
         }
+
+    def hand_off(self, seq: SequenceState, reason: str | None) -> KvSource | None:
+        """Hold a prompt's KV for a decode instance (P/D) once its first token is out; the
+        source to give the client (None: nothing goes on, or no hold could be made)."""
+        if seq.num_output_tokens != 1:
+            return None
+        if seq.request.kv_handoff == "continue" and reason is not None:
+            return None  # it ends here: nothing goes on
+        request = seq.request
+        return self.holds.hand_off(
+            request.request_id,
+            request.epoch,
+            seq.block_table.block_ids,
+            request.prompt_token_ids,
+            request.kv_salt,
+        )
 
     def take_orders(self) -> list[KvOrder]:
         orders = list(self.orders)

@@ -115,8 +115,10 @@ class KvPulls:
         if not self._kv.enable_prefix_caching:
             return "pulled KV needs the prefix cache, which is off here"
         if len(source.endpoints) != self._num_ranks:
-            return (f"the source has {len(source.endpoints)} tensor-parallel ranks, this "
-                    f"instance {self._num_ranks}")  # fmt: skip
+            return (
+                f"the source has {len(source.endpoints)} tensor-parallel ranks, this "
+                f"instance {self._num_ranks}"
+            )
         if source.num_tokens > len(submit.prompt_token_ids):
             return f"the source holds {source.num_tokens} tokens of a shorter prompt"
         ours = self._endpoints.by_rank.get(0)
@@ -124,8 +126,7 @@ class KvPulls:
             return "this instance's kv_transfer actors have not announced themselves yet"
         mismatch = ours.layout.mismatch(source.layout)
         if mismatch is None and source.num_tokens != len(source.block_ids) * self._kv.block_size:
-            return (f"the source names {len(source.block_ids)} blocks for "
-                    f"{source.num_tokens} tokens")  # fmt: skip
+            return f"the source names {len(source.block_ids)} blocks for {source.num_tokens} tokens"
         return mismatch
 
     def pulled(self, event: BlocksPulled) -> list[SubmitRequest]:
@@ -158,8 +159,11 @@ class KvPulls:
         for tid, pull in list(self._pulls.items()):
             if not pull.admitted and now >= pull.deadline:
                 pull.errors.append("the pull timed out")
-                log.warning("request %s computes its prompt: the pull of %s timed out",
-                            pull.submit.request_id, tid)  # fmt: skip
+                log.warning(
+                    "request %s computes its prompt: the pull of %s timed out",
+                    pull.submit.request_id,
+                    tid,
+                )
                 admit = self._fall_back(pull)
                 if admit is not None:
                     ready.append(admit)
@@ -206,8 +210,12 @@ class KvPulls:
         if outcome is Outcome.FAILED:
             pull.errors.append(pull.tally.first_error())
             if not pull.admitted:
-                log.warning("request %s computes its prompt: the pull of %s failed: %s",
-                            pull.submit.request_id, tid, pull.errors[-1])  # fmt: skip
+                log.warning(
+                    "request %s computes its prompt: the pull of %s failed: %s",
+                    pull.submit.request_id,
+                    tid,
+                    pull.errors[-1],
+                )
             admit = self._fall_back(pull)
         if pull.tally.all_reported:
             self._drop(tid)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import msgspec
 
@@ -16,10 +17,13 @@ from engine.scheduler.requests import Request
 def scheduler_stats(
     kv: BlockManager,
     planner: BatchPlanner,
-    num_requests: int,
-    num_steps: int,
+    counts: tuple[int, int],
     kv_transfer: KvTransfer | None,
+    speculation: Mapping[str, Any],
 ) -> SchedulerStats:
+    """The figures of a scheduler: its KV cache and batch, `counts` (requests, steps), P/D's
+    holds and pulls, and speculation's tally (SpeculationTally.figures)."""
+    num_requests, num_steps = counts
     stats = SchedulerStats(
         num_running=len(planner.running),
         num_waiting=len(planner.waiting),
@@ -33,9 +37,8 @@ def scheduler_stats(
         num_preemptions=planner.num_preemptions,
         num_steps=num_steps,
     )
-    if kv_transfer is not None:
-        stats = msgspec.structs.replace(stats, **kv_transfer.stats())
-    return stats
+    extra = {**(kv_transfer.stats() if kv_transfer is not None else {}), **speculation}
+    return msgspec.structs.replace(stats, **extra) if extra else stats
 
 
 def request_statuses(requests: Iterable[Request], now: float) -> list[RequestStatus]:

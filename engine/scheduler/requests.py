@@ -43,11 +43,29 @@ ENTRY_BYTES = 32  # the fixed fields of one NewRequest, NewSeq or PlannedChunk
 
 
 class Request:
-    __slots__ = ("announcement_bytes", "arrival", "epoch", "first_reported", "first_scheduled",
-                 "key", "known_to_workers", "kv_handoff", "kv_salt", "num_cached_tokens",
-                 "num_preemptions", "params", "priority",
-                 "prompt_scores", "prompt_token_ids", "request_id", "samples", "seed",
-                 "tenant", "weight", "worker_params")  # fmt: skip
+    __slots__ = (
+        "announcement_bytes",
+        "arrival",
+        "epoch",
+        "first_reported",
+        "first_scheduled",
+        "key",
+        "known_to_workers",
+        "kv_handoff",
+        "kv_salt",
+        "num_cached_tokens",
+        "num_preemptions",
+        "params",
+        "priority",
+        "prompt_scores",
+        "prompt_token_ids",
+        "request_id",
+        "samples",
+        "seed",
+        "tenant",
+        "weight",
+        "worker_params",
+    )
 
     def __init__(
         self,
@@ -134,10 +152,23 @@ class Request:
 class SequenceState:
     """One sample of a request: prompt + generated tokens, and how much of it has KV."""
 
-    __slots__ = ("block_size", "block_table", "blocks_sent", "hash_chain", "index",
-                 "known_to_workers", "last_planned", "needs_announce", "num_computed_tokens",
-                 "num_prompt_tokens", "request", "seed", "seq_id", "status",
-                 "token_ids")  # fmt: skip
+    __slots__ = (
+        "block_size",
+        "block_table",
+        "blocks_sent",
+        "hash_chain",
+        "index",
+        "known_to_workers",
+        "last_planned",
+        "needs_announce",
+        "num_computed_tokens",
+        "num_prompt_tokens",
+        "request",
+        "seed",
+        "seq_id",
+        "status",
+        "token_ids",
+    )
 
     def __init__(
         self,

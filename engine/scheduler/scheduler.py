@@ -18,7 +18,6 @@ import msgspec
 from engine.kv.cache.block_manager import BlockManager
 from engine.kv.cache.prefix_index import PrefixIndex
 from engine.messages.failures import RequestFailed
-from engine.messages.kv_transfer import KvSource
 from engine.messages.scheduling import (
     RequestStatus,
     SampleDelta,
@@ -104,8 +103,12 @@ class Scheduler:
         existing = self._requests.get(submit.request_id)
         if existing is not None:
             if submit.epoch <= existing.epoch:
-                log.warning("ignoring request %s epoch %d: epoch %d is already queued",
-                            submit.request_id, submit.epoch, existing.epoch)  # fmt: skip
+                log.warning(
+                    "ignoring request %s epoch %d: epoch %d is already queued",
+                    submit.request_id,
+                    submit.epoch,
+                    existing.epoch,
+                )
                 return None
             self._drop_request(existing)
         reason = rejection_reason(
@@ -323,8 +326,12 @@ class Scheduler:
                 scored.request.add_prompt_scores(scores)
         logprobs = result.logprobs
         if logprobs is not None and len(logprobs) != len(result.seq_ids):
-            log.warning("step %d: %d logprobs for %d tokens; dropping them",
-                        result.step_id, len(logprobs), len(result.seq_ids))  # fmt: skip
+            log.warning(
+                "step %d: %d logprobs for %d tokens; dropping them",
+                result.step_id,
+                len(logprobs),
+                len(result.seq_ids),
+            )
             logprobs = None
         for position, seq_id in enumerate(result.seq_ids):
             sampled = self._seqs.get(seq_id)
@@ -333,25 +340,14 @@ class Scheduler:
             seq = sampled
             seq.token_ids.append(result.token_ids[position])
             reason = finish_reason(seq, self._eos_token_ids, *self._length_limits)
-            handoff = self._hand_off(seq, reason) if seq.request.kv_handoff else None
+            kv = self.kv_transfer
+            handoff = kv.hand_off(seq, reason) if kv and seq.request.kv_handoff else None
             items.append(
                 sample_delta(seq, result, position, logprobs, reason, handoff, self.clock())
             )
             if reason is not None or handoff is not None:
                 self._retire(seq)
         return TokenBatch(items)
-
-    def _hand_off(self, seq: SequenceState, reason: str | None) -> KvSource | None:
-        """Hold the prompt's KV for a decode instance (P/D), after the first token only."""
-        if self.kv_transfer is None or seq.num_output_tokens != 1:
-            return None
-        if seq.request.kv_handoff == "continue" and reason is not None:
-            return None  # it ends here: nothing goes on
-        request = seq.request
-        return self.kv_transfer.holds.hand_off(
-            request.request_id, request.epoch, seq.block_table.block_ids,
-            request.prompt_token_ids, request.kv_salt,
-        )  # fmt: skip
 
     def take_outputs(self) -> TokenBatch | None:
         """Finishes decided outside a step (by `add`), if any; `update` includes them too."""
@@ -371,11 +367,9 @@ class Scheduler:
         return list(self._requests)
 
     def stats(self) -> SchedulerStats:
-        stats = scheduler_stats(self.kv, self.planner, len(self._requests), self.num_steps,
-                                self.kv_transfer)  # fmt: skip
-        if self.speculator is not None:
-            stats = msgspec.structs.replace(stats, **self.speculator.tally.figures())
-        return stats
+        speculation = self.speculator.tally.figures() if self.speculator is not None else {}
+        counts = (len(self._requests), self.num_steps)
+        return scheduler_stats(self.kv, self.planner, counts, self.kv_transfer, speculation)
 
     def request_statuses(self) -> list[RequestStatus]:
         return request_statuses(self._requests.values(), self.clock())

@@ -98,42 +98,54 @@ def kv_transfer_problems(settings: object) -> list[tuple[str, str]]:
     one_launch = kv.prefill_replicas or kv.decode_replicas
     if one_launch and not (kv.prefill_replicas and kv.decode_replicas):
         missing, given = ("decode", "prefill") if kv.prefill_replicas else ("prefill", "decode")
-        problems.append((
-            f"kv_transfer.{missing}_replicas",
-            f"must be at least 1 when kv_transfer.{given}_replicas is set (one-launch P/D needs "
-            f"both roles), got 0",
-        ))  # fmt: skip
+        problems.append(
+            (
+                f"kv_transfer.{missing}_replicas",
+                f"must be at least 1 when kv_transfer.{given}_replicas is set (one-launch P/D "
+                f"needs both roles), got 0",
+            )
+        )
     if one_launch and kv.role != "both":
-        problems.append((
-            "kv_transfer.role",
-            f"must be both with kv_transfer.prefill_replicas/decode_replicas (one launch runs "
-            f"both roles), got {kv.role}",
-        ))  # fmt: skip
+        problems.append(
+            (
+                "kv_transfer.role",
+                f"must be both with kv_transfer.prefill_replicas/decode_replicas (one launch runs "
+                f"both roles), got {kv.role}",
+            )
+        )
     if one_launch and parallel.data_parallel_size != 1:
-        problems.append((
-            "parallel.data_parallel_size",
-            f"must be 1 with kv_transfer.prefill_replicas/decode_replicas (they set the "
-            f"replicas), got {parallel.data_parallel_size}",
-        ))  # fmt: skip
+        problems.append(
+            (
+                "parallel.data_parallel_size",
+                f"must be 1 with kv_transfer.prefill_replicas/decode_replicas (they set the "
+                f"replicas), got {parallel.data_parallel_size}",
+            )
+        )
     disaggregated = one_launch or kv.role != "both"
     if disaggregated and parallel.nnodes != 1:
-        problems.append((
-            "parallel.nnodes",
-            f"must be 1 with P/D disaggregation (an instance's ranks on one host), got "
-            f"{parallel.nnodes}",
-        ))  # fmt: skip
+        problems.append(
+            (
+                "parallel.nnodes",
+                f"must be 1 with P/D disaggregation (an instance's ranks on one host), got "
+                f"{parallel.nnodes}",
+            )
+        )
     for peer in kv.peers:
         if "/" in peer and not _is_network(peer):
-            problems.append((
-                "kv_transfer.peers",
-                f"{peer!r} is neither a host nor a network such as 10.244.0.0/16",
-            ))  # fmt: skip
+            problems.append(
+                (
+                    "kv_transfer.peers",
+                    f"{peer!r} is neither a host nor a network such as 10.244.0.0/16",
+                )
+            )
     if disaggregated and not settings.cache.enable_prefix_caching:  # type: ignore[attr-defined]
-        problems.append((
-            "cache.enable_prefix_caching",
-            "must be true with P/D disaggregation (pulled KV blocks enter the decode side's "
-            "prefix cache), got false",
-        ))  # fmt: skip
+        problems.append(
+            (
+                "cache.enable_prefix_caching",
+                "must be true with P/D disaggregation (pulled KV blocks enter the decode side's "
+                "prefix cache), got false",
+            )
+        )
     return problems
 
 

@@ -94,18 +94,22 @@ def lora_problems(settings: object) -> list[tuple[str, str]]:
     problems = []
     parallel = settings.parallel  # type: ignore[attr-defined]
     if parallel.tensor_parallel_size != 1:
-        problems.append((
-            "lora.enable_lora",
-            f"LoRA adapters are not supported with tensor parallelism (tensor_parallel_size "
-            f"{parallel.tensor_parallel_size}); use 1",
-        ))  # fmt: skip
+        problems.append(
+            (
+                "lora.enable_lora",
+                f"LoRA adapters are not supported with tensor parallelism (tensor_parallel_size "
+                f"{parallel.tensor_parallel_size}); use 1",
+            )
+        )
     kv = settings.kv_transfer  # type: ignore[attr-defined]
     if kv.role != "both" or kv.prefill_replicas or kv.decode_replicas:
-        problems.append((
-            "lora.enable_lora",
-            "LoRA adapters are not supported with P/D disaggregation (KV handed between "
-            "instances carries no adapter)",
-        ))  # fmt: skip
+        problems.append(
+            (
+                "lora.enable_lora",
+                "LoRA adapters are not supported with P/D disaggregation (KV handed between "
+                "instances carries no adapter)",
+            )
+        )
     names: set[str] = set()
     for text in lora.lora_modules:
         try:

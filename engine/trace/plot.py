@@ -37,13 +37,22 @@ def plot_replay(
     grid = fig.add_gridspec(2, 6, height_ratios=[1, 1.3])
     cdf_axes = [fig.add_subplot(grid[0, 2 * i : 2 * i + 2]) for i in range(3)]
     series = (
-        ("time to first token", [r.ttft for r in ok if r.ttft is not None],
-         [r.ttft for r in recorded_ok if r.ttft is not None]),
-        ("inter-token latency", [g for r in ok for g in r.itls],
-         [g for r in recorded_ok for g in recorded_itls(r)]),
-        ("end-to-end latency", [r.e2e for r in ok],
-         [r.e2e for r in recorded_ok if r.e2e is not None]),
-    )  # fmt: skip
+        (
+            "time to first token",
+            [r.ttft for r in ok if r.ttft is not None],
+            [r.ttft for r in recorded_ok if r.ttft is not None],
+        ),
+        (
+            "inter-token latency",
+            [g for r in ok for g in r.itls],
+            [g for r in recorded_ok for g in recorded_itls(r)],
+        ),
+        (
+            "end-to-end latency",
+            [r.e2e for r in ok],
+            [r.e2e for r in recorded_ok if r.e2e is not None],
+        ),
+    )
     for ax, (name, replayed, recorded) in zip(cdf_axes, series, strict=True):
         _cdf(ax, replayed, "replay", REPLAY_COLOR)
         _cdf(ax, recorded, "recording", RECORDED_COLOR)

@@ -69,8 +69,10 @@ def measure_ttft(server: Server, page: ChatPage, runs: int) -> list[tuple[float,
 def report(pairs: list[tuple[float, float]]) -> None:
     print("run  page TTFT ms  server TTFT ms  page - server ms  page / server")
     for i, (page_ms, server_ms) in enumerate(pairs):
-        print(f"{i:3d}  {page_ms:11.1f}  {server_ms:14.1f}  {page_ms - server_ms:16.1f}  "
-              f"{page_ms / server_ms:13.2f}")  # fmt: skip
+        print(
+            f"{i:3d}  {page_ms:11.1f}  {server_ms:14.1f}  {page_ms - server_ms:16.1f}  "
+            f"{page_ms / server_ms:13.2f}"
+        )
     page_ms = statistics.median(p for p, _ in pairs)
     server_ms = statistics.median(s for _, s in pairs)
     gaps = statistics.median(p - s for p, s in pairs)
@@ -89,8 +91,10 @@ def restart_mid_answer(server: Server, page: ChatPage, out: Path) -> None:
     page.driver.save_screenshot(str(out / "chat_page_restart.png"))
     answer = page.wait_answer_state("done", "error", "stopped")
     stored = page.stored_chats()[0]["messages"][-1]
-    print(f"answer across the worker's restart: {answer.get_attribute('data-state')}, "
-          f"{stored['tokens']} of 200 tokens")  # fmt: skip
+    print(
+        f"answer across the worker's restart: {answer.get_attribute('data-state')}, "
+        f"{stored['tokens']} of 200 tokens"
+    )
 
 
 def main() -> int:

@@ -43,17 +43,27 @@ def model_args(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
 def server_args(model_args: list[str], socket: Path | None, *extra: str) -> list[str]:
     args = [
         *model_args,
-        "--host", "127.0.0.1",
-        "--port", "0",
-        "--device", "cpu",
-        "--api-key", API_KEY,
-        "--max-model-len", str(MAX_MODEL_LEN),
-        "--max-num-seqs", str(MAX_NUM_SEQS),
-        "--max-queued-samples", str(MAX_QUEUED),
-        "--max-request-bytes", str(MAX_REQUEST_BYTES),
-        "--kv-cache-memory", "16MiB",
-        "--drain-timeout", "30",
-    ]  # fmt: skip
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--device",
+        "cpu",
+        "--api-key",
+        API_KEY,
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--max-num-seqs",
+        str(MAX_NUM_SEQS),
+        "--max-queued-samples",
+        str(MAX_QUEUED),
+        "--max-request-bytes",
+        str(MAX_REQUEST_BYTES),
+        "--kv-cache-memory",
+        "16MiB",
+        "--drain-timeout",
+        "30",
+    ]
     if socket is not None:
         args += ["--admin.socket", str(socket)]
     return [*args, *extra]

@@ -40,14 +40,27 @@ def error_of(resp: httpx.Response, status: int) -> dict[str, Any]:
         ("/v1/completions", b'{"prompt": "x", "top_p": 7}', "top_p", "(0, 1]"),
         ("/v1/completions", b'{"prompt": "x", "n": -1}', "n", ">= 1"),
         ("/v1/completions", b'{"max_tokens": 3}', "prompt", "missing"),
-        ("/v1/chat/completions", b'{"messages": [{"role": "bot", "content": "x"}]}',
-         "messages[0].role", "user"),
-        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": 1}]}',
-         "messages[0].content", ""),
-        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], '
-         b'"logprobs": true, "top_logprobs": 99}', "top_logprobs", "[0, 20]"),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "bot", "content": "x"}]}',
+            "messages[0].role",
+            "user",
+        ),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": 1}]}',
+            "messages[0].content",
+            "",
+        ),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "x"}], '
+            b'"logprobs": true, "top_logprobs": 99}',
+            "top_logprobs",
+            "[0, 20]",
+        ),
     ],
-)  # fmt: skip
+)
 def test_malformed_or_out_of_range_is_400_naming_the_field(
     server: Server, path: str, raw: bytes, param: str | None, fragment: str
 ) -> None:

@@ -120,16 +120,25 @@ def roomy_server(
     that what carries them between actors is what gets tested)."""
     work = tmp_path_factory.mktemp("roomy")
     extra = [
-        "--max-request-bytes", "8MiB",
-        "--max-queued-samples", "64",
-        "--limits.max_prompt_chars_per_token", "4096",
-        "--runtime.heartbeat_interval", "0.25",
-        "--runtime.heartbeat_timeout", "1.5",
-        "--server.stream_buffer", "4",
-        "--server.stalled_stream_timeout", str(STALLED_STREAM_TIMEOUT_S),
-        "--limits.max_stop_strings", "30000",
-        "--limits.max_stop_chars", "4000000",
-    ]  # fmt: skip
+        "--max-request-bytes",
+        "8MiB",
+        "--max-queued-samples",
+        "64",
+        "--limits.max_prompt_chars_per_token",
+        "4096",
+        "--runtime.heartbeat_interval",
+        "0.25",
+        "--runtime.heartbeat_timeout",
+        "1.5",
+        "--server.stream_buffer",
+        "4",
+        "--server.stalled_stream_timeout",
+        str(STALLED_STREAM_TIMEOUT_S),
+        "--limits.max_stop_strings",
+        "30000",
+        "--limits.max_stop_chars",
+        "4000000",
+    ]
     args = server_args(model_args, work / "admin.sock", *extra)
     with served(args, work, hold_env(), name="roomy") as srv:
         yield srv
@@ -176,10 +185,16 @@ def test_a_client_that_stops_reading_has_its_request_aborted(roomy_server: Serve
     Held (tests/holds.py), the request would run 20 s on any host if nothing stopped it."""
     before = restarts(roomy_server)
     samples, max_tokens = 8, 1000
-    body = json.dumps({
-        "prompt": "hi" + HOLD_TEXT, "stream": True, "n": samples, "max_tokens": max_tokens,
-        "ignore_eos": True, "logprobs": 20,
-    }).encode()  # fmt: skip
+    body = json.dumps(
+        {
+            "prompt": "hi" + HOLD_TEXT,
+            "stream": True,
+            "n": samples,
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "logprobs": 20,
+        }
+    ).encode()
     host, port = httpx.URL(roomy_server.url).host, httpx.URL(roomy_server.url).port
     generated = 0  # the most tokens the request was seen to have, all samples together
 

@@ -76,38 +76,92 @@ def number(value: int) -> bytes:
     [
         ("/v1/completions", b'{"prompt": "caf\xe9 \xff"}', "prompt", ["UTF-8"]),
         ("/v1/completions", b'{"prompt": "x", "extra": "\xc3"}', "extra", ["UTF-8"]),
-        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\xed\xa0\x80"}]}',
-         "messages", ["UTF-8"]),
-        ("/v1/completions", b'{"prompt": "x", "deep": ' + b"[" * 10_000 + b"]" * 10_000 + b"}",
-         "deep", ["deep", "nests"]),
-        ("/v1/chat/completions", b'{"messages": [], "deep": ' + b'{"a":' * 5_000 + b"1"
-         + b"}" * 5_000 + b"}", "deep", ["nests"]),
-        ("/v1/completions", b'{"prompt": "x", "seed": ' + number(HUGE) + b"}", "seed",
-         ["seed", str(INT64[0]), str(INT64[1])]),
-        ("/v1/completions", b'{"prompt": "x", "seed": ' + number(-HUGE) + b"}", "seed",
-         ["seed", str(INT64[0]), str(INT64[1])]),
-        ("/v1/completions", b'{"prompt": "x", "max_tokens": ' + number(HUGE) + b"}",
-         "max_tokens", ["max_tokens", str(2**31 - 1)]),
-        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], '
-         b'"max_completion_tokens": ' + number(HUGE) + b"}", "max_completion_tokens",
-         [str(2**31 - 1)]),
-        ("/v1/completions", b'{"prompt": "x", "stop_token_ids": [2, ' + number(HUGE) + b"]}",
-         "stop_token_ids[1]", ["[0, 2147483647]"]),
-        ("/v1/completions", b'{"prompt": "x", "stop_token_ids": [-1]}', "stop_token_ids[0]",
-         ["[0, 2147483647]"]),
-        ("/v1/completions", b'{"prompt": [[1, 2], [' + number(HUGE) + b"]]}", "prompt[1][0]",
-         ["[0, 2147483647]"]),
-        ("/v1/completions", b'{"prompt": "x", "top_k": ' + number(HUGE) + b"}", "top_k",
-         [str(2**31 - 1)]),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "\xed\xa0\x80"}]}',
+            "messages",
+            ["UTF-8"],
+        ),
+        (
+            "/v1/completions",
+            b'{"prompt": "x", "deep": ' + b"[" * 10_000 + b"]" * 10_000 + b"}",
+            "deep",
+            ["deep", "nests"],
+        ),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [], "deep": ' + b'{"a":' * 5_000 + b"1" + b"}" * 5_000 + b"}",
+            "deep",
+            ["nests"],
+        ),
+        (
+            "/v1/completions",
+            b'{"prompt": "x", "seed": ' + number(HUGE) + b"}",
+            "seed",
+            ["seed", str(INT64[0]), str(INT64[1])],
+        ),
+        (
+            "/v1/completions",
+            b'{"prompt": "x", "seed": ' + number(-HUGE) + b"}",
+            "seed",
+            ["seed", str(INT64[0]), str(INT64[1])],
+        ),
+        (
+            "/v1/completions",
+            b'{"prompt": "x", "max_tokens": ' + number(HUGE) + b"}",
+            "max_tokens",
+            ["max_tokens", str(2**31 - 1)],
+        ),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "x"}], '
+            b'"max_completion_tokens": ' + number(HUGE) + b"}",
+            "max_completion_tokens",
+            [str(2**31 - 1)],
+        ),
+        (
+            "/v1/completions",
+            b'{"prompt": "x", "stop_token_ids": [2, ' + number(HUGE) + b"]}",
+            "stop_token_ids[1]",
+            ["[0, 2147483647]"],
+        ),
+        (
+            "/v1/completions",
+            b'{"prompt": "x", "stop_token_ids": [-1]}',
+            "stop_token_ids[0]",
+            ["[0, 2147483647]"],
+        ),
+        (
+            "/v1/completions",
+            b'{"prompt": [[1, 2], [' + number(HUGE) + b"]]}",
+            "prompt[1][0]",
+            ["[0, 2147483647]"],
+        ),
+        (
+            "/v1/completions",
+            b'{"prompt": "x", "top_k": ' + number(HUGE) + b"}",
+            "top_k",
+            [str(2**31 - 1)],
+        ),
         ("/v1/completions", b'{"prompt": "x", "n": ' + number(HUGE) + b"}", "n", ["2147483647"]),
     ],
     ids=[
-        "utf8-prompt", "utf8-unknown-field", "utf8-chat-content", "deep-arrays", "deep-objects",
-        "seed-huge", "seed-negative-huge", "max_tokens-huge", "max_completion_tokens-huge",
-        "stop_token_ids-huge", "stop_token_ids-negative", "prompt-token-id-huge", "top_k-huge",
+        "utf8-prompt",
+        "utf8-unknown-field",
+        "utf8-chat-content",
+        "deep-arrays",
+        "deep-objects",
+        "seed-huge",
+        "seed-negative-huge",
+        "max_tokens-huge",
+        "max_completion_tokens-huge",
+        "stop_token_ids-huge",
+        "stop_token_ids-negative",
+        "prompt-token-id-huge",
+        "top_k-huge",
         "n-huge",
     ],
-)  # fmt: skip
+)
 def test_malformed_input_is_400_naming_the_field_without_internals(
     unharmed: Server, path: str, raw: bytes, param: str, fragments: list[str]
 ) -> None:
@@ -182,8 +236,19 @@ CHAT = st.fixed_dictionaries(
     {"messages": st.lists(MESSAGE, min_size=1, max_size=3), "max_tokens": st.integers(1, 4)},
     optional={**SHARED, "logprobs": st.booleans(), "top_logprobs": st.integers(0, 5)},
 )
-FIELDS = sorted({*SHARED, "prompt", "messages", "max_tokens", "max_completion_tokens",
-                 "logprobs", "top_logprobs", "echo", "model"})  # fmt: skip
+FIELDS = sorted(
+    {
+        *SHARED,
+        "prompt",
+        "messages",
+        "max_tokens",
+        "max_completion_tokens",
+        "logprobs",
+        "top_logprobs",
+        "echo",
+        "model",
+    }
+)
 MUTATION = (
     st.tuples(st.just("set"), st.sampled_from(FIELDS), JUNK)
     | st.tuples(st.just("drop"), st.sampled_from(FIELDS), st.none())
@@ -247,13 +312,17 @@ def guarded(model_args: list[str], tmp_path_factory: pytest.TempPathFactory) -> 
     args = server_args(
         model_args,
         work / "admin.sock",
-        "--server.header_timeout", str(HEADER_TIMEOUT_S),
-        "--server.body_timeout", str(BODY_TIMEOUT_S),
-        "--server.max_connections", str(MAX_CONNECTIONS),
+        "--server.header_timeout",
+        str(HEADER_TIMEOUT_S),
+        "--server.body_timeout",
+        str(BODY_TIMEOUT_S),
+        "--server.max_connections",
+        str(MAX_CONNECTIONS),
         # Every client here is this test, on 127.0.0.1: the per-client cap is
         # tests/unit/test_connection_guards.py's to show.
-        "--server.max_connections_per_client", str(MAX_CONNECTIONS - 1),
-    )  # fmt: skip
+        "--server.max_connections_per_client",
+        str(MAX_CONNECTIONS - 1),
+    )
     with served(args, work, name="guarded") as srv:
         yield srv
 

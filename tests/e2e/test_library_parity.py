@@ -45,9 +45,14 @@ def test_seeded_samples_equal_the_library_api(
     client: openai.OpenAI, server: Server, llm: LLM
 ) -> None:
     served = client.completions.create(
-        model=server.model, prompt=PROMPT, max_tokens=16, temperature=0.9, top_p=0.95,
-        seed=1234, n=2,
-    )  # fmt: skip
+        model=server.model,
+        prompt=PROMPT,
+        max_tokens=16,
+        temperature=0.9,
+        top_p=0.95,
+        seed=1234,
+        n=2,
+    )
     # The fields the request leaves unset take the model's defaults in both (vLLM's idiom).
     params = msgspec.structs.replace(
         llm.get_default_sampling_params(),

@@ -39,12 +39,17 @@ CANDIDATE_PROMPTS = [[5 + 13 * i + k for k in range(9)] for i in range(12)]
 
 def topology_flags(node_rank: int, port: int) -> list[str]:
     return [
-        "--tp", "2",
-        "--nnodes", "2",
-        "--node-rank", str(node_rank),
-        "--master-addr", "127.0.0.1",
-        "--master-port", str(port),
-    ]  # fmt: skip
+        "--tp",
+        "2",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        str(node_rank),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(port),
+    ]
 
 
 @dataclass

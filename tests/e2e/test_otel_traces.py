@@ -30,8 +30,13 @@ def test_a_request_span_continues_the_traceparent_with_vllms_attributes(
 ) -> None:
     trace_id, parent_id = secrets.token_hex(16), secrets.token_hex(8)
     headers = {"traceparent": f"00-{trace_id}-{parent_id}-01", "tracestate": "vendor=1"}
-    body = {"model": server.model, "prompt": "Once upon a time", "max_tokens": 6,
-            "temperature": 0, "ignore_eos": True}  # fmt: skip
+    body = {
+        "model": server.model,
+        "prompt": "Once upon a time",
+        "max_tokens": 6,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     with server.http() as http:
         response = http.post("/v1/completions", json=body, headers=headers)
     assert response.status_code == 200, response.text
@@ -63,8 +68,7 @@ def test_a_request_span_continues_the_traceparent_with_vllms_attributes(
 
 
 def test_a_request_without_a_traceparent_starts_a_trace(server: Server, receiver: Any) -> None:
-    body = {"model": server.model, "messages": [{"role": "user", "content": "Hi"}],
-            "max_tokens": 2}  # fmt: skip
+    body = {"model": server.model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
     with server.http() as http:
         response = http.post("/v1/chat/completions", json=body)
     assert response.status_code == 200, response.text

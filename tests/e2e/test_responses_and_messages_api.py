@@ -156,8 +156,9 @@ def test_responses_previous_response_id_continues_the_conversation(
 def test_responses_bad_request_gets_an_openai_error(client: openai.OpenAI, server: Server) -> None:
     with pytest.raises(openai.BadRequestError) as bad:
         client.responses.create(
-            model=server.model, input=[{"role": "robot", "content": "hi"}],  # type: ignore[list-item, typeddict-item]
-        )  # fmt: skip
+            model=server.model,
+            input=[{"role": "robot", "content": "hi"}],  # type: ignore[list-item, typeddict-item]
+        )
     assert bad.value.body["param"] == "input[0].role"  # type: ignore[index]
     assert "robot" in bad.value.message
 
@@ -221,8 +222,10 @@ def test_messages_text_streamed_and_not(claude: anthropic.Anthropic, server: Ser
 def test_messages_errors_have_anthropics_shape(claude: anthropic.Anthropic, server: Server) -> None:
     with pytest.raises(anthropic.BadRequestError) as bad:
         claude.messages.create(
-            model=server.model, max_tokens=4, messages=[{"role": "system", "content": "x"}],  # type: ignore[typeddict-item]
-        )  # fmt: skip
+            model=server.model,
+            max_tokens=4,
+            messages=[{"role": "system", "content": "x"}],  # type: ignore[typeddict-item]
+        )
     assert bad.value.body == {
         "type": "error",
         "error": {
@@ -269,15 +272,20 @@ def check_messages_forced_tool_use(claude: anthropic.Anthropic, model: str) -> N
 
     # The tool's result, answered in a user turn, goes into the next prompt.
     follow_up = claude.messages.create(
-        model=model, max_tokens=2, tools=[tool],  # type: ignore[list-item]
+        model=model,
+        max_tokens=2,
+        tools=[tool],  # type: ignore[list-item]
         messages=[
             {"role": "user", "content": "Weather?"},
             {"role": "assistant", "content": [use.model_dump()]},  # type: ignore[list-item]
-            {"role": "user", "content": [
-                {"type": "tool_result", "tool_use_id": use.id, "content": "sunny"},
-            ]},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": use.id, "content": "sunny"},
+                ],
+            },
         ],
-    )  # fmt: skip
+    )
     call = {
         "id": use.id,
         "type": "function",
@@ -297,9 +305,13 @@ def check_responses_forced_tool_call_and_json_schema(client: openai.OpenAI, mode
     """Run by tests/e2e/test_structured_outputs.py, as check_messages_forced_tool_use."""
     tool = {"type": "function", "name": "get_weather", "parameters": WEATHER_PARAMS}
     called = client.responses.create(
-        model=model, input="Weather?", tools=[tool], max_output_tokens=60,  # type: ignore[list-item]
-        tool_choice={"type": "function", "name": "get_weather"}, temperature=0.0,
-    )  # fmt: skip
+        model=model,
+        input="Weather?",
+        tools=[tool],
+        max_output_tokens=60,  # type: ignore[list-item]
+        tool_choice={"type": "function", "name": "get_weather"},
+        temperature=0.0,
+    )
     (call,) = called.output
     assert call.type == "function_call" and call.name == "get_weather"
     arguments = json.loads(call.arguments)
@@ -307,18 +319,25 @@ def check_responses_forced_tool_call_and_json_schema(client: openai.OpenAI, mode
 
     # The call's result continues the conversation stored under the first response's id.
     answered = client.responses.create(
-        model=model, previous_response_id=called.id, max_output_tokens=2, tools=[tool],  # type: ignore[list-item]
+        model=model,
+        previous_response_id=called.id,
+        max_output_tokens=2,
+        tools=[tool],  # type: ignore[list-item]
         input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}],
-    )  # fmt: skip
+    )
     assert answered.previous_response_id == called.id
     arguments_object = {"name": "get_weather", "arguments": arguments}
     conversation = [
         {"role": "user", "content": "Weather?"},
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"id": call.call_id, "type": "function", "function": arguments_object},
-        ]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": call.call_id, "type": "function", "function": arguments_object},
+            ],
+        },
         {"role": "tool", "tool_call_id": call.call_id, "content": "sunny"},
-    ]  # fmt: skip
+    ]
     function = {"name": "get_weather", "parameters": WEATHER_PARAMS}
     tools = [{"type": "function", "function": function}]
     assert answered.usage is not None
@@ -326,8 +345,11 @@ def check_responses_forced_tool_call_and_json_schema(client: openai.OpenAI, mode
 
     fmt = {"type": "json_schema", "name": "colour", "schema": COLOUR_SCHEMA, "strict": True}
     with client.responses.stream(
-        model=model, input="A colour?", text={"format": fmt}, max_output_tokens=30,  # type: ignore[typeddict-item]
-    ) as stream:  # fmt: skip
+        model=model,
+        input="A colour?",
+        text={"format": fmt},
+        max_output_tokens=30,  # type: ignore[typeddict-item]
+    ) as stream:
         final = stream.get_final_response()
     assert json.loads(final.output_text)["colour"] in ("red", "green", "blue")
 

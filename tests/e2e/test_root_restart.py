@@ -129,10 +129,14 @@ def test_a_root_killed_mid_stream_is_restarted_and_a_retry_with_its_id_is_answer
     args = server_args(model_args, None, "--server.pidfile", str(pidfile))
     env = {"NOTIFY_SOCKET": str(systemd.path), "WATCHDOG_USEC": str(WATCHDOG_USEC), **hold_env()}
     body = {
-        "model": "m", "prompt": "the root dies while this streams" + HOLD_TEXT,
+        "model": "m",
+        "prompt": "the root dies while this streams" + HOLD_TEXT,
         "max_tokens": MAX_TOKENS,
-        "temperature": 0.0, "ignore_eos": True, "stream": True, "logprobs": 0,
-    }  # fmt: skip
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "logprobs": 0,
+    }
     first = start_server(args, tmp_path, env, name="first")
     try:
         body["model"] = first.model
@@ -141,9 +145,12 @@ def test_a_root_killed_mid_stream_is_restarted_and_a_retry_with_its_id_is_answer
         systemd.next_message("WATCHDOG")
         assert pidfile.read_text().strip() == str(first.pid)
         refused = subprocess.run(
-            [sys.executable, "-m", "engine", *without_api_key(args)], cwd=REPO,
-            capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
+            [sys.executable, "-m", "engine", *without_api_key(args)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert refused.returncode == 1
         assert refused.stderr.strip() == (
             f"engine: pidfile {pidfile} is held by another engine (pid {first.pid}); "

@@ -20,12 +20,24 @@ def test_a_kv_cache_larger_than_free_dev_shm_is_a_one_line_refusal(model_args: l
     too_big = shm_free() + 4 * GIB  # a CPU rank's KV cache is a segment in /dev/shm
     proc = subprocess.Popen(
         [
-            sys.executable, "-m", "engine", *model_args, "--host", "127.0.0.1", "--port", "0",
-            "--device", "cpu", "--kv-cache-memory", str(too_big),
+            sys.executable,
+            "-m",
+            "engine",
+            *model_args,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--device",
+            "cpu",
+            "--kv-cache-memory",
+            str(too_big),
         ],
         cwd=REPO,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         stdout, stderr = proc.communicate(timeout=120)
     finally:
@@ -55,15 +67,31 @@ def test_a_worker_node_is_refused_in_one_line_when_dev_shm_cannot_hold_its_run(
     a user and mount namespace of its own (util-linux unshare) whose /dev/shm is a 64 KiB tmpfs:
     less than one rank's control rings."""
     node = [
-        sys.executable, "-m", "engine", *model_args, "--device", "cpu", "--tp", "2",
-        "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
-        "--master-port", str(free_port()),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "engine",
+        *model_args,
+        "--device",
+        "cpu",
+        "--tp",
+        "2",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "1",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+    ]
     small_shm = 'mount -t tmpfs -o size=64k tmpfs /dev/shm && exec "$@"'
     done = subprocess.run(
         ["unshare", "-rm", "sh", "-c", small_shm, "sh", *node],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 1, done.stderr
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("engine: worker node did not start: /dev/shm has "), done.stderr

@@ -91,8 +91,12 @@ def messages(model: str, put: Callable[[str, str], str]) -> tuple[str, dict[str,
         "description": put("description", "finds"),
         "input_schema": schema(put("property", "city"), put("parameter", "a city")),
     }
-    use = {"type": "tool_use", "id": "c1", "name": put("call name", "lookup"),
-           "input": {"city": put("arguments", "x")}}  # fmt: skip
+    use = {
+        "type": "tool_use",
+        "id": "c1",
+        "name": put("call name", "lookup"),
+        "input": {"city": put("arguments", "x")},
+    }
     result = {"type": "tool_result", "tool_use_id": "c1", "content": put("tool result", "sunny")}
     body = {
         "model": model,
@@ -108,8 +112,16 @@ def messages(model: str, put: Callable[[str, str], str]) -> tuple[str, dict[str,
     return "/v1/messages", body, "input_tokens"
 
 
-FIELDS = ["tool name", "description", "property", "parameter", "call name", "arguments",
-          "tool result", "system"]  # fmt: skip
+FIELDS = [
+    "tool name",
+    "description",
+    "property",
+    "parameter",
+    "call name",
+    "arguments",
+    "tool result",
+    "system",
+]
 
 
 @functools.cache

@@ -140,15 +140,26 @@ def test_regex_and_choice_are_met_exactly_whole_and_streamed(
         ),
     ):
         whole = client.chat.completions.create(
-            model=model, messages=USER, max_tokens=50, n=2, temperature=1.0, seed=3,  # type: ignore[arg-type]
+            model=model,
+            messages=USER,
+            max_tokens=50,
+            n=2,
+            temperature=1.0,
+            seed=3,  # type: ignore[arg-type]
             extra_body=extra,
-        )  # fmt: skip
+        )
         assert all(check(c.message.content) for c in whole.choices), whole
         texts = ["", ""]
         for chunk in client.chat.completions.create(
-            model=model, messages=USER, max_tokens=50, n=2, temperature=1.0, seed=3,  # type: ignore[arg-type]
-            extra_body=extra, stream=True,
-        ):  # fmt: skip
+            model=model,
+            messages=USER,
+            max_tokens=50,
+            n=2,
+            temperature=1.0,
+            seed=3,  # type: ignore[arg-type]
+            extra_body=extra,
+            stream=True,
+        ):
             for c in chunk.choices:
                 texts[c.index] += c.delta.content or ""
         assert texts == [c.message.content for c in whole.choices]
@@ -172,11 +183,19 @@ def test_unconstrained_requests_in_a_mixed_batch_are_unchanged(
 
     def constrained(i: int) -> str:
         out = client.chat.completions.create(
-            model=model, messages=USER, max_tokens=200, temperature=1.0, seed=i,  # type: ignore[arg-type]
-            response_format={"type": "json_schema", "json_schema": {
-                "name": "pet", "schema": Pet.model_json_schema() | {"additionalProperties": False},
-            }},
-        )  # fmt: skip
+            model=model,
+            messages=USER,
+            max_tokens=200,
+            temperature=1.0,
+            seed=i,  # type: ignore[arg-type]
+            response_format={
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "pet",
+                    "schema": Pet.model_json_schema() | {"additionalProperties": False},
+                },
+            },
+        )
         return out.choices[0].message.content or ""
 
     alone = [plain(p) for p in prompts]
@@ -192,9 +211,13 @@ def test_named_and_required_tool_choice_return_calls_that_validate(
     client: openai.OpenAI, model: str
 ) -> None:
     named = client.chat.completions.create(
-        model=model, messages=USER, tools=TOOLS, max_tokens=200, temperature=0.0,  # type: ignore[arg-type]
+        model=model,
+        messages=USER,
+        tools=TOOLS,
+        max_tokens=200,
+        temperature=0.0,  # type: ignore[arg-type]
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
-    )  # fmt: skip
+    )
     choice = named.choices[0]
     assert choice.finish_reason == "tool_calls"
     calls = choice.message.tool_calls or []
@@ -203,9 +226,15 @@ def test_named_and_required_tool_choice_return_calls_that_validate(
     assert set(arguments) == {"city", "unit"} and arguments["unit"] in ("celsius", "fahrenheit")
 
     required = client.chat.completions.create(
-        model=model, messages=USER, tools=TOOLS, max_tokens=200, tool_choice="required",  # type: ignore[arg-type]
-        parallel_tool_calls=False, temperature=1.0, seed=5,
-    )  # fmt: skip
+        model=model,
+        messages=USER,
+        tools=TOOLS,
+        max_tokens=200,
+        tool_choice="required",  # type: ignore[arg-type]
+        parallel_tool_calls=False,
+        temperature=1.0,
+        seed=5,
+    )
     choice = required.choices[0]
     assert choice.finish_reason == "tool_calls"
     (call,) = choice.message.tool_calls or []
@@ -260,9 +289,12 @@ def test_auto_tool_calls_are_read_by_the_hermes_parser(client: openai.OpenAI, mo
         r'<tool_call>\n\{"name": "get_time", "arguments": \{"zone": "(utc|local)"\}\}\n</tool_call>'
     )
     completion = client.chat.completions.create(
-        model=model, messages=USER, tools=TOOLS, max_tokens=100,  # type: ignore[arg-type]
+        model=model,
+        messages=USER,
+        tools=TOOLS,
+        max_tokens=100,  # type: ignore[arg-type]
         extra_body={"structured_outputs": {"regex": regex}},
-    )  # fmt: skip
+    )
     choice = completion.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     (call,) = choice.message.tool_calls or []
@@ -288,8 +320,13 @@ def test_reasoning_is_split_from_content_whole_and_streamed(
     assert re.fullmatch(r"[a-z]{2,6}", message.content or "")
     parts = {"reasoning_content": "", "content": ""}
     for chunk in client.chat.completions.create(
-        model=model, messages=USER, max_tokens=60, extra_body=extra, temperature=0.0, stream=True,  # type: ignore[arg-type]
-    ):  # fmt: skip
+        model=model,
+        messages=USER,
+        max_tokens=60,
+        extra_body=extra,
+        temperature=0.0,
+        stream=True,  # type: ignore[arg-type]
+    ):
         for c in chunk.choices:
             parts["content"] += c.delta.content or ""
             parts["reasoning_content"] += (c.delta.model_extra or {}).get("reasoning_content") or ""
@@ -304,16 +341,24 @@ def test_token_controls(client: openai.OpenAI, model: str) -> None:
     )
     assert biased.choices[0].text == pieces[0] * 8
     allowed = client.completions.create(
-        model=model, prompt="Hello", max_tokens=8, temperature=1.0, seed=1,
+        model=model,
+        prompt="Hello",
+        max_tokens=8,
+        temperature=1.0,
+        seed=1,
         extra_body={"allowed_token_ids": [300, 301]},
-    )  # fmt: skip
+    )
     text = allowed.choices[0].text
     assert re.fullmatch("(" + "|".join(map(re.escape, pieces)) + ")+", text), text
     banned = pieces[0] + pieces[1]
     clean = client.completions.create(
-        model=model, prompt="Hello", max_tokens=16, temperature=1.0, seed=1,
+        model=model,
+        prompt="Hello",
+        max_tokens=16,
+        temperature=1.0,
+        seed=1,
         extra_body={"allowed_token_ids": [300, 301], "bad_words": [banned]},
-    )  # fmt: skip
+    )
     assert banned not in clean.choices[0].text
 
 

@@ -37,16 +37,25 @@ WORKLOAD: list[tuple[str, dict[str, Any]]] = [
     ("/v1/completions", {"prompt": "Once upon a time", "max_tokens": 20, "stream": True, **GREEDY}),
     ("/v1/completions", {"prompt": [5, 9, 33, 71, 140], "max_tokens": 8, **GREEDY}),
     ("/v1/completions", {"prompt": ["A cat", "The old house"], "max_tokens": 6, **GREEDY}),
-    ("/v1/completions", {"prompt": "Seeded", "max_tokens": 10, "temperature": 0.9, "seed": 7,
-                         "n": 2}),
+    (
+        "/v1/completions",
+        {"prompt": "Seeded", "max_tokens": 10, "temperature": 0.9, "seed": 7, "n": 2},
+    ),
     ("/v1/completions", {"prompt": "Sampled freely", "max_tokens": 6, "temperature": 1.0}),
     ("/v1/completions", {"prompt": "stop here", "max_tokens": 30, "stop": ["e"], **GREEDY}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 10,
-                              "stream": True, **GREEDY}),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 10,
+            "stream": True,
+            **GREEDY,
+        },
+    ),
     ("/v1/completions", {"prompt": "too long", "max_tokens": 5000, **GREEDY}),  # refused: 400
     # Three KV blocks and more: a prefix-cache hit when replayed on the recording server.
     ("/v1/completions", {"prompt": LONG_PROMPT, "max_tokens": 12, **GREEDY}),
-]  # fmt: skip
+]
 DETERMINISTIC_OK = 8  # every request above but the free sample and the refused one
 EXTRA_ARGS = ["--max-queued-samples", "64", "--max-num-seqs", "8"]
 
@@ -205,8 +214,9 @@ def test_shared_mooncake_hash_ids_are_prefix_cache_hits(
     ]
     source.write_text("".join(json.dumps(r) + "\n" for r in rows))
     trace = tmp_path / "mooncake-trace.jsonl"
-    done = run_cli("trace", "import", "mooncake", str(source), "--block-tokens", "32", "-o",
-                   str(trace))  # fmt: skip
+    done = run_cli(
+        "trace", "import", "mooncake", str(source), "--block-tokens", "32", "-o", str(trace)
+    )
     assert done.returncode == 0, done.stderr
     assert "wrote 4 requests" in done.stderr
     before = second.admin("stats")["prefix_cache_hit_rate"]
@@ -231,8 +241,18 @@ def test_an_azure_import_replays_with_limit_and_model_override(
         "2023-11-16 18:15:48.0000000,50,5\n"
     )
     trace = tmp_path / "azure-trace.jsonl"
-    done = run_cli("trace", "import", "azure", str(source), "--input-scale", "0.25",
-                   "--max-output", "8", "-o", str(trace))  # fmt: skip
+    done = run_cli(
+        "trace",
+        "import",
+        "azure",
+        str(source),
+        "--input-scale",
+        "0.25",
+        "--max-output",
+        "8",
+        "-o",
+        str(trace),
+    )
     assert done.returncode == 0, done.stderr
     assert "line 4: ContextTokens must be an integer token count, got 'oops'" in done.stderr
     status, report, _ = replay(trace, second, "--limit", "3", "--model", second.model)

@@ -46,15 +46,21 @@ def parity(model_args: list[str], tmp_path_factory: pytest.TempPathFactory) -> I
     args = server_args(
         model_args,
         work / "admin.sock",
-        "--served-model-name", *NAMES,
-        "--allowed-origins", json.dumps([ALLOWED_ORIGIN]),
-        "--generation-config", str(defaults),
+        "--served-model-name",
+        *NAMES,
+        "--allowed-origins",
+        json.dumps([ALLOWED_ORIGIN]),
+        "--generation-config",
+        str(defaults),
         "--enable-log-requests",
-        "--max-log-len", str(MAX_LOG_LEN),
+        "--max-log-len",
+        str(MAX_LOG_LEN),
         "--enforce-eager",
-        "--max-logprobs", "5",
-        "--chat-template", TEMPLATE,
-    )  # fmt: skip
+        "--max-logprobs",
+        "5",
+        "--chat-template",
+        TEMPLATE,
+    )
     with served(args, work, hold_env(), name="parity") as srv:
         yield srv
 

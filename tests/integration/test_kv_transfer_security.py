@@ -203,12 +203,48 @@ def make_certificates(directory: Path) -> dict[str, str]:
     ca_key, ca, key, request, cert = (
         str(directory / name) for name in ("ca.key", "ca.pem", "kv.key", "kv.csr", "kv.pem")
     )
-    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", ca_key, "-out", ca,
-            "-days", "1", "-subj", "/CN=test kv CA")  # fmt: skip
-    openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", request,
-            "-subj", "/CN=kv_transfer")  # fmt: skip
-    openssl("x509", "-req", "-in", request, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial",
-            "-out", cert, "-days", "1")  # fmt: skip
+    openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        ca_key,
+        "-out",
+        ca,
+        "-days",
+        "1",
+        "-subj",
+        "/CN=test kv CA",
+    )
+    openssl(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        key,
+        "-out",
+        request,
+        "-subj",
+        "/CN=kv_transfer",
+    )
+    openssl(
+        "x509",
+        "-req",
+        "-in",
+        request,
+        "-CA",
+        ca,
+        "-CAkey",
+        ca_key,
+        "-CAcreateserial",
+        "-out",
+        cert,
+        "-days",
+        "1",
+    )
     return {"tls_cert": cert, "tls_key": key, "tls_ca": ca}
 
 

@@ -164,8 +164,9 @@ async def test_the_undisturbed_run_moved_kv_for_every_request(shared: Shared) ->
     replicas = rows(shared.engine)
     assert replicas[PREFILL].role == "prefill" and replicas[DECODE].role == "decode"
     assert replicas[DECODE].kv_fallbacks == 0
-    assert all(o.finish_reason == "length" and len(o.token_ids) == MAX_TOKENS
-               for o in shared.reference)  # fmt: skip
+    assert all(
+        o.finish_reason == "length" and len(o.token_ids) == MAX_TOKENS for o in shared.reference
+    )
     await no_block_held_or_set_aside(shared.engine)
 
 
@@ -244,8 +245,10 @@ async def test_with_no_decode_replica_left_the_prefill_replica_serves_colocated(
         for _ in range(4):
             if decode_failed():
                 return
-            await wait_for(lambda: decode_failed() or pid_of(engine, "worker0-r1") is not None,
-                           "the decode worker")  # fmt: skip
+            await wait_for(
+                lambda: decode_failed() or pid_of(engine, "worker0-r1") is not None,
+                "the decode worker",
+            )
             pid = pid_of(engine, "worker0-r1")
             if pid is None:
                 break

@@ -250,8 +250,9 @@ async def test_a_peer_without_the_secret_is_refused_and_counted_and_the_pull_goe
 ) -> None:
     params = await prefilled(pair)
     endpoint = params["endpoints"][0]
-    request = PullRequest(params["transfer_id"], params["block_ids"], params["layout"], host_id(),
-                          "tcp")  # fmt: skip
+    request = PullRequest(
+        params["transfer_id"], params["block_ids"], params["layout"], host_id(), "tcp"
+    )
     said = await asyncio.to_thread(attack, endpoint["port"], msgspec.msgpack.encode(request))
     assert len(said) == 2 and isinstance(said[0], Challenge) and said[1] == WireError("refused")
 

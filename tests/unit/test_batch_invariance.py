@@ -113,9 +113,14 @@ def test_attention_does_not_depend_on_the_steps_longest_context(neighbour_contex
 
     heads, kv_heads, head_dim, context = 9, 3, 64, 10
     cache = PagedKVCache(
-        num_layers=1, num_blocks=16, block_size=BLOCK, num_kv_heads=kv_heads,
-        head_dim=head_dim, dtype=torch.float32, device=torch.device("cpu"),
-    )  # fmt: skip
+        num_layers=1,
+        num_blocks=16,
+        block_size=BLOCK,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
     generator = torch.Generator().manual_seed(0)
     rows = context + max(neighbour_context, 1)
     inputs = [
@@ -127,9 +132,13 @@ def test_attention_does_not_depend_on_the_steps_longest_context(neighbour_contex
         the first sequence: its newest token's attention."""
         query, key, value = (tensor[: sum(contexts)] for tensor in inputs)
         meta = batch_invariant.build_attention_metadata(
-            contexts, [0] * len(contexts), tables, cache=cache,
-            queries_per_kv=heads // kv_heads, device=torch.device("cpu"),
-        )  # fmt: skip
+            contexts,
+            [0] * len(contexts),
+            tables,
+            cache=cache,
+            queries_per_kv=heads // kv_heads,
+            device=torch.device("cpu"),
+        )
         out = batch_invariant.paged_attention(query, key, value, cache, 0, meta, head_dim**-0.5)
         return out[context - 1]
 

@@ -26,9 +26,14 @@ from engine.trace.schedule import ScheduledRequest
 def _result(sent: float, ttft: float, end: float, tokens: int, itls: list[float]) -> ReplayResult:
     request = ScheduledRequest(0, None, 0.0, "/v1/completions", {})  # type: ignore[arg-type]
     return ReplayResult(
-        request, sent_at=sent, finished_at=end, status=200, ttft=ttft, itls=itls,
+        request,
+        sent_at=sent,
+        finished_at=end,
+        status=200,
+        ttft=ttft,
+        itls=itls,
         completion_tokens=tokens,
-    )  # fmt: skip
+    )
 
 
 def test_tpot_is_the_time_after_the_first_token_per_later_token() -> None:
@@ -58,8 +63,21 @@ def test_a_failed_request_is_counted_and_its_error_kept() -> None:
 
 def _figures(server: str, scale: float, load: str = "inf") -> Figures:
     """Throughput divided by `scale`, latencies multiplied by it."""
-    return Figures(server, load, 8, 8, 4.0 / scale, 400.0 / scale, 50.0 * scale, 90.0 * scale,
-                   10.0 * scale, 20.0 * scale, 5.0 * scale, 30.0 * scale, None)  # fmt: skip
+    return Figures(
+        server,
+        load,
+        8,
+        8,
+        4.0 / scale,
+        400.0 / scale,
+        50.0 * scale,
+        90.0 * scale,
+        10.0 * scale,
+        20.0 * scale,
+        5.0 * scale,
+        30.0 * scale,
+        None,
+    )
 
 
 def test_ratios_above_one_mean_the_engine_is_better_in_every_column() -> None:
@@ -101,9 +119,14 @@ def test_each_peer_gets_a_ratio_row_against_the_engine_for_each_load() -> None:
     assert [row[:2] for row in cells] == [
         [server, load]
         for load in ("1 stream", "4/s")
-        for server in ("engine", "llama.cpp", "vLLM (float32)", "ratio vs llama.cpp",
-                       "ratio vs vLLM (float32)")
-    ]  # fmt: skip
+        for server in (
+            "engine",
+            "llama.cpp",
+            "vLLM (float32)",
+            "ratio vs llama.cpp",
+            "ratio vs vLLM (float32)",
+        )
+    ]
     ratio_rows = [row[2:] for row in cells if row[0].startswith("ratio")]
     assert ratio_rows == [["2.00x"] * 8, ["4.00x"] * 8] * 2
 
@@ -192,16 +215,25 @@ def test_an_engine_without_step_metrics_gives_dashes_not_an_error() -> None:
 
 def test_stream_loads_are_closed_loops_and_no_load_shares_a_prompt_with_another() -> None:
     args = argparse.Namespace(
-        streams=[1, 4], streams_requests=2, rates=[4.0, float("inf")], num_requests=3,
-        input_len=40, output_len=5, seed=0,
-    )  # fmt: skip
+        streams=[1, 4],
+        streams_requests=2,
+        rates=[4.0, float("inf")],
+        num_requests=3,
+        input_len=40,
+        output_len=5,
+        seed=0,
+    )
     loads = loads_of(args)
     assert [(x.label, x.streams, len(x.entries)) for x in loads] == [
-        ("1 stream", 1, 2), ("4 streams", 4, 8), ("4/s", None, 3), ("inf", None, 3),
-    ]  # fmt: skip
+        ("1 stream", 1, 2),
+        ("4 streams", 4, 8),
+        ("4/s", None, 3),
+        ("inf", None, 3),
+    ]
     assert [x.speed for x in loads] == [float("inf"), float("inf"), 1.0, float("inf")]
-    assert all(e.body["max_tokens"] == 5 and len(e.body["prompt"]) == 40 for x in loads
-               for e in x.entries)  # fmt: skip
+    assert all(
+        e.body["max_tokens"] == 5 and len(e.body["prompt"]) == 40 for x in loads for e in x.entries
+    )
     starts = [tuple(e.body["prompt"][:16]) for x in loads for e in x.entries]
     assert len(set(starts)) == len(starts)
 

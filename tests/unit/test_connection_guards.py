@@ -36,8 +36,9 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         status = 200
         while (await receive()).get("more_body", False):
             pass
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-length", b"2")]})  # fmt: skip
+    await send(
+        {"type": "http.response.start", "status": status, "headers": [(b"content-length", b"2")]}
+    )
     await send({"type": "http.response.body", "body": b"ok"})
 
 

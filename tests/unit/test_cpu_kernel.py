@@ -58,9 +58,13 @@ def test_a_chunks_tokens_attend_bit_for_bit_as_each_would_alone(threads: int, st
 
     def step(first: int, count: int) -> torch.Tensor:
         meta = kernels.build_attention_metadata(
-            [count], [first], [table.tolist()], cache=cache, queries_per_kv=heads // kv_heads,
+            [count],
+            [first],
+            [table.tolist()],
+            cache=cache,
+            queries_per_kv=heads // kv_heads,
             device=torch.device("cpu"),
-        )  # fmt: skip
+        )
         rows = slice(first - start, first - start + count)
         return kernels.paged_attention(q[rows], k[rows], v[rows], cache, 0, meta, head_dim**-0.5)
 

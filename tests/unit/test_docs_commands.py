@@ -160,8 +160,11 @@ def test_every_command_and_flag_the_docs_show_exists() -> None:
         if command is None:
             unknown -= engine_flags()
             if unknown:  # the commands of its paragraph (or table row)
-                same = [c for s, c in commands.items() if c and s.page == snippet.page
-                        and s.paragraph == snippet.paragraph]  # fmt: skip
+                same = [
+                    c
+                    for s, c in commands.items()
+                    if c and s.page == snippet.page and s.paragraph == snippet.paragraph
+                ]
                 unknown -= frozenset().union(*(help_flags(c) for c in same))
         problems += [f"{where}: {flag} is in no --help it goes with" for flag in sorted(unknown)]
     assert not problems, "\n".join(problems)

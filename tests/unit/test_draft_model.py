@@ -86,9 +86,17 @@ GREEDY = {
     "repeat": (PHRASE * 3, SamplingParams(temperature=0.0, max_tokens=20)),
     "logprobs": (PHRASE * 2, SamplingParams(temperature=0.0, max_tokens=12, logprobs=2)),
     "long": (list(range(100, 160)), SamplingParams(temperature=0.0, max_tokens=14)),
-    "regex": (PHRASE, SamplingParams(temperature=0.0, max_tokens=12, structured_outputs=(
-        StructuredOutputsParams(regex=r"(cat|dog|bird)( (cat|dog|bird)){30}")))),
-}  # fmt: skip
+    "regex": (
+        PHRASE,
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=12,
+            structured_outputs=(
+                StructuredOutputsParams(regex=r"(cat|dog|bird)( (cat|dog|bird)){30}")
+            ),
+        ),
+    ),
+}
 
 
 def test_greedy_output_is_the_plain_output_with_the_same_or_another_draft(
@@ -289,8 +297,11 @@ def test_the_plan_hands_the_draft_and_its_acceptance_method_to_rank_0(
 ) -> None:
     """The launch resolves the draft into the worker's config; the worker builds its Drafter
     from it, with vLLM's rejection sampler only when asked, which deterministic mode refuses."""
-    for deterministic, method in ((False, "target_draw"), (False, "rejection_sampler"),
-                                  (True, "target_draw")):  # fmt: skip
+    for deterministic, method in (
+        (False, "target_draw"),
+        (False, "rejection_sampler"),
+        (True, "target_draw"),
+    ):
         fields: dict[str, Any] = {"model.path": str(target), "model.deterministic": deterministic}
         spec = {"scheduler.speculative_config": draft_config(other, method)}
         plan = plan_engine(build_settings(None, **fields, **spec), str(target))

@@ -72,8 +72,12 @@ def test_missing_checkpoint_directory_is_a_clear_error(tmp_path: Path) -> None:
 
 
 def test_transformers4_and_5_rope_formats_parse_the_same() -> None:
-    scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 8192}  # fmt: skip
+    scaling = {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     old = parse_model_config(
         {**BASE, "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", **scaling}}
     )

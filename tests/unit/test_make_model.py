@@ -24,11 +24,32 @@ def test_cli_output_loads_in_transformers_with_chat_template(tmp_path: Path) -> 
 
     out = tmp_path / "llama"
     subprocess.run(
-        [sys.executable, "tools/data/make_model.py", "--out", str(out), "--arch", "llama",
-         "--layers", "1", "--hidden", "32", "--heads", "2", "--kv-heads", "1",
-         "--vocab", "400", "--tie", "--seed", "7"],
-        cwd=REPO, check=True, capture_output=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "tools/data/make_model.py",
+            "--out",
+            str(out),
+            "--arch",
+            "llama",
+            "--layers",
+            "1",
+            "--hidden",
+            "32",
+            "--heads",
+            "2",
+            "--kv-heads",
+            "1",
+            "--vocab",
+            "400",
+            "--tie",
+            "--seed",
+            "7",
+        ],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     model = AutoModelForCausalLM.from_pretrained(out)
     tokenizer = AutoTokenizer.from_pretrained(out)
     assert type(model).__name__ == "LlamaForCausalLM"
@@ -51,10 +72,21 @@ def test_cli_output_loads_in_transformers_with_chat_template(tmp_path: Path) -> 
 
 def test_cli_rejects_bad_sizes_naming_them(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "tools/data/make_model.py", "--out", str(tmp_path / "x"),
-         "--heads", "3", "--kv-heads", "2"],
-        cwd=REPO, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "tools/data/make_model.py",
+            "--out",
+            str(tmp_path / "x"),
+            "--heads",
+            "3",
+            "--kv-heads",
+            "2",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode != 0
     assert "num_heads (3) must be a multiple of num_kv_heads (2)" in result.stderr
 

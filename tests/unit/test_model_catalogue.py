@@ -22,8 +22,13 @@ from engine.settings.durations import parse_keep_alive
 
 def test_keep_alive_reads_ollamas_durations() -> None:
     assert [parse_keep_alive(v) for v in ("5m", "1h30m", "90", 30, "0", "2.5s")] == [
-        300.0, 5400.0, 90.0, 30.0, 0.0, 2.5,
-    ]  # fmt: skip
+        300.0,
+        5400.0,
+        90.0,
+        30.0,
+        0.0,
+        2.5,
+    ]
     assert parse_keep_alive("-1") == parse_keep_alive(-1) == parse_keep_alive("-5m") == math.inf
     for bad in ("5 minutes", "m", "", True, [1]):
         with pytest.raises(ValueError, match="keep_alive must be"):

@@ -12,7 +12,8 @@ import pytest
 
 from engine.actors.configs import KvTransferConfig, WorkerConfig
 from engine.launch.lasting_kv import kv_outlives_workers
-from engine.launch.plan import plan_engine, plan_worker_node
+from engine.launch.plan import plan_engine
+from engine.launch.ranks import plan_worker_node
 from engine.launch.sizing import check_parallel
 from engine.library.llm import build_settings
 from engine.messages.ring_catalogue import KV_EVENTS_RING, KV_ORDERS_RING

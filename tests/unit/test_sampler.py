@@ -66,8 +66,14 @@ def test_top_k_top_p_masks_match_a_sorted_loop() -> None:
 def test_penalties_follow_the_formulas() -> None:
     vocab = 6
     logits = torch.tensor([[1.0, -2.0, 3.0, 0.5, -0.5, 2.0]])
-    seq = new_seq(0, prompt=[1, 5], output=[2, 3, 3], repetition_penalty=2.0,
-                  presence_penalty=0.5, frequency_penalty=0.25)  # fmt: skip
+    seq = new_seq(
+        0,
+        prompt=[1, 5],
+        output=[2, 3, 3],
+        repetition_penalty=2.0,
+        presence_penalty=0.5,
+        frequency_penalty=0.25,
+    )
     sampler = sampler_with(seq, vocab_size=vocab)
     penalized = logits.clone()
     _apply_penalties(penalized, [sampler._seqs[0]], vocab)
@@ -170,8 +176,9 @@ def test_a_top_k_row_draws_the_same_tokens_in_any_batch() -> None:
     """Rows that all keep few tokens are drawn on their candidates alone (top_k_draw.py): still
     a pure function of (seed, position), whatever the other rows keep."""
     logits = torch.randn(1, 300, generator=torch.Generator().manual_seed(4))
-    defaults = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repetition_penalty=1.1,
-                    repeat_last_n=64)  # fmt: skip
+    defaults = dict(
+        temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repetition_penalty=1.1, repeat_last_n=64
+    )
     alone = sampler_with(new_seq(0, seed=42, **defaults), vocab_size=300)
     crowd = sampler_with(
         new_seq(5, seed=1, temperature=2.0, top_k=200),
@@ -207,9 +214,16 @@ def test_seeds_give_different_streams() -> None:
 
 @pytest.mark.parametrize(
     ("temperature", "min_p", "top_k", "top_p"),
-    [(1.0, 0.0, 0, 1.0), (0.7, 0.0, 0, 1.0), (1.3, 0.0, 3, 1.0), (1.0, 0.0, 0, 0.8),
-     (1.0, 0.3, 0, 1.0), (0.9, 0.1, 4, 0.9), (1.2, 0.2, 5, 0.85)],
-)  # fmt: skip
+    [
+        (1.0, 0.0, 0, 1.0),
+        (0.7, 0.0, 0, 1.0),
+        (1.3, 0.0, 3, 1.0),
+        (1.0, 0.0, 0, 0.8),
+        (1.0, 0.3, 0, 1.0),
+        (0.9, 0.1, 4, 0.9),
+        (1.2, 0.2, 5, 0.85),
+    ],
+)
 def test_many_seeds_sample_the_filtered_softmax(
     temperature: float, min_p: float, top_k: int, top_p: float
 ) -> None:

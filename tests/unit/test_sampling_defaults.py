@@ -142,8 +142,11 @@ def test_a_gguf_files_own_sampling_metadata_is_the_models_defaults(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """llama.cpp's general.sampling.* keys, as llama-server applies them."""
-    metadata = {"general.sampling.temp": 0.6, "general.sampling.top_k": 20,
-                "general.sampling.penalty_last_n": 32}  # fmt: skip
+    metadata = {
+        "general.sampling.temp": 0.6,
+        "general.sampling.top_k": 20,
+        "general.sampling.penalty_last_n": 32,
+    }
     gguf_file, _ = gguf_of(tiny_checkpoint("llama"), "Q8_0", **metadata)
     assert main(["config", "show", str(gguf_file), "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)["generation_defaults"]

@@ -235,9 +235,11 @@ def test_eos_stops_unless_ignored_and_only_after_min_tokens() -> None:
 
 @pytest.mark.parametrize(
     ("prompt_len", "fragment"),
-    [(65, "the prompt has 65 tokens, but max_model_len is 64"),
-     (64, "the prompt has 64 tokens, but max_model_len is 64")],
-)  # fmt: skip
+    [
+        (65, "the prompt has 65 tokens, but max_model_len is 64"),
+        (64, "the prompt has 64 tokens, but max_model_len is 64"),
+    ],
+)
 def test_a_prompt_without_room_to_generate_is_rejected_naming_both_numbers(
     prompt_len: int, fragment: str
 ) -> None:
@@ -611,9 +613,13 @@ def test_random_workloads_produce_exactly_the_reference_tokens(trial: int) -> No
 def test_the_first_token_reports_cache_hits_queue_and_prefill_time_once() -> None:
     now = [100.0]
     config = SchedulerConfig(
-        num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=32,
-        max_model_len=64, eos_token_ids=[EOS],
-    )  # fmt: skip
+        num_blocks=64,
+        block_size=4,
+        max_num_seqs=8,
+        max_num_batched_tokens=32,
+        max_model_len=64,
+        eos_token_ids=[EOS],
+    )
     scheduler, worker = Scheduler(config, clock=lambda: now[0]), ReferenceWorker(4)
     system = list(range(1, 13))  # three full blocks
     scheduler.add(submit("first", [*system, 50], max_tokens=1))

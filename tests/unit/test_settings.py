@@ -332,9 +332,20 @@ def test_invalid_pd_combinations_fail_naming_the_setting(
 
 def test_pd_flags_reach_their_settings() -> None:
     s, _ = load_settings(
-        ["--kv-role", "prefill", "--kv-transfer-port", "7100", "--kv-hold-timeout", "5",
-         "--kv-transfer-host", "0.0.0.0", "--kv-transfer-advertise-host", "10.0.0.2"], {}
-    )  # fmt: skip
+        [
+            "--kv-role",
+            "prefill",
+            "--kv-transfer-port",
+            "7100",
+            "--kv-hold-timeout",
+            "5",
+            "--kv-transfer-host",
+            "0.0.0.0",
+            "--kv-transfer-advertise-host",
+            "10.0.0.2",
+        ],
+        {},
+    )
     kv = s.kv_transfer
     assert (kv.role, kv.port, kv.hold_timeout) == ("prefill", 7100, 5.0)
     assert (kv.host, kv.advertise_host) == ("0.0.0.0", "10.0.0.2")

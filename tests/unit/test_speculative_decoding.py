@@ -167,9 +167,17 @@ def test_speculative_output_is_the_plain_output_token_for_token_in_fewer_steps(
         "sampled": (phrase * 3, SamplingParams(temperature=0.7, max_tokens=20)),
         "logprobs": (phrase * 2, SamplingParams(temperature=0.0, max_tokens=12, logprobs=2)),
         "plain": (list(range(100, 140)), SamplingParams(temperature=0.0, max_tokens=12)),
-        "regex": (phrase * 2, SamplingParams(temperature=0.0, max_tokens=16, structured_outputs=(
-            StructuredOutputsParams(regex=r"(cat|dog|bird)( (cat|dog|bird)){30}")))),
-    }  # fmt: skip
+        "regex": (
+            phrase * 2,
+            SamplingParams(
+                temperature=0.0,
+                max_tokens=16,
+                structured_outputs=(
+                    StructuredOutputsParams(regex=r"(cat|dog|bird)( (cat|dog|bird)){30}")
+                ),
+            ),
+        ),
+    }
     plain, off = generate(runner, requests, "")
     spec, on = generate(runner, requests, NGRAM, resubmit=("sampled", 6))
     assert spec == plain
@@ -199,8 +207,14 @@ def test_spec_decode_counts_sum_over_replicas_and_reach_metrics_with_vllms_names
     merged = merge_reports([report(3, [3, 1]), report(2, [2, 1, 1])]).stats
     assert merged.spec_decode_num_drafts == 5 and merged.spec_decode_num_draft_tokens == 20
     assert merged.spec_decode_num_accepted_tokens_per_pos == [5, 2, 1]
-    root = dict(in_flight=0, resubmitted_requests=0, stalled_stream_aborts=0, restarts={},
-                kv_cache_blocks=1, replicas=[])  # fmt: skip
+    root = dict(
+        in_flight=0,
+        resubmitted_requests=0,
+        stalled_stream_aborts=0,
+        restarts={},
+        kv_cache_blocks=1,
+        replicas=[],
+    )
     stats = EngineStats(**msgspec.structs.asdict(merged), **root)  # type: ignore[arg-type]
     text = ServerMetrics(lambda: [("m", lambda: stats, {})], "m").render().decode()
     assert 'engine:spec_decode_num_drafts_total{model_name="m"} 5.0' in text

@@ -49,9 +49,13 @@ def test_added_tokens_missing_from_tokenizer_json_go_through_transformers(
     config = json.loads(config_path.read_text())
     new_id = str(len(AutoTokenizer.from_pretrained(str(path))))
     config.setdefault("added_tokens_decoder", {})[new_id] = {
-        "content": "<|only_in_config|>", "lstrip": False, "normalized": False,
-        "rstrip": False, "single_word": False, "special": True,
-    }  # fmt: skip
+        "content": "<|only_in_config|>",
+        "lstrip": False,
+        "normalized": False,
+        "rstrip": False,
+        "single_word": False,
+        "special": True,
+    }
     config_path.write_text(json.dumps(config))
     decoder = load_token_decoder(str(path))
     assert hasattr(decoder, "backend_tokenizer")  # transformers' tokenizer

@@ -32,11 +32,14 @@ def a_record(**overrides: object) -> TraceRecord:
         "e2e": 0.02,
         "choices": [
             RecordedChoice(
-                index=0, text=" a b", finish_reason="length", token_ids=[7, 8],
+                index=0,
+                text=" a b",
+                finish_reason="length",
+                token_ids=[7, 8],
                 token_times=[0.01, 0.02],
             )
         ],
-    }  # fmt: skip
+    }
     fields.update(overrides)
     return TraceRecord(**fields)  # type: ignore[arg-type]
 

@@ -179,10 +179,14 @@ def test_poisson_refuses_bad_values(kwargs: dict[str, float], message: str) -> N
 
 def test_chat_imports_carry_text_messages_and_round_trip() -> None:
     result = poisson_workload(
-        rate=1.0, num=2, input_len=5, output_len=2,
-        options=options(synth=PromptSynth(BLOCK, "text"), endpoint="chat_completions", model="m",
-                        input_scale=1),
-    )  # fmt: skip
+        rate=1.0,
+        num=2,
+        input_len=5,
+        output_len=2,
+        options=options(
+            synth=PromptSynth(BLOCK, "text"), endpoint="chat_completions", model="m", input_scale=1
+        ),
+    )
     trace = parse_lines([encode_record(r) for r in result.records])
     assert not trace.problems and len(trace.entries) == 2
     body = trace.entries[0].body

@@ -37,11 +37,21 @@ def test_recorded_itl_counts_tokens_delivered_together_once() -> None:
 def recorded(i: int, text: str, body: dict[str, object]) -> TraceEntry:
     record = TraceRecord(
         v=1,
-        arrival=10.0 + i, endpoint="completions", body=make_body(body), request_id=f"r{i}",
-        outcome="success", status=200, completion_tokens=2, ttft=0.1, e2e=0.5,
-        choices=[RecordedChoice(index=0, text=text, finish_reason="length",
-                                token_ids=[1, 2], token_times=[0.1, 0.5])],
-    )  # fmt: skip
+        arrival=10.0 + i,
+        endpoint="completions",
+        body=make_body(body),
+        request_id=f"r{i}",
+        outcome="success",
+        status=200,
+        completion_tokens=2,
+        ttft=0.1,
+        e2e=0.5,
+        choices=[
+            RecordedChoice(
+                index=0, text=text, finish_reason="length", token_ids=[1, 2], token_times=[0.1, 0.5]
+            )
+        ],
+    )
     return TraceEntry(line=i + 1, record=record, body=body)
 
 
@@ -68,9 +78,15 @@ def a_report() -> ReplayReport:
             result.choices[0] = ReplayedChoice([text], "length")
         results.append(result)
     return build_report(
-        trace="t.jsonl", url="http://x", speed=1.0, max_concurrency=None, schedule=schedule,
-        results=results, problems=[TraceProblem(7, "not valid JSON")], compare=True,
-    )  # fmt: skip
+        trace="t.jsonl",
+        url="http://x",
+        speed=1.0,
+        max_concurrency=None,
+        schedule=schedule,
+        results=results,
+        problems=[TraceProblem(7, "not valid JSON")],
+        compare=True,
+    )
 
 
 def test_counts_figures_and_mismatches() -> None:
@@ -113,9 +129,16 @@ def test_a_comparison_is_exact_only_between_two_deterministic_runs(
     result.finished_at, result.completion_tokens = 0.5, 2
     result.choices[0] = ReplayedChoice(["other text"], "length")
     report = build_report(
-        trace="t.jsonl", url="http://x", speed=1.0, max_concurrency=None, schedule=[request],
-        results=[result], problems=[], compare=True, server_deterministic=server,
-    )  # fmt: skip
+        trace="t.jsonl",
+        url="http://x",
+        speed=1.0,
+        max_concurrency=None,
+        schedule=[request],
+        results=[result],
+        problems=[],
+        compare=True,
+        server_deterministic=server,
+    )
     assert report.comparison is not None and len(report.comparison.mismatches) == 1
     if why is None:
         assert report.comparison.may_differ is None
@@ -146,9 +169,15 @@ def test_an_imported_trace_has_no_recorded_column() -> None:
     (request,) = build_schedule([entry])
     result = ReplayResult(request, sent_at=0.0, finished_at=1.0, status=200)
     report = build_report(
-        trace="t", url="u", speed=2.0, max_concurrency=4, schedule=[request], results=[result],
-        problems=[], compare=True,
-    )  # fmt: skip
+        trace="t",
+        url="u",
+        speed=2.0,
+        max_concurrency=4,
+        schedule=[request],
+        results=[result],
+        problems=[],
+        compare=True,
+    )
     assert report.recorded is None
     assert report.comparison is not None and report.comparison.checked == 0
     assert "speed 2x, at most 4 in flight" in render_text(report)

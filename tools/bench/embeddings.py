@@ -80,8 +80,9 @@ async def main(args: argparse.Namespace) -> None:
     await engine.start()
     try:
         await run_round(engine, argparse.Namespace(**{**vars(args), "seconds": 2.0}))  # warm up
-        print("round  embeds/s alone  tok/s alone  embeds/s both  tok/s both  embeds ratio  "
-              "tok ratio")  # fmt: skip
+        print(
+            "round  embeds/s alone  tok/s alone  embeds/s both  tok/s both  embeds ratio  tok ratio"
+        )
         for index in range(args.rounds):
             embeds, tokens, embeds_both, tokens_both = await run_round(engine, args)
             print(

@@ -94,8 +94,10 @@ def main() -> int:
         time.sleep(args.seconds)
         used = {pid: cpu_seconds(pid) - before[pid] for pid in tree}
     total = sum(used.values()) / args.seconds * 100
-    print(f"idle: {total:.2f} % of one core in total, {len(tree)} processes, "
-          f"{args.seconds:g} s sampled; {args.engine_args or 'default flags'}")  # fmt: skip
+    print(
+        f"idle: {total:.2f} % of one core in total, {len(tree)} processes, "
+        f"{args.seconds:g} s sampled; {args.engine_args or 'default flags'}"
+    )
     for pid, seconds in sorted(used.items(), key=lambda item: -item[1]):
         print(f"  {seconds / args.seconds * 100:5.2f} %  {pid}  {tree[pid]}")
     return 0

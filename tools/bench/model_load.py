@@ -211,8 +211,10 @@ def routing_cost(model: Path, rounds: int, streams: int, seconds: float, logs: P
                 figures[name]["CPU ms/token"].append(1000 * (after["all"] - before["all"]) / tokens)
                 root = after["root"] - before["root"]
                 figures[name]["root CPU ms/request"].append(1000 * root / requests)
-    print(f"{streams} streams of greedy completions, alternating rounds of {seconds:.0f} s; "
-          "routed: 2 more models loaded and idle")  # fmt: skip
+    print(
+        f"{streams} streams of greedy completions, alternating rounds of {seconds:.0f} s; "
+        "routed: 2 more models loaded and idle"
+    )
     for what in ("tokens/s", "CPU ms/token", "root CPU ms/request"):
         for name in ("alone", "routed"):
             print(f"  {what}, {name}: {', '.join(f'{x:.2f}' for x in figures[name][what])}")
@@ -237,8 +239,7 @@ def main() -> None:
     print(f"load: {os.getloadavg()[0]:.1f}; model {model.name}")
     times = {} if args.skip_load else load_times(model, args.rounds, logs)
     for kind, found in times.items():
-        print(f"engine TTFT, model not loaded, {kind}: "
-              f"{', '.join(f'{t:.2f}' for t in found)} s")  # fmt: skip
+        print(f"engine TTFT, model not loaded, {kind}: {', '.join(f'{t:.2f}' for t in found)} s")
     binary = llama_server_binary(args.llama_server)
     if binary is None:
         print("llama-server: not measured (tools/peers/llamacpp_peer.py builds it)")

@@ -159,8 +159,14 @@ async def _llamacpp_generate(
     async with httpx.AsyncClient(base_url=url, timeout=1800.0, limits=limits) as client:
 
         async def one(prompt: list[int], n: int) -> list[int]:
-            body = {"prompt": prompt, "n_predict": n, "temperature": 0.0, "ignore_eos": True,
-                    "cache_prompt": False, "return_tokens": True}  # fmt: skip
+            body = {
+                "prompt": prompt,
+                "n_predict": n,
+                "temperature": 0.0,
+                "ignore_eos": True,
+                "cache_prompt": False,
+                "return_tokens": True,
+            }
             reply = await client.post("/completion", json=body)
             reply.raise_for_status()
             return [int(t) for t in reply.json()["tokens"]]

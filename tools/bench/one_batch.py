@@ -220,8 +220,10 @@ def compare_with_llama_bench(
     ours = bench_case(runner, 1, prompt, 128)
     print("\nllama-bench -t 2, run before ours, same file; ratio: ours / llama.cpp")
     print(f"{'test':>6} | {'ours tok/s':>10} {'llama.cpp tok/s':>15} {'ratio':>6}")
-    for test, rate in ((f"pp{prompt}", ours.prefill_tokens_per_second),
-                       ("tg128", ours.decode_tokens_per_second)):  # fmt: skip
+    for test, rate in (
+        (f"pp{prompt}", ours.prefill_tokens_per_second),
+        ("tg128", ours.decode_tokens_per_second),
+    ):
         peer = theirs[test[:2]]
         print(f"{test:>6} | {rate:>10.1f} {peer:>15.1f} {rate / peer:>6.2f}")
 

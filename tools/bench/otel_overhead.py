@@ -96,9 +96,12 @@ def main() -> None:
     args.model, _ = model_directory(args.model, default_engine_home())
     work = Path(tempfile.mkdtemp(prefix="otel-overhead-"))
     workload = poisson_workload(
-        rate=1000.0, num=args.requests, input_len=args.input_len, output_len=args.output_len,
+        rate=1000.0,
+        num=args.requests,
+        input_len=args.input_len,
+        output_len=args.output_len,
         options=ImportOptions(synth=PromptSynth(512)),
-    )  # fmt: skip
+    )
     entries = parse_lines([encode_record(r) for r in workload.records]).entries
     schedule = build_schedule(entries, speed=float("inf"), default_model=args.model)
     with otlp_sink() as (url, seen):

@@ -81,9 +81,18 @@ def parallel_cases(
         replica_cases = [(shares(b, dp)[replica], i, o) for b, i, o in cases]
         for rank in range(tp):
             job = RankJob(
-                model, replica, rank, tp, ports[replica], dtype, device, block_size, num_blocks,
-                threads, replica_cases,
-            )  # fmt: skip
+                model,
+                replica,
+                rank,
+                tp,
+                ports[replica],
+                dtype,
+                device,
+                block_size,
+                num_blocks,
+                threads,
+                replica_cases,
+            )
             processes.append(context.Process(target=_rank_main, args=(job, barrier, out)))
     for process in processes:
         process.start()

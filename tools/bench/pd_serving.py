@@ -81,8 +81,10 @@ def serving(args: argparse.Namespace) -> int:
             return 1
         figures.append(setup_figures)
         results.append(setup_results)
-    describe = (f"{args.trace}, window {args.window[0]:g}-{args.window[1]:g} s, inputs / "
-                f"{args.input_scale:g}, speed {args.speed:g}x; {model}")  # fmt: skip
+    describe = (
+        f"{args.trace}, window {args.window[0]:g}-{args.window[1]:g} s, inputs / "
+        f"{args.input_scale:g}, speed {args.speed:g}x; {model}"
+    )
     print(render(describe, figures))
     disaggregated, colocated = figures
     if colocated.itl_p99_ms and disaggregated.itl_p99_ms:
@@ -98,8 +100,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--model",
         help="checkpoint directory, .gguf file or 'demo' (default: SmolLM2-135M-Instruct)",
     )
-    p.add_argument("--trace", default=str(Path(__file__).parents[3] / "shared/traces/"
-                                          "mooncake_fast25_conversation.jsonl"))  # fmt: skip
+    p.add_argument(
+        "--trace",
+        default=str(Path(__file__).parents[3] / "shared/traces/mooncake_fast25_conversation.jsonl"),
+    )
     p.add_argument("--window", type=_window, default=(0.0, 30.0), help="SECONDS or START:END")
     p.add_argument("--input-scale", type=float, default=16.0, help="divide input lengths by this")
     p.add_argument("--max-output", type=int, default=128, help="cap output lengths")

@@ -127,9 +127,22 @@ def llama_cpp_perplexity(
     with tempfile.TemporaryDirectory(prefix="perplexity-") as tmp:
         path = Path(tmp) / "text.txt"
         path.write_text(padded_text(text))
-        cmd = [str(llamacpp_peer.binary("llama-perplexity")), "-m", str(gguf), "-f", str(path),
-               "-c", str(window), "-b", str(window), "--chunks", "1",
-               "-t", str(llamacpp_peer.THREADS), *extra]  # fmt: skip
+        cmd = [
+            str(llamacpp_peer.binary("llama-perplexity")),
+            "-m",
+            str(gguf),
+            "-f",
+            str(path),
+            "-c",
+            str(window),
+            "-b",
+            str(window),
+            "--chunks",
+            "1",
+            "-t",
+            str(llamacpp_peer.THREADS),
+            *extra,
+        ]
         done = subprocess.run(
             cmd, capture_output=True, text=True, env=llamacpp_peer.peer_environment(), timeout=1800
         )
@@ -150,8 +163,14 @@ def requantized(source: Path, kind: str) -> Path:
     target = out_dir / f"{stem}.{kind}.gguf"
     if not target.is_file():
         partial = target.with_suffix(".partial")
-        cmd = [str(llamacpp_peer.binary("llama-quantize")), "--allow-requantize", str(source),
-               str(partial), kind, str(llamacpp_peer.THREADS)]  # fmt: skip
+        cmd = [
+            str(llamacpp_peer.binary("llama-quantize")),
+            "--allow-requantize",
+            str(source),
+            str(partial),
+            kind,
+            str(llamacpp_peer.THREADS),
+        ]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             raise SystemExit(f"llama-quantize failed:\n{(done.stdout + done.stderr)[-3000:]}")
@@ -217,22 +236,33 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--text", type=Path, default=DEFAULT_TEXT, help="a UTF-8 text file")
     parser.add_argument(
-        "--file", type=Path, action="append", help="a .gguf file (repeatable; default: the "
-        "default model's)"
-    )  # fmt: skip
+        "--file",
+        type=Path,
+        action="append",
+        help="a .gguf file (repeatable; default: the default model's)",
+    )
     parser.add_argument(
-        "--requantize", nargs="*", default=[], metavar="TYPE",
-        help="also score llama-quantize --allow-requantize copies of the first file (Q4_0, Q8_0...)"
-    )  # fmt: skip
+        "--requantize",
+        nargs="*",
+        default=[],
+        metavar="TYPE",
+        help="also score llama-quantize --allow-requantize copies of the first file "
+        "(Q4_0, Q8_0...)",
+    )
     parser.add_argument(
-        "--quantization", nargs="+", default=["auto", "none"], choices=["auto", "none"],
-        help="the engine's: auto (the file's block types served quantized), none (float32)"
-    )  # fmt: skip
+        "--quantization",
+        nargs="+",
+        default=["auto", "none"],
+        choices=["auto", "none"],
+        help="the engine's: auto (the file's block types served quantized), none (float32)",
+    )
     parser.add_argument(
-        "--llama-cpp-args", action="append", metavar="OPTIONS",
+        "--llama-cpp-args",
+        action="append",
+        metavar="OPTIONS",
         help="a llama-perplexity run with these extra options, e.g. '-fa off -ctk f32 -ctv f32' "
-        "(repeatable; '' is its defaults, the default run)"
-    )  # fmt: skip
+        "(repeatable; '' is its defaults, the default run)",
+    )
     parser.add_argument("--no-llama-cpp", action="store_true", help="the engine's scores only")
     parser.add_argument("--engine-home", type=Path, default=None)
     return parser.parse_args(argv)

@@ -113,8 +113,9 @@ def _gguf_file(model: str | None, precision: str) -> Path:
         return llamacpp_peer.model_file(model)
     except SystemExit:
         why = "llama.cpp's F32 copy is made from" if precision == "float32" else "q4_1 serves"
-        raise SystemExit(f"bench serve: --model must be a .gguf file ({why} it), "
-                         f"got {model!r}") from None  # fmt: skip
+        raise SystemExit(
+            f"bench serve: --model must be a .gguf file ({why} it), got {model!r}"
+        ) from None
 
 
 def main() -> int:
@@ -135,17 +136,25 @@ def main() -> int:
             slots = args.llamacpp_parallel
             context = slots * slot_context([warmup_load(), *loads])
             servers["llama.cpp"] = partial(
-                llamacpp_peer.llama_server, files.llamacpp, slots, context, logs,
+                llamacpp_peer.llama_server,
+                files.llamacpp,
+                slots,
+                context,
+                logs,
                 args.start_timeout,
-            )  # fmt: skip
+            )
         elif peer == "vllm":
             assert files.vllm is not None
             python = vllm_python(args.vllm_python)  # found before the engine's run, not after
             label = "vLLM" if args.precision == "float32" else "vLLM (float32)"
             servers[label] = partial(
-                vllm_server, python, files.vllm, logs, shlex.split(args.vllm_args),
+                vllm_server,
+                python,
+                files.vllm,
+                logs,
+                shlex.split(args.vllm_args),
                 args.start_timeout,
-            )  # fmt: skip
+            )
     describe = f"{describe_loads(args, loads)}; {files.describe(args.precision)}"
     if "llamacpp" in args.peer:
         describe += f" (llama-server -t {llamacpp_peer.THREADS} -np {args.llamacpp_parallel})"
@@ -203,8 +212,9 @@ def _peers(text: str) -> list[str]:
     if parts == ["none"]:
         return []
     if not parts or not all(part in PEERS for part in parts):
-        raise argparse.ArgumentTypeError(f"expected peers from {', '.join(PEERS)} "
-                                         f"(comma-separated) or none, got {text!r}")  # fmt: skip
+        raise argparse.ArgumentTypeError(
+            f"expected peers from {', '.join(PEERS)} (comma-separated) or none, got {text!r}"
+        )
     return list(dict.fromkeys(parts))
 
 

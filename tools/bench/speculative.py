@@ -51,8 +51,12 @@ from engine.library.llm import engine_settings
 from engine.messages.params import SamplingParams
 from engine.scheduler.speculation import ACCEPTANCE_METHODS
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
-         "prompt_lookup_min": 2}  # fmt: skip
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_max": 4,
+    "prompt_lookup_min": 2,
+}
 DRAFT_TOKENS = 4  # num_speculative_tokens with a draft model
 REJECTION = "draft-rs"  # the draft engine verifying by vLLM's rejection sampler
 
@@ -150,8 +154,10 @@ async def bench_ours(args: argparse.Namespace) -> dict[str, dict[str, list[float
                 for name in names[1:]:
                     if outputs[name] != outputs["plain"]:
                         why = "another draw" if name == REJECTION else "near-tie logits?"
-                        print(f"NOTE {prompt}: {name}'s output differs from plain's ({why})",
-                              file=sys.stderr)  # fmt: skip
+                        print(
+                            f"NOTE {prompt}: {name}'s output differs from plain's ({why})",
+                            file=sys.stderr,
+                        )
         print_acceptance(counted)
     finally:
         for engine in engines.values():
@@ -170,9 +176,11 @@ def print_acceptance(counted: dict[str, dict[str, dict[str, int]]]) -> None:
                 continue
             rate = counts["accepted"] / (counts["proposed"] or 1)
             per_step = counts["tokens"] / (counts["steps"] or 1)
-            print(f"{prompt} {name}: {counts['drafts']} drafts, {counts['proposed']} proposed, "
-                  f"{counts['accepted']} accepted ({rate:.0%}); tokens per step "
-                  f"{plain:.2f} plain, {per_step:.2f} {name}")  # fmt: skip
+            print(
+                f"{prompt} {name}: {counts['drafts']} drafts, {counts['proposed']} proposed, "
+                f"{counts['accepted']} accepted ({rate:.0%}); tokens per step "
+                f"{plain:.2f} plain, {per_step:.2f} {name}"
+            )
 
 
 def _engine_configs(args: argparse.Namespace) -> dict[str, str]:
@@ -186,8 +194,11 @@ def _engine_configs(args: argparse.Namespace) -> dict[str, str]:
         path = _draft_path(args)
         for method in args.acceptance_methods:
             name = REJECTION if method == "rejection_sampler" else "draft"
-            draft = {"model": path, "num_speculative_tokens": DRAFT_TOKENS,
-                     "acceptance_method": method}  # fmt: skip
+            draft = {
+                "model": path,
+                "num_speculative_tokens": DRAFT_TOKENS,
+                "acceptance_method": method,
+            }
             configs[name] = json.dumps(draft)
     return configs
 
@@ -240,8 +251,10 @@ async def _counts(engine: AsyncLLM) -> dict[str, int]:
 
 
 def report(rates: dict[str, dict[str, list[float]]]) -> None:
-    print(f"{'prompt':10} {'method':8} {'lookup helps':>12} {'plain tok/s':>12} "
-          f"{'spec tok/s':>11} {'ratio':>7} {'min-max':>11}  per-round ratios")  # fmt: skip
+    print(
+        f"{'prompt':10} {'method':8} {'lookup helps':>12} {'plain tok/s':>12} "
+        f"{'spec tok/s':>11} {'ratio':>7} {'min-max':>11}  per-round ratios"
+    )
     for prompt, by_engine in rates.items():
         plain = by_engine["plain"]
         for name, spec in by_engine.items():

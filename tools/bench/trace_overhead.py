@@ -45,11 +45,27 @@ class Side:
 
 def start(name: str, args: argparse.Namespace, work: Path, extra: list[str]) -> Side:
     cmd = [
-        "serve", "--model", args.model, "--host", "127.0.0.1",
-        "--port", "0", "--device", "cpu", "--max-model-len", "1024",
-        "--max-num-seqs", str(args.concurrency), "--max-queued-samples", "1024",
-        "--kv-cache-memory", "64MiB", "--admin.socket", str(work / f"{name}.sock"), *extra,
-    ]  # fmt: skip
+        "serve",
+        "--model",
+        args.model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--device",
+        "cpu",
+        "--max-model-len",
+        "1024",
+        "--max-num-seqs",
+        str(args.concurrency),
+        "--max-queued-samples",
+        "1024",
+        "--kv-cache-memory",
+        "64MiB",
+        "--admin.socket",
+        str(work / f"{name}.sock"),
+        *extra,
+    ]
     try:
         server = start_engine(cmd, work / f"{name}.log", timeout=300.0)
     except ServerFailed as e:
@@ -81,9 +97,12 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="trace-overhead-"))
     workload = poisson_workload(
-        rate=1000.0, num=args.requests, input_len=args.input_len, output_len=args.output_len,
+        rate=1000.0,
+        num=args.requests,
+        input_len=args.input_len,
+        output_len=args.output_len,
         options=ImportOptions(synth=PromptSynth(512)),
-    )  # fmt: skip
+    )
     entries = parse_lines([encode_record(r) for r in workload.records]).entries
     schedule = build_schedule(entries, speed=float("inf"), default_model=args.model)
     plain = start("plain", args, work, [])

@@ -59,9 +59,15 @@ async def admin_actors(socket: str | None) -> list[dict[str, Any]]:
         reply = await asyncio.to_thread(send_command, Path(socket), "actors", [], timeout=60.0)
     else:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "engine", "admin", "actors", "--json",
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        )  # fmt: skip
+            sys.executable,
+            "-m",
+            "engine",
+            "admin",
+            "actors",
+            "--json",
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
         stdout, stderr = await asyncio.wait_for(proc.communicate(), 60)
         if proc.returncode != 0:
             raise RuntimeError(f"engine admin actors failed: {stderr.decode().strip()}")

@@ -107,15 +107,22 @@ def print_summary(s: dict[str, Any]) -> None:
         ("faults by victim", by_actor(s["faults_by_actor"])),
         ("hung, not replaced", ", ".join(s["hung_never_replaced"]) or "none"),
         ("restarts by actor", by_actor(s["restarts_by_actor"])),
-        ("recovery p50 / p99", f"{seconds(s['recovery_p50_s'])} / {seconds(s['recovery_p99_s'])}"
-         f" (max {seconds(s['recovery_max_s'])}; fault -> next token on every stream in flight)"),
-        ("recovery by victim", ", ".join(
-            f"{name} {p50:.3f} / {s['recovery_p99_by_actor_s'][name]:.3f} s"
-            for name, p50 in s["recovery_p50_by_actor_s"].items()
-        ) or "n/a"),
+        (
+            "recovery p50 / p99",
+            f"{seconds(s['recovery_p50_s'])} / {seconds(s['recovery_p99_s'])}"
+            f" (max {seconds(s['recovery_max_s'])}; fault -> next token on every stream in flight)",
+        ),
+        (
+            "recovery by victim",
+            ", ".join(
+                f"{name} {p50:.3f} / {s['recovery_p99_by_actor_s'][name]:.3f} s"
+                for name, p50 in s["recovery_p50_by_actor_s"].items()
+            )
+            or "n/a",
+        ),
         ("longest stall", seconds(s["longest_stall_s"])),
         ("phases", f"chaos {s['chaos_phase_s']:.1f} s, reference {s['reference_phase_s']:.1f} s"),
-    ]  # fmt: skip
+    ]
     for name, value in rows:
         print(f"{name:20s} {value}")
     if s["lost_examples"]:

@@ -177,19 +177,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
     p.add_argument("--api-key", default=os.environ.get("ENGINE_API_KEY"), help="if it wants one")
     p.add_argument(
-        "--socket", action="append",
+        "--socket",
+        action="append",
         help="its admin socket (default: the newest live one); repeat for several instances",
-    )  # fmt: skip
+    )
     p.add_argument("--launch", choices=("single", "pd"), help="start the server(s) here")
     p.add_argument("--model", help="with --launch: the model (default: the engine's default)")
     p.add_argument("--engine-args", default="", help="with --launch: more flags for instances")
     p.add_argument("--proxy-args", default="", help="with --launch pd: more flags for the proxy")
-    p.add_argument("--heartbeat-timeout", type=float, default=0.0,
-                   help="with --launch: the instances' runtime.heartbeat_timeout; 0 = the "
-                   "engine's default (stopped actors: runtime.stopped_timeout)")  # fmt: skip
+    p.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=0.0,
+        help="with --launch: the instances' runtime.heartbeat_timeout; 0 = the "
+        "engine's default (stopped actors: runtime.stopped_timeout)",
+    )
     p.add_argument("--start-timeout", type=float, default=600.0, help="with --launch")
-    p.add_argument("--warm-up", type=float, default=15.0,
-                   help="with --launch: seconds the servers idle before the workload")  # fmt: skip
+    p.add_argument(
+        "--warm-up",
+        type=float,
+        default=15.0,
+        help="with --launch: seconds the servers idle before the workload",
+    )
     p.add_argument("--logs", help="with --launch: where the servers' logs go (default: a temp dir)")
     p.add_argument("--requests", type=int, default=200)
     p.add_argument("--concurrency", type=int, default=16, help="streams in flight at once")
@@ -206,9 +215,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--settle", type=float, default=3.0, help="wait after the chaos phase")
-    p.add_argument("--hang-deadline", type=float, default=60.0,
-                   help="seconds after the chaos phase a hung actor may stay stopped before it "
-                   "counts as never replaced")  # fmt: skip
+    p.add_argument(
+        "--hang-deadline",
+        type=float,
+        default=60.0,
+        help="seconds after the chaos phase a hung actor may stay stopped before it "
+        "counts as never replaced",
+    )
     p.add_argument("--json", action="store_true", help="also print the summary as JSON")
     args = p.parse_args(argv)
     if not 0 < args.min_tokens <= args.max_tokens:

@@ -39,9 +39,17 @@ def _started(command: list[str], log_path: Path, timeout: float) -> Iterator[str
 def _instance_args(model: str | None, socket: Path, extra: list[str]) -> list[str]:
     model_args = ["--model", model] if model else []
     return [
-        "serve", *model_args, "--host", "127.0.0.1", "--port", "0",
-        "--admin.socket", str(socket), *RESTART_FLAGS, *extra,
-    ]  # fmt: skip
+        "serve",
+        *model_args,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--admin.socket",
+        str(socket),
+        *RESTART_FLAGS,
+        *extra,
+    ]
 
 
 @contextlib.contextmanager

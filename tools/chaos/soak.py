@@ -277,14 +277,20 @@ def print_report(s: dict[str, Any]) -> None:
         print(f"{name:<16} {rss0:>12} {rss1:>12} {fd0:>9} {fd1:>8}")
     print(f"/dev/shm segments: {s['segments'][0]} -> {s['segments'][1]}")
     checks = [
-        (f"RSS growth after warm-up {s['rss_growth_max']:.1%}", "<= 5 %",
-         s["rss_growth_max"] <= RSS_GROWTH_TARGET),
+        (
+            f"RSS growth after warm-up {s['rss_growth_max']:.1%}",
+            "<= 5 %",
+            s["rss_growth_max"] <= RSS_GROWTH_TARGET,
+        ),
         (f"fds leaked {s['fds_leaked']}", "0", s["fds_leaked"] == 0),
-        (f"segments leaked {max(0, s['segments'][1] - s['segments'][0])}", "0",
-         s["segments"][1] <= s["segments"][0]),
+        (
+            f"segments leaked {max(0, s['segments'][1] - s['segments'][0])}",
+            "0",
+            s["segments"][1] <= s["segments"][0],
+        ),
         (f"restarts {s['restarts']}", "0", s["restarts"] == 0),
         (f"lost {s['lost']}, 5xx {s['server_errors']}", "0", s["lost"] == s["server_errors"] == 0),
-    ]  # fmt: skip
+    ]
     for what, target, met in checks:
         print(f"  {'ok  ' if met else 'MISS'} {what} (target {target})")
     for example in s["lost_examples"]:
@@ -332,8 +338,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1500, help="requests before the first snapshot")
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=24, help="max_tokens drawn from 4..this")
-    for kind, share in [("stream", 0.3), ("plain", 0.2), ("chat", 0.2), ("disconnect", 0.1),
-                        ("slow", 0.1), ("bad", 0.1)]:  # fmt: skip
+    for kind, share in [
+        ("stream", 0.3),
+        ("plain", 0.2),
+        ("chat", 0.2),
+        ("disconnect", 0.1),
+        ("slow", 0.1),
+        ("bad", 0.1),
+    ]:
         p.add_argument(f"--{kind}", type=float, default=share, help=f"share of {kind} requests")
     p.add_argument(
         "--model", default="demo", help="model of the server it starts (default: the demo model)"

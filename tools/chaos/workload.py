@@ -14,10 +14,34 @@ from typing import Any
 import httpx
 
 WORDS = (
-    "the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven",
-    "tired", "sailors", "sing", "about", "rivers", "mountains", "lanterns", "copper", "bread",
-    "winter", "gardens", "clocks", "and", "the", "patient", "moon",
-)  # fmt: skip
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "a",
+    "lazy",
+    "dog",
+    "while",
+    "seven",
+    "tired",
+    "sailors",
+    "sing",
+    "about",
+    "rivers",
+    "mountains",
+    "lanterns",
+    "copper",
+    "bread",
+    "winter",
+    "gardens",
+    "clocks",
+    "and",
+    "the",
+    "patient",
+    "moon",
+)
 NEVER = "<never seen>"  # a stop string no output contains
 
 

@@ -49,9 +49,15 @@ EXTRA_TARGETS = ("llama-perplexity",)
 # matmul ggml's AMX buffer type takes), and the engine's kernels use none (AVX512-VNNI at most),
 # so both sides run on the same instructions.
 NO_AMX = "-U__AMX_TILE__ -U__AMX_INT8__ -U__AMX_BF16__"
-CMAKE_FLAGS = ("-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DCMAKE_BUILD_TYPE=Release",
-               "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-               f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}")  # fmt: skip
+CMAKE_FLAGS = (
+    "-DGGML_NATIVE=ON",
+    "-DLLAMA_CURL=OFF",
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DBUILD_SHARED_LIBS=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    f"-DCMAKE_C_FLAGS={NO_AMX}",
+    f"-DCMAKE_CXX_FLAGS={NO_AMX}",
+)
 # Part of the binaries' directory name: bumped when CMAKE_FLAGS change, so a build made with
 # other flags is not reused.
 BUILD = 2
@@ -139,8 +145,18 @@ def _build_in(work: Path, staging: Path, sdist: Path | None, targets: Sequence[s
 def download_sdist(into: Path) -> Path:
     """The source distribution from PyPI (it has no wheel for this platform, so `pip download`
     without --no-binary would also get it; with it, pip never picks a wheel)."""
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-           f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", str(into)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--no-binary",
+        ":all:",
+        f"llama-cpp-python=={LLAMA_CPP_PYTHON}",
+        "-d",
+        str(into),
+    ]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     return next(into.glob("llama_cpp_python-*.tar.gz"))
 
@@ -167,8 +183,14 @@ def f32_file(source: Path) -> Path:
     target = out_dir / f"{stem}.F32.gguf"
     if not target.is_file():
         partial = target.with_suffix(".partial")
-        cmd = [str(binary("llama-quantize")), "--allow-requantize", str(source), str(partial),
-               "F32", str(THREADS)]  # fmt: skip
+        cmd = [
+            str(binary("llama-quantize")),
+            "--allow-requantize",
+            str(source),
+            str(partial),
+            "F32",
+            str(THREADS),
+        ]
         print(f"llamacpp_peer: making {target}", file=sys.stderr)
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
         if done.returncode != 0:
@@ -184,9 +206,21 @@ def llama_server(
     """`llama-server` with `parallel` slots sharing `context` tokens of KV cache, on a free port;
     yields its URL once /health answers 200 (it answers 503 while the model loads)."""
     port = free_port()
-    cmd = [str(binaries() / "llama-server"), "-m", str(model), "-t", str(THREADS),
-           "-np", str(parallel), "-c", str(context),
-           "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+    cmd = [
+        str(binaries() / "llama-server"),
+        "-m",
+        str(model),
+        "-t",
+        str(THREADS),
+        "-np",
+        str(parallel),
+        "-c",
+        str(context),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
     log_path = logs / "llama-server.log"
     # /health answers 503 while the model loads, 200 once it can serve.
     with http_server(
@@ -205,8 +239,19 @@ def peer_environment() -> dict[str, str]:
 def llama_bench(model: Path, prompt: int = 256, generate: int = 128) -> dict[str, float]:
     """llama-bench's tokens/s: {"pp": prompt processing of `prompt` tokens, "tg": generation of
     `generate` tokens, one stream}, on THREADS threads."""
-    cmd = [str(binaries() / "llama-bench"), "-m", str(model), "-t", str(THREADS),
-           "-p", str(prompt), "-n", str(generate), "-o", "json"]  # fmt: skip
+    cmd = [
+        str(binaries() / "llama-bench"),
+        "-m",
+        str(model),
+        "-t",
+        str(THREADS),
+        "-p",
+        str(prompt),
+        "-n",
+        str(generate),
+        "-o",
+        "json",
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, env=peer_environment(), timeout=1800)
     if done.returncode != 0:
         raise SystemExit(f"llama-bench failed (exit {done.returncode}):\n{done.stderr[-3000:]}")

@@ -29,8 +29,14 @@ def spec_args(draft_max: int) -> dict[str, list[str]]:
 
 
 def chat(url: str, text: str, max_tokens: int) -> dict[str, Any]:
-    body = json.dumps({"messages": [{"role": "user", "content": text}], "temperature": 0.0,
-                       "max_tokens": max_tokens, "seed": 0}).encode()  # fmt: skip
+    body = json.dumps(
+        {
+            "messages": [{"role": "user", "content": text}],
+            "temperature": 0.0,
+            "max_tokens": max_tokens,
+            "seed": 0,
+        }
+    ).encode()
     request = urllib.request.Request(
         url + "/v1/chat/completions", body, {"Content-Type": "application/json"}
     )
@@ -48,9 +54,22 @@ def bench_llama_server(
     with contextlib.ExitStack() as stack:
         urls = {}
         for name, extra in spec_args(max(args.ngram_tokens)).items():
-            cmd = [str(llamacpp_peer.binaries() / "llama-server"), "-m", gguf,
-                   "-t", str(llamacpp_peer.THREADS), "-np", "1", "-c", "4096",
-                   "--host", "127.0.0.1", "--port", str(free_port()), *extra]  # fmt: skip
+            cmd = [
+                str(llamacpp_peer.binaries() / "llama-server"),
+                "-m",
+                gguf,
+                "-t",
+                str(llamacpp_peer.THREADS),
+                "-np",
+                "1",
+                "-c",
+                "4096",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(free_port()),
+                *extra,
+            ]
             urls[name] = stack.enter_context(
                 http_server(
                     cmd,

@@ -35,9 +35,22 @@ def vllm_server(
     """vLLM's OpenAI server with the peer's settings (float32, eager, 30 % of memory); yields its
     URL once /v1/models answers (it prints no ready line of its own)."""
     port = free_port()
-    cmd = [python, "-m", "vllm.entrypoints.openai.api_server",
-           "--model", model, "--dtype", "float32", "--enforce-eager",
-           "--gpu-memory-utilization", "0.3", "--host", "127.0.0.1", "--port", str(port),
-           *extra_args]  # fmt: skip
+    cmd = [
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model,
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--gpu-memory-utilization",
+        "0.3",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *extra_args,
+    ]
     with http_server(cmd, "vLLM server", logs / "vllm.log", "/v1/models", start_timeout) as url:
         yield url

@@ -107,9 +107,10 @@ def _logit_bias(raw: dict[str, float]) -> dict[int, float]:
             token_id = int(key)
         except ValueError:
             raise ApiError(
-                400, f"logit_bias keys must be token ids (integers >= 0), got {key!r}",
+                400,
+                f"logit_bias keys must be token ids (integers >= 0), got {key!r}",
                 param="logit_bias",
-            ) from None  # fmt: skip
+            ) from None
         bias[token_id] = value
     return bias
 

@@ -88,9 +88,16 @@ class Panels:
         if x.shape[0] == 0:
             return out
         status = self.library.engine_linear(
-            x.data_ptr(), x.shape[0], width, x.stride(0), self.packed.data_ptr(), rows,
-            None if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads(),
-        )  # fmt: skip
+            x.data_ptr(),
+            x.shape[0],
+            width,
+            x.stride(0),
+            self.packed.data_ptr(),
+            rows,
+            None if bias is None else bias.data_ptr(),
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
         if status != 0:
             raise RuntimeError(f"the CPU linear kernel failed (status {status})")
         return out

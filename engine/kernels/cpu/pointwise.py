@@ -63,9 +63,17 @@ def _rms_norm_of_heads(
     tokens, heads, dim = x.shape
     out = x.new_empty(tokens, heads, dim)
     status = load_library().engine_rms_norm(
-        DTYPE_CODES[x.dtype], x.data_ptr(), x.stride(0), tokens, heads, dim,
-        weight.data_ptr(), weight_head_stride, ctypes.c_float(eps), out.data_ptr(),
-    )  # fmt: skip
+        DTYPE_CODES[x.dtype],
+        x.data_ptr(),
+        x.stride(0),
+        tokens,
+        heads,
+        dim,
+        weight.data_ptr(),
+        weight_head_stride,
+        ctypes.c_float(eps),
+        out.data_ptr(),
+    )
     _check(status, "RMSNorm")
     return out
 
@@ -88,9 +96,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     _, heads, dim = x.shape
     out = x.new_empty(tokens, heads, dim)
     status = load_library().engine_rotary(
-        DTYPE_CODES[x.dtype], x.data_ptr(), x.stride(0), tokens, heads, dim,
-        cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
-    )  # fmt: skip
+        DTYPE_CODES[x.dtype],
+        x.data_ptr(),
+        x.stride(0),
+        tokens,
+        heads,
+        dim,
+        cos.data_ptr(),
+        sin.data_ptr(),
+        out.data_ptr(),
+    )
     _check(status, "rotary embedding")
     return out
 

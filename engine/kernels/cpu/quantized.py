@@ -165,10 +165,18 @@ def quantized_linear(
         )
     out = x.new_empty(x.shape[0], rows)
     status = load_library().engine_quantized_linear(
-        x.data_ptr(), x.shape[0], k, x.stride(0), weight.c_parts, len(weight.parts), rows,
-        None if bias is None else bias.data_ptr(), out.data_ptr(),
-        torch.get_num_threads() if threads is None else threads, path,
-    )  # fmt: skip
+        x.data_ptr(),
+        x.shape[0],
+        k,
+        x.stride(0),
+        weight.c_parts,
+        len(weight.parts),
+        rows,
+        None if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        torch.get_num_threads() if threads is None else threads,
+        path,
+    )
     if status == 2:
         raise RuntimeError(f"the quantized linear kernel's path {path} does not run on this CPU")
     if status != 0:

@@ -90,8 +90,12 @@ def ensure_secret_file(path: Path) -> bytes:
             file.write(secrets.token_hex(32) + "\n")
         try:
             os.link(draft, path)  # fails if another instance made it meanwhile: theirs wins
-            log.info("created the KV transfer deployment secret %s (copy it to the hosts of "
-                     "the other instances, or set %s on each)", path, SECRET_ENV)  # fmt: skip
+            log.info(
+                "created the KV transfer deployment secret %s (copy it to the hosts of "
+                "the other instances, or set %s on each)",
+                path,
+                SECRET_ENV,
+            )
         except FileExistsError:
             pass
         finally:
