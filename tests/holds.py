@@ -11,11 +11,11 @@ and, steps being batched, every request running beside it is paced the same way.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from engine.testing.fault_injection import FAULT_INJECTION_ENV
+from engine.testing.fault_injection import FAULT_INJECTION_ENV, environment
+from tests.environment import environment_set
 
 HOLD_TOKEN = 505  # " When" in the tiny test checkpoints' tokenizer, in no other test's text
 HOLD_TEXT = " When"  # a text prompt holding it: the space belongs to the token
@@ -30,19 +30,12 @@ def held(ids: list[int]) -> list[int]:
 
 def hold_env(*other_rules: str) -> dict[str, str]:
     """The environment a server's workers need for HOLD_RULE (and `other_rules`)."""
-    return {FAULT_INJECTION_ENV: ",".join((*other_rules, HOLD_RULE))}
+    return environment(FAULT_INJECTION_ENV, ",".join((*other_rules, HOLD_RULE)))
 
 
 @contextmanager
 def holding(*other_rules: str) -> Iterator[None]:
     """Engines started in this process within the block hold HOLD_TOKEN's requests (their
     workers are spawned with this environment)."""
-    previous = os.environ.get(FAULT_INJECTION_ENV)
-    os.environ.update(hold_env(*other_rules))
-    try:
+    with environment_set(hold_env(*other_rules)):
         yield
-    finally:
-        if previous is None:
-            os.environ.pop(FAULT_INJECTION_ENV, None)
-        else:
-            os.environ[FAULT_INJECTION_ENV] = previous

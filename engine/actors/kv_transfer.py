@@ -46,10 +46,10 @@ from engine.messages.kv_transfer import (
 from engine.messages.ring_catalogue import KV_EVENTS_RING, KV_ORDERS_RING
 from engine.messages.roles import Role
 from engine.runtime.actor import Actor
+from engine.runtime.hooks import install_hooks
 from engine.runtime.segments import map_segment
 from engine.runtime.shm import SEGMENT_PREFIX, SHM_DIR
 from engine.settings.home import default_engine_home
-from engine.testing.fault_injection import KV_PULL_DELAY_ENV
 
 T = TypeVar("T")
 MAX_CONNECTIONS = 64  # served at once (a thread each); more are closed at once
@@ -59,6 +59,8 @@ ACCEPT_RETRY = 0.1  # seconds before accepting again after accept failed
 class KvTransferActor(Actor):
     channels = (KV_ORDERS,)
     role = Role.KV_TRANSFER
+    # Seconds each pull waits before it starts: only a test's hook sets it (engine/testing/)
+    pull_delay = 0.0
 
     async def on_start(self) -> dict[str, Any] | None:
         config = msgspec.msgpack.decode(self.config, type=KvTransferConfig)
@@ -69,11 +71,7 @@ class KvTransferActor(Actor):
         segment = self.segments[config.cache_segment]
         self.view = CacheView(config.layout, map_segment(segment))
         self.holds = HoldTable()
-        self._pull_delay = float(os.environ.get(KV_PULL_DELAY_ENV) or 0.0)
-        if self._pull_delay:
-            self.log.warning(
-                "%s is set: each pull waits %g s first", KV_PULL_DELAY_ENV, self._pull_delay
-            )
+        install_hooks("kv_transfer", self)  # a test's pull delay, if it asked for one
         here = host_id(SHM_DIR)
         self._open_transfers(config, segment, here)
         self._listener = socket.create_server((config.listen_host, config.port), backlog=64)
@@ -238,8 +236,8 @@ class KvTransferActor(Actor):
                 self.log.info("hold of %r expired", transfer_id)
 
     async def _pull(self, order: PullBlocks) -> None:
-        if self._pull_delay:  # tests only: a kill then lands while the pull is under way
-            await asyncio.sleep(self._pull_delay)
+        if self.pull_delay:  # tests only: a kill then lands while the pull is under way
+            await asyncio.sleep(self.pull_delay)
         outcome = await _on_daemon_thread(self.puller.pull, order, self.settings.rank)
         if outcome.error is not None:
             self.log.warning("%s", outcome.error)

@@ -14,7 +14,7 @@ import asyncio
 import os
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from tqdm import tqdm
@@ -27,14 +27,20 @@ from engine.messages.steps import STEP_PLANS, StepPlan, StepResult, WorkerFailed
 from engine.model.placement.policy import sleeping_openmp_threads
 from engine.model.step_inputs import is_long, step_tokens
 from engine.runtime.actor import Actor
+from engine.runtime.hooks import install_hooks
 from engine.runtime.work_rate import WorkRate
 from engine.structured.grammars import COMPILE_TIMEOUT_S
-from engine.testing.fault_injection import FaultInjection
+
+if TYPE_CHECKING:
+    from engine.model.step import StepFaults
 
 
 class WorkerActor(Actor):
     channels = (STEP_PLANS, RENDEZVOUS)  # the rendezvous: ranks > 0 read it while starting
     role = Role.WORKER
+    # A test's step faults, installed by its hook (engine/runtime/hooks.py); None: none, and
+    # steps pay nothing for them.
+    step_faults: StepFaults | None = None
 
     @classmethod
     def preload(cls) -> None:
@@ -61,10 +67,7 @@ class WorkerActor(Actor):
 
             config, group = await join_group_of(self, config)
         self.rank = config.rank
-        faults = FaultInjection.from_environment(os.environ, config.rank)
-        if faults.rules:
-            self.log.warning("fault injection is on: %s", faults.rules)
-        # Only when a test asked: steps otherwise pay nothing for the hooks.
+        install_hooks("worker", self)  # a test's step faults, if it asked for some
         cache_buffer = None
         if config.kv_cache_segment:
             from engine.runtime.segments import map_segment
@@ -90,10 +93,9 @@ class WorkerActor(Actor):
             max_cpu_loras=config.max_cpu_loras,
         )
         self.weight_slot = runner.weight_slot
-        faults_hooks = faults if faults.rules else None
         drafter = _drafter(config, runner, self.run_dir or None)
         self.draft_weight_slot = None if drafter is None else drafter.runner.weight_slot
-        self.executor = StepExecutor(runner, config.rank, faults_hooks, drafter)
+        self.executor = StepExecutor(runner, config.rank, self.step_faults, drafter)
         # Each step's deadline: from its tokens and the rate measured on earlier steps, never
         # under the wait for a grammar (tensor-parallel peers wait for rank 0's in the step).
         self.step_rate = WorkRate(floor=COMPILE_TIMEOUT_S)

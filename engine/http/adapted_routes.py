@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import secrets
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Protocol, TypeVar
 
@@ -27,6 +27,7 @@ from engine.http.anthropic.adapter import (
     count_tokens_request,
     messages_error_body,
 )
+from engine.http.guards import until_disconnect
 from engine.http.model_routes import model_tokens
 from engine.http.openai.chat_relay import ChatResult, ChatStep, ChatSteps, chat_result
 from engine.http.openai.errors import INTERNAL_ERROR_MESSAGE, ApiError, outcome_of
@@ -37,7 +38,6 @@ from engine.http.openai.responses.adapter import ResponsesAdapter
 from engine.http.openai.responses.store import ResponseStore
 from engine.http.openai.runs import RequestRun
 from engine.http.state import ServerState
-from engine.http.steps import HttpSteps
 from engine.http.streams import ReleasingStream
 from engine.messages.requests import ChatOptions
 from engine.telemetry.tracer import trace_headers
@@ -62,21 +62,21 @@ class Adapter(Protocol):
     ) -> AsyncGenerator[bytes, None]: ...
 
 
-def adapted_api_routes(state: ServerState, steps: HttpSteps) -> list[Route]:
+def adapted_api_routes(state: ServerState) -> list[Route]:
     store = ResponseStore(state.settings.server.responses_store_size)
 
     async def responses(request: Request) -> Response:
         def adapt(body: bytes) -> Adapter:
             return ResponsesAdapter(body, state.served_names, store)
 
-        return await serve_adapted(request, state, steps, "responses", adapt)
+        return await serve_adapted(request, state, "responses", adapt)
 
     async def messages(request: Request) -> Response:
         def adapt(body: bytes) -> Adapter:
             return MessagesAdapter(body, state.served_names)
 
         try:
-            return await serve_adapted(request, state, steps, "messages", adapt, x_api_key=True)
+            return await serve_adapted(request, state, "messages", adapt, x_api_key=True)
         except ApiError as e:
             return _messages_error(e)
         except Exception:
@@ -90,14 +90,14 @@ def adapted_api_routes(state: ServerState, steps: HttpSteps) -> list[Route]:
 
     async def count_tokens(request: Request) -> Response:
         try:
-            return await _count_tokens(request, state, steps)
+            return await _count_tokens(request, state)
         except ApiError as e:
             state.metrics.count_request("count_tokens", outcome_of(e.status))
             return _messages_error(e)
 
     async def stored_response(request: Request) -> Response:
         """GET /v1/responses/{id}: a stored Response; DELETE drops it."""
-        steps.check_auth(request, state)
+        state.authorize(request)
         response_id = request.path_params["response_id"]
         if request.method == "DELETE":
             if not store.delete(response_id):
@@ -117,13 +117,13 @@ def adapted_api_routes(state: ServerState, steps: HttpSteps) -> list[Route]:
     ]
 
 
-async def _count_tokens(request: Request, state: ServerState, steps: HttpSteps) -> Response:
+async def _count_tokens(request: Request, state: ServerState) -> Response:
     """Anthropic's token count: the prompt /v1/messages would run for the same system,
     messages and tools, rendered and tokenized as that request's would be."""
     if state.draining:
         raise ApiError(503, "the server is shutting down", headers={"Retry-After": "5"})
-    _authorize(request, state, steps, x_api_key=True)
-    body = await steps.read_body(request, state.settings.server.max_request_bytes)
+    state.authorize(request, x_api_key=True)
+    body = await state.read_body(request)
     api = _adapt(lambda raw: count_tokens_request(raw, state.served_names), body, request.url.path)
     (chat,) = api.requests
     assert chat.messages is not None
@@ -154,7 +154,6 @@ def _messages_error(e: ApiError) -> Response:
 async def serve_adapted(
     request: Request,
     state: ServerState,
-    steps: HttpSteps,
     endpoint: str,
     adapt: Callable[[bytes], Adapter],
     *,
@@ -163,22 +162,23 @@ async def serve_adapted(
     try:
         if state.draining:
             raise ApiError(503, "the server is shutting down", headers={"Retry-After": "5"})
-        _authorize(request, state, steps, x_api_key)
-        body = await steps.read_body(request, state.settings.server.max_request_bytes)
+        state.authorize(request, x_api_key=x_api_key)
+        body = await state.read_body(request)
         adapter = _adapt(adapt, body, request.url.path)
         take_client_request_id(adapter.api, request.headers.get("x-request-id"), state.runs)
     except ApiError as e:
         state.metrics.count_request(endpoint, outcome_of(e.status))
         raise
     api_id = adapter.id_prefix + adapter.api.request_id.partition("-")[2]
-    run = RequestRun(state, adapter.api, endpoint, body)
-    if run.recording is not None:  # the trace holds the chat request it ran as: replayable
+    recording = None
+    if state.recording:  # the trace holds the chat request it ran as: replayable
         chat = chat_body(adapter.api.requests[0], adapter.stream)
-        run.recording = RequestRecording("chat_completions", chat, run.arrival_wall)
+        recording = RequestRecording("chat_completions", chat, time.time())
+    run = RequestRun(state, adapter.api, endpoint, recording)
     run.trace_headers = trace_headers(request.headers)
     headers = {"X-Request-Id": run.key}
     if adapter.stream:
-        firsts = await steps.until_disconnect(request, run.open())
+        firsts = await until_disconnect(request, run.open())
         if firsts is None:  # left while queued or prefilling
             run.abort_unfinished()
             run.finish()
@@ -188,7 +188,7 @@ async def serve_adapted(
         events = _events(adapter, api_id, input_tokens, steps_run)
         headers["Cache-Control"] = "no-cache"
         return ReleasingStream(events, run.release, media_type="text/event-stream", headers=headers)
-    ran = await steps.until_disconnect(request, _run_to_end(run))
+    ran = await until_disconnect(request, _run_to_end(run))
     if ran is None:  # the client left; its engine requests were aborted
         run.abort_unfinished()
         run.finish()
@@ -200,17 +200,6 @@ async def serve_adapted(
 async def _run_to_end(run: RequestRun) -> bool:
     await run.run_to_end()
     return True
-
-
-def _authorize(request: Request, state: ServerState, steps: HttpSteps, x_api_key: bool) -> None:
-    """The bearer token; for Anthropic's clients also their `x-api-key` header."""
-    key = state.settings.server.api_key
-    sent = request.headers.get("x-api-key")
-    if x_api_key and key and sent is not None:
-        if not secrets.compare_digest(sent.strip().encode(), key.encode()):
-            raise ApiError(401, "invalid API key in the 'x-api-key' header")
-        return
-    steps.check_auth(request, state)
 
 
 def _adapt(adapt: Callable[[bytes], T], body: bytes, path: str) -> T:

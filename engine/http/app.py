@@ -6,10 +6,8 @@ status; a failed request leaves nothing behind, so the next one is served normal
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
-import secrets
+import time
 from collections.abc import Awaitable, Callable
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, TypeVar
@@ -17,11 +15,12 @@ from typing import Any, TypeVar
 import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from engine.http.adapted_routes import adapted_api_routes
+from engine.http.guards import until_disconnect
 from engine.http.metrics import CONTENT_TYPE
 from engine.http.model_routes import model_routes, model_tokens
 from engine.http.ollama.routes import ollama_routes
@@ -37,44 +36,39 @@ from engine.http.openai.operations import (
 )
 from engine.http.openai.parsing import OpenAIRequest, parse_chat, parse_completion
 from engine.http.openai.protocol import encode
+from engine.http.openai.recording import RequestRecording
 from engine.http.openai.rerank import rerank_routes
 from engine.http.openai.runs import RequestRun
 from engine.http.served import pool_health
 from engine.http.state import ServerState
-from engine.http.steps import HttpSteps
 from engine.http.streams import ReleasingStream
 from engine.http.ui.page import chat_page_routes
 from engine.telemetry.tracer import trace_headers
-from engine.testing.http_faults import HttpFaults
 
 log = logging.getLogger("engine.http")
 
 JSON = "application/json"
 _ABORT = msgspec.json.Decoder(AbortRequest)
-# Past this many bytes an oversized body is no longer read to the end before answering 413.
-_DISCARD_LIMIT = 256 * 1024 * 1024
 
 Parser = Callable[[bytes, tuple[str, ...]], OpenAIRequest]
 T = TypeVar("T")
 
 
 def build_app(state: ServerState) -> Starlette:
-    if state.faults.rules:
-        log.warning("HTTP fault injection is on: %s", state.faults.rules)
     routes = [
         *_api_routes(state),
         # /v1/responses and /v1/messages, run as chat requests
-        *adapted_api_routes(state, HttpSteps(_check_auth, _read_body, _until_disconnect)),
-        *embedding_routes(state, HttpSteps(_check_auth, _read_body, _until_disconnect)),
+        *adapted_api_routes(state),
+        *embedding_routes(state),
         # /rerank, /v1/rerank, /v2/rerank, /reranking, /score: cosines of embeddings
-        *rerank_routes(state, HttpSteps(_check_auth, _read_body, _until_disconnect)),
-        *ollama_routes(state, HttpSteps(_check_auth, _read_body, _until_disconnect)),
+        *rerank_routes(state),
+        *ollama_routes(state),
         *_probe_routes(state),
         # /v1/models with each model's state; /models/load, /models/unload
-        *model_routes(state, HttpSteps(_check_auth, _read_body, _until_disconnect)),
+        *model_routes(state),
         *_token_routes(state),
-        *lora_routes(state, _check_auth, _read_body),  # /v1/load_lora_adapter, unload
-        *chat_page_routes(state, _check_auth),  # GET /: the chat page, unless --no-ui
+        *lora_routes(state),  # /v1/load_lora_adapter, unload
+        *chat_page_routes(state),  # GET /: the chat page, unless --no-ui
     ]
     handlers: dict[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
         ApiError: _api_error_response,
@@ -143,20 +137,20 @@ def _token_routes(state: ServerState) -> list[Route]:
     """vLLM's /tokenize, /detokenize and /abort."""
 
     async def tokenize(request: Request) -> Response:
-        _check_auth(request, state)
-        body = await _read_body(request, state.settings.server.max_request_bytes)
+        state.authorize(request)
+        body = await state.read_body(request)
         async with model_tokens(state, body) as tokens:
             return Response(await tokens.tokenize(body), media_type=JSON)
 
     async def detokenize(request: Request) -> Response:
-        _check_auth(request, state)
-        body = await _read_body(request, state.settings.server.max_request_bytes)
+        state.authorize(request)
+        body = await state.read_body(request)
         async with model_tokens(state, body) as tokens:
             return Response(await tokens.detokenize(body), media_type=JSON)
 
     async def abort(request: Request) -> Response:
-        _check_auth(request, state)
-        body = await _read_body(request, state.settings.server.max_request_bytes)
+        state.authorize(request)
+        body = await state.read_body(request)
         request_id = decode_request(_ABORT, body).request_id
         if not await abort_request(state, request_id):
             raise ApiError(
@@ -175,22 +169,21 @@ async def _generate(request: Request, state: ServerState, parse: Parser, endpoin
     try:
         if state.draining:
             raise ApiError(503, "the server is shutting down", headers={"Retry-After": "5"})
-        _check_auth(request, state)
-        body = await _read_body(request, state.settings.server.max_request_bytes)
+        state.authorize(request)
+        body = await state.read_body(request)
         prepared = _parse(parse, body, state.served_names, request.url.path)
         take_client_request_id(prepared, request.headers.get("x-request-id"), state.runs)
-        faults = state.faults.actions(body)
-        HttpFaults.trip(faults, "raise")
     except ApiError as e:
         state.metrics.count_request(endpoint, outcome_of(e.status))
         raise
     except Exception:  # answered by the generic 500; the run below counts its own end
         state.metrics.count_request(endpoint, outcome_of(500))
         raise
-    run = RequestRun(state, prepared, endpoint, body, faults)
+    recording = RequestRecording(endpoint, body, time.time()) if state.recording else None
+    run = RequestRun(state, prepared, endpoint, recording)
     run.trace_headers = trace_headers(request.headers)
     if prepared.stream:
-        firsts = await _until_disconnect(request, run.open())
+        firsts = await until_disconnect(request, run.open())
         if firsts is None:  # left while queued or prefilling
             run.abort_unfinished()
             run.finish()
@@ -203,7 +196,7 @@ async def _generate(request: Request, state: ServerState, parse: Parser, endpoin
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Request-Id": run.key},
         )
-    result = await _until_disconnect(request, run.collect())
+    result = await until_disconnect(request, run.collect())
     if result is None:  # the client left; its engine requests were aborted
         run.abort_unfinished()
         run.finish()  # once only: also when collect() was cancelled before it began
@@ -221,82 +214,6 @@ def _parse(parse: Parser, body: bytes, model_name: tuple[str, ...], path: str) -
     except Exception:
         log.exception("unforeseen failure parsing a %s request body", path)
         raise ApiError(400, f"the request body is not a valid {path} request") from None
-
-
-def _check_auth(request: Request, state: ServerState) -> None:
-    key = state.settings.server.api_key
-    if not key:
-        return
-    header = request.headers.get("authorization", "")
-    if not header.isascii():  # a bearer token is ASCII (RFC 6750)
-        raise ApiError(
-            400,
-            "the Authorization header holds non-ASCII bytes; send 'Authorization: Bearer <key>'",
-            param="Authorization",
-        )
-    scheme, _, token = header.partition(" ")
-    # As bytes: compare_digest refuses a str holding non-ASCII, which the configured key may.
-    if scheme.lower() != "bearer" or not secrets.compare_digest(
-        token.strip().encode(), key.encode()
-    ):
-        raise ApiError(
-            401,
-            "missing or invalid API key: send 'Authorization: Bearer <key>'",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length", "")
-    too_big = declared.isdigit() and int(declared) > limit
-    chunks: list[bytes] = []
-    size = 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                too_big = True
-            if too_big:
-                # Read (and drop) the rest so the client sees the 413, not a reset connection.
-                if size > _DISCARD_LIMIT:
-                    break
-                continue
-            chunks.append(chunk)
-    except ClientDisconnect:
-        # Gone before its body ended (or closed at server.body_timeout, answered 408 already):
-        # a 4xx no one reads, not an internal error with a traceback.
-        raise ApiError(
-            400, "the client closed the connection before sending its whole body"
-        ) from None
-    if too_big:
-        raise ApiError(
-            413,
-            f"request body of {max(size, int(declared or 0))} bytes is over the limit of "
-            f"{limit} bytes (server.max_request_bytes)",
-        )
-    return b"".join(chunks)
-
-
-async def _until_disconnect(request: Request, work: Awaitable[T]) -> T | None:
-    """Run `work`, but cancel it (aborting its requests) if the client disconnects first."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        watcher.cancel()
-    if task.cancelled():
-        return None
-    return task.result()
-
-
-async def _wait_for_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 def _json(status: int, body: Any) -> Response:

@@ -22,7 +22,6 @@ from engine.http.openai.protocol import ModelCard, ModelList, ModelStatus, encod
 from engine.http.openai.tokens import Tokens
 from engine.http.served import ServedModel
 from engine.http.state import ServerState
-from engine.http.steps import HttpSteps
 from engine.request.outputs import EngineError
 
 JSON = "application/json"
@@ -40,18 +39,18 @@ _ACTION = msgspec.json.Decoder(ModelAction)
 _MODEL_ONLY = msgspec.json.Decoder(_ModelOnly)
 
 
-def model_routes(state: ServerState, steps: HttpSteps) -> list[Route]:
+def model_routes(state: ServerState) -> list[Route]:
     async def models(request: Request) -> Response:
-        steps.check_auth(request, state)
+        state.authorize(request)
         cards = [*listed_cards(state), *adapter_cards(state)]
         return Response(encode(ModelList(data=cards)), media_type=JSON)
 
     async def load(request: Request) -> Response:
-        slot = await _act(request, state, steps, unload=False)
+        slot = await _act(request, state, unload=False)
         return Response(encode({"success": True, "model": card_of(state, slot)}), media_type=JSON)
 
     async def unload(request: Request) -> Response:
-        slot = await _act(request, state, steps, unload=True)
+        slot = await _act(request, state, unload=True)
         return Response(encode({"success": True, "model": card_of(state, slot)}), media_type=JSON)
 
     return [
@@ -62,11 +61,9 @@ def model_routes(state: ServerState, steps: HttpSteps) -> list[Route]:
     ]
 
 
-async def _act(
-    request: Request, state: ServerState, steps: HttpSteps, *, unload: bool
-) -> Slot[ServedModel]:
-    steps.check_auth(request, state)
-    body = await steps.read_body(request, state.settings.server.max_request_bytes)
+async def _act(request: Request, state: ServerState, *, unload: bool) -> Slot[ServedModel]:
+    state.authorize(request)
+    body = await state.read_body(request)
     name = decode_request(_ACTION, body).model
     try:
         if unload:

@@ -24,6 +24,7 @@ from engine.library.chat_tokens import chat_token_ids
 from engine.messages.admin import Health
 from engine.messages.params import LoRARequest
 from engine.model.placement.capacity import available_cpu_memory
+from engine.runtime.hooks import install_hooks
 from engine.settings import Settings
 from engine.settings.durations import parse_keep_alive
 
@@ -89,7 +90,10 @@ def model_pool(settings: Settings) -> ModelPool[ServedModel]:
     budget = models.memory if models.memory is not None else _budget_of_machine(entries)
 
     def make(entry: CatalogueEntry, room: int | None) -> ServedModel:
-        return ServedModel(entry, AsyncLLM(entry.settings, memory_room=room, owns_run_files=False))
+        llm = AsyncLLM(entry.settings, memory_room=room, owns_run_files=False)
+        served = ServedModel(entry, llm)
+        install_hooks("served_model", served)  # a test's HTTP faults, if it asked for some
+        return served
 
     def estimate(entry: CatalogueEntry) -> int:
         return least_memory_bytes(entry.settings, budget or available_cpu_memory())

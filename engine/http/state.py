@@ -3,17 +3,18 @@ demand), settings, metrics, drain flag, the API requests in flight by id."""
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from starlette.requests import Request
+
 from engine.catalogue.pool import ModelPool
+from engine.http.guards import authorize, read_body
 from engine.http.metrics import ServerMetrics
 from engine.http.served import ModelLease, ServedModel, metrics_for, model_pool
 from engine.request.outputs import EngineError
 from engine.settings import Settings
-from engine.testing.http_faults import HttpFaults
 from engine.trace.recorder import TraceRecorder
 
 
@@ -27,7 +28,6 @@ class ServerState:
     trace: TraceRecorder | None = None
     # The API requests in flight by X-Request-Id: RequestRuns (runs.py imports this module)
     runs: dict[str, Any] = field(default_factory=dict)
-    faults: HttpFaults = field(default_factory=HttpFaults)  # tests' fault injection; off
 
     @property
     def model_name(self) -> str:
@@ -69,6 +69,20 @@ class ServerState:
             raise EngineError(f"model '{slot.name}' is not loaded", 503)
         return slot.engine
 
+    @property
+    def recording(self) -> bool:
+        """--record-trace is on and its recorder takes requests."""
+        return self.trace is not None and self.trace.active
+
+    def authorize(self, request: Request, *, x_api_key: bool = False) -> None:
+        """The API key's guard (guards.authorize): ApiError unless the request carries it."""
+        authorize(request, self.settings.server.api_key, x_api_key=x_api_key)
+
+    async def read_body(self, request: Request) -> bytes:
+        """The body under server.max_request_bytes (guards.read_body)."""
+        limit = self.settings.server.max_request_bytes
+        return await read_body(request, limit, "server.max_request_bytes")
+
     @classmethod
     def create(cls, settings: Settings) -> ServerState:
         record = settings.server.record_trace
@@ -80,5 +94,4 @@ class ServerState:
             settings=settings,
             metrics=metrics_for(pool),
             trace=trace,
-            faults=HttpFaults.from_environment(os.environ),
         )

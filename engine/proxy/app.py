@@ -28,15 +28,13 @@ from typing import Any
 import httpx
 import msgspec
 from starlette.applications import Starlette
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from engine.http.streams import ReleasingStream
 from engine.proxy.client_side import (
-    CLIENT_CLOSED_REQUEST,
-    BodyTooLarge,
-    read_body,
+    body_or_refusal,
     unauthorized,
     unless_client_leaves,
     upstream_headers,
@@ -345,22 +343,13 @@ class ProxyRoutes:
         """`work` on the request's body, counted by route and status. A client that hangs up
         before the answer is ready cancels the work, which closes its upstream requests, so the
         instances abort them instead of computing an answer for nobody."""
-        if (refused := unauthorized(request, self.config.api_key)) is not None:
-            self.metrics.requests.labels(route, str(refused.status_code)).inc()
-            return refused
-        try:
-            body = await read_body(request, self.config.max_request_bytes)
-        except ClientDisconnect:  # gone before its body ended (or closed at the body deadline)
-            response = Response(status_code=CLIENT_CLOSED_REQUEST)
-            self.metrics.requests.labels(route, str(response.status_code)).inc()
-            return response
-        except BodyTooLarge:
-            limit = self.config.max_request_bytes
-            message = f"the request body is larger than the proxy's limit of {limit} bytes"
-            body = error_body(message, 413, "invalid_request_error")
-            response = Response(body, 413, media_type=JSON)
-        else:
-            response = await unless_client_leaves(request, work(request, body))
+        response = unauthorized(request, self.config.api_key)
+        if response is None:
+            body = await body_or_refusal(request, self.config.max_request_bytes)
+            if isinstance(body, Response):
+                response = body
+            else:
+                response = await unless_client_leaves(request, work(request, body))
         self.metrics.requests.labels(route, str(response.status_code)).inc()
         return response
 

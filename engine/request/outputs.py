@@ -86,12 +86,6 @@ class EngineError(Exception):
         """The client's error for an actor's RequestFailed (the one place that converts)."""
         return cls(failure.message, failure.status, failure.param)
 
-    @property
-    def retryable(self) -> bool:
-        """Whether sending the request again may succeed: not for a 4xx (its input is at
-        fault), except 429 (the queue was full); yes for the engine's own failures."""
-        return self.status >= 500 or self.status == 429
-
 
 def snapshot(total: RequestOutput) -> RequestOutput:
     """A copy the caller may keep while `total` goes on growing."""

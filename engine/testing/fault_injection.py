@@ -12,22 +12,31 @@ one of its chunks runs. The value is a comma-separated list of ACTION[@RANK]:TOK
 - `sleepS`: the step sleeps S seconds (a float) before the model runs, as a slow step (or a rank
   that stops taking part in its group's collectives) would.
 `@RANK` limits the rule to one tensor-parallel rank; without it every rank misbehaves.
+
+The engine's processes load it through their hooks (engine/runtime/hooks.py): `environment()`
+is what a test sets for its engines, e.g. `os.environ.update(environment(FAULT_INJECTION_ENV,
+"raise:501"))`; the workers and kv_transfer actors it spawns inherit it.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from engine.model.step_inputs import SeqChunk, SequenceStart
+from engine.runtime.hooks import HOOKS_ENV
 
 FAULT_INJECTION_ENV = "ENGINE_FAULT_INJECTION"
 # Seconds each kv_transfer actor's pull waits before it starts (P/D tests: a kill then lands
 # while KV is on its way). Like FAULT_INJECTION_ENV, only tests set it.
 KV_PULL_DELAY_ENV = "ENGINE_KV_PULL_DELAY"
 FAULT_EXIT_STATUS = 70  # EX_SOFTWARE: what an injected native crash exits with
+
+log = logging.getLogger(__name__)
 
 _RULE = re.compile(r"(raise-late|raise|exit|sleep(\d+(?:\.\d+)?))(?:@(\d+))?:(\d+)")
 
@@ -96,3 +105,25 @@ class FaultInjection:
                 actions = self._armed.get(chunk.seq_id)
                 if actions:
                     yield actions
+
+
+def environment(variable: str, value: str) -> dict[str, str]:
+    """The environment that turns on one of this module's faults (`variable`: FAULT_INJECTION_ENV
+    or KV_PULL_DELAY_ENV) in the engine processes it is given to."""
+    return {HOOKS_ENV: __name__, variable: value}
+
+
+def install_worker(worker: Any) -> None:
+    """The worker actor's hook: its step faults, for its rank."""
+    faults = FaultInjection.from_environment(os.environ, worker.rank)
+    if faults.rules:
+        log.warning("fault injection is on: %s", faults.rules)
+        worker.step_faults = faults
+
+
+def install_kv_transfer(actor: Any) -> None:
+    """The kv_transfer actor's hook: each pull waits KV_PULL_DELAY_ENV seconds first."""
+    delay = float(os.environ.get(KV_PULL_DELAY_ENV) or 0.0)
+    if delay:
+        log.warning("%s is set: each pull waits %g s first", KV_PULL_DELAY_ENV, delay)
+        actor.pull_delay = delay

@@ -12,7 +12,8 @@ from typing import Any
 import openai
 import pytest
 
-from engine.testing.http_faults import HTTP_FAULT_INJECTION_ENV
+from engine.testing import combined
+from engine.testing.http_faults import environment as http_faults
 from tests.checkpoints import CACHE_ROOT
 from tests.e2e.harness import API_KEY, Server, served
 from tests.holds import hold_env
@@ -102,10 +103,7 @@ def server(
     args += ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8"]
     args += ["--lora-path-allow", allowed]
     # Prompts holding tests/holds.py's HOLD_TEXT are held in flight while a test acts on them.
-    env = {
-        HTTP_FAULT_INJECTION_ENV: f"raise:{FAULT_500},raise-in-stream:{FAULT_IN_STREAM}",
-        **hold_env(),
-    }
+    env = combined(http_faults(f"raise:{FAULT_500},raise-in-stream:{FAULT_IN_STREAM}"), hold_env())
     if otlp is not None:
         args += ["--otlp-traces-endpoint", otlp.url]
         env["OTEL_BSP_SCHEDULE_DELAY"] = "100"  # ms: export spans soon after each request

@@ -30,8 +30,8 @@ from engine.library.llm import build_settings
 from engine.messages.params import PoolingParams
 from engine.request.outputs import EmbeddingRequestOutput
 from engine.runtime.stopped import STOPPED_FROM_OUTSIDE
-from engine.testing.fault_injection import FAULT_INJECTION_ENV
 from tests.checkpoints import tiny_checkpoint
+from tests.environment import environment_set
 from tests.holds import HOLD_TEXT, hold_env
 from tests.ipc_files import ipc_files
 
@@ -181,26 +181,20 @@ async def shared() -> AsyncIterator[Shared]:
     )
     ipc_before = ipc_files()
     children_before = set(children_of(os.getpid()))
-    previous = os.environ.get(FAULT_INJECTION_ENV)
-    os.environ.update(
-        hold_env(f"raise:{POISON_RAISE},exit:{POISON_EXIT},sleep{SLOW_STEP_S:g}:{SLOW}")
-    )
-    engine = AsyncLLM(settings)
-    watch: asyncio.Task[None] | None = None
-    try:
-        await engine.start()
-        reference = await run_all(engine, workload(), [0] * STREAMS)
-        state = Shared(engine, reference, ipc_before, children_before, set())
-        watch = asyncio.ensure_future(note_pids_all_along(state))
-        yield state
-    finally:
-        if watch is not None:
-            watch.cancel()
-        await engine.shutdown()
-        if previous is None:
-            os.environ.pop(FAULT_INJECTION_ENV, None)
-        else:
-            os.environ[FAULT_INJECTION_ENV] = previous
+    spec = f"raise:{POISON_RAISE},exit:{POISON_EXIT},sleep{SLOW_STEP_S:g}:{SLOW}"
+    with environment_set(hold_env(spec)):
+        engine = AsyncLLM(settings)
+        watch: asyncio.Task[None] | None = None
+        try:
+            await engine.start()
+            reference = await run_all(engine, workload(), [0] * STREAMS)
+            state = Shared(engine, reference, ipc_before, children_before, set())
+            watch = asyncio.ensure_future(note_pids_all_along(state))
+            yield state
+        finally:
+            if watch is not None:
+                watch.cancel()
+            await engine.shutdown()
 
 
 async def note_pids_all_along(state: Shared) -> None:

@@ -23,8 +23,10 @@ import pytest_asyncio
 from engine import AsyncLLM, SamplingParams
 from engine.library.llm import build_settings
 from engine.messages.admin import ReplicaRow
-from engine.testing.fault_injection import FAULT_INJECTION_ENV, KV_PULL_DELAY_ENV
+from engine.testing import combined
+from engine.testing.fault_injection import KV_PULL_DELAY_ENV, environment
 from tests.checkpoints import tiny_checkpoint
+from tests.environment import environment_set
 from tests.holds import held, hold_env
 from tests.integration.test_fault_tolerance import (
     Job,
@@ -83,19 +85,18 @@ async def shared() -> AsyncIterator[Shared]:
     )
     ipc_before = ipc_files()
     children_before = set(children_of(os.getpid()))
-    os.environ[KV_PULL_DELAY_ENV] = str(PULL_DELAY_S)  # the actors inherit it
-    os.environ.update(hold_env())
-    engine = AsyncLLM(settings)
-    try:
-        await asyncio.wait_for(engine.start(), WAIT_S)
-        reference = await run_workload(engine)
-        state = Shared(engine, reference, ipc_before, children_before, set())
-        state.note_pids()
-        yield state
-    finally:
-        os.environ.pop(KV_PULL_DELAY_ENV, None)
-        os.environ.pop(FAULT_INJECTION_ENV, None)
-        await asyncio.wait_for(engine.shutdown(), WAIT_S)
+    # the actors inherit it
+    delay = environment(KV_PULL_DELAY_ENV, str(PULL_DELAY_S))
+    with environment_set(combined(delay, hold_env())):
+        engine = AsyncLLM(settings)
+        try:
+            await asyncio.wait_for(engine.start(), WAIT_S)
+            reference = await run_workload(engine)
+            state = Shared(engine, reference, ipc_before, children_before, set())
+            state.note_pids()
+            yield state
+        finally:
+            await asyncio.wait_for(engine.shutdown(), WAIT_S)
 
 
 async def run_workload(

@@ -15,7 +15,6 @@ past the collective timeout before joining the step.
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
@@ -23,8 +22,9 @@ import pytest_asyncio
 
 from engine import AsyncLLM, SamplingParams
 from engine.library.llm import build_settings
-from engine.testing.fault_injection import FAULT_INJECTION_ENV
+from engine.testing.fault_injection import FAULT_INJECTION_ENV, environment
 from tests.checkpoints import tiny_checkpoint
+from tests.environment import environment_set
 from tests.integration.test_fault_tolerance import (
     Job,
     Outcome,
@@ -66,18 +66,13 @@ async def engine() -> AsyncIterator[AsyncLLM]:
         }
     )
     before = ipc_files()
-    previous = os.environ.get(FAULT_INJECTION_ENV)
-    os.environ[FAULT_INJECTION_ENV] = FAULTS
-    engine = AsyncLLM(settings)
-    try:
-        await engine.start()
-        yield engine
-    finally:
-        await engine.shutdown()
-        if previous is None:
-            os.environ.pop(FAULT_INJECTION_ENV, None)
-        else:
-            os.environ[FAULT_INJECTION_ENV] = previous
+    with environment_set(environment(FAULT_INJECTION_ENV, FAULTS)):
+        engine = AsyncLLM(settings)
+        try:
+            await engine.start()
+            yield engine
+        finally:
+            await engine.shutdown()
     assert sorted(ipc_files() - before) == []
 
 

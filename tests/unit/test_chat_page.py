@@ -16,12 +16,13 @@ from engine.settings import load_settings
 
 
 def page_state(*flags: str) -> SimpleNamespace:
-    """The part of ServerState the page's file routes read: the settings."""
+    """The part of ServerState the page's file routes read: the settings, and an API key check
+    that fails the test."""
     settings, _ = load_settings(list(flags), {})
-    return SimpleNamespace(settings=settings)
+    return SimpleNamespace(settings=settings, authorize=refuse_all)
 
 
-def refuse_all(request: Request, state: object) -> None:
+def refuse_all(request: Request) -> None:
     raise AssertionError("the page's files and /ui/info need no API key")
 
 
@@ -31,13 +32,13 @@ async def api_error(request: Request, exc: Exception) -> Response:
 
 
 def test_no_ui_serves_no_page() -> None:
-    assert chat_page_routes(page_state("--no-ui"), refuse_all) == []
-    assert chat_page_routes(page_state("--server.ui", "false"), refuse_all) == []
-    assert chat_page_routes(page_state(), refuse_all)
+    assert chat_page_routes(page_state("--no-ui")) == []
+    assert chat_page_routes(page_state("--server.ui", "false")) == []
+    assert chat_page_routes(page_state())
 
 
 def test_page_and_every_file_it_loads_are_served_from_the_package() -> None:
-    routes = chat_page_routes(page_state("--api-key", "k"), refuse_all)
+    routes = chat_page_routes(page_state("--api-key", "k"))
     app = Starlette(routes=routes, exception_handlers={ApiError: api_error})
     with TestClient(app) as client:
         page = client.get("/")

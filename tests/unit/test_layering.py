@@ -166,3 +166,9 @@ def test_the_package_top_holds_no_loose_modules() -> None:
     # Each module belongs to the package of its concern; the top holds only the library's
     # public names (__init__) and `python -m engine` (__main__).
     assert sorted(path.name for path in PACKAGE.glob("*.py")) == ["__init__.py", "__main__.py"]
+
+
+def test_no_production_module_imports_the_test_hooks() -> None:
+    # Fault injection is installed from outside, by a hook a test sets (engine/runtime/hooks.py).
+    graph = {m: ts for m, ts in import_graph().items() if not m.startswith("engine.testing")}
+    assert violations(graph, "engine", ("engine.testing",)) == []

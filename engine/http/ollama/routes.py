@@ -21,6 +21,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from engine.catalogue.pool import Slot
+from engine.http.guards import until_disconnect
 from engine.http.ollama.generate import now_text, ollama_error, run
 from engine.http.ollama.protocol import (
     ChatBody,
@@ -36,7 +37,6 @@ from engine.http.openai.embeddings import embed_all
 from engine.http.openai.errors import ApiError
 from engine.http.served import ServedModel, request_keep_alive
 from engine.http.state import ServerState
-from engine.http.steps import HttpSteps
 from engine.request.outputs import EngineError
 
 JSON = "application/json"
@@ -44,31 +44,31 @@ OLLAMA_VERSION = "0.12.0"  # the API version whose shapes this server follows
 B = TypeVar("B")
 
 
-def ollama_routes(state: ServerState, steps: HttpSteps) -> list[Route]:
+def ollama_routes(state: ServerState) -> list[Route]:
     async def generate(request: Request) -> Response:
-        return await _generation(request, state, steps, GenerateBody)
+        return await _generation(request, state, GenerateBody)
 
     async def chat(request: Request) -> Response:
-        return await _generation(request, state, steps, ChatBody)
+        return await _generation(request, state, ChatBody)
 
     async def embed(request: Request) -> Response:
-        return await _guarded(_embed(request, state, steps))
+        return await _guarded(_embed(request, state))
 
     async def embeddings(request: Request) -> Response:
-        return await _guarded(_embeddings(request, state, steps))
+        return await _guarded(_embeddings(request, state))
 
     async def tags(request: Request) -> Response:
-        steps.check_auth(request, state)
+        state.authorize(request)
         models = [_tag(slot) for slot in state.models.slots.values()]
         return _json({"models": models})
 
     async def ps(request: Request) -> Response:
-        steps.check_auth(request, state)
+        state.authorize(request)
         loaded = [s for s in state.models.slots.values() if s.state == "loaded"]
         return _json({"models": [_running(state, slot) for slot in loaded]})
 
     async def show(request: Request) -> Response:
-        return await _guarded(_show(request, state, steps))
+        return await _guarded(_show(request, state))
 
     async def version(request: Request) -> Response:
         return _json({"version": OLLAMA_VERSION})
@@ -93,9 +93,9 @@ async def _guarded(work: Any) -> Response:
         return ollama_error(e.status, e.message)
 
 
-async def _body(request: Request, state: ServerState, steps: HttpSteps, kind: type[B]) -> B:
-    steps.check_auth(request, state)
-    body = await steps.read_body(request, state.settings.server.max_request_bytes)
+async def _body(request: Request, state: ServerState, kind: type[B]) -> B:
+    state.authorize(request)
+    body = await state.read_body(request)
     try:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as e:
@@ -120,19 +120,19 @@ def _keep_alive(value: Any) -> float | None:
 
 
 async def _generation(
-    request: Request, state: ServerState, steps: HttpSteps, kind: type[ChatBody | GenerateBody]
+    request: Request, state: ServerState, kind: type[ChatBody | GenerateBody]
 ) -> Response:
     arrival = time.monotonic()
     try:
         if state.draining:
             raise ApiError(503, "the server is shutting down")
-        body = await _body(request, state, steps, kind)
+        body = await _body(request, state, kind)
         model = _model_of(state, body.model)
         keep_alive = _keep_alive(body.keep_alive)
         empty = not body.messages if isinstance(body, ChatBody) else not body.prompt
         if empty:
             return await _load_or_unload(state, model, keep_alive, isinstance(body, ChatBody))
-        lease = await steps.until_disconnect(request, state.acquire(model, keep_alive))
+        lease = await until_disconnect(request, state.acquire(model, keep_alive))
     except (ApiError, EngineError) as e:
         return ollama_error(e.status, e.message)
     if lease is None:
@@ -163,9 +163,9 @@ async def _load_or_unload(
     return _json(body | {"done": True, "done_reason": reason})
 
 
-async def _embed(request: Request, state: ServerState, steps: HttpSteps) -> Response:
+async def _embed(request: Request, state: ServerState) -> Response:
     began = time.monotonic()
-    body = await _body(request, state, steps, EmbedBody)
+    body = await _body(request, state, EmbedBody)
     model = _model_of(state, body.model)
     inputs = [body.input] if isinstance(body.input, str) else list(body.input)
     if not inputs or not all(inputs):
@@ -186,8 +186,8 @@ async def _embed(request: Request, state: ServerState, steps: HttpSteps) -> Resp
     )
 
 
-async def _embeddings(request: Request, state: ServerState, steps: HttpSteps) -> Response:
-    body = await _body(request, state, steps, EmbeddingsBody)
+async def _embeddings(request: Request, state: ServerState) -> Response:
+    body = await _body(request, state, EmbeddingsBody)
     model = _model_of(state, body.model)
     if not body.prompt:
         return _json({"embedding": []})  # as Ollama answers an empty prompt
@@ -195,8 +195,8 @@ async def _embeddings(request: Request, state: ServerState, steps: HttpSteps) ->
     return _json({"embedding": output.outputs.embedding})
 
 
-async def _show(request: Request, state: ServerState, steps: HttpSteps) -> Response:
-    body = await _body(request, state, steps, ShowBody)
+async def _show(request: Request, state: ServerState) -> Response:
+    body = await _body(request, state, ShowBody)
     model = _model_of(state, body.model or body.name)
     slot = state.models.slots[state.base_of(model)]
     lease = await state.acquire(model)  # its template and context are read from the model

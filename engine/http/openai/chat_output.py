@@ -86,9 +86,6 @@ class ChatAnswer:
             return None, None
         return reasoning, content
 
-    def content_sent(self) -> int:
-        return self._sent_content
-
 
 def tool_calls_out(calls: list[ToolCall]) -> list[ToolCallOut] | None:
     if not calls:

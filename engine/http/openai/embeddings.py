@@ -23,12 +23,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from engine.http.guards import until_disconnect
 from engine.http.openai.decoding import decode_request
 from engine.http.openai.errors import ApiError, outcome_of
 from engine.http.openai.parsing import check_model, prompts_of
 from engine.http.openai.protocol import Count, TokenId
 from engine.http.state import ServerState
-from engine.http.steps import HttpSteps
 from engine.library.embeddings import embed
 from engine.messages.vectors import float32_bytes
 from engine.request.embeddings import pooling_for
@@ -73,10 +73,10 @@ class EmbeddingResponse(msgspec.Struct, kw_only=True):
 _DECODER = msgspec.json.Decoder(EmbeddingRequest)
 
 
-def embedding_routes(state: ServerState, steps: HttpSteps) -> list[Route]:
+def embedding_routes(state: ServerState) -> list[Route]:
     async def embeddings(request: Request) -> Response:
         try:
-            return await _serve(request, state, steps)
+            return await _serve(request, state)
         except ApiError as e:
             state.metrics.count_request(ENDPOINT, outcome_of(e.status))
             raise
@@ -84,16 +84,16 @@ def embedding_routes(state: ServerState, steps: HttpSteps) -> list[Route]:
     return [Route("/v1/embeddings", embeddings, methods=["POST"])]
 
 
-async def _serve(request: Request, state: ServerState, steps: HttpSteps) -> Response:
+async def _serve(request: Request, state: ServerState) -> Response:
     if state.draining:
         raise ApiError(503, "the server is shutting down", headers={"Retry-After": "5"})
-    steps.check_auth(request, state)
-    body = await steps.read_body(request, state.settings.server.max_request_bytes)
+    state.authorize(request)
+    body = await state.read_body(request)
     req = decode_request(_DECODER, body)
     model = check_model(req.model, state.served_names)
     inputs = prompts_of(req.input, "input")
     metrics = state.metrics.for_model(state.base_of(model))
-    outputs = await steps.until_disconnect(request, embed_all(state, model, inputs, req.normalize))
+    outputs = await until_disconnect(request, embed_all(state, model, inputs, req.normalize))
     if outputs is None:  # the client left; gather's cancellation aborted its requests
         metrics.count_request(ENDPOINT, "aborted")
         return Response(status_code=499)

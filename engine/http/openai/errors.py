@@ -26,6 +26,7 @@ _OUTCOME_BY_STATUS = {
     413: "too_large",
     429: "rejected",
     503: "unavailable",
+    499: "aborted",  # the client left before its answer (or its body) was whole
 }
 
 

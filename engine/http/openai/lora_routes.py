@@ -12,7 +12,6 @@ requests use lets them finish with it; new requests naming it get 404.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
 
 import msgspec
 from starlette.requests import Request
@@ -42,14 +41,10 @@ _LOAD = msgspec.json.Decoder(LoadLoRAAdapterRequest)
 _UNLOAD = msgspec.json.Decoder(UnloadLoRAAdapterRequest)
 
 
-def lora_routes(
-    state: ServerState,
-    check_auth: Callable[[Request, ServerState], None],
-    read_body: Callable[[Request, int], Awaitable[bytes]],
-) -> list[Route]:
+def lora_routes(state: ServerState) -> list[Route]:
     async def body_of(request: Request) -> bytes:
-        check_auth(request, state)
-        return await read_body(request, state.settings.server.max_request_bytes)
+        state.authorize(request)
+        return await state.read_body(request)
 
     async def load(request: Request) -> Response:
         body = decode_request(_LOAD, await body_of(request))

@@ -28,12 +28,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from engine.http.guards import until_disconnect
 from engine.http.openai.decoding import decode_request
 from engine.http.openai.embeddings import embed_all
 from engine.http.openai.errors import ApiError, outcome_of
 from engine.http.openai.parsing import check_model
 from engine.http.state import ServerState
-from engine.http.steps import HttpSteps
 from engine.request.outputs import EmbeddingRequestOutput
 
 JSON = "application/json"
@@ -99,14 +99,14 @@ RERANK_PATHS = ("/rerank", "/v1/rerank", "/v2/rerank", "/reranking", "/v1/rerank
 SCORE_PATHS = ("/score", "/v1/score")
 
 
-Serve = Callable[[Request, ServerState, HttpSteps], Awaitable[Response]]
+Serve = Callable[[Request, ServerState], Awaitable[Response]]
 
 
-def rerank_routes(state: ServerState, steps: HttpSteps) -> list[Route]:
+def rerank_routes(state: ServerState) -> list[Route]:
     def counted(endpoint: str, serve: Serve) -> Callable[[Request], Awaitable[Response]]:
         async def handle(request: Request) -> Response:
             try:
-                return await serve(request, state, steps)
+                return await serve(request, state)
             except ApiError as e:
                 state.metrics.count_request(endpoint, outcome_of(e.status))
                 raise
@@ -118,8 +118,8 @@ def rerank_routes(state: ServerState, steps: HttpSteps) -> list[Route]:
     return routes + [Route(path, score, methods=["POST"]) for path in SCORE_PATHS]
 
 
-async def _rerank(request: Request, state: ServerState, steps: HttpSteps) -> Response:
-    body = await _body(request, state, steps)
+async def _rerank(request: Request, state: ServerState) -> Response:
+    body = await _body(request, state)
     req = decode_request(_RERANK, body)
     model = check_model(req.model, state.served_names)
     if req.max_tokens_per_doc is not None:
@@ -132,7 +132,7 @@ async def _rerank(request: Request, state: ServerState, steps: HttpSteps) -> Res
     _check_texts([req.query], "query")
     _check_texts(documents, "documents")
     texts = ([req.query], documents)
-    scored = await _scores(request, state, steps, model, *texts, "rerank", ("query", "documents"))
+    scored = await _scores(request, state, model, *texts, "rerank", ("query", "documents"))
     if scored is None:
         return Response(status_code=499)
     scores, tokens = scored
@@ -151,8 +151,8 @@ async def _rerank(request: Request, state: ServerState, steps: HttpSteps) -> Res
     return Response(msgspec.json.encode(response), media_type=JSON)
 
 
-async def _score(request: Request, state: ServerState, steps: HttpSteps) -> Response:
-    body = await _body(request, state, steps)
+async def _score(request: Request, state: ServerState) -> Response:
+    body = await _body(request, state)
     req = decode_request(_SCORE, body)
     model = check_model(req.model, state.served_names)
     firsts = [req.text_1] if isinstance(req.text_1, str) else req.text_1
@@ -166,9 +166,7 @@ async def _score(request: Request, state: ServerState, steps: HttpSteps) -> Resp
             "or as many as text_2 (one score per pair)",
             param="text_1",
         )
-    scored = await _scores(
-        request, state, steps, model, firsts, seconds, "score", ("text_1", "text_2")
-    )
+    scored = await _scores(request, state, model, firsts, seconds, "score", ("text_1", "text_2"))
     if scored is None:
         return Response(status_code=499)
     scores, tokens = scored
@@ -182,11 +180,11 @@ async def _score(request: Request, state: ServerState, steps: HttpSteps) -> Resp
     return Response(msgspec.json.encode(response), media_type=JSON)
 
 
-async def _body(request: Request, state: ServerState, steps: HttpSteps) -> bytes:
+async def _body(request: Request, state: ServerState) -> bytes:
     if state.draining:
         raise ApiError(503, "the server is shutting down", headers={"Retry-After": "5"})
-    steps.check_auth(request, state)
-    return await steps.read_body(request, state.settings.server.max_request_bytes)
+    state.authorize(request)
+    return await state.read_body(request)
 
 
 def _check_texts(texts: Sequence[str], field: str) -> None:
@@ -201,7 +199,6 @@ def _check_texts(texts: Sequence[str], field: str) -> None:
 async def _scores(
     request: Request,
     state: ServerState,
-    steps: HttpSteps,
     model: str,
     firsts: list[str],
     seconds: list[str],
@@ -211,7 +208,7 @@ async def _scores(
     """The cosine similarity of each pair (one first against every second, or pairs in order)
     and the prompt tokens embedded; None when the client left (its requests aborted)."""
     metrics = state.metrics.for_model(state.base_of(model))
-    vectors = await steps.until_disconnect(
+    vectors = await until_disconnect(
         request, _embed_each(state, model, {fields[0]: firsts, fields[1]: seconds})
     )
     if vectors is None:

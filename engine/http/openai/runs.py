@@ -24,7 +24,6 @@ from engine.http.openai.parsing import OpenAIRequest
 from engine.http.openai.recording import RequestRecording
 from engine.messages.scheduling import FirstScheduled
 from engine.request.outputs import EngineError, RequestOutput
-from engine.testing.http_faults import HttpFaults
 
 if TYPE_CHECKING:
     from engine.http.served import ModelLease, ServedModel
@@ -82,17 +81,14 @@ class RequestRun:
         state: ServerState,
         api: OpenAIRequest,
         endpoint: str,
-        body: bytes = b"",
-        faults: frozenset[str] = frozenset(),
+        recording: RequestRecording | None = None,
     ) -> None:
         self.state = state
-        self._faults = faults  # the injected faults this request trips (tests only)
         self.api = api
         self.endpoint = endpoint
         server = state.settings.server
         self.builder = ResponseBuilder(api, server.tool_call_parser, server.reasoning_parser)
         self.arrival = time.monotonic()
-        self.arrival_wall = time.time()
         self._streams: list[AsyncIterator[RequestOutput]] = []
         self._finished: set[int] = set()
         self.first_token_at: float | None = None
@@ -108,11 +104,7 @@ class RequestRun:
         self.outcome = "aborted"
         self.status = 200  # the HTTP status answered; an engine refusal's otherwise
         self._counted = False
-        self.recording = (
-            RequestRecording(endpoint, body, self.arrival_wall)
-            if state.trace is not None and state.trace.active
-            else None
-        )
+        self.recording = recording  # what it adds to the trace, when one is recorded
 
     # ------------------------------------------------------------ opening
 
@@ -284,7 +276,6 @@ class RequestRun:
         try:
             for item in shaper.opening():
                 yield item
-            HttpFaults.trip(self._faults, "raise-in-stream")
             async for i, out in self.outputs(firsts):
                 for item in shaper.shape(i, out):
                     yield item

@@ -13,7 +13,6 @@ leaves only the API.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from importlib.resources import files
 from typing import Any
 
@@ -28,8 +27,6 @@ from engine.http.openai.protocol import ModelCard
 from engine.http.served import pool_health
 from engine.http.state import ServerState
 from engine.messages.admin import ActorRow
-
-AuthCheck = Callable[[Request, ServerState], None]
 
 _CONTENT_TYPES = {
     ".html": "text/html; charset=utf-8",
@@ -58,7 +55,7 @@ def read_page_files() -> dict[str, tuple[bytes, str]]:
     return found
 
 
-def chat_page_routes(state: ServerState, check_auth: AuthCheck) -> list[Route]:
+def chat_page_routes(state: ServerState) -> list[Route]:
     """The page's routes, or none when the settings turn the page off."""
     if not state.settings.server.ui:
         return []
@@ -81,7 +78,7 @@ def chat_page_routes(state: ServerState, check_auth: AuthCheck) -> list[Route]:
         return _json(body)
 
     async def live_state(request: Request) -> Response:
-        check_auth(request, state)
+        state.authorize(request)
         return _json(live_figures(state))
 
     return [
