@@ -223,6 +223,8 @@ class AsyncLLM:
             except EngineError as error:
                 raise renamed(error, request.field_names) from None
         request.params = with_adapter(request.params, self.adapters, None)
+        # Read by the policy alone: the request travels on without them.
+        request.defaulted_fields, request.field_names = frozenset(), {}
         record, submission = self.gateway.register(request)
         finished = False
         try:

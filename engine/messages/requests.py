@@ -65,7 +65,7 @@ class EngineRequest(msgspec.Struct, array_like=True, kw_only=True):
     fields are the front end's, read in the root only: the W3C trace context its span continues,
     the sampling fields its client left unset (they take the model's defaults; the others are
     taken as given), and its name of each field whose name differs from SamplingParams', for
-    refusals."""
+    refusals; `submit` empties the last two once the policy has read them."""
 
     request_id: str | None = None  # the client's; None: the registry gives one
     params: SamplingParams = msgspec.field(default_factory=SamplingParams)

@@ -113,7 +113,9 @@ def workloads(args: argparse.Namespace, model: str) -> dict[str, list[tuple[str,
         for i in range(args.requests):
             words = [WORDS[(i * 7 + k) % len(WORDS)] for k in range(args.input_words)]
             for api, request in bodies(" ".join(words), model, args.output_len, stream).items():
-                out.setdefault(api + (" stream" if stream else ""), []).append(request)
+                name = api + (" stream" if stream else "")
+                if not args.apis or name in args.apis:
+                    out.setdefault(name, []).append(request)
     return out
 
 
@@ -157,6 +159,12 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--start-timeout", type=float, default=600.0)
+    parser.add_argument(
+        "--apis",
+        type=lambda text: text.split(","),
+        default=[],
+        help="only these, comma-separated (e.g. 'chat,responses stream'; default: all eight)",
+    )
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="front-door-"))
     with (
