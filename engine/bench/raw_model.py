@@ -24,6 +24,8 @@ class CaseResult:
     output_len: int
     prefill_seconds: float
     decode_step_seconds: float  # median over the decode steps
+    # A mixture of experts: the experts each MoE layer ran per decode step, on average.
+    experts_per_decode_step: float | None = None
 
     @property
     def prefill_tokens_per_second(self) -> float:
@@ -139,7 +141,18 @@ def bench_case(
     tokens, prefill_seconds = prefill_batch(
         runner, random_prompts(runner, batch_size, input_len), tables, pick
     )
+    before = experts_run(runner)
     _, seconds = decode_steps(runner, tokens, input_len, tables, max(output_len - 1, 1), pick)
+    after = experts_run(runner)
+    per_step = (after[0] - before[0]) / (after[1] - before[1]) if after[1] > before[1] else None
     return CaseResult(
-        batch_size, input_len, output_len, prefill_seconds, statistics.median(seconds)
+        batch_size, input_len, output_len, prefill_seconds, statistics.median(seconds), per_step
     )
+
+
+def experts_run(runner: ModelRunner) -> tuple[int, int]:
+    """(experts run, layer steps) summed over the model's MoE layers so far ((0, 0): none)."""
+    from engine.model.architectures.experts import SparseMoE
+
+    layers = [m for m in runner.model.modules() if isinstance(m, SparseMoE)]
+    return sum(m.experts_run for m in layers), sum(m.steps for m in layers)

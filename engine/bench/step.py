@@ -110,6 +110,31 @@ def print_table(results: list[CaseResult], runner: ModelRunner, rates: MachineRa
             f"{decode_limit * 1e3:>8.2f} {decode_limit / r.decode_step_seconds:>5.0%} | "
             f"{r.total_seconds:>7.3f}"
         )
+    print_experts_read(results, cost)
+
+
+def print_experts_read(results: list[CaseResult], cost: ModelCost) -> None:
+    """A mixture of experts: the experts a decode step ran, measured, beside what uniform
+    routing predicts and all E, and the weight bytes a step and a token read for it."""
+    total, picked = cost.experts
+    if not total:
+        return
+    per_expert = cost.expert_bytes / total  # of every MoE layer together
+    dense, experts = cost.weight_bytes / 2**20, cost.expert_bytes / 2**20
+    print(
+        f"experts: {total} per MoE layer, {picked} per token; weights {dense:.1f} MiB dense, "
+        f"{experts:.1f} MiB of experts"
+    )
+    for r in results:
+        if r.experts_per_decode_step is None:
+            continue
+        read = cost.weight_bytes + per_expert * r.experts_per_decode_step
+        print(
+            f"  batch {r.batch_size}: {r.experts_per_decode_step:.1f} of {total} experts per layer "
+            f"per decode step (uniform routing: {total * cost.expert_share(r.batch_size):.1f}); "
+            f"weights read {read / 2**20:.1f} MiB per step, {read / r.batch_size / 2**20:.1f} "
+            f"MiB per token (all experts: {(cost.weight_bytes + cost.expert_bytes) / 2**20:.1f})"
+        )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

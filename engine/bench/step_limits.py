@@ -60,13 +60,19 @@ class StepCost:
 
 @dataclasses.dataclass(frozen=True)
 class ModelCost:
-    """Per-step arithmetic of one model: weights read by matmuls, KV and attention per token."""
+    """Per-step arithmetic of one model: weights read by matmuls, KV and attention per token.
 
-    weight_bytes: int  # every matmul weight (the embedding only when it is also the LM head)
-    layer_params: int  # matmul weights applied to every token
+    A mixture of experts reads only the experts its tokens pick: with k of E picked per token,
+    uniformly, a step of b tokens reads E * (1 - (1 - k/E)^b) experts of each layer (k at b = 1,
+    all E as b grows), and each token runs k experts' FLOPs."""
+
+    weight_bytes: int  # every matmul weight but the experts' (the embedding only as LM head)
+    layer_params: int  # matmul weights applied to every token (experts: k of E of them)
     head_params: int  # the LM head's, applied to the one sampled token of each sequence
     kv_bytes_per_token: int  # K and V of one token, all layers
     attention_flops_per_key: int  # one query token against one key, all layers and heads
+    expert_bytes: int = 0  # every expert of every MoE layer
+    experts: tuple[int, int] = (0, 0)  # (E, k): experts per layer, picked per token
 
     @classmethod
     def of(cls, runner: ModelRunner) -> ModelCost:
@@ -90,18 +96,32 @@ class ModelCost:
             kv_block_bytes(config, runner.block_size, runner.kv_cache_dtype) // runner.block_size
         )
         heads = runner.shape.num_heads
+        experts = [name for name in numel if ".mlp.experts." in name]
+        share = config.experts_per_token / config.num_experts if experts else 0.0
+        dense = [name for name in numel if name not in experts]
         return cls(
-            sum(read.values()),
-            sum(n for name, n in numel.items() if name != head_name),
+            sum(read[name] for name in dense),
+            sum(numel[name] for name in dense if name != head_name)
+            + round(share * sum(numel[name] for name in experts)),
             numel[head_name],
             per_token,
             4 * heads * config.head_dim * config.num_layers,  # q.k and p.v: 2 FLOPs each
+            sum(read[name] for name in experts),
+            (config.num_experts, config.experts_per_token) if experts else (0, 0),
         )
+
+    def expert_share(self, tokens: int) -> float:
+        """The expected share of every expert's bytes that a step of `tokens` tokens reads."""
+        total, picked = self.experts
+        return 1.0 - (1.0 - picked / total) ** tokens if total else 0.0
+
+    def weight_bytes_read(self, tokens: int) -> float:
+        return self.weight_bytes + self.expert_bytes * self.expert_share(tokens)
 
     def decode(self, batch: int, context: int) -> StepCost:
         """One token for each of `batch` sequences that attend to `context` keys."""
         return StepCost(
-            self.weight_bytes + batch * context * self.kv_bytes_per_token,
+            self.weight_bytes_read(batch) + batch * context * self.kv_bytes_per_token,
             2 * (self.layer_params + self.head_params) * batch
             + self.attention_flops_per_key * batch * context,
         )
@@ -110,7 +130,7 @@ class ModelCost:
         """`batch` prompts of `length` tokens, causal over their own keys."""
         keys_seen = length * (length + 1) // 2
         return StepCost(
-            self.weight_bytes + batch * length * self.kv_bytes_per_token,
+            self.weight_bytes_read(batch * length) + batch * length * self.kv_bytes_per_token,
             2 * (self.layer_params * length + self.head_params) * batch
             + self.attention_flops_per_key * batch * keys_seen,
         )

@@ -42,6 +42,10 @@ class SparseMoE(nn.Module):
         self.experts = Experts(self.num_experts, hidden, self.size)
         # Each expert's gate|up and down matmuls when served quantized (use_packed).
         self.packed: list[tuple[Linear, Linear]] | None = None
+        # Experts run (each reads its weights once) and steps taken: the bytes a step reads,
+        # for the benchmarks (engine/bench/raw_model.py).
+        self.experts_run = 0
+        self.steps = 0
 
     def use_packed(self, gate_up: PackedWeight | None, down: PackedWeight | None) -> None:
         """Run the experts on their packed weights (the loader's, by parameter name)."""
@@ -68,6 +72,8 @@ class SparseMoE(nn.Module):
         picks = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         matmuls = self._matmuls()
+        self.steps += 1
+        self.experts_run += self.num_experts - counts.count(0)
         out = torch.zeros_like(x)
         start = 0
         for expert, count in enumerate(counts):
