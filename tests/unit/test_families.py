@@ -24,7 +24,7 @@ from engine.model.runner import ModelRunner
 from engine.model.step_inputs import SeqChunk
 from tests.checkpoints import greedy_generate, tiny_checkpoint
 from tests.family_gguf import family_gguf
-from tests.hf_reference import assert_greedy_matches_hf, hf_logits
+from tests.hf_reference import assert_greedy_matches_hf, hf_logits, hf_model
 from tests.lora_adapters import ALL_MODULES, lora_adapter, peft_logits
 
 LOGIT_BOUND = 1e-4
@@ -161,9 +161,12 @@ def family(request: pytest.FixtureRequest) -> tuple[Path, ModelRunner, list[int]
     return path, runner, lengths
 
 
-def test_greedy_tokens_and_logits_match_transformers(
+def test_greedy_tokens_logits_and_hidden_states_match_transformers(
     family: tuple[Path, ModelRunner, list[int]],
 ) -> None:
+    """Greedy tokens, then one prefill's logits at every row (what speculative decoding's
+    verification and prompt logprobs read) and its final-normed hidden states (what embeddings
+    pool) against transformers' logits and last_hidden_state."""
     path, runner, lengths = family
     generator = torch.Generator().manual_seed(len(lengths))
     prompts = [torch.randint(3, 512, (n,), generator=generator).tolist() for n in lengths]
@@ -172,9 +175,13 @@ def test_greedy_tokens_and_logits_match_transformers(
         assert_greedy_matches_hf(path, prompt, tokens)
     sequence = prompts[-1] + generated[-1]
     table = list(range(-(-len(sequence) // runner.block_size)))
-    ours = runner.forward([SeqChunk(0, sequence, 0, table, True)])[0]
-    theirs = hf_logits(path, sequence)[-1]
-    assert float((ours - theirs).abs().max()) < LOGIT_BOUND
+    step = runner.prepare([SeqChunk(0, sequence, 0, table, True)], every_row={0})
+    ours, hidden = runner.execute_pooled(step, range(len(sequence)))
+    assert float((ours - hf_logits(path, sequence)).abs().max()) < LOGIT_BOUND
+    with torch.inference_mode():
+        theirs = hf_model(str(path)).model(torch.tensor([sequence])).last_hidden_state[0]
+    assert hidden is not None
+    assert float((hidden - theirs.float()).abs().max()) < LOGIT_BOUND
 
 
 @pytest.mark.parametrize(
