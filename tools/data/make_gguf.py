@@ -43,6 +43,7 @@ from llamacpp_peer import binary, download_sdist, peer_directory
 CLASSES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
@@ -77,6 +78,9 @@ SHAPES = {
     "llama-3.2-1b": Shape("llama", 2048, 16, 32, 8, 8192, True, 500000.0, 131072),
     "qwen2.5-1.5b": Shape("qwen2", 1536, 28, 12, 2, 8960, True, 1000000.0, 32768),
     "llama-3.1-8b": Shape("llama", 4096, 32, 32, 8, 14336, False, 500000.0, 131072),
+    "mistral-7b-v0.1": Shape(
+        "mistral", 4096, 32, 32, 8, 14336, False, 10000.0, 32768, (("sliding_window", 4096),)
+    ),
     "gemma-2-2b": Shape(
         "gemma2",
         2304,
