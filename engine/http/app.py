@@ -37,6 +37,7 @@ from engine.http.openai.operations import (
 from engine.http.openai.parsing import OpenAIRequest, parse_chat, parse_completion
 from engine.http.openai.protocol import encode
 from engine.http.openai.recording import RequestRecording
+from engine.http.openai.render import render_routes
 from engine.http.openai.rerank import rerank_routes
 from engine.http.openai.runs import RequestRun
 from engine.http.served import pool_health
@@ -62,6 +63,8 @@ def build_app(state: ServerState) -> Starlette:
         *embedding_routes(state),
         # /rerank, /v1/rerank, /v2/rerank, /reranking, /score: cosines of embeddings
         *rerank_routes(state),
+        # /v1/chat/completions/render: a chat request's prompt and parameters, not run
+        *render_routes(state),
         *ollama_routes(state),
         *_probe_routes(state),
         # /v1/models with each model's state; /models/load, /models/unload

@@ -382,3 +382,28 @@ def test_a_streamed_message_survives_a_detokenizer_kill(
         return bool(replaced and server.admin("health")["ready"])
 
     wait_until(restarted, timeout=30)
+
+
+# ---------------------------------------------------------------- chat render
+
+
+def test_chat_render_is_the_prompt_transformers_renders(server: Server) -> None:
+    """vLLM's /v1/chat/completions/render: the prompt a chat request would run, not run."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi."}]
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER_PARAMS}}
+    body = {"model": server.model, "messages": messages, "tools": [tool], "temperature": 0.25}
+    with server.http() as http:
+        rendered = http.post("/v1/chat/completions/render", json=body | {"max_tokens": 7})
+        refused = http.post("/v1/chat/completions/render", json=body | {"messages": []})
+    assert rendered.status_code == 200, rendered.text
+    answer = rendered.json()
+    text = tokenizer(server.model).apply_chat_template(
+        messages, tools=[tool], add_generation_prompt=True, tokenize=False
+    )
+    assert answer["prompt"] == text
+    assert (
+        answer["token_ids"] == tokenizer(server.model)(text, add_special_tokens=False)["input_ids"]
+    )
+    assert answer["sampling_params"]["temperature"] == 0.25
+    assert answer["sampling_params"]["max_tokens"] == 7
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "messages"

@@ -129,6 +129,12 @@ class Tokens:
         except EngineError as e:  # a template that fails on these messages: theirs to fix
             raise ApiError(e.status, e.message, param=e.param) from None
 
+    async def text_of(self, token_ids: list[int]) -> str:
+        """The ids as text, special tokens included (a rendered prompt as the model reads it)."""
+        builder = await self._prompt_builder()
+        decode = builder.tokenizer.decode
+        return await asyncio.to_thread(lambda: decode(token_ids, skip_special_tokens=False))
+
     async def echo(self, prompt: str | None, token_ids: list[int]) -> EchoedPrompt:
         """The text an echoed prompt shows (the client's own when it sent text) and its first
         token's."""
