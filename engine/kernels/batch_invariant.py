@@ -6,11 +6,12 @@ attention reduces a decode token's keys in another order than a prefill chunk's.
 re-prefills prompt + delivered tokens where the undisturbed run decoded them, so at a near-tie a
 resumed stream could pick another token. Here every reduction has one order per token:
 
-- linear layers and the vocabulary projection: the compiled CPU kernel (engine/kernels/cpu/
-  linear.cpp), whose sum over k runs in one order for every row whatever the rows beside it and
-  the thread count. MKL's sgemm promises no such thing: it changes kernels with the row count at
-  thresholds that depend on the CPU and the weight's width (on an AVX-512 Xeon, between 5 and 6
-  rows for a 128-wide weight, 15 and 16 for a 576-wide one; on the AVX2 EPYC the team measured,
+- linear layers and the vocabulary projection: the compiled CPU kernels (engine/kernels/cpu/
+  linear.cpp, bf16_linear.cpp for bfloat16 weights), whose sum over k runs in one order for every
+  row whatever the rows beside it, the thread count (and, for bfloat16, the CPU's path).
+  MKL's sgemm promises no such thing: it changes kernels with the row count at thresholds that
+  depend on the CPU and the weight's width (on an AVX-512 Xeon, between 5 and 6 rows for a
+  128-wide weight, 15 and 16 for a 576-wide one; on the AVX2 EPYC the team measured,
   below 4 rows). Where the kernel cannot be built, or a weight is not packed for it, sgemm runs
   with at least MIN_GEMM_ROWS rows (zero rows padded), and the vocabulary projection on oneDNN's
   packed matmul once checked to be row-invariant: invariant on the CPUs where those hold;
@@ -33,7 +34,8 @@ import torch.nn.functional as F
 from engine.kernels.attention_metadata import AttentionMetadata, long_tensor
 from engine.kernels.backend import Linear
 from engine.kernels.cpu import backend as cpu_backend
-from engine.kernels.cpu.linear import PanelLinear, Panels, panel_linear
+from engine.kernels.cpu.bf16_linear import Bf16Panels, bf16_panels
+from engine.kernels.cpu.linear import Bf16Linear, PanelLinear, Panels, panel_linear
 from engine.kernels.kv_cache import PagedKVCache
 from engine.kernels.torch_ops import packed_linear
 
@@ -53,8 +55,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def linear_for(weight: torch.Tensor) -> Linear:
-    """A decoder weight's linear: the compiled kernel's where it runs, else the padded sgemm."""
+    """A decoder weight's linear: the compiled kernel's where it runs (bfloat16's at every row
+    count, never oneDNN's), else the padded sgemm."""
     panels = _panels(weight)
+    if isinstance(panels, Bf16Panels):
+        return Bf16Linear(weight, panels, None)
     return linear if panels is None else PanelLinear(weight, panels)
 
 
@@ -64,6 +69,8 @@ def output_projection(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Te
     widest matmul, which a decode step of one row would otherwise pad to MIN_GEMM_ROWS rows, and
     whose pre-packed weight saves sgemm's packing on every call; else `linear`."""
     panels = _panels(weight)
+    if isinstance(panels, Bf16Panels):
+        return lambda x: panels(x, None, torch.float32)
     if panels is not None:
         return lambda x: panels(x, None)
     packed = packed_linear(weight)
@@ -72,11 +79,12 @@ def output_projection(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Te
     return lambda x: linear(x, weight)
 
 
-def _panels(weight: torch.Tensor) -> Panels | None:
-    """`weight` packed for the compiled kernel, when the kernel loads and takes it."""
+def _panels(weight: torch.Tensor) -> Panels | Bf16Panels | None:
+    """`weight` packed for the compiled kernels (float32 or bfloat16), when they load and take
+    it."""
     if cpu_backend.unavailable_reason(weight.device) is not None:
         return None
-    return panel_linear(weight)
+    return panel_linear(weight) or bf16_panels(weight)
 
 
 def _row_invariant(

@@ -1,8 +1,8 @@
 """The packed copies of weights on the CPU: which weights get one, as a rule shared by the kernel
 backends that make them (engine/kernels/torch_ops.packed_linear for oneDNN,
-engine/kernels/cpu/linear.panel_linear for the compiled backend's float32 kernel) and the memory
-plan that counts them (engine/model/placement/policy.packed_weight_bytes). Torch-free: the root
-plans without torch.
+engine/kernels/cpu/linear.panel_linear for the compiled backend's float32 kernel,
+engine/kernels/cpu/bf16_linear for its bfloat16 one) and the memory plan that counts them
+(engine/model/placement/policy.packed_weight_bytes). Torch-free: the root plans without torch.
 
 A packed copy is the weight again in another layout: the same number of bytes (the compiled
 kernel's rounds a weight's rows up to a multiple of 16, at most 15 rows more).
@@ -10,7 +10,9 @@ kernel's rounds a weight's rows up to a multiple of 16, at most 15 rows more).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
+from pathlib import Path
 
 # Larger weights are not packed (a second copy of the widest matrices of a large model would
 # cost more memory than the matmul saves time).
@@ -30,3 +32,22 @@ def packed_copy_bytes(weight_bytes: Iterable[int]) -> int:
 def packs_decoder(decoder_weight_bytes: int) -> bool:
     """Whether a rank whose decoder matmul weights take this many bytes packs them."""
     return decoder_weight_bytes <= PACKED_DECODER_LIMIT
+
+
+def packed_copies(dtype: str) -> int:
+    """Packed copies the compiled CPU backend makes of each packed weight of `dtype`: one for
+    its own kernel, and for bfloat16 on a CPU with AMX a second, oneDNN's, whose AMX tiles run
+    steps of many rows several times faster than the kernel (elsewhere oneDNN's bfloat16 matmul
+    is no faster than the kernel's, or absent, and no copy is made for it)."""
+    return 2 if dtype == "bfloat16" and cpu_has_amx() else 1
+
+
+@functools.cache
+def cpu_has_amx(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """Whether this CPU has AMX's bfloat16 tiles (Linux; False where it cannot tell)."""
+    try:
+        with open(cpuinfo) as info:
+            flags = next((line for line in info if line.startswith("flags")), "")
+    except OSError:
+        return False
+    return "amx_bf16" in flags.split()

@@ -21,7 +21,9 @@ ARCHS = {
     "qwen2": {"arch": "qwen2"},
     "qwen3": {"arch": "qwen3"},
     "qwen3-tied": {"arch": "qwen3", "tie_word_embeddings": True},
+    "qwen2-bfloat16": {"arch": "qwen2"},  # bf16_linear.cpp's one order per row, any path
 }
+DTYPES = {"qwen2-bfloat16": "bfloat16"}
 BLOCK = 16
 PROMPT_LEN = 40
 
@@ -40,7 +42,11 @@ class Blocks:
 def runner(request: pytest.FixtureRequest) -> ModelRunner:
     path = tiny_checkpoint(**ARCHS[request.param])  # type: ignore[arg-type]
     return ModelRunner(
-        str(path), kv_cache_memory=8 << 20, max_model_len=256, kernel_backend="batch_invariant"
+        str(path),
+        dtype=DTYPES.get(request.param, "auto"),
+        kv_cache_memory=8 << 20,
+        max_model_len=256,
+        kernel_backend="batch_invariant",
     )
 
 

@@ -13,7 +13,7 @@ import torch
 
 from engine.gguf.hf_config import hf_config
 from engine.gguf.reader import read_gguf
-from engine.kernels.packed_weights import PACKED_WEIGHT_LIMIT
+from engine.kernels.packed_weights import PACKED_WEIGHT_LIMIT, cpu_has_amx, packed_copies
 from engine.launch.model_source import default_model_file
 from engine.launch.sizing import threads_per_rank
 from engine.model.config import load_model_config, parse_model_config
@@ -144,7 +144,9 @@ def test_packed_copies_are_the_checkpoints_matmul_weights_under_the_limit(arch: 
     linears = [m for m in hf_model(path).modules() if isinstance(m, torch.nn.Linear)]
     matmul_bytes = sum(m.weight.numel() * 4 for m in linears)
     assert packed_weight_bytes(config, "float32") == matmul_bytes
-    assert packed_weight_bytes(config, "bfloat16", tensor_parallel_size=2) == matmul_bytes // 4
+    # bfloat16: the kernel's copy, and oneDNN's where the CPU has AMX
+    bf16 = packed_weight_bytes(config, "bfloat16", tensor_parallel_size=2)
+    assert bf16 == matmul_bytes // 4 * packed_copies("bfloat16")
     # A vocabulary projection of 4 x PACKED_WEIGHT_LIMIT bytes in float32 gets no copy.
     wide = dataclasses.replace(config, vocab_size=PACKED_WEIGHT_LIMIT // config.hidden_size)
     head_bytes = config.vocab_size * config.hidden_size * 4
@@ -152,6 +154,15 @@ def test_packed_copies_are_the_checkpoints_matmul_weights_under_the_limit(arch: 
     on_cpu = resident_weight_bytes(config, "float32", 1, "cpu")
     assert on_cpu == weight_bytes(config, "float32") + matmul_bytes
     assert resident_weight_bytes(config, "float32", 1, "cuda") == weight_bytes(config, "float32")
+
+
+def test_a_second_bfloat16_copy_is_counted_only_on_a_cpu_with_amx(tmp_path: Path) -> None:
+    for flags, expected in (("avx512f avx512_bf16 amx_bf16 amx_tile", True), ("avx2 fma", False)):
+        cpuinfo = tmp_path / f"cpuinfo-{expected}"
+        cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+        assert cpu_has_amx(cpuinfo) is expected
+    assert not cpu_has_amx(tmp_path / "missing")
+    assert packed_copies("float32") == 1
 
 
 def test_the_kv_budget_is_the_share_the_weights_leave() -> None:

@@ -35,6 +35,7 @@ SOURCES = (
     HERE / "kv_store.cpp",
     HERE / "pointwise.cpp",
     HERE / "linear.cpp",
+    HERE / "bf16_linear.cpp",
     HERE / "quantized_linear.cpp",
     HERE / "quant_avx2.cpp",
     HERE / "quant_vnni.cpp",
@@ -220,6 +221,13 @@ _SIGNATURES: dict[str, list[type[Any]]] = {
     # engine/kernels/cpu/linear.cpp, float32: x, m, k, x row stride, packed w, n, bias or
     # null, out, threads
     "engine_linear": [ptr, i64, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int],
+    # engine/kernels/cpu/bf16_linear.cpp: x dtype, x, m, k, x row stride, packed w, n, float32
+    # bias or null, out dtype, out, threads, path
+    "engine_bf16_linear": [i32, ptr, i64, i64, i64, ptr, i64, ptr, i32, ptr, i32, i32],
+    # (no arguments) -> bit p set where path p runs
+    "engine_bf16_linear_paths": [],
+    # path (0: the fastest) -> 0, or 2 where this CPU cannot run it
+    "engine_bf16_linear_choose": [i32],
     # engine/kernels/cpu/quantized_linear.cpp: float32 x, m, k, x row stride, the weight's
     # parts (quantized.CPart array, engine/quantization/layout.py), part count, n, bias or null,
     # out, threads, path
@@ -230,9 +238,9 @@ _SIGNATURES: dict[str, list[type[Any]]] = {
     "engine_quantized_bytes": [i64, i64, i64],
     # (no arguments) -> bit p set where path p runs
     "engine_quantized_paths": [],
-    # engine/kernels/cpu/decode_step.cpp: layers (the structs of
+    # engine/kernels/cpu/decode_step.cpp: dtype of h, layers (the structs of
     # engine/model/architectures/fused_decode.py), count, shape, step, h [m, hidden] in place, m
-    "engine_decode_layers": [ptr, i64, ptr, ptr, ptr, i64],
+    "engine_decode_layers": [i32, ptr, i64, ptr, ptr, ptr, i64],
 }
 
 

@@ -167,7 +167,10 @@ class CausalLM(nn.Module):
         if not self.runs_fused_decode:
             why = "the fused decode step does not implement this family's layers"
         elif why is None:
-            why = "the fused decode step needs the compiled CPU kernels, one rank, float32"
+            why = (
+                "the fused decode step needs the compiled CPU kernels, one rank, and float32 "
+                "(or bfloat16 weights, all packed for bf16_linear.cpp)"
+            )
         return f"{family}: layer by layer ({why})"
 
     def _rotary(

@@ -1,13 +1,14 @@
-"""A decode step's decoder layers in one C++ call (engine/kernels/cpu/decode_step.cpp), for a
-model whose matmul weights the compiled CPU backend holds (quantized codes, or float32 packed in
-panels): the kernels the layers call one at a time, called in the same order on the same values,
-so the hidden states are bit-identical to the Python path's. What goes is the ~15 Python-level
-operations per layer around them (dispatch, checks, a new tensor each): at one sequence a step's
-kernels are short, so that overhead, paid in each of the default model's 30 layers, is a large
-share of the step (docs/models.md's quantized-weights paragraph gives the figures).
+"""A decode step's decoder layers in one C++ call (engine/kernels/cpu/decode_step.cpp), for a model
+whose matmul weights the compiled CPU backend holds (quantized codes or float32 panels, with float32
+activations; bfloat16 panels, with bfloat16 ones): the kernels the layers call one at a time, called
+in the same order on the same values, so the hidden states are bit-identical to the Python path's.
+What goes is the ~15 Python-level operations per layer around them (dispatch, checks, a new tensor
+each): at one sequence a step's kernels are short, so that overhead, paid in each of the default
+model's 30 layers, is a large share of the step (docs/models.md's quantized-weights paragraph gives
+the figures).
 
 It takes steps of decode tokens only (one TableRows piece: every token attends in place through
-its block table), of float32 activations, up to `max_tokens` of them: as many as keep every step
+its block table), in the model's dtype, up to `max_tokens` of them: as many as keep every step
 kernel the Python path calls in C++ (pointwise.SMALL_ELEMENTS). Anything else runs the layers.
 """
 
@@ -20,9 +21,9 @@ import torch
 
 from engine.kernels.attention_metadata import AttentionMetadata, TableRows
 from engine.kernels.cpu import pointwise
-from engine.kernels.cpu.attention import CACHE_DTYPE_CODES, kernel_threads
+from engine.kernels.cpu.attention import CACHE_DTYPE_CODES, DTYPE_CODES, kernel_threads
 from engine.kernels.cpu.build import load_library
-from engine.kernels.cpu.linear import PanelLinear
+from engine.kernels.cpu.linear import Bf16Linear, PanelLinear
 from engine.kernels.kv_cache import PagedKVCache
 from engine.model.config import ModelConfig
 
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 Decoder = Any
 
 FLOAT_PANELS = 0  # _Matrix.parts of a float32 weight in linear.cpp's panels
+BF16_PANELS = -1  # ... of a bfloat16 weight in bf16_linear.cpp's panels
 _ptr, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
@@ -106,7 +108,9 @@ class FusedDecode:
     def __init__(self, model: Decoder, quantized: dict[str, PackedWeight]) -> None:
         config, shape = model.config, model.shape
         self.model = model
+        self.dtype = model.norm.weight.dtype  # the activations'
         self.quantized = quantized  # keeps the packed codes the structs point into alive
+        self._biases: list[torch.Tensor] = []  # float32 copies of a bfloat16 model's biases
         qk_heads = shape.num_heads + shape.num_kv_heads
         # Fewest tokens whose tensors some step kernel would hand to torch instead of C++.
         widest = max(config.hidden_size, qk_heads * config.head_dim, 2 * shape.intermediate_size)
@@ -133,7 +137,7 @@ class FusedDecode:
         usable = (
             model.ops.name == "cpu"
             and model.group.size == 1
-            and model.embed_tokens.weight.dtype == torch.float32
+            and fused.dtype in (torch.float32, torch.bfloat16)
             and all(matrix is not None for layer in fused._matrices for matrix in layer)
         )
         return fused if usable else None
@@ -142,7 +146,7 @@ class FusedDecode:
         pieces = attention.pieces
         return (
             0 < h.shape[0] <= self.max_tokens
-            and h.dtype == torch.float32
+            and h.dtype == self.dtype
             and h.is_contiguous()
             and len(pieces) == 1
             and isinstance(pieces[0], TableRows)
@@ -175,6 +179,7 @@ class FusedDecode:
             kernel_threads(piece),
         )
         status = load_library().engine_decode_layers(
+            DTYPE_CODES[self.dtype],
             ctypes.cast(layers, _ptr),
             len(layers),
             ctypes.byref(self._shape),
@@ -228,6 +233,14 @@ class FusedDecode:
         ]
 
     def _matrix(self, name: str, linear: Any, bias: torch.Tensor | None) -> _Matrix | None:
+        if self.dtype == torch.bfloat16:
+            if not isinstance(linear, Bf16Linear):
+                return None
+            if bias is not None:  # the kernel's bias is float32 (bf16_linear.py converts alike)
+                self._biases.append(bias.detach().float().contiguous())
+                bias = self._biases[-1]
+            bias_pointer = None if bias is None else bias.data_ptr()
+            return _Matrix(linear.panels.packed.data_ptr(), BF16_PANELS, bias_pointer)
         bias_pointer = None if bias is None else bias.data_ptr()
         packed = self.quantized.get(name)
         if packed is not None:

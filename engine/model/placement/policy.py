@@ -11,7 +11,7 @@ import os
 import re
 from collections.abc import Iterable, Mapping
 
-from engine.kernels.packed_weights import packed_copy_bytes, packs_decoder
+from engine.kernels.packed_weights import packed_copies, packed_copy_bytes, packs_decoder
 from engine.model.config import ModelConfig
 from engine.model.loading.weight_names import matrix_shapes
 from engine.model.placement.capacity import dtype_bytes
@@ -233,7 +233,7 @@ def packed_weight_bytes(
         nbytes = rows * columns * size // tensor_parallel_size
         (decoder if name.startswith("layers.") else head).append(nbytes)
     counted = [*head, *decoder] if packs_decoder(sum(decoder)) else head
-    return packed_copy_bytes(counted)
+    return packed_copy_bytes(counted) * packed_copies(dtype)
 
 
 def resident_weight_bytes(
