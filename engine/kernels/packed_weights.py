@@ -11,6 +11,7 @@ kernel's rounds a weight's rows up to a multiple of 16, at most 15 rows more).
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -29,6 +30,11 @@ def packed_copy_bytes(weight_bytes: Iterable[int]) -> int:
     return sum(size for size in weight_bytes if size <= PACKED_WEIGHT_LIMIT)
 
 
+# The bfloat16 kernel's path every call takes (engine/kernels/cpu/bf16_linear.choose_path): a CPU
+# without AVX512-BF16 imitated on one that has it.
+BF16_PATH_VARIABLE = "ENGINE_BF16_LINEAR_PATH"
+
+
 def packs_decoder(decoder_weight_bytes: int) -> bool:
     """Whether a rank whose decoder matmul weights take this many bytes packs them."""
     return decoder_weight_bytes <= PACKED_DECODER_LIMIT
@@ -38,8 +44,10 @@ def packed_copies(dtype: str) -> int:
     """Packed copies the compiled CPU backend makes of each packed weight of `dtype`: one for
     its own kernel, and for bfloat16 on a CPU with AMX a second, oneDNN's, whose AMX tiles run
     steps of many rows several times faster than the kernel (elsewhere oneDNN's bfloat16 matmul
-    is no faster than the kernel's, or absent, and no copy is made for it)."""
-    return 2 if dtype == "bfloat16" and cpu_has_amx() else 1
+    is no faster than the kernel's, or absent, and no copy is made for it). A bfloat16 kernel
+    path chosen without AVX512-BF16 (BF16_PATH_VARIABLE) imitates a CPU without AMX too."""
+    imitated = os.environ.get(BF16_PATH_VARIABLE, "best") not in ("best", "avx512-bf16")
+    return 2 if dtype == "bfloat16" and cpu_has_amx() and not imitated else 1
 
 
 @functools.cache

@@ -28,7 +28,7 @@ def by_path(
     return {name: kernel(x, bias, out, path) for name, path in PATHS.items()}
 
 
-@pytest.mark.parametrize("rows", [1, 5, 7, 13, 200])
+@pytest.mark.parametrize("rows", [1, 5, 13, 200])
 @pytest.mark.parametrize(("n", "k"), [(16, 2), (37, 64), (96, 576)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_every_path_gives_the_same_bits_close_to_a_float64_matmul(

@@ -13,7 +13,12 @@ import torch
 
 from engine.gguf.hf_config import hf_config
 from engine.gguf.reader import read_gguf
-from engine.kernels.packed_weights import PACKED_WEIGHT_LIMIT, cpu_has_amx, packed_copies
+from engine.kernels.packed_weights import (
+    BF16_PATH_VARIABLE,
+    PACKED_WEIGHT_LIMIT,
+    cpu_has_amx,
+    packed_copies,
+)
 from engine.launch.model_source import default_model_file
 from engine.launch.sizing import threads_per_rank
 from engine.model.config import load_model_config, parse_model_config
@@ -163,6 +168,10 @@ def test_a_second_bfloat16_copy_is_counted_only_on_a_cpu_with_amx(tmp_path: Path
         assert cpu_has_amx(cpuinfo) is expected
     assert not cpu_has_amx(tmp_path / "missing")
     assert packed_copies("float32") == 1
+    # a kernel path without AVX512-BF16 chosen: a CPU without AMX imitated, no oneDNN copy
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(BF16_PATH_VARIABLE, "avx2")
+        assert packed_copies("bfloat16") == 1
 
 
 def test_the_kv_budget_is_the_share_the_weights_leave() -> None:

@@ -18,11 +18,11 @@ import torch.nn.functional as F
 
 from engine.kernels.cpu.attention import DTYPE_CODES
 from engine.kernels.cpu.build import load_library
+from engine.kernels.packed_weights import BF16_PATH_VARIABLE
 
 PANEL = 16  # output columns per panel (bf16_linear.cpp's kPanel)
 # The kernel's `path` argument: 0 picks the fastest this CPU runs.
 PATHS = {"scalar": 1, "avx2": 2, "avx512-bf16": 3}
-PATH_VARIABLE = "ENGINE_BF16_LINEAR_PATH"  # a path's name: every call takes it (choose_path)
 _chosen = ["best"]
 
 
@@ -41,7 +41,7 @@ def choose_path(name: str) -> None:
 
 @functools.cache
 def _path_from_environment() -> None:
-    name = os.environ.get(PATH_VARIABLE)
+    name = os.environ.get(BF16_PATH_VARIABLE)
     if name:
         choose_path(name)
 
