@@ -15,6 +15,8 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
+from engine.kernels.cpu.build import extra_flags
+
 # Larger weights are not packed (a second copy of the widest matrices of a large model would
 # cost more memory than the matmul saves time).
 PACKED_WEIGHT_LIMIT = 256 << 20
@@ -44,10 +46,15 @@ def packed_copies(dtype: str) -> int:
     """Packed copies the compiled CPU backend makes of each packed weight of `dtype`: one for
     its own kernel, and for bfloat16 on a CPU with AMX a second, oneDNN's, whose AMX tiles run
     steps of many rows several times faster than the kernel (elsewhere oneDNN's bfloat16 matmul
-    is no faster than the kernel's, or absent, and no copy is made for it). A bfloat16 kernel
-    path chosen without AVX512-BF16 (BF16_PATH_VARIABLE) imitates a CPU without AMX too."""
-    imitated = os.environ.get(BF16_PATH_VARIABLE, "best") not in ("best", "avx512-bf16")
-    return 2 if dtype == "bfloat16" and cpu_has_amx() and not imitated else 1
+    is no faster than the kernel's, or absent, and no copy is made for it). An AVX2 machine
+    imitated on this one (kernels built with -mno-avx512f, or a bfloat16 kernel path chosen
+    without AVX512-BF16) has no AMX either."""
+    return 2 if dtype == "bfloat16" and cpu_has_amx() and not _imitates_avx2() else 1
+
+
+def _imitates_avx2() -> bool:
+    chosen = os.environ.get(BF16_PATH_VARIABLE, "best")
+    return chosen not in ("best", "avx512-bf16") or "-mno-avx512f" in extra_flags()
 
 
 @functools.cache

@@ -13,6 +13,7 @@ import torch
 
 from engine.gguf.hf_config import hf_config
 from engine.gguf.reader import read_gguf
+from engine.kernels.cpu.build import EXTRA_FLAGS_VARIABLE
 from engine.kernels.packed_weights import (
     BF16_PATH_VARIABLE,
     PACKED_WEIGHT_LIMIT,
@@ -168,10 +169,11 @@ def test_a_second_bfloat16_copy_is_counted_only_on_a_cpu_with_amx(tmp_path: Path
         assert cpu_has_amx(cpuinfo) is expected
     assert not cpu_has_amx(tmp_path / "missing")
     assert packed_copies("float32") == 1
-    # a kernel path without AVX512-BF16 chosen: a CPU without AMX imitated, no oneDNN copy
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(BF16_PATH_VARIABLE, "avx2")
-        assert packed_copies("bfloat16") == 1
+    # an AVX2 machine imitated (its kernels' build, or their bfloat16 path): no oneDNN copy
+    for variable, value in ((BF16_PATH_VARIABLE, "avx2"), (EXTRA_FLAGS_VARIABLE, "-mno-avx512f")):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv(variable, value)
+            assert packed_copies("bfloat16") == 1
 
 
 def test_the_kv_budget_is_the_share_the_weights_leave() -> None:

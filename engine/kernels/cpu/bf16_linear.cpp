@@ -327,10 +327,19 @@ void avx2_item(const void* context, int64_t item) {
 // What kBest means: the fastest path this CPU has, unless engine_bf16_linear_choose named one.
 std::atomic<int> chosen{kBest};
 
-// The path that runs for `path` (kBest: the chosen one); kBest where it cannot run here.
+// The path that runs for `path` (kBest: the chosen one); kBest where it cannot run here. A library
+// built without AVX-512 (ENGINE_KERNEL_FLAGS=-mno-avx512f, build.py) takes AVX2 for its best, as
+// an AVX2 machine does; the AVX512-BF16 tiles stay there for a caller that names them.
 int resolve(int path) {
   if (path == kBest) path = chosen.load();
-  if (path == kBest) path = path_available(kBf16) ? kBf16 : path_available(kAvx2) ? kAvx2 : kScalar;
+  if (path == kBest) {
+#if defined(__AVX512F__)
+    const bool bf16 = path_available(kBf16);
+#else
+    const bool bf16 = false;
+#endif
+    path = bf16 ? kBf16 : path_available(kAvx2) ? kAvx2 : kScalar;
+  }
   return path_available(path) ? path : kBest;
 }
 
@@ -352,6 +361,9 @@ int engine_bf16_linear_paths() {
   for (int path = kScalar; path <= kBf16; ++path) mask |= path_available(path) ? 1 << path : 0;
   return mask;
 }
+
+// The path a call asking for the best (0) takes: the chosen one, else the fastest of this build.
+int engine_bf16_linear_best() { return resolve(kBest); }
 
 // Makes `path` the one calls asking for the best (0) take, in every thread: a machine without
 // AVX512-BF16 imitated on one that has it (engine/kernels/cpu/bf16_linear.py). Returns 0; 2 where

@@ -23,7 +23,6 @@ from engine.kernels.packed_weights import BF16_PATH_VARIABLE
 PANEL = 16  # output columns per panel (bf16_linear.cpp's kPanel)
 # The kernel's `path` argument: 0 picks the fastest this CPU runs.
 PATHS = {"scalar": 1, "avx2": 2, "avx512-bf16": 3}
-_chosen = ["best"]
 
 
 def choose_path(name: str) -> None:
@@ -36,7 +35,6 @@ def choose_path(name: str) -> None:
             f"bfloat16 linear path {name!r} does not run on this CPU; expected 'best' or one of "
             f"{', '.join(available_paths())}"
         )
-    _chosen[0] = name
 
 
 @functools.cache
@@ -53,9 +51,11 @@ def available_paths() -> list[str]:
 
 
 def chosen_path() -> str:
-    """The path a call with path 0 takes on this CPU (the fastest, unless one was chosen)."""
+    """The path a call with path 0 takes on this CPU (the fastest this build runs, unless one was
+    chosen)."""
     _path_from_environment()
-    return available_paths()[-1] if _chosen[0] == "best" else _chosen[0]
+    code = load_library().engine_bf16_linear_best()
+    return next(name for name, path in PATHS.items() if path == code)
 
 
 class Bf16Panels:

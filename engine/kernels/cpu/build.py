@@ -226,6 +226,8 @@ _SIGNATURES: dict[str, list[type[Any]]] = {
     "engine_bf16_linear": [i32, ptr, i64, i64, i64, ptr, i64, ptr, i32, ptr, i32, i32],
     # (no arguments) -> bit p set where path p runs
     "engine_bf16_linear_paths": [],
+    # (no arguments) -> the path a call asking for none takes
+    "engine_bf16_linear_best": [],
     # path (0: the fastest) -> 0, or 2 where this CPU cannot run it
     "engine_bf16_linear_choose": [i32],
     # engine/kernels/cpu/quantized_linear.cpp: float32 x, m, k, x row stride, the weight's
