@@ -45,6 +45,7 @@ HEADERS = (
     HERE / "cpu_vector.h",
     HERE / "kv_rows.h",
     HERE / "thread_pool.h",
+    HERE / "bf16_tiles.h",
     HERE / "quant_formats.h",
     HERE / "quant_activations.h",
     HERE / "quant_tile_avx2.h",
