@@ -64,6 +64,7 @@ from engine.model.parallel.config import Placement
 from engine.model.placement.capacity import kv_block_bytes
 from engine.model.placement.policy import (
     device_type,
+    dtype_note,
     resolve_device,
     resolve_dtype,
     resolve_kv_cache_dtype,
@@ -155,6 +156,8 @@ def plan_engine(
     weights = weight_bytes_by_format(
         config, dtype, tp, device, {n: (f.source, sizes[n]) for n, f in quantized.items()}
     )
+    note = dtype_note(settings.model.dtype, config.torch_dtype, dtype, device, bool(quantized))
+    log.info("%s", note)
     log_memory(settings, placement, weights, num_blocks, block_bytes, kv_dtype, footprint)
     worker = WorkerConfig(
         model_path=model_path,

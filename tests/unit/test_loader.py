@@ -12,6 +12,7 @@ import torch
 
 from engine.model.config import load_model_config, parse_model_config
 from engine.model.loading.loader import resolve_dtype
+from engine.model.placement.policy import dtype_note
 from engine.model.runner import ModelRunner
 from engine.model.step_inputs import SeqChunk
 from tests.checkpoints import tiny_checkpoint
@@ -118,6 +119,16 @@ def test_dtype_resolution_per_device() -> None:
         resolve_dtype("float16", fp32, cpu)
     with pytest.raises(ValueError, match="unknown dtype 'int8'"):
         resolve_dtype("int8", fp32, cpu)
+    # the start log's line says where auto differs from vLLM-CPU's, and what gives its choice
+    assert dtype_note("auto", "bfloat16", "bfloat16", "cpu", False) == (
+        "dtype: bfloat16 (--dtype auto; the checkpoint's bfloat16)"
+    )
+    for theirs in ("float32", "float16"):
+        note = dtype_note("auto", theirs, "float32", "cpu", False)
+        vllm = "float16" if theirs == "float16" else "bfloat16"
+        assert f"vLLM-CPU's --dtype auto serves it in {vllm}: --dtype bfloat16" in note
+    assert "vLLM" not in dtype_note("auto", "float32", "float32", "cpu", True)  # GGUF
+    assert "vLLM" not in dtype_note("float32", "float32", "float32", "cpu", False)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

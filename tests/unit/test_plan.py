@@ -268,6 +268,8 @@ def test_without_max_model_len_the_engine_takes_what_the_cache_holds(
     assert "max_model_len 2048: what the KV cache holds, less than the model's context of 4096" in (
         caplog.text
     )
+    # the dtype served, and what vLLM-CPU's auto would serve instead (tests/unit/test_loader.py)
+    assert "dtype: float32 (--dtype auto; the checkpoint's float32); vLLM-CPU's" in caplog.text
     with pytest.raises(ValueError, match=r"holds 2048 tokens .* fewer than max_model_len 4096"):
         plan_engine(build_settings(**small, **{"model.max_model_len": 4096}), str(path))
     roomy = plan_engine(build_settings(**{"cache.kv_cache_memory": 4 * 2**20}), str(path))

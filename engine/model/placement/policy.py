@@ -79,6 +79,30 @@ def resolve_dtype(requested: str, checkpoint_dtype: str | None, device: str) -> 
     return requested
 
 
+def dtype_note(
+    requested: str, checkpoint_dtype: str | None, dtype: str, device: str, quantized: bool
+) -> str:
+    """The start log's line on the dtype served, and where `--dtype auto` differs from
+    vLLM-CPU's, which on x86 serves a float32 checkpoint in bfloat16 and a float16 one in
+    float16: here a float32 checkpoint stays float32, exact against transformers' float32, and a
+    float16 one is widened to it (the CPU kernels hold no float16); `--dtype bfloat16` serves
+    either in bfloat16, on the bfloat16 kernels. Quantized weights compute in float32 (vLLM-CPU
+    serves no GGUF file to compare with)."""
+    line = f"dtype: {dtype} (--dtype {requested}; the checkpoint's {checkpoint_dtype or 'unset'})"
+    if (
+        requested == "auto"
+        and device_type(device) == "cpu"
+        and dtype == "float32"
+        and not quantized
+    ):
+        theirs = "float16" if checkpoint_dtype == "float16" else "bfloat16"
+        line += (
+            f"; vLLM-CPU's --dtype auto serves it in {theirs}: --dtype bfloat16 for half the "
+            "weights' bytes and faster steps"
+        )
+    return line
+
+
 KV_CACHE_DTYPES = ("float32", "float16", "bfloat16", "int8")  # kernels/kv_cache.py's formats
 
 
