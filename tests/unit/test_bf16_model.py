@@ -72,13 +72,19 @@ def test_greedy_tokens_equal_transformers_in_bfloat16(name: str) -> None:
         assert_greedy_matches_logits(theirs, len(prompt), tokens, tolerance)
 
 
-@pytest.mark.parametrize("name", list(CORE))
-def test_the_fused_decode_step_equals_the_layers_on_every_path(name: str) -> None:
+@pytest.mark.parametrize(
+    ("name", "kv_cache_dtype"), [*((name, "bfloat16") for name in CORE), ("qwen2-biases", "int8")]
+)
+def test_the_fused_decode_step_equals_the_layers_on_every_path(
+    name: str, kv_cache_dtype: str
+) -> None:
     """Three decode steps of three sequences, each run fused and layer by layer over the same
-    cache; then the same with the AVX2 path chosen: the same logits bit for bit."""
-    _, model = runner(*CORE[name][:2])
+    cache (the model's bfloat16, or the compact int8 one); then the same with the AVX2 path
+    chosen: the same logits bit for bit."""
+    spec, args, _ = CORE[name]
+    _, model = runner(spec, {**args, "kv_cache_dtype": kv_cache_dtype})
     fused = model.model.fused_decode
-    assert fused is not None and model.kv_cache.dtype == torch.bfloat16
+    assert fused is not None and model.kv_cache.dtype == getattr(torch, kv_cache_dtype)
     prompts = [[5, 17, 300, 42, 9, 77, 120, 260, 3], [8, 1, 2, 99, 31], [400, 11, 7]]
     tables = [BlockAllocator(model.num_blocks).allocate(4) for _ in prompts]
     tables = [[b + 4 * i for b in table] for i, table in enumerate(tables)]
