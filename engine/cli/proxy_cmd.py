@@ -46,24 +46,7 @@ def _parser() -> _Parser:
         )
     p.add_argument("--host", default=defaults.host, help="address to listen on")
     p.add_argument("--port", type=int, default=defaults.port, help="0: any free port")
-    seconds = [
-        ("--connect-timeout", defaults.connect_timeout, "to open a connection to an instance"),
-        (
-            "--first-byte-timeout",
-            defaults.first_byte_timeout,
-            "to a stream's first event or a prefill's answer (past it: a failure, like a probe's)",
-        ),
-        (
-            "--read-timeout",
-            defaults.read_timeout,
-            "between two chunks of a stream, and for a whole non-streamed answer",
-        ),
-        ("--probe-interval", defaults.probe_interval, "between probes of each instance"),
-        ("--probe-timeout", defaults.probe_timeout, "for one probe of an instance's /ready"),
-        ("--drain-timeout", defaults.drain_timeout, "in-flight requests get after SIGTERM"),
-    ]
-    for flag, default, what in seconds:
-        p.add_argument(flag, type=float, default=default, help=f"seconds {what}")
+    _add_timeouts(p, defaults)
     p.add_argument(
         "--probe-failures",
         type=int,
@@ -87,6 +70,28 @@ def _parser() -> _Parser:
     )
     p.add_argument("--api-key-file", default=None, help="read the API key from this file")
     return p
+
+
+def _add_timeouts(p: _Parser, defaults: ProxyConfig) -> None:
+    """The proxy's waits, in seconds: on instances, their probes, and the drain."""
+    seconds = [
+        ("--connect-timeout", defaults.connect_timeout, "to open a connection to an instance"),
+        (
+            "--first-byte-timeout",
+            defaults.first_byte_timeout,
+            "to a stream's first event or a prefill's answer (past it: a failure, like a probe's)",
+        ),
+        (
+            "--read-timeout",
+            defaults.read_timeout,
+            "between two chunks of a stream, and for a whole non-streamed answer",
+        ),
+        ("--probe-interval", defaults.probe_interval, "between probes of each instance"),
+        ("--probe-timeout", defaults.probe_timeout, "for one probe of an instance's /ready"),
+        ("--drain-timeout", defaults.drain_timeout, "in-flight requests get after SIGTERM"),
+    ]
+    for flag, default, what in seconds:
+        p.add_argument(flag, type=float, default=default, help=f"seconds {what}")
 
 
 def instance_url(text: str, flag: str) -> str:

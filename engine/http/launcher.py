@@ -213,19 +213,8 @@ async def _run(
     background = [] if settings.server.disable_log_stats else [log_stats_forever(state)]
     stats_tasks = [asyncio.create_task(work) for work in background]
 
-    async def drain() -> dict[str, Any]:
-        await _drain(state, shutdown)
-        return {"drained": True, "in_flight": len(_requests_in_flight(state))}
-
-    url = (
-        f"unix:{settings.server.uds}"
-        if settings.server.uds
-        else _url(settings.server.host, sock.getsockname()[1])
-    )
-    identity = {"pid": os.getpid(), "url": url, "model": state.model_name}
-    admin = AdminServer(
-        state, admin_path, drain=drain, shutdown=shutdown.request, identity=identity
-    )
+    url = _listening_url(settings, sock)
+    admin = _admin_server(state, admin_path, shutdown, url)
     server = _http_server(state, settings)
     serve_task: asyncio.Task[None] | None = None
     keep_alive: asyncio.Task[None] | None = None
@@ -262,6 +251,23 @@ async def _run(
         if state.trace is not None:
             state.trace.close()
     return exit_status
+
+
+def _listening_url(settings: Settings, sock: socket.socket) -> str:
+    if settings.server.uds:
+        return f"unix:{settings.server.uds}"
+    return _url(settings.server.host, sock.getsockname()[1])
+
+
+def _admin_server(state: ServerState, path: Path, shutdown: _Shutdown, url: str) -> AdminServer:
+    """The admin socket: it drains and stops this server, and says which server it is."""
+
+    async def drain() -> dict[str, Any]:
+        await _drain(state, shutdown)
+        return {"drained": True, "in_flight": len(_requests_in_flight(state))}
+
+    identity = {"pid": os.getpid(), "url": url, "model": state.model_name}
+    return AdminServer(state, path, drain=drain, shutdown=shutdown.request, identity=identity)
 
 
 async def _start_serving(server: _Server, sock: socket.socket) -> asyncio.Task[None]:

@@ -27,7 +27,7 @@ import msgspec
 
 from engine.actors.configs import DetokenizerConfig, TokenizerConfig, WorkerConfig
 from engine.actors.roles import Role
-from engine.launch.draft import draft_footprint, draft_worker_fields
+from engine.launch.draft import DraftFootprint, draft_footprint, draft_worker_fields
 from engine.launch.lasting_kv import (
     kv_outlives_workers,
     lasting_kv_scheduler,
@@ -70,7 +70,7 @@ from engine.model.placement.policy import (
     resolve_kv_cache_dtype,
     weight_bytes_by_format,
 )
-from engine.model.quantized.formats import quantized_bytes, quantized_formats
+from engine.model.quantized.formats import WeightFormat, quantized_bytes, quantized_formats
 from engine.runtime.child_spec import (
     ROOT,
     ChildSpec,
@@ -126,36 +126,15 @@ def plan_engine(
     dtype = resolve_dtype(settings.model.dtype, config.torch_dtype, device)
     block_size = settings.cache.block_size
     tp = settings.parallel.tensor_parallel_size
-    quantized = quantized_formats(
-        model_path,
-        config,
-        settings.model.quantization,
-        tensor_parallel_size=tp,
-        on_cpu=device_type(device) == "cpu",
-    )
-    kv_dtype = resolve_kv_cache_dtype(
-        settings.cache.kv_cache_dtype, dtype, device, kernel_backend_of(settings), bool(quantized)
-    )
-    block_bytes = kv_block_bytes(config, block_size, kv_dtype, tp)
+    quantized = _weight_formats(settings, model_path, config, device)
     draft = draft_worker_fields(settings, model_path, config)
     footprint = draft_footprint(draft["draft_model_path"], block_size, dtype, device)
-    num_blocks = kv_cache_blocks(
-        settings,
-        config,
-        device,
-        dtype,
-        kv_dtype,
-        placement.local_ranks,
-        quantized,
-        footprint,
-        available_memory,
+    kv_dtype, block_bytes, num_blocks = _kv_cache_sizes(
+        settings, config, placement, quantized, footprint, available_memory
     )
     max_model_len = max_model_len_of(settings, config, num_blocks * block_size)
     scheduler = scheduler_config(settings, config, num_blocks, max_model_len)
-    sizes = quantized_bytes(quantized, config)
-    weights = weight_bytes_by_format(
-        config, dtype, tp, device, {n: (f.source, sizes[n]) for n, f in quantized.items()}
-    )
+    weights = _resident_weights(config, dtype, tp, device, quantized)
     note = dtype_note(settings.model.dtype, config.torch_dtype, dtype, device, bool(quantized))
     log.info("%s", note)
     log_memory(settings, placement, weights, num_blocks, block_bytes, kv_dtype, footprint)
@@ -195,6 +174,58 @@ def plan_engine(
         weights,
         num_blocks * block_bytes,
     )
+
+
+def _weight_formats(
+    settings: Settings, model_path: str, config: ModelConfig, device: str
+) -> dict[str, WeightFormat]:
+    """The parameters held in a block format (engine/model/quantized/formats.py), by name."""
+    return quantized_formats(
+        model_path,
+        config,
+        settings.model.quantization,
+        tensor_parallel_size=settings.parallel.tensor_parallel_size,
+        on_cpu=device_type(device) == "cpu",
+    )
+
+
+def _resident_weights(
+    config: ModelConfig, dtype: str, tp: int, device: str, quantized: dict[str, WeightFormat]
+) -> dict[str, int]:
+    """One rank's weight bytes by format ("Q4_1", "float32"), as /metrics shows them."""
+    sizes = quantized_bytes(quantized, config)
+    by_name = {name: (f.source, sizes[name]) for name, f in quantized.items()}
+    return weight_bytes_by_format(config, dtype, tp, device, by_name)
+
+
+def _kv_cache_sizes(
+    settings: Settings,
+    config: ModelConfig,
+    placement: Placement,
+    quantized: dict[str, WeightFormat],
+    footprint: DraftFootprint | None,
+    available_memory: int | None,
+) -> tuple[str, int, int]:
+    """The KV cache's element type, bytes per block and number of blocks per rank."""
+    device = resolve_device(settings.model.device)
+    dtype = resolve_dtype(settings.model.dtype, config.torch_dtype, device)
+    kv_dtype = resolve_kv_cache_dtype(
+        settings.cache.kv_cache_dtype, dtype, device, kernel_backend_of(settings), bool(quantized)
+    )
+    tp = settings.parallel.tensor_parallel_size
+    block_bytes = kv_block_bytes(config, settings.cache.block_size, kv_dtype, tp)
+    num_blocks = kv_cache_blocks(
+        settings,
+        config,
+        device,
+        dtype,
+        kv_dtype,
+        placement.local_ranks,
+        quantized,
+        footprint,
+        available_memory,
+    )
+    return kv_dtype, block_bytes, num_blocks
 
 
 def _replica_spec(

@@ -28,16 +28,16 @@ from engine.launch.footprint import planned_memory_bytes
 from engine.launch.model_source import model_directory
 from engine.launch.plan import EnginePlan, plan_engine
 from engine.launch.run_files import remove_run_files
-from engine.lora.registry import AdapterRegistry, start_registry, with_adapter
+from engine.library.admission import admit
+from engine.lora.registry import AdapterRegistry, start_registry
 from engine.messages.admin import ActorRow, EngineStats, Health, RequestRow
 from engine.messages.codec import too_large_for_one_frame
 from engine.messages.params import SamplingParams
 from engine.messages.reports import SchedulerReport
 from engine.messages.requests import EngineRequest, GenerateRequest
 from engine.messages.ring_catalogue import REQUESTS_RING
-from engine.request.grammar_admission import admit_constraint
 from engine.request.outputs import EngineError, RequestOutput, merge_outputs, snapshot
-from engine.request.policy import RequestPolicy, renamed
+from engine.request.policy import RequestPolicy
 from engine.request.prompts import Prompt, library_request
 from engine.runtime.events import actor_cpu, actor_rows, ring_traffic
 from engine.runtime.ring import RingClosed
@@ -207,24 +207,12 @@ class AsyncLLM:
     async def submit(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Run one request, as a front end built it; incremental outputs as for `stream`.
 
-        The request is the engine's from then on: the policy is applied to it in place (the
+        The request is the engine's from then on: admitted in place (admission.py: the
         model's defaults, the chat template, every limit: EngineError naming the field), and
         the registry keeps it as the request's truth until it ends."""
         self._check_running()
-        directives = self._kv_params.directives(request.kv_transfer_params)
-        request.kv_handoff, request.kv_source = directives
-        request.kv_transfer_params = None  # read: its directives travel on
-        # a prefill instance runs the prompt and one token
-        one_token = request.kv_handoff == "hold"
-        self.policy.apply(request, waiting_samples=self._waiting_samples(), one_token=one_token)
-        if request.params.structured_outputs is not None:
-            try:
-                await admit_constraint(request.params.structured_outputs)
-            except EngineError as error:
-                raise renamed(error, request.field_names) from None
-        request.params = with_adapter(request.params, self.adapters, None)
-        # Read by the policy alone: the request travels on without them.
-        request.defaulted_fields, request.field_names = frozenset(), {}
+        waiting = self._waiting_samples()
+        await admit(request, self.policy, self._kv_params, self.adapters, waiting)
         record, submission = self.gateway.register(request)
         finished = False
         try:

@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 
 from msgspec import Meta
 
+from engine.messages.params import PoolingParams, override_generation_config
 from engine.settings.section import Section as _Section
 
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]
@@ -124,3 +125,25 @@ class ModelSettings(_Section, frozen=True):
             "same order sample alike in every run",
         ),
     ] = 0
+
+
+def model_problems(model: ModelSettings) -> list[tuple[str, str]]:
+    """The [model] section's rules between its fields, as schema.cross_field_problems says."""
+    problems = []
+    if model.deterministic and model.kernel_backend not in ("auto", "torch"):
+        problems.append(
+            (
+                "model.kernel_backend",
+                f"must be auto or torch with model.deterministic (its batch-invariant kernels are "
+                f"torch's), got {model.kernel_backend}",
+            )
+        )
+    try:
+        PoolingParams.from_config(model.pooler_config)
+    except ValueError as exc:
+        problems.append(("model.pooler_config", str(exc)))
+    try:
+        override_generation_config(model.override_generation_config)
+    except ValueError as exc:
+        problems.append(("model.override_generation_config", str(exc)))
+    return problems

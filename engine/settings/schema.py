@@ -12,14 +12,13 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-from engine.messages.params import PoolingParams, override_generation_config
 from engine.settings.kv_transfer_schema import KvTransferSettings, kv_transfer_problems
 from engine.settings.lora_schema import LoraSettings, lora_problems
-from engine.settings.model_schema import ModelSettings, Quantization
+from engine.settings.model_schema import ModelSettings, Quantization, model_problems
 from engine.settings.models_schema import ModelsSettings, models_problems
 from engine.settings.section import BYTES_UNIT
 from engine.settings.section import Section as _Section
-from engine.settings.server_schema import ServerSettings
+from engine.settings.server_schema import ServerSettings, server_problems
 
 # re-exported: the schema's names live here
 __all__ = [
@@ -321,42 +320,10 @@ def cross_field_problems(settings: Settings) -> list[tuple[str, str]]:
                 f"running sequence gets a token each step, got {scheduler.max_num_batched_tokens}",
             )
         )
-    server = settings.server
-    per_client = server.max_connections_per_client
-    if per_client is not None and per_client >= server.max_connections:
-        problems.append(
-            (
-                "server.max_connections_per_client",
-                f"must be below server.max_connections ({server.max_connections}) so that one "
-                f"client cannot take every connection, got {per_client}",
-            )
-        )
-    if server.api_key is not None and server.api_key_file is not None:
-        problems.append(
-            (
-                "server.api_key_file",
-                "give the API key one way: server.api_key (ENGINE_API_KEY) or server.api_key_file",
-            )
-        )
-    model = settings.model
-    if model.deterministic and model.kernel_backend not in ("auto", "torch"):
-        problems.append(
-            (
-                "model.kernel_backend",
-                f"must be auto or torch with model.deterministic (its batch-invariant kernels are "
-                f"torch's), got {model.kernel_backend}",
-            )
-        )
-    try:
-        PoolingParams.from_config(model.pooler_config)
-    except ValueError as exc:
-        problems.append(("model.pooler_config", str(exc)))
-    try:
-        override_generation_config(model.override_generation_config)
-    except ValueError as exc:
-        problems.append(("model.override_generation_config", str(exc)))
     return [
         *problems,
+        *server_problems(settings.server),
+        *model_problems(settings.model),
         *kv_transfer_problems(settings),
         *lora_problems(settings),
         *models_problems(settings.models),

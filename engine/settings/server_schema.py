@@ -176,3 +176,25 @@ class ServerSettings(Section, frozen=True):
         bool,
         Meta(description="serve the chat page at GET / (--no-ui: the API alone)"),
     ] = True
+
+
+def server_problems(server: ServerSettings) -> list[tuple[str, str]]:
+    """The [server] section's rules between its fields, as schema.cross_field_problems says."""
+    problems = []
+    per_client = server.max_connections_per_client
+    if per_client is not None and per_client >= server.max_connections:
+        problems.append(
+            (
+                "server.max_connections_per_client",
+                f"must be below server.max_connections ({server.max_connections}) so that one "
+                f"client cannot take every connection, got {per_client}",
+            )
+        )
+    if server.api_key is not None and server.api_key_file is not None:
+        problems.append(
+            (
+                "server.api_key_file",
+                "give the API key one way: server.api_key (ENGINE_API_KEY) or server.api_key_file",
+            )
+        )
+    return problems

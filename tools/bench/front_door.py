@@ -173,6 +173,9 @@ def main() -> None:
     ):
         model = httpx.get(ours.url + "/v1/models").json()["data"][0]["id"]
         loads = workloads(args, model)
+        for side in (ours, peer):  # unmeasured: a model loaded on demand is loaded by now
+            for requests in loads.values():
+                asyncio.run(run_api(side, requests[:1], 1))
         for round_number in range(args.rounds):
             for api, requests in loads.items():
                 order = [ours, peer] if round_number % 2 == 0 else [peer, ours]
