@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.checkpoints import assert_same_greedy, hf_greedy
 from tests.e2e.harness import Server, wait_until
@@ -83,11 +84,30 @@ def test_a_fourth_model_unloads_the_least_recently_used_idle_one(models: Server)
             completion(http, name)
         gone = model_pids(models, "llama-q8")
         assert gone
-        completion(http, "qwen2")
+        answer = completion(http, "qwen2")
     now = states(models)
     assert now["qwen2"] == now["llama"] == now["main"] == "loaded"
     assert now["llama-q8"] == "unloaded"
     assert not any(_alive(pid) for pid in gone)
+
+    # The catalogue's metrics, and the request metrics of each model under its own name (an
+    # alias's requests, two to llama:tiny before, under its model's).
+    figures = _metrics(models)
+    assert figures["engine:loaded_models"][()] == 3
+    loaded = figures["engine:model_loaded"]
+    assert loaded[("main",)] == loaded[("llama",)] == loaded[("qwen2",)] == 1
+    assert loaded[("llama-q8",)] == loaded[("broken",)] == 0
+    assert figures["engine:model_loads_total"][("llama-q8",)] == 1
+    assert figures["engine:model_unloads_total"][("llama-q8",)] == 1
+    assert figures["engine:model_load_seconds_total"][("qwen2",)] > 0
+    memory = figures["engine:model_memory_bytes"]
+    assert memory[("qwen2",)] > 0 and memory[("llama-q8",)] == 0
+    weights = {labels[0] for labels in figures["engine:model_weight_bytes"]}
+    assert weights == {"main", "llama", "qwen2"}  # every engine figure, per loaded model
+    requests = figures["engine:http_requests_total"]
+    assert requests[("llama", "completions", "success")] == 3
+    assert requests[("qwen2", "completions", "success")] == 1
+    assert figures["engine:generation_tokens_total"][("qwen2",)] == len(answer)
 
 
 def test_keep_alive_0_unloads_after_the_answer_and_returns_its_memory(models: Server) -> None:
@@ -157,6 +177,19 @@ def _stream(server: Server, model: str, kill_pid: int | None = None) -> list[int
                     os.kill(kill_pid, signal.SIGKILL)  # a child of the server this test started
                     kill_pid = None
     return tokens
+
+
+def _metrics(server: Server) -> dict[str, dict[tuple[str, ...], float]]:
+    """/metrics: each sample's value by name and label values (model_name first)."""
+    with server.http() as http:
+        text = http.get("/metrics").text
+    found: dict[str, dict[tuple[str, ...], float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = dict(sample.labels)
+            model = [labels.pop("model_name")] if "model_name" in labels else []
+            found.setdefault(sample.name, {})[(*model, *labels.values())] = sample.value
+    return found
 
 
 def _alive(pid: int) -> bool:

@@ -5,6 +5,7 @@ it; the live panel lists each loaded model with its memory, and every loaded mod
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from selenium.common.exceptions import StaleElementReferenceException
@@ -28,8 +29,10 @@ def page(models: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[C
 def test_the_page_picks_a_model_loads_it_and_shows_each_models_memory(
     models: Server, page: ChatPage
 ) -> None:
+    # llama-q8 (a GGUF file): unloaded by test_catalogue's LRU test, shown by test_ollama_api's
+    # (/api/show loads a model): loaded here, it is loaded once.
     with models.http() as http:
-        assert http.post("/models/unload", json={"model": "qwen2"}).status_code == 200
+        assert http.post("/models/unload", json={"model": "llama-q8"}).status_code == 200
     before = states(models)
 
     def offered() -> dict[str, str]:  # read in one go: the panel re-renders the list each second
@@ -40,12 +43,13 @@ def test_the_page_picks_a_model_loads_it_and_shows_each_models_memory(
     for name, state in before.items():
         assert offered()[name].startswith(f"{name} — {state}")
 
-    page.wait(lambda: _pick(page, "qwen2"))
+    page.wait(lambda: _pick(page, "llama-q8"))
     page.send("Hello")
-    answer = page.wait_answer_state("done", "error")
+    # the model's load comes first: as long as loads may take on a busy machine
+    answer = page.wait(lambda: _answer_ended(page), timeout=LOADS_S)
     assert answer.get_attribute("data-state") == "done", answer.text
-    assert states(models)["qwen2"] == "loaded"  # loaded by the page's message
-    assert "qwen2" in answer.find_element("css selector", ".stats").text
+    assert states(models)["llama-q8"] == "loaded"  # loaded by the page's message
+    assert "llama-q8" in answer.find_element("css selector", ".stats").text
 
     def shown_models() -> dict[str, str]:
         script = "return [...document.querySelectorAll('#live-models li')]"
@@ -65,6 +69,11 @@ def test_the_page_picks_a_model_loads_it_and_shows_each_models_memory(
         )
     )
     assert page.severe_log() == []
+
+
+def _answer_ended(page: ChatPage) -> Any:
+    answer = page.last_answer()
+    return answer.get_attribute("data-state") in ("done", "error") and answer
 
 
 def _pick(page: ChatPage, name: str) -> bool:
