@@ -20,12 +20,15 @@ is passed on the same way (the scheduler drops whatever it held of that request)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import Any
 
 import msgspec
 
 from engine.kv.cache.prefix_index import PrefixIndex
+from engine.kv.disk.mover import DiskMover, open_mover
+from engine.kv.disk.orders import DiskEvent
 from engine.messages.codec import encode_in_frames, too_large_for_one_frame
 from engine.messages.failures import RequestFailed
 from engine.messages.kv_transfer import KV_EVENTS
@@ -70,9 +73,13 @@ class SchedulerActor(Actor):
 
     async def on_start(self) -> dict[str, Any] | None:
         config = msgspec.msgpack.decode(self.config, type=SchedulerConfig)
+        self._disk = self._open_disk_tier(config)
         # Ids past any a former generation can have used (the workers may still answer it).
         self.scheduler = Scheduler(
-            config, first_id=self.generation << 40, prefix_index=self._prefix_index(config)
+            config,
+            first_id=self.generation << 40,
+            prefix_index=self._prefix_index(config),
+            on_disk=None if self._disk is None else self._disk.store.contains,
         )
         if self.generation:
             cached = self.scheduler.kv.pool.num_cached_free_blocks
@@ -94,6 +101,54 @@ class SchedulerActor(Actor):
             return None
         memory = map_segment(self.segments[config.prefix_index_segment])
         return PrefixIndex(memoryview(memory), config.num_blocks)
+
+    def _open_disk_tier(self, config: SchedulerConfig) -> DiskMover | None:
+        """The prefix cache's disk tier over the ranks' cache segments, when the plan gave one;
+        one that cannot be opened is logged and left off (the engine serves without it)."""
+        disk = config.kv_disk
+        if disk is None:
+            return None
+        loop = asyncio.get_running_loop()
+        self._disk_events: asyncio.Queue[DiskEvent] = asyncio.Queue()
+
+        def report(event: DiskEvent) -> None:  # on the mover's thread
+            with contextlib.suppress(RuntimeError):  # the loop closed: the actor is ending
+                loop.call_soon_threadsafe(self._disk_events.put_nowait, event)
+
+        try:
+            buffers = [map_segment(self.segments[name]) for name in disk.cache_segments]
+            mover = open_mover(disk, buffers, report)
+        except OSError as exc:
+            self.log.error("the prefix cache's disk tier at %s is off: %s", disk.path, exc)
+            return None
+        self.log.info("prefix cache disk tier: %s (%s)", mover.store.directory, disk.description)
+        self._disk_task = loop.create_task(self._apply_disk_events(), name="kv-disk")
+        self._disk_task.add_done_callback(self._on_disk_task_done)
+        return mover
+
+    async def _apply_disk_events(self) -> None:
+        """The mover's answers: blocks written (their holds end), blocks read (the requests
+        that waited for them are queued)."""
+        while True:
+            events = [await self._disk_events.get()]
+            while not self._disk_events.empty():
+                events.append(self._disk_events.get_nowait())
+            failures = [f for event in events for f in self.scheduler.on_disk_event(event)]
+            await self._plan_next()
+            self._send_disk_orders()
+            if failures:
+                await self.send_many(TOKENS_RING, [TOKENS_RING.encode(f) for f in failures])
+            self._publish_report()
+
+    def _on_disk_task_done(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled():  # the scheduler would wait for its blocks forever: restart
+            self.stop(f"the disk tier's task ended: {task.exception()!r}")
+
+    def _send_disk_orders(self) -> None:
+        if self._disk is not None:
+            orders = self.scheduler.take_disk_orders()
+            if orders:
+                self._disk.submit(orders)
 
     async def handle(self, ring: str, frames: list[bytes]) -> None:
         to_detokenizer: list[bytes] = []
@@ -136,6 +191,7 @@ class SchedulerActor(Actor):
             await self._plan_next()
         # Holds first: a handoff in these tokens must never reach a puller before its hold.
         await self._send_kv_orders()
+        self._send_disk_orders()
         if to_detokenizer:
             await self.send_many(TOKENS_RING, to_detokenizer)
         self._publish_report()
@@ -143,6 +199,9 @@ class SchedulerActor(Actor):
     async def on_stop(self) -> None:
         if self._kv_ticker is not None:
             self._kv_ticker.cancel()
+        if self._disk is not None:
+            self._disk_task.cancel()
+            await asyncio.to_thread(self._disk.close)
 
     async def _tick_kv_transfer(self) -> None:
         """Expire KV holds and pulls past their deadlines (P/D)."""

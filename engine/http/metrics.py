@@ -32,6 +32,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from engine.http.kv_disk_metrics import kv_disk_metrics
 from engine.http.kv_metrics import kv_transfer_metrics
 from engine.messages.admin import EngineStats
 
@@ -326,6 +327,7 @@ class _EngineStatsCollector(Collector):
         yield from self._per_actor(model_name, stats)
         yield from self._recovery_and_rings(model_name, stats)
         yield from kv_transfer_metrics(stats, model_name)
+        yield from kv_disk_metrics(stats, model_name)
 
     def _per_actor(self, model_name: str, stats: EngineStats) -> Iterator[Metric]:
         """Restarts and CPU seconds by actor; frames and bytes by actor and ring."""

@@ -28,6 +28,7 @@ import msgspec
 from engine.actors.configs import DetokenizerConfig, TokenizerConfig, WorkerConfig
 from engine.actors.roles import Role
 from engine.launch.draft import DraftFootprint, draft_footprint, draft_worker_fields
+from engine.launch.kv_disk_plan import kv_disk_config, with_disk_party
 from engine.launch.lasting_kv import (
     kv_outlives_workers,
     lasting_kv_scheduler,
@@ -134,6 +135,9 @@ def plan_engine(
     )
     max_model_len = max_model_len_of(settings, config, num_blocks * block_size)
     scheduler = scheduler_config(settings, config, num_blocks, max_model_len)
+    if kv_outlives_workers(device, placement):  # the disk tier reads and writes those segments
+        disk = kv_disk_config(settings, model_path, config, dtype, kv_dtype, num_blocks)
+        scheduler = msgspec.structs.replace(scheduler, kv_disk=disk)
     weights = _resident_weights(config, dtype, tp, device, quantized)
     note = dtype_note(settings.model.dtype, config.torch_dtype, dtype, device, bool(quantized))
     log.info("%s", note)
@@ -279,6 +283,8 @@ def _replica_spec(
         children = (*children, *transfers)
         rings += kv_rings
         segments += cache_segments
+    if scheduler.kv_disk is not None:
+        segments = with_disk_party(segments, sched)
     return supervisor_spec(settings, children, tuple(rings), tuple(segments))
 
 

@@ -198,6 +198,18 @@ class SchedulerFigures(msgspec.Struct, kw_only=True):
     kv_fallbacks: int = 0  # requests that computed their prompt: their KV did not arrive
     kv_blocks_from_cache: int = 0  # source blocks the prefix cache had (not pulled)
     kv_refused_connections: int = 0  # KV connections refused: no proof of the deployment secret
+    # The prefix cache's disk tier (engine/scheduler/disk_tier.py); counts are since start.
+    kv_disk_hit_blocks: int = 0  # blocks read back from disk into the prefix cache
+    kv_disk_read_bytes: int = 0
+    kv_disk_written_blocks: int = 0
+    kv_disk_written_bytes: int = 0
+    kv_disk_evicted_blocks: int = 0  # files removed to keep the tier within its size
+    kv_disk_dropped_blocks: int = 0  # files that failed their checks: removed, never served
+    kv_disk_skipped_blocks: int = 0  # evicted from RAM before they could be written
+    kv_disk_loads: int = 0  # reads of a request's blocks that ended
+    kv_disk_loads_waiting: int = 0  # requests waiting for their blocks now
+    kv_disk_unwritten_blocks: int = 0  # blocks waiting to be written, or being written, now
+    kv_disk_full: int = 0  # schedulers whose disk is full (their writes stopped for now)
     # Speculative decoding (engine/scheduler/speculation.py), since start; vLLM's spec_decode_*.
     spec_decode_num_drafts: int = 0  # decode chunks that carried proposals
     spec_decode_num_draft_tokens: int = 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
+from engine.kv.disk.config import KvDiskConfig
 from engine.scheduler.speculation import parse_speculative_config
 
 
@@ -44,6 +45,9 @@ class SchedulerConfig(msgspec.Struct, kw_only=True):
     # before its window go back to the pool as it runs (not with P/D or a draft model, which
     # read a sequence's blocks on their own terms).
     sliding_window: int = 0
+    # The prefix cache's disk tier (engine/kv/disk/; None: off), run on a thread of the
+    # scheduler's process over the ranks' cache segments.
+    kv_disk: KvDiskConfig | None = None
 
     @property
     def window_tokens(self) -> int:

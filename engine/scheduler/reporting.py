@@ -19,10 +19,10 @@ def scheduler_stats(
     planner: BatchPlanner,
     counts: tuple[int, int],
     kv_transfer: KvTransfer | None,
-    speculation: Mapping[str, Any],
+    parts: Mapping[str, Any],
 ) -> SchedulerStats:
     """The figures of a scheduler: its KV cache and batch, `counts` (requests, steps), P/D's
-    holds and pulls, and speculation's tally (SpeculationTally.figures)."""
+    holds and pulls, and its optional parts' fields (speculation's tally, the disk tier's)."""
     num_requests, num_steps = counts
     stats = SchedulerStats(
         num_running=len(planner.running),
@@ -37,7 +37,7 @@ def scheduler_stats(
         num_preemptions=planner.num_preemptions,
         num_steps=num_steps,
     )
-    extra = {**(kv_transfer.stats() if kv_transfer is not None else {}), **speculation}
+    extra = {**(kv_transfer.stats() if kv_transfer is not None else {}), **parts}
     return msgspec.structs.replace(stats, **extra) if extra else stats
 
 

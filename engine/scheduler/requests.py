@@ -49,6 +49,7 @@ class Request:
         "epoch",
         "first_reported",
         "first_scheduled",
+        "held_blocks",
         "key",
         "known_to_workers",
         "kv_handoff",
@@ -89,6 +90,9 @@ class Request:
         # Taken when its first chunk is planned, reported with its first token (FirstScheduled).
         self.first_scheduled: float | None = None
         self.num_cached_tokens = 0  # prompt tokens whose KV came from the cache or a sibling
+        # Prefix blocks it holds (a reference each) from its arrival until its first chunk is
+        # planned: what the disk tier read back for it (engine/scheduler/disk_tier.py).
+        self.held_blocks: list[int] = []
         self.first_reported = False
         self.samples: dict[int, SequenceState] = {}  # unfinished samples by index
         # Prompt logprobs by position, while they are to be computed and sent (with the first
@@ -107,6 +111,17 @@ class Request:
             + ID_BYTES * len(prompt_token_ids)
             + len(msgspec.msgpack.encode(self.worker_params))
         )
+
+    @classmethod
+    def of(cls, submit: SubmitRequest, arrival: float, key: int) -> Request:
+        """The request `submit` asks for, arrived at `arrival`, named `key` to the workers."""
+        request = cls(
+            submit.request_id, submit.epoch, submit.prompt_token_ids, submit.params, submit.seed,
+            arrival, key,
+        )  # fmt: skip
+        request.kv_handoff = submit.kv_handoff if submit.params.n == 1 else ""
+        request.run_for(submit.tenant, submit.priority, submit.cache_salt)
+        return request
 
     def run_for(self, tenant: TenantTag | None, priority: int, cache_salt: str | None) -> None:
         """Whom it runs for: its tenant's name and weight (fair share), its priority (lower runs
@@ -255,3 +270,11 @@ def adapter_salt(params: SamplingParams) -> bytes:
     if lora is None:
         return b""
     return f"lora\0{lora.lora_name}\0{lora.lora_int_id}\0{lora.lora_path}".encode()
+
+
+def sample_starts(submit: SubmitRequest) -> list[tuple[int, list[int]]]:
+    """(index, tokens it delivered) of each sample still to finish: all of a new request's, a
+    resumed one's listed."""
+    if submit.resume is None:
+        return [(index, []) for index in range(submit.params.n)]
+    return [(item.index, item.delivered_token_ids) for item in submit.resume]

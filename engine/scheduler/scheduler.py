@@ -17,6 +17,7 @@ import msgspec
 
 from engine.kv.cache.block_manager import BlockManager
 from engine.kv.cache.prefix_index import PrefixIndex
+from engine.kv.disk.orders import DiskEvent, DiskOrder
 from engine.messages.failures import RequestFailed
 from engine.messages.scheduling import (
     RequestStatus,
@@ -29,12 +30,13 @@ from engine.messages.scheduling import (
 from engine.messages.steps import NewRequest, NewSeq, StepPlan, StepResult
 from engine.scheduler.admission import announcement_too_large, failed, rejection_reason
 from engine.scheduler.config import SchedulerConfig
+from engine.scheduler.disk_tier import disk_tier_for
 from engine.scheduler.kv_handoff import KvTransfer
 from engine.scheduler.policy import BatchPlanner, ScheduledChunk
 from engine.scheduler.reporting import request_statuses, scheduler_stats
-from engine.scheduler.requests import Request, SequenceState
+from engine.scheduler.requests import Request, SequenceState, sample_starts
 from engine.scheduler.speculation import Proposal, Speculator, parse_speculative_config
-from engine.scheduler.step_parts import planned_chunk, sample_delta
+from engine.scheduler.step_parts import checked_logprobs, is_result_of, planned_chunk, sample_delta
 from engine.scheduler.stopping import finish_reason
 
 log = logging.getLogger(__name__)
@@ -54,10 +56,12 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
         first_id: int = 0,
         prefix_index: PrefixIndex | None = None,
+        on_disk: Callable[[bytes], bool] | None = None,
     ) -> None:
         """`first_id`: where step and sequence ids start; a restarted scheduler starts past its
         predecessor's, so that a late result of a dead one's step never passes for one of its
-        own (the workers outlive it). `prefix_index`: the prefix cache's lasting record."""
+        own (the workers outlive it). `prefix_index`: the prefix cache's lasting record.
+        `on_disk`: the prefix cache's disk tier has a block of this key (None: no tier)."""
         config.validate()
         self.config, self.clock = config, clock
         caching = config.enable_prefix_caching
@@ -90,16 +94,20 @@ class Scheduler:
         self.speculator = (
             None if speculative is None else Speculator(speculative, self.kv, *self._length_limits)
         )
+        self.disk = None if on_disk is None or not caching else disk_tier_for(self.kv, on_disk)
 
     # ---- inbound -------------------------------------------------------------------------------
 
-    def add(self, submit: SubmitRequest) -> RequestFailed | None:
+    def add(self, submit: SubmitRequest, held: list[int] | None = None) -> RequestFailed | None:
         """Queue a request (or replace an older epoch of it); reject one that can never run.
 
         A request with a KV source waits (in `kv_transfer.pulls`) until its KV has arrived or
-        failed to; `admit_pulled` then queues it."""
+        failed to; `admit_pulled` then queues it. One whose prefix is on disk waits while it is
+        read; `on_disk_event` then queues it with the prefix blocks it `held` until planned."""
         if self.kv_transfer is not None:
             self.kv_transfer.pulls.cancel(submit.request_id)
+        if self.disk is not None and held is None:
+            self.disk.cancel(submit.request_id)
         existing = self._requests.get(submit.request_id)
         if existing is not None:
             if submit.epoch <= existing.epoch:
@@ -119,32 +127,21 @@ class Scheduler:
         pulls = None if self.kv_transfer is None else self.kv_transfer.pulls
         if submit.kv_source is not None and pulls is not None and pulls.begin(submit):
             return None
-        request = Request(
-            submit.request_id,
-            submit.epoch,
-            submit.prompt_token_ids,
-            submit.params,
-            submit.seed,
-            arrival=self.clock(),
-            key=self._next_request_key,
-        )
+        request = Request.of(submit, self.clock(), self._next_request_key)
         self._next_request_key += 1
-        request.kv_handoff = submit.kv_handoff if submit.params.n == 1 else ""
-        request.run_for(submit.tenant, submit.priority, submit.cache_salt)
         reason = announcement_too_large(request, self.config.max_plan_bytes // 2)
         if reason is not None:
             return failed(submit.request_id, submit.epoch, 400, reason, "scheduler")
+        if held is None and self.disk is not None and self.disk.begin_load(submit):
+            return None
+        request.held_blocks = held or []
         self._queue_samples(request, submit)
         return None
 
     def _queue_samples(self, request: Request, submit: SubmitRequest) -> None:
         """A sequence per sample still to finish (a resumed request's carry their delivered
         tokens), queued for the planner."""
-        starts: list[tuple[int, list[int]]]
-        if submit.resume is None:
-            starts = [(index, []) for index in range(submit.params.n)]
-        else:
-            starts = [(item.index, item.delivered_token_ids) for item in submit.resume]
+        starts = sample_starts(submit)
         self._requests[request.request_id] = request  # first, so abort() can undo a partial add
         for index, delivered in starts:
             seq = SequenceState(
@@ -162,25 +159,33 @@ class Scheduler:
             request.samples[index] = seq
             self._seqs[seq.seq_id] = seq
             self.planner.enqueue(seq)
-        if not request.samples:
+        if not request.samples:  # nothing left to compute
             del self._requests[request.request_id]
+            self.kv.release_held(request.held_blocks)
         elif submit.params.prompt_logprobs is not None and not any(d for _, d in starts):
             request.prompt_scores = {}  # none were delivered yet: compute them
 
     def admit_pulled(self, submits: Iterable[SubmitRequest]) -> list[RequestFailed]:
         """Queue requests whose KV pull settled (arrived: its blocks are cached prefix now)."""
-        failures = []
-        for submit in submits:
-            rejected = self.add(msgspec.structs.replace(submit, kv_source=None))
-            if rejected is not None:
-                failures.append(rejected)
-        return failures
+        return self._admit((msgspec.structs.replace(s, kv_source=None), None) for s in submits)
+
+    def on_disk_event(self, event: DiskEvent) -> list[RequestFailed]:
+        """A disk order's outcome; the requests that waited for it are queued now."""
+        assert self.disk is not None
+        return self._admit(self.disk.on_event(event))
+
+    def _admit(
+        self, waited: Iterable[tuple[SubmitRequest, list[int] | None]]
+    ) -> list[RequestFailed]:
+        return [f for submit, held in waited if (f := self.add(submit, held)) is not None]
 
     def abort(self, request_ids: Iterable[str]) -> None:
         """Drop these requests now; their blocks return to the pool at once."""
         for request_id in request_ids:
             if self.kv_transfer is not None:
                 self.kv_transfer.pulls.cancel(request_id)
+            if self.disk is not None:
+                self.disk.cancel(request_id)
             request = self._requests.get(request_id)
             if request is not None:
                 self._drop_request(request)
@@ -250,6 +255,7 @@ class Scheduler:
             if seq.request.first_scheduled is None:
                 seq.request.first_scheduled = self.clock()
                 seq.request.num_cached_tokens = chunk.start  # what admission found computed
+                self.kv.release_held(seq.request.held_blocks)  # its table holds its prefix now
             if seq.needs_announce:
                 if not seq.request.known_to_workers:
                     new_requests.append(seq.request.announcement())
@@ -288,7 +294,9 @@ class Scheduler:
             if self._seqs.get(seq.seq_id) is seq:  # not dropped while the step ran
                 end = chunk.start + chunk.num_tokens
                 seq.num_computed_tokens = end + accepted.get(seq.seq_id, 0)
-                self.kv.commit(seq.block_table, seq.hash_chain, seq.token_ids, end)
+                indexed = self.kv.commit(seq.block_table, seq.hash_chain, seq.token_ids, end)
+                if self.disk is not None:
+                    self.disk.indexed(indexed)
                 if self._window:
                     first = seq.num_computed_tokens - self._window + 1
                     self.kv.release_before(seq.block_table, first)
@@ -305,18 +313,9 @@ class Scheduler:
         items = self._outbox
         self._outbox = []
         step = self._in_flight
-        if step is None or result.step_id != step.step_id:
-            log.warning(
-                "ignoring a result for step %d; in flight: %s",
-                result.step_id,
-                None if step is None else step.step_id,
-            )
+        if not is_result_of(result, None if step is None else step.step_id):
             return TokenBatch(items)
-        if len(result.token_ids) != len(result.seq_ids):
-            raise ValueError(
-                f"StepResult {result.step_id} has {len(result.seq_ids)} seq_ids but "
-                f"{len(result.token_ids)} token_ids; expected one token per sampled sequence"
-            )
+        assert step is not None
         self._in_flight = None
         self.num_steps += 1
         self._record_computed(step, result.seq_ids)
@@ -324,15 +323,7 @@ class Scheduler:
             scored = self._seqs.get(scores.seq_id)
             if scored is not None:
                 scored.request.add_prompt_scores(scores)
-        logprobs = result.logprobs
-        if logprobs is not None and len(logprobs) != len(result.seq_ids):
-            log.warning(
-                "step %d: %d logprobs for %d tokens; dropping them",
-                result.step_id,
-                len(logprobs),
-                len(result.seq_ids),
-            )
-            logprobs = None
+        logprobs = checked_logprobs(result)
         for position, seq_id in enumerate(result.seq_ids):
             sampled = self._seqs.get(seq_id)
             if sampled is None or seq_id not in step.sampled_seq_ids:
@@ -356,20 +347,27 @@ class Scheduler:
         items, self._outbox = self._outbox, []
         return TokenBatch(items)
 
+    def take_disk_orders(self) -> list[DiskOrder]:
+        return [] if self.disk is None else self.disk.take_orders()
+
     # ---- state ---------------------------------------------------------------------------------
 
     @property
     def has_unfinished_requests(self) -> bool:
         pulling = self.kv_transfer is not None and self.kv_transfer.pulls.num_pending > 0
-        return bool(self._requests) or pulling
+        reading = self.disk is not None and self.disk.num_waiting > 0
+        return bool(self._requests) or pulling or reading
 
     def request_ids(self) -> list[str]:
         return list(self._requests)
 
     def stats(self) -> SchedulerStats:
-        speculation = self.speculator.tally.figures() if self.speculator is not None else {}
+        parts = {
+            **(self.speculator.tally.figures() if self.speculator is not None else {}),
+            **(self.disk.stats() if self.disk is not None else {}),
+        }
         counts = (len(self._requests), self.num_steps)
-        return scheduler_stats(self.kv, self.planner, counts, self.kv_transfer, speculation)
+        return scheduler_stats(self.kv, self.planner, counts, self.kv_transfer, parts)
 
     def request_statuses(self) -> list[RequestStatus]:
         return request_statuses(self._requests.values(), self.clock())
@@ -398,6 +396,7 @@ class Scheduler:
     def _forget(self, request: Request) -> None:
         """The request is done here; the workers forget it with the next plan."""
         del self._requests[request.request_id]
+        self.kv.release_held(request.held_blocks)
         if request.known_to_workers:
             request.known_to_workers = False
             self._retired_request_keys.append(request.key)

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import logging
+
 from engine.messages.kv_transfer import KvSource
 from engine.messages.scheduling import FirstScheduled, SampleDelta
 from engine.messages.steps import PlannedChunk, SampledLogprobs, StepResult
 from engine.scheduler.policy import ScheduledChunk
 from engine.scheduler.requests import Request, SequenceState
 from engine.scheduler.speculation import Proposal
+
+log = logging.getLogger(__name__)
 
 
 def planned_chunk(chunk: ScheduledChunk, proposed: Proposal) -> PlannedChunk:
@@ -72,3 +76,31 @@ def sample_delta(
         handoff,
         pooled(result, seq.seq_id),
     )
+
+
+def checked_logprobs(result: StepResult) -> list[SampledLogprobs] | None:
+    """The result's logprobs, one per sampled token; None (with a warning) if they are not."""
+    logprobs = result.logprobs
+    if logprobs is not None and len(logprobs) != len(result.seq_ids):
+        log.warning(
+            "step %d: %d logprobs for %d tokens; dropping them",
+            result.step_id,
+            len(logprobs),
+            len(result.seq_ids),
+        )
+        return None
+    return logprobs
+
+
+def is_result_of(result: StepResult, step_id: int | None) -> bool:
+    """Whether `result` is the step in flight's (`step_id`; a late one is logged and ignored);
+    ValueError if it is malformed."""
+    if result.step_id != step_id:
+        log.warning("ignoring a result for step %d; in flight: %s", result.step_id, step_id)
+        return False
+    if len(result.token_ids) != len(result.seq_ids):
+        raise ValueError(
+            f"StepResult {result.step_id} has {len(result.seq_ids)} seq_ids but "
+            f"{len(result.token_ids)} token_ids; expected one token per sampled sequence"
+        )
+    return True

@@ -97,6 +97,9 @@ FLAG_ALIASES: dict[str, str] = {
     "--override-pooler-config": "model.pooler_config",
     "--enforce-eager": "model.enforce_eager",
     "--kv-cache-dtype": "cache.kv_cache_dtype",
+    "--kv-disk": "cache.kv_disk",  # --no-kv-disk turns the prefix cache's disk tier off
+    "--kv-disk-path": "cache.kv_disk_path",
+    "--kv-disk-size": "cache.kv_disk_size",
     "--uds": "server.uds",
     "--pidfile": "server.pidfile",
     "--root-path": "server.root_path",

@@ -71,6 +71,30 @@ class CacheSettings(_Section, frozen=True):
             "llama.cpp's f16 cache); a GPU or the triton kernels take only the model's dtype"
         ),
     ] = "auto"
+    kv_disk: Annotated[
+        bool,
+        Meta(
+            description="keep the prefix cache's full KV blocks on disk too, where later "
+            "requests find them after RAM eviction, a restart or a reload (CPU, one host; "
+            "--no-kv-disk: off)"
+        ),
+    ] = True
+    kv_disk_path: Annotated[
+        str | None,
+        Meta(
+            description="directory of the prefix cache's disk tier, shared by every model and "
+            "replica of this user; unset = kv-disk in the engine home"
+        ),
+    ] = None
+    kv_disk_size: Annotated[
+        int,
+        Meta(
+            ge=1,
+            description="bytes the disk tier may hold (e.g. 20GiB); beyond, the least "
+            "recently used blocks go",
+            extra=BYTES_UNIT,
+        ),
+    ] = 8 * 2**30
 
 
 class SchedulerSettings(_Section, frozen=True):

@@ -3,7 +3,9 @@ read here) gets READY=1 and WATCHDOG=1 pings; the pidfile refuses a second root;
 mid-stream is started again (Restart=on-failure) and takes over the pidfile its predecessor left,
 its actors died with it, the new run sweeps the shared memory the dead one left, and a client
 that retries with the same X-Request-Id is answered: the same greedy tokens, from the start.
-What the root held in memory is lost with it: the cut stream is not resumed."""
+What the root held in memory is lost with it: the cut stream is not resumed. The prefix cache's
+disk tier is not (issue 50): a 4,000-token prompt the dead root served computes only its last
+partial block in the new run, the rest read from disk, and gives the same greedy tokens."""
 
 from __future__ import annotations
 
@@ -30,10 +32,13 @@ from tests.e2e.harness import (
     start_server,
     wait_until,
 )
+from tests.hf_reference import TIE_TOLERANCE
 from tests.holds import HOLD_TEXT, hold_env
 from tests.integration.test_fault_tolerance import alive, children_of
 
 WATCHDOG_USEC = 400_000  # pings every 0.2 s
+LONG_PROMPT = [3 + (i * 7919) % 500 for i in range(4000)]
+REUSABLE = (4000 - 1) // 16 * 16  # full blocks: the last token always runs through the model
 REQUEST_ID = "retry-after-root-death"
 # Held (tests/holds.py): 4 s of tokens on any machine, so the root dies before they are all made.
 MAX_TOKENS = 200
@@ -122,11 +127,38 @@ def stream(server: Server, body: dict[str, object], kill_root_after: int = 0) ->
     return tokens
 
 
+def long_prompt(server: Server) -> tuple[list[int], list[float], int]:
+    """LONG_PROMPT's greedy tokens, the gap between the top two logprobs at each, and the prompt
+    tokens that came from a cache."""
+    body = {"model": server.model, "prompt": LONG_PROMPT, "max_tokens": 4, "temperature": 0.0,
+            "ignore_eos": True, "return_token_ids": True, "logprobs": 5}  # fmt: skip
+    with server.http(timeout=600.0) as client:
+        reply = client.post("/v1/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    answer = reply.json()
+    # Two tokens of one text share an entry: a gap not seen is taken for a tie.
+    tops = [sorted(top.values()) for top in answer["choices"][0]["logprobs"]["top_logprobs"]]
+    gaps = [top[-1] - top[-2] if len(top) > 1 else 0.0 for top in tops]
+    return (
+        answer["choices"][0]["token_ids"],
+        gaps,
+        answer["usage"]["prompt_tokens_details"]["cached_tokens"],
+    )
+
+
+def all_written(server: Server) -> bool:
+    stats = server.admin("stats")
+    return (
+        stats["kv_disk_written_blocks"] >= REUSABLE // 16 and not stats["kv_disk_unwritten_blocks"]
+    )
+
+
 def test_a_root_killed_mid_stream_is_restarted_and_a_retry_with_its_id_is_answered(
     model_args: list[str], tmp_path: Path, systemd: FakeSystemd
 ) -> None:
     pidfile = tmp_path / "engine.pid"
-    args = server_args(model_args, None, "--server.pidfile", str(pidfile))
+    args = server_args(model_args, None, "--server.pidfile", str(pidfile), "--max-model-len",
+                       "4096", "--kv-disk-path", str(tmp_path / "kv-disk"))  # fmt: skip
     env = {"NOTIFY_SOCKET": str(systemd.path), "WATCHDOG_USEC": str(WATCHDOG_USEC), **hold_env()}
     body = {
         "model": "m",
@@ -158,6 +190,9 @@ def test_a_root_killed_mid_stream_is_restarted_and_a_retry_with_its_id_is_answer
         )
         actors = children_of(first.pid)
         assert actors
+        cold, gaps, cached = long_prompt(first)
+        assert cached == 0
+        wait_until(lambda: all_written(first), timeout=60.0)
         seen = stream(first, body, kill_root_after=4)
         assert first.proc.wait(10) == -signal.SIGKILL
     finally:
@@ -172,6 +207,16 @@ def test_a_root_killed_mid_stream_is_restarted_and_a_retry_with_its_id_is_answer
         assert leftover_ipc(first.pid) == []  # the dead run's segments: swept at a start
         answer = stream(second, body)  # the client's retry, with the same X-Request-Id
         assert len(seen) < len(answer) == MAX_TOKENS and answer[: len(seen)] == seen
+        warm, _, cached = long_prompt(second)
+        assert cached == REUSABLE
+        # Counted when read, reported a moment later (the retry's prompt had a block on disk too).
+        wait_until(lambda: second.admin("stats")["kv_disk_hit_blocks"] >= REUSABLE // 16, 30.0)
+        assert second.admin("stats")["kv_disk_dropped_blocks"] == 0
+        # The same greedy tokens, up to a tie (the last block's query ran in another batch).
+        same = next(
+            (i for i, (a, b) in enumerate(zip(cold, warm, strict=True)) if a != b), len(cold)
+        )
+        assert same == len(cold) or gaps[same] <= TIE_TOLERANCE, (cold, warm, gaps)
     finally:
         status = second.stop()
     assert status == 0, second.log()

@@ -109,3 +109,18 @@ def test_sharing_a_clean_free_block_is_refused() -> None:
     pool = BlockPool(1)
     with pytest.raises(ValueError, match="clean and free"):
         pool.acquire(0)
+
+
+def test_a_pinned_block_is_never_evicted_and_keeps_its_place_among_the_cached() -> None:
+    pool = BlockPool(3)
+    blocks = pool.allocate(3)
+    for block_id, key in zip(blocks, (b"a", b"b", b"c"), strict=True):
+        pool.register(block_id, key)
+    pool.pin(blocks[0])  # the least recently freed: next to go but for the pin
+    pool.release(blocks)
+    assert pool.num_free_blocks == 2 and not pool.counted_free(blocks[0])
+    assert pool.lookup(b"a") == blocks[0]  # still found, and may be shared
+    assert pool.allocate(1) == [blocks[1]]
+    pool.unpin(blocks[0])
+    assert pool.allocate(1) == [blocks[0]]  # first in line again, not moved to the back
+    pool.check_invariants()

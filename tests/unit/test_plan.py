@@ -11,6 +11,7 @@ import msgspec
 import pytest
 
 from engine.actors.configs import KvTransferConfig, WorkerConfig
+from engine.launch import kv_disk_plan
 from engine.launch.lasting_kv import kv_outlives_workers
 from engine.launch.plan import plan_engine
 from engine.launch.ranks import plan_worker_node
@@ -173,7 +174,9 @@ def test_a_pd_plan_gives_each_replica_kv_transfer_actors_sharing_each_rank_cache
         assert set(transfers) <= names
         for rank, name in enumerate(transfers):
             (segment,) = [s for s in spec.segments if name in s.parties]
-            assert segment.parties == (f"worker{rank}-r{replica}", name)
+            # ... and its scheduler, whose disk tier reads and writes it
+            scheduler = f"scheduler-r{replica}"
+            assert segment.parties == (f"worker{rank}-r{replica}", name, scheduler)
             (child,) = [c for c in spec.children if c.name == name]
             config = msgspec.msgpack.decode(child.config, type=KvTransferConfig)
             assert config.layout.segment_bytes == segment.size
@@ -186,11 +189,13 @@ def test_a_pd_plan_gives_each_replica_kv_transfer_actors_sharing_each_rank_cache
 
 
 def test_a_cpu_plan_keeps_each_rank_kv_cache_and_the_prefix_index_in_segments_of_the_run(
-    path: Path, config: ModelConfig
+    path: Path, config: ModelConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(kv_disk_plan, "TIER_DIRECTORY", "kv-disk")  # the suite's is elsewhere
     settings = build_settings(
         **{
             "model.path": str(path),
+            "runtime.engine_home": str(tmp_path),
             "cache.kv_cache_memory": 2**20,
             "parallel.tensor_parallel_size": 2,
         }
@@ -206,12 +211,18 @@ def test_a_cpu_plan_keeps_each_rank_kv_cache_and_the_prefix_index_in_segments_of
         worker = next(c for c in plan.spec.children if c.name == f"worker{rank}")
         worker_config = msgspec.msgpack.decode(worker.config, type=WorkerConfig)
         segment = segments[worker_config.kv_cache_segment]
-        assert (segment.parties, segment.size) == ((f"worker{rank}",), rank_bytes)
+        # The scheduler maps it too: its disk tier's thread copies blocks in and out.
+        assert (segment.parties, segment.size) == ((f"worker{rank}", "scheduler"), rank_bytes)
     scheduler = next(c for c in plan.spec.children if c.name == "scheduler")
     scheduler_config = msgspec.msgpack.decode(scheduler.config, type=SchedulerConfig)
     assert scheduler_config.kv_outlives_workers
     index = segments[scheduler_config.prefix_index_segment]
     assert (index.parties, index.size) == (("scheduler",), 16 * plan.num_blocks)
+    disk = scheduler_config.kv_disk
+    assert disk is not None and disk.path == str(tmp_path / "kv-disk")
+    assert disk.cache_segments == ["kv-cache0", "kv-cache1"]
+    assert [layout.tp_rank for layout in disk.layouts] == [0, 1]
+    assert f"kv_dtype={disk.layouts[0].dtype}" in disk.description
 
 
 def test_only_the_cpu_of_one_host_keeps_the_kv_cache_in_the_run_segments() -> None:

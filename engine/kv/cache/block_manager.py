@@ -90,7 +90,7 @@ class BlockManager:
                 f"{len(prefix_block_ids)} prefix blocks exceed the {num_tokens} tokens to cover"
             )
         # A cached free block leaves the free list when it is taken back.
-        revived = sum(1 for block_id in prefix_block_ids if self.pool.ref_counts[block_id] == 0)
+        revived = sum(1 for block_id in prefix_block_ids if self.pool.counted_free(block_id))
         return num_new + revived <= self.pool.num_free_blocks
 
     def grow(self, table: BlockTable, num_tokens: int) -> bool:
@@ -109,16 +109,21 @@ class BlockManager:
         chain: BlockHashChain,
         token_ids: Sequence[int],
         num_computed_tokens: int,
-    ) -> None:
-        """Record that `num_computed_tokens` of the sequence now have KV; index the full blocks."""
+    ) -> list[tuple[int, bytes]]:
+        """Record that `num_computed_tokens` of the sequence now have KV; index the full blocks.
+        Returns the blocks this indexed, with their keys."""
         num_full = min(num_computed_tokens // self.block_size, len(table.block_ids))
+        indexed: list[tuple[int, bytes]] = []
         if num_full <= table.num_committed_blocks:
-            return
+            return indexed
         if self.enable_prefix_caching:
             keys = chain.first(token_ids, num_full)
             for index in range(table.num_committed_blocks, num_full):
-                self.pool.register(table.block_ids[index], keys[index])
+                block_id = table.block_ids[index]
+                if self.pool.register(block_id, keys[index]):
+                    indexed.append((block_id, keys[index]))
         table.num_committed_blocks = num_full
+        return indexed
 
     def release_before(self, table: BlockTable, first_position: int) -> None:
         """Release the blocks wholly before `first_position`, the first key any token the
@@ -129,6 +134,11 @@ class BlockManager:
         if count > table.num_released_blocks:
             self.pool.release(table.block_ids[table.num_released_blocks : count][::-1])
             table.num_released_blocks = count
+
+    def release_held(self, block_ids: list[int]) -> None:
+        """Drop the references held on `block_ids` (last first) and empty the list."""
+        self.pool.release(block_ids[::-1])
+        block_ids.clear()
 
     def free(self, table: BlockTable) -> None:
         """Release the table's blocks, tail first, so shared prefixes stay cached the longest."""

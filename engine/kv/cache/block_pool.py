@@ -8,7 +8,9 @@ A block is in exactly one of three states:
 - clean: free and holding nothing worth keeping.
 
 Allocation takes clean blocks first and only then evicts the least recently freed cached block,
-so cached prefixes survive as long as there is room for them.
+so cached prefixes survive as long as there is room for them. A pinned block (one being copied
+out: the disk tier writing it, engine/scheduler/disk_tier.py) is never evicted; a pinned cached
+block keeps its place among the cached, still found by lookups, but is not counted free.
 
 With a `PrefixIndex` (engine/kv/cache/prefix_index.py) the pool mirrors its index there, and a
 new pool starts from what it holds: those blocks are cached, free and evictable.
@@ -39,6 +41,7 @@ class BlockPool:
         self._clean: list[int] = list(range(num_blocks - 1, -1, -1))
         # Cached free blocks in eviction order (least recently freed first).
         self._cached: OrderedDict[int, None] = OrderedDict()
+        self._pinned: set[int] = set()
         self._record = record
         if record is not None:
             self._restore(record)
@@ -47,7 +50,14 @@ class BlockPool:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._clean) + len(self._cached)
+        """Blocks an allocation may take now (pinned cached blocks are not among them)."""
+        pinned_cached = sum(1 for block_id in self._pinned if block_id in self._cached)
+        return len(self._clean) + len(self._cached) - pinned_cached
+
+    def counted_free(self, block_id: int) -> bool:
+        """Whether `block_id` is among num_free_blocks (cached and not pinned): taking it back
+        (acquire) leaves one free block fewer."""
+        return block_id in self._cached and block_id not in self._pinned
 
     @property
     def num_cached_free_blocks(self) -> int:
@@ -71,7 +81,8 @@ class BlockPool:
             if self._clean:
                 block_id = self._clean.pop()
             else:
-                block_id, _ = self._cached.popitem(last=False)
+                block_id = next(b for b in self._cached if b not in self._pinned)
+                del self._cached[block_id]
                 self._forget_hash(block_id)
             self.ref_counts[block_id] = 1
             blocks.append(block_id)
@@ -101,6 +112,15 @@ class BlockPool:
                     self._clean.append(block_id)
                 else:
                     self._cached[block_id] = None
+
+    def pin(self, block_id: int) -> None:
+        """Keep an indexed block from eviction (owned or cached, it stays as it is)."""
+        if self.block_hashes[block_id] is None:
+            raise ValueError(f"block {block_id} holds no indexed KV; only such blocks are pinned")
+        self._pinned.add(block_id)
+
+    def unpin(self, block_id: int) -> None:
+        self._pinned.discard(block_id)
 
     # ---- prefix-cache index --------------------------------------------------------------------
 
@@ -169,6 +189,8 @@ class BlockPool:
         cached = set(self._cached)
         assert len(clean) == len(self._clean), "a block is on the clean list twice"
         assert not clean & cached, "a block is both clean and cached"
+        for block_id in self._pinned:
+            assert self.block_hashes[block_id] is not None, f"pinned block {block_id} has no hash"
         for block_id, count in enumerate(self.ref_counts):
             assert count >= 0, f"block {block_id} has ref_count {count}"
             free = block_id in clean or block_id in cached
