@@ -20,12 +20,14 @@ usage: engine serve [MODEL] [flags]   (or python -m engine [serve] ...)  start t
        python -m engine config show [flags] [--json]  effective settings and their sources
        python -m engine admin [--socket PATH] COMMAND [ARGS] [--json]
            COMMAND: health | stats | actors | requests | abort ID | drain | shutdown |
-                    log-level LEVEL
+                    log-level LEVEL | models | load MODEL | unload MODEL | tenants |
+                    reload-tenants
        python -m engine replay TRACE --url URL [--speed X] [--max-concurrency N] [--limit N]
            [--model NAME] [--compare] [--json] [--plot OUT.png]   re-send a trace, report
        python -m engine trace import mooncake|azure|poisson ... -o OUT   make a trace
        python -m engine export FILE.gguf|default DIR   a GGUF model as a float32 HF checkpoint
        python -m engine bench serve|offline|step [flags]   the engine's benchmarks (bench --help)
+       python -m engine tenants key [--stdin]   an API key and its line for --api-keys-file
 """
 
 
@@ -64,6 +66,10 @@ def main(argv: list[str]) -> int:
             from engine.cli.export_cmd import run_export
 
             return run_export(rest, os.environ)
+        if command == "tenants":
+            from engine.cli.tenants_cmd import run_tenants
+
+            return run_tenants(rest)
         if command == "bench":
             from engine.cli.bench_cmd import run_bench
 
@@ -91,6 +97,7 @@ def _split_command(argv: list[str]) -> tuple[str, list[str]]:
         "trace",
         "export",
         "bench",
+        "tenants",
         "help",
     ):
         return argv[0], argv[1:]

@@ -12,6 +12,7 @@ outputs, is then reshaped into the API's own object or events.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
@@ -41,6 +42,7 @@ from engine.http.state import ServerState
 from engine.http.streams import ReleasingStream
 from engine.messages.requests import ChatOptions
 from engine.telemetry.tracer import trace_headers
+from engine.tenants.table import Tenant
 
 log = logging.getLogger("engine.http")
 T = TypeVar("T")
@@ -66,13 +68,14 @@ def adapted_api_routes(state: ServerState) -> list[Route]:
     store = ResponseStore(state.settings.server.responses_store_size)
 
     async def responses(request: Request) -> Response:
-        def adapt(body: bytes) -> Adapter:
-            return ResponsesAdapter(body, state.served_names, store)
+        def adapt(tenant: Tenant, body: bytes) -> Adapter:
+            # Stored responses are the tenant's own: another's ids find nothing.
+            return ResponsesAdapter(body, state.served_names, store.scoped(tenant.name))
 
         return await serve_adapted(request, state, "responses", adapt)
 
     async def messages(request: Request) -> Response:
-        def adapt(body: bytes) -> Adapter:
+        def adapt(tenant: Tenant, body: bytes) -> Adapter:
             return MessagesAdapter(body, state.served_names)
 
         try:
@@ -97,14 +100,14 @@ def adapted_api_routes(state: ServerState) -> list[Route]:
 
     async def stored_response(request: Request) -> Response:
         """GET /v1/responses/{id}: a stored Response; DELETE drops it."""
-        state.authorize(request)
+        own = store.scoped(state.authorize(request).name)
         response_id = request.path_params["response_id"]
         if request.method == "DELETE":
-            if not store.delete(response_id):
+            if not own.delete(response_id):
                 raise _no_response(response_id)
             deleted = {"id": response_id, "object": "response.deleted", "deleted": True}
             return Response(msgspec.json.encode(deleted), media_type=JSON)
-        response = store.response(response_id)
+        response = own.response(response_id)
         if response is None:
             raise _no_response(response_id)
         return Response(msgspec.json.encode(response), media_type=JSON)
@@ -155,17 +158,18 @@ async def serve_adapted(
     request: Request,
     state: ServerState,
     endpoint: str,
-    adapt: Callable[[bytes], Adapter],
+    adapt: Callable[[Tenant, bytes], Adapter],
     *,
     x_api_key: bool = False,
 ) -> Response:
     try:
         if state.draining:
             raise ApiError(503, "the server is shutting down", headers={"Retry-After": "5"})
-        state.authorize(request, x_api_key=x_api_key)
+        tenant = state.authorize(request, x_api_key=x_api_key)
         body = await state.read_body(request)
-        adapter = _adapt(adapt, body, request.url.path)
-        take_client_request_id(adapter.api, request.headers.get("x-request-id"), state.runs)
+        adapter = _adapt(functools.partial(adapt, tenant), body, request.url.path)
+        runs = state.runs
+        take_client_request_id(adapter.api, request.headers.get("x-request-id"), runs, tenant)
     except ApiError as e:
         state.metrics.count_request(endpoint, outcome_of(e.status))
         raise
@@ -174,9 +178,9 @@ async def serve_adapted(
     if state.recording:  # the trace holds the chat request it ran as: replayable
         chat = chat_body(adapter.api.requests[0], adapter.stream)
         recording = RequestRecording("chat_completions", chat, time.time())
-    run = RequestRun(state, adapter.api, endpoint, recording)
+    run = RequestRun(state, adapter.api, endpoint, recording, tenant=tenant)
     run.trace_headers = trace_headers(request.headers)
-    headers = {"X-Request-Id": run.key}
+    headers = {"X-Request-Id": run.client_key}
     if adapter.stream:
         firsts = await until_disconnect(request, run.open())
         if firsts is None:  # left while queued or prefilling

@@ -152,10 +152,10 @@ def _token_routes(state: ServerState) -> list[Route]:
             return Response(await tokens.detokenize(body), media_type=JSON)
 
     async def abort(request: Request) -> Response:
-        state.authorize(request)
+        tenant = state.authorize(request)
         body = await state.read_body(request)
         request_id = decode_request(_ABORT, body).request_id
-        if not await abort_request(state, request_id):
+        if not await abort_request(state, request_id, tenant):
             raise ApiError(
                 404, f"no request {request_id!r} is in flight", param="request_id", code="not_found"
             )
@@ -172,10 +172,10 @@ async def _generate(request: Request, state: ServerState, parse: Parser, endpoin
     try:
         if state.draining:
             raise ApiError(503, "the server is shutting down", headers={"Retry-After": "5"})
-        state.authorize(request)
+        tenant = state.authorize(request)
         body = await state.read_body(request)
         prepared = _parse(parse, body, state.served_names, request.url.path)
-        take_client_request_id(prepared, request.headers.get("x-request-id"), state.runs)
+        take_client_request_id(prepared, request.headers.get("x-request-id"), state.runs, tenant)
     except ApiError as e:
         state.metrics.count_request(endpoint, outcome_of(e.status))
         raise
@@ -183,7 +183,7 @@ async def _generate(request: Request, state: ServerState, parse: Parser, endpoin
         state.metrics.count_request(endpoint, outcome_of(500))
         raise
     recording = RequestRecording(endpoint, body, time.time()) if state.recording else None
-    run = RequestRun(state, prepared, endpoint, recording)
+    run = RequestRun(state, prepared, endpoint, recording, tenant=tenant)
     run.trace_headers = trace_headers(request.headers)
     if prepared.stream:
         firsts = await until_disconnect(request, run.open())
@@ -197,14 +197,14 @@ async def _generate(request: Request, state: ServerState, parse: Parser, endpoin
             run.sse(firsts),
             run.release,
             media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Request-Id": run.key},
+            headers={"Cache-Control": "no-cache", "X-Request-Id": run.client_key},
         )
     result = await until_disconnect(request, run.collect())
     if result is None:  # the client left; its engine requests were aborted
         run.abort_unfinished()
         run.finish()  # once only: also when collect() was cancelled before it began
         return Response(status_code=499)
-    return Response(result, media_type=JSON, headers={"X-Request-Id": run.key})
+    return Response(result, media_type=JSON, headers={"X-Request-Id": run.client_key})
 
 
 def _parse(parse: Parser, body: bytes, model_name: tuple[str, ...], path: str) -> OpenAIRequest:

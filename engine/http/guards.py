@@ -4,7 +4,8 @@ is an ApiError, answered by each front in its error shape.
 
 - The API key: `Authorization: Bearer <key>`, compared in constant time; a header that is not
   ASCII (a bearer token is, RFC 6750) is a 400 naming it, any other mismatch a 401 asking for the
-  header. Anthropic's clients may send the key as `x-api-key` instead (`x_api_key`).
+  header. Anthropic's clients may send the key as `x-api-key` instead (`x_api_key`). With a
+  tenants file, the key sent (`sent_key`) names its tenant instead (ServerState.authorize).
 - The body: past `limit` bytes, declared or sent, a 413 naming the limit; the rest of an
   oversized body is read and dropped (up to 256 MiB), so that the client reads the 413 instead
   of a reset connection. A client gone before its body ended gets a 499 (nginx's "client closed
@@ -46,6 +47,22 @@ def authorize(request: Request, key: str | None, *, x_api_key: bool = False) -> 
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer" or not _same(token, key):
         raise _unauthorized("missing or invalid API key")
+
+
+def sent_key(request: Request, *, x_api_key: bool = False) -> str:
+    """The key the request carries ("" for none): its bearer token, or with `x_api_key` its
+    `x-api-key` header where it has one; ApiError 400 for a header that is not ASCII."""
+    sent = request.headers.get("x-api-key") if x_api_key else None
+    if sent is not None:
+        return _ascii(sent, "x-api-key").strip()
+    header = _ascii(request.headers.get("authorization", ""), "Authorization")
+    scheme, _, token = header.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else ""
+
+
+def unauthorized_key() -> ApiError:
+    """The 401 for a key that names no tenant (tenants: engine/tenants/)."""
+    return _unauthorized("missing or invalid API key")
 
 
 def _ascii(value: str, header: str) -> str:

@@ -205,6 +205,8 @@ async def _run(
     except (OSError, ValueError) as e:
         print(f"engine: {e}", file=sys.stderr, flush=True)
         return 1
+    if state.tenants.enabled:  # the tenants file is read again without a restart
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, state.tenants.reload_on_signal)
     models = state.models
     if not await _start_engine(models, shutdown):
         return 0 if shutdown.requested.is_set() else 1

@@ -23,6 +23,7 @@ from engine.http.openai.tokens import Tokens
 from engine.http.served import ServedModel
 from engine.http.state import ServerState
 from engine.request.outputs import EngineError
+from engine.tenants.access import check_model_access
 
 JSON = "application/json"
 
@@ -41,8 +42,9 @@ _MODEL_ONLY = msgspec.json.Decoder(_ModelOnly)
 
 def model_routes(state: ServerState) -> list[Route]:
     async def models(request: Request) -> Response:
-        state.authorize(request)
+        tenant = state.authorize(request)
         cards = [*listed_cards(state), *adapter_cards(state)]
+        cards = [card for card in cards if tenant.may_use(card.id)]  # the tenant's models
         return Response(encode(ModelList(data=cards)), media_type=JSON)
 
     async def load(request: Request) -> Response:
@@ -62,10 +64,11 @@ def model_routes(state: ServerState) -> list[Route]:
 
 
 async def _act(request: Request, state: ServerState, *, unload: bool) -> Slot[ServedModel]:
-    state.authorize(request)
+    tenant = state.authorize(request)
     body = await state.read_body(request)
     name = decode_request(_ACTION, body).model
     try:
+        check_model_access(tenant, name)  # a model the tenant may not use is not there for it
         if unload:
             return await state.models.unload(name)
         if state.draining:

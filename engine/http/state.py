@@ -1,5 +1,5 @@
 """What the HTTP handlers and the admin socket share: the models (the pool of engines, loaded on
-demand), settings, metrics, drain flag, the API requests in flight by id."""
+demand), settings, metrics, drain flag, the API requests in flight by id, the tenants."""
 
 from __future__ import annotations
 
@@ -10,11 +10,14 @@ from typing import Any
 from starlette.requests import Request
 
 from engine.catalogue.pool import ModelPool
-from engine.http.guards import authorize, read_body
+from engine.http.guards import authorize, read_body, sent_key, unauthorized_key
 from engine.http.metrics import ServerMetrics
 from engine.http.served import ModelLease, ServedModel, metrics_for, model_pool
+from engine.http.tenant_metrics import TenantCollector
 from engine.request.outputs import EngineError
 from engine.settings import Settings
+from engine.tenants.directory import Tenants
+from engine.tenants.table import EVERYONE, Tenant
 from engine.trace.recorder import TraceRecorder
 
 
@@ -28,6 +31,8 @@ class ServerState:
     trace: TraceRecorder | None = None
     # The API requests in flight by X-Request-Id: RequestRuns (runs.py imports this module)
     runs: dict[str, Any] = field(default_factory=dict)
+    # Who a request runs for, by its API key (engine/tenants/): one tenant without a file.
+    tenants: Tenants = field(default_factory=Tenants)
 
     @property
     def model_name(self) -> str:
@@ -74,9 +79,17 @@ class ServerState:
         """--record-trace is on and its recorder takes requests."""
         return self.trace is not None and self.trace.active
 
-    def authorize(self, request: Request, *, x_api_key: bool = False) -> None:
-        """The API key's guard (guards.authorize): ApiError unless the request carries it."""
-        authorize(request, self.settings.server.api_key, x_api_key=x_api_key)
+    def authorize(self, request: Request, *, x_api_key: bool = False) -> Tenant:
+        """The tenant the request's API key names: with a tenants file, the key's (ApiError
+        401 for a key it does not hold); else the one tenant, once the request carries the one
+        key where the server has one (guards.authorize)."""
+        if not self.tenants.enabled:
+            authorize(request, self.settings.server.api_key, x_api_key=x_api_key)
+            return EVERYONE
+        tenant = self.tenants.find(sent_key(request, x_api_key=x_api_key))
+        if tenant is None:
+            raise unauthorized_key()
+        return tenant
 
     async def read_body(self, request: Request) -> bytes:
         """The body under server.max_request_bytes (guards.read_body)."""
@@ -89,9 +102,8 @@ class ServerState:
         deterministic = settings.model.deterministic
         trace = TraceRecorder(record, deterministic=deterministic) if record else None
         pool = model_pool(settings)
-        return cls(
-            models=pool,
-            settings=settings,
-            metrics=metrics_for(pool),
-            trace=trace,
-        )
+        tenants = Tenants(settings.server.api_keys_file)
+        metrics = metrics_for(pool)
+        if tenants.enabled:
+            metrics.registry.register(TenantCollector(tenants))
+        return cls(models=pool, settings=settings, metrics=metrics, trace=trace, tenants=tenants)

@@ -75,11 +75,18 @@ class EmbeddingRequestOutput:
 class EngineError(Exception):
     """A request the engine refused or could not serve, with an HTTP-like status."""
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        retry_after: int | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
         self.param = param
+        self.retry_after = retry_after  # a 429's or 503's seconds to wait (Retry-After)
 
     @classmethod
     def from_failure(cls, failure: RequestFailed) -> EngineError:

@@ -80,6 +80,7 @@ FLAG_ALIASES: dict[str, str] = {
     "--port": "server.port",
     "--api-key": "server.api_key",
     "--api-key-file": "server.api_key_file",
+    "--api-keys-file": "server.api_keys_file",
     "--max-request-bytes": "server.max_request_bytes",
     "--drain-timeout": "server.drain_timeout",
     "--record-trace": "server.record_trace",

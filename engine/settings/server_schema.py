@@ -27,6 +27,13 @@ class ServerSettings(Section, frozen=True):
         str | None,
         Meta(description="read server.api_key from this file (its first line)"),
     ] = None
+    api_keys_file: Annotated[
+        str | None,
+        Meta(
+            description="tenants: a TOML file with a key (as its SHA-256) per tenant, its "
+            "weight, quotas, models and priority ceiling (docs/tenants.md); reloaded on SIGHUP"
+        ),
+    ] = None
     max_request_bytes: Annotated[
         int, Meta(ge=1, description="largest request body accepted (bigger: 413)", extra=BYTES_UNIT)
     ] = 4 * 1024 * 1024
@@ -195,6 +202,14 @@ def server_problems(server: ServerSettings) -> list[tuple[str, str]]:
             (
                 "server.api_key_file",
                 "give the API key one way: server.api_key (ENGINE_API_KEY) or server.api_key_file",
+            )
+        )
+    if server.api_keys_file is not None and (server.api_key or server.api_key_file):
+        problems.append(
+            (
+                "server.api_keys_file",
+                "give either one API key (server.api_key, server.api_key_file) or a tenants "
+                "file with a key per tenant, not both",
             )
         )
     return problems

@@ -10,9 +10,8 @@ import msgspec
 import pytest
 
 from engine.http.openai.bodies import SSE_DONE, ResponseBuilder
-from engine.http.openai.errors import ApiError
+from engine.http.openai.errors import ApiError, api_error_from
 from engine.http.openai.parsing import OpenAIRequest, parse_chat, parse_completion
-from engine.http.openai.runs import api_error_from
 from engine.messages.requests import ChatMessage
 from engine.request.grammar_admission import admit_constraint
 from engine.request.outputs import (

@@ -17,6 +17,8 @@ COMMANDS: dict[str, tuple[str, ...]] = {
     "models": (),
     "load": ("MODEL",),
     "unload": ("MODEL",),
+    "tenants": (),
+    "reload-tenants": (),
 }
 
 

@@ -29,6 +29,7 @@ from engine.http.openai.operations import abort_request
 from engine.http.served import pool_health
 from engine.http.state import ServerState
 from engine.settings.fields import FIELDS
+from engine.tenants.directory import tenant_rows
 
 log = logging.getLogger("engine.http.admin")
 
@@ -152,6 +153,13 @@ class AdminServer:
             if not await abort_request(state, request_id):
                 raise AdminError(f"no in-flight request {request_id!r} (see the requests command)")
             return {"aborted": request_id}
+        if cmd == "tenants":
+            return tenant_rows(state.tenants)
+        if cmd == "reload-tenants":
+            try:
+                return {"reloaded": state.tenants.reload()}
+            except ValueError as e:  # the file cannot be used: the old tenants stay
+                raise AdminError(str(e)) from None
         if cmd == "drain":
             return await self._drain()
         if cmd == "shutdown":

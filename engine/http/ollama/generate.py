@@ -11,6 +11,7 @@ arrives before the first line; a failure after it is a last line holding "error"
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass, field
@@ -38,13 +39,18 @@ from engine.http.state import ServerState
 from engine.http.streams import ReleasingStream
 from engine.request.outputs import EngineError, RequestOutput
 from engine.request.prompts import library_request
+from engine.tenants.access import run_as, scoped_id
+from engine.tenants.quotas import QuotaLease
+from engine.tenants.table import EVERYONE, Tenant
 
 NDJSON = "application/x-ndjson"
 _FINISH = {"stop": "stop", "length": "length", "abort": "stop"}
 
 
-def ollama_error(status: int, message: str) -> Response:
-    return Response(msgspec.json.encode({"error": message}), status, media_type="application/json")
+def ollama_error(status: int, message: str, retry_after: int | None = None) -> Response:
+    headers = None if retry_after is None else {"Retry-After": str(retry_after)}
+    body = msgspec.json.encode({"error": message})
+    return Response(body, status, headers=headers, media_type="application/json")
 
 
 def now_text() -> str:
@@ -70,6 +76,8 @@ class OllamaRun:
     first_token_at: float | None = None
     finish_reason: str | None = None
     sent: list[str] = field(default_factory=list)
+    tenant: Tenant = EVERYONE
+    quota: QuotaLease | None = None  # its place in its tenant's quotas, settled at its end
 
     async def open(
         self,
@@ -92,6 +100,11 @@ class OllamaRun:
         # Ollama's names in refusals; the options it left unset take the model's defaults
         request.defaulted_fields = sampling.defaulted
         request.field_names = sampling.field_names
+        run_as(self.tenant, [request], self.model, None, None)
+        if self.tenant is not EVERYONE:  # in its tenant's namespace, as the OpenAI API's
+            request.request_id = scoped_id(self.tenant, "ollama-" + secrets.token_hex(12))
+        quotas = self.state.tenants.quotas
+        self.quota = quotas.admit(self.tenant.name, sampling.params.max_tokens or 0)
         stream = served.llm.submit(request)
         self.outputs = aiter(stream)
         return await anext(self.outputs)
@@ -171,7 +184,13 @@ class OllamaRun:
             eval_duration=_ns(now - first),
         )
 
+    def settle(self) -> None:
+        """Charge its tenant what it cost (once; tokens never generated are given back)."""
+        if self.quota is not None:
+            self.quota.settle(self.prompt_tokens + self.tokens)
+
     def count(self, outcome: str) -> None:
+        self.settle()
         metrics = self.state.metrics.for_model(self.lease.name)
         metrics.count_request("ollama_chat" if self.chat else "ollama_generate", outcome)
         metrics.add_prompt_tokens(self.prompt_tokens)
@@ -183,10 +202,12 @@ async def run(
     lease: ModelLease,
     body: ChatBody | GenerateBody,
     model: str,
-    load_seconds: float,
-    arrival: float,
+    timing: tuple[float, float],
+    tenant: Tenant = EVERYONE,
 ) -> Response:
-    """Run the request on its leased model; the lease is released when the answer ends."""
+    """Run the request on its leased model, as its tenant; the lease is released when the
+    answer ends. `timing`: the seconds its model took to load, and when it arrived."""
+    load_seconds, arrival = timing
     chat = isinstance(body, ChatBody)
     thinking = body.think is not None and body.think is not False
     parser = state.settings.server.reasoning_parser
@@ -194,13 +215,14 @@ async def run(
     plan = _tool_plan(tools, state.settings.server.tool_call_parser)
     answer = ChatAnswer(plan, reasoning=thinking or (body.think is None and parser is not None))
     run_ = OllamaRun(state, lease, model, chat, body.stream, answer, arrival, load_seconds)
+    run_.tenant = tenant
     prompt, messages, kwargs = _prompt(body)
     try:
         first = await run_.open(prompt, messages, kwargs, body.options, body.format)
     except EngineError as e:
         lease.release()
         run_.count("error")
-        return ollama_error(e.status, e.message)
+        return ollama_error(e.status, e.message, e.retry_after or None)
     except BaseException:
         lease.release()
         raise
@@ -243,6 +265,7 @@ def _releaser(run_: OllamaRun) -> Any:
             if aclose is not None:
                 await aclose()  # an unfinished request is aborted
         run_.lease.release()
+        run_.settle()
 
     return release
 

@@ -95,6 +95,10 @@ async def _guarded(work: Any) -> Response:
 
 async def _body(request: Request, state: ServerState, kind: type[B]) -> B:
     state.authorize(request)
+    return await _decoded(request, state, kind)
+
+
+async def _decoded(request: Request, state: ServerState, kind: type[B]) -> B:
     body = await state.read_body(request)
     try:
         return msgspec.json.decode(body, type=kind)
@@ -126,7 +130,8 @@ async def _generation(
     try:
         if state.draining:
             raise ApiError(503, "the server is shutting down")
-        body = await _body(request, state, kind)
+        tenant = state.authorize(request)
+        body = await _decoded(request, state, kind)
         model = _model_of(state, body.model)
         keep_alive = _keep_alive(body.keep_alive)
         empty = not body.messages if isinstance(body, ChatBody) else not body.prompt
@@ -139,7 +144,7 @@ async def _generation(
         return Response(status_code=499)  # the client left while its model loaded
     load_seconds = time.monotonic() - arrival if lease is not None else 0.0
     try:
-        return await run(state, lease, body, model, load_seconds, arrival)
+        return await run(state, lease, body, model, (load_seconds, arrival), tenant)
     except ApiError as e:  # the body's own fault, found while building the request
         lease.release()
         return ollama_error(e.status, e.message)

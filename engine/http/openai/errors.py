@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from engine.http.openai.protocol import ErrorBody, ErrorDetail, encode
+from engine.request.outputs import EngineError
 
 _TYPE_BY_STATUS = {
     400: ("invalid_request_error", None),
     401: ("invalid_request_error", "invalid_api_key"),
+    403: ("invalid_request_error", "permission_denied"),
     404: ("invalid_request_error", "model_not_found"),
     405: ("invalid_request_error", "method_not_allowed"),
     408: ("invalid_request_error", "request_timeout"),
@@ -22,6 +24,7 @@ INTERNAL_ERROR_MESSAGE = "internal server error; the server log has the details"
 _OUTCOME_BY_STATUS = {
     400: "bad_request",
     401: "unauthorized",
+    403: "forbidden",
     404: "not_found",
     413: "too_large",
     429: "rejected",
@@ -72,3 +75,11 @@ def required(where: str, name: str, value: str | None) -> str:
 
 def outcome_of(status: int) -> str:
     return _OUTCOME_BY_STATUS.get(status, "error")
+
+
+def api_error_from(error: EngineError) -> ApiError:
+    """An engine's refusal as the API's error; a 429 or 503 says when to retry (Retry-After:
+    the refusal's own figure, 1 s for a 429 that has none)."""
+    retry_after = error.retry_after or (1 if error.status == 429 else None)
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+    return ApiError(error.status, error.message, param=error.param, headers=headers)

@@ -66,6 +66,8 @@ class OpenAIRequest:
     want_prompt_logprobs: bool = False  # vLLM's prompt_logprobs field in the response
     tool_plan: ToolPlan | None = None  # chat: how the answer becomes tool calls
     kv_transfer_asked: bool = False  # P/D: the answer carries kv_transfer_params
+    priority: int | None = None  # vLLM's; None: the tenant's default
+    cache_salt: str | None = None  # vLLM's
 
     @property
     def params(self) -> SamplingParams:
@@ -80,6 +82,13 @@ class OpenAIRequest:
     def num_choices(self) -> int:
         """Choices of the response: n per prompt."""
         return self.n * len(self.requests)
+
+    @property
+    def most_tokens(self) -> int:
+        """What it may cost, held against its tenant's tokens_per_minute while it runs: its
+        prompts' tokens when given as ids (text is tokenized later), every sample's max_tokens."""
+        prompt_ids = sum(len(request.prompt_token_ids or ()) for request in self.requests)
+        return prompt_ids + self.num_choices * (self.params.max_tokens or 0)
 
     def name_engine_requests(self) -> None:
         """Each prompt of a batched completions request is its own engine request, named after
@@ -138,6 +147,8 @@ def parse_completion(body: bytes, served_model: str | Sequence[str]) -> OpenAIRe
         want_logprobs=req.logprobs is not None,
         return_token_ids=req.return_token_ids,
         client_request_id=req.request_id,
+        priority=req.priority,
+        cache_salt=req.cache_salt,
         echo=req.echo,
         echo_only=echo_only,
         want_prompt_logprobs=req.prompt_logprobs is not None,
@@ -192,6 +203,8 @@ def parse_chat(body: bytes, served_model: str | Sequence[str]) -> OpenAIRequest:
         want_logprobs=req.logprobs,
         return_token_ids=req.return_token_ids,
         client_request_id=req.request_id,
+        priority=req.priority,
+        cache_salt=req.cache_salt,
         want_prompt_logprobs=req.prompt_logprobs is not None,
         tool_plan=tool_plan,
         kv_transfer_asked=req.kv_transfer_params is not None,

@@ -159,6 +159,10 @@ class _SamplingFields(_UnimplementedFields, kw_only=True):
     bad_words: list[str] | None = None
     # P/D across instances (vLLM's field; engine/inflight/kv_params.py says what it asks)
     kv_transfer_params: dict[str, Any] | None = None
+    # vLLM's: lower runs first, within the tenant's priority_ceiling; cached prefixes are
+    # shared only among requests with the same salt (engine/tenants/access.py checks both)
+    priority: int | None = None
+    cache_salt: str | None = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):

@@ -18,12 +18,20 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 import msgspec
 
 from engine.http.openai.bodies import SSE_DONE, ChoiceState, ResponseBuilder, sse_event
-from engine.http.openai.errors import INTERNAL_ERROR_MESSAGE, ApiError, outcome_of
+from engine.http.openai.errors import (
+    INTERNAL_ERROR_MESSAGE,
+    ApiError,
+    api_error_from,
+    outcome_of,
+)
 from engine.http.openai.finished import log_request, observe_finished
 from engine.http.openai.parsing import OpenAIRequest
 from engine.http.openai.recording import RequestRecording
 from engine.messages.scheduling import FirstScheduled
 from engine.request.outputs import EngineError, RequestOutput
+from engine.tenants.access import run_as, scoped_id
+from engine.tenants.quotas import QuotaLease
+from engine.tenants.table import EVERYONE, Tenant
 
 if TYPE_CHECKING:
     from engine.http.served import ModelLease, ServedModel
@@ -70,11 +78,6 @@ class EventStream:
         return [SSE_DONE]
 
 
-def api_error_from(error: EngineError) -> ApiError:
-    headers = {"Retry-After": "1"} if error.status == 429 else None
-    return ApiError(error.status, error.message, param=error.param, headers=headers)
-
-
 class RequestRun:
     def __init__(
         self,
@@ -82,8 +85,11 @@ class RequestRun:
         api: OpenAIRequest,
         endpoint: str,
         recording: RequestRecording | None = None,
+        *,
+        tenant: Tenant = EVERYONE,
     ) -> None:
         self.state = state
+        self.tenant = tenant
         self.api = api
         self.endpoint = endpoint
         server = state.settings.server
@@ -94,7 +100,9 @@ class RequestRun:
         self.first_token_at: float | None = None
         self._last_token_at: dict[int, float] = {}
         self.scheduling: dict[int, FirstScheduled] = {}  # per prompt, once reported
-        self.key = api.client_request_id or api.request_id  # X-Request-Id, /abort
+        self.client_key = api.client_request_id or api.request_id  # X-Request-Id, /abort
+        self.key = scoped_id(tenant, self.client_key)  # in state.runs: the tenant's own
+        self._quota: QuotaLease | None = None
         self.trace_headers: dict[str, str] | None = None  # W3C trace context its spans continue
         state.runs[self.key] = self
         # The model it runs on: leased (loaded if need be) when it opens, released at its end.
@@ -111,6 +119,7 @@ class RequestRun:
     async def open(self) -> list[tuple[int, RequestOutput]]:
         """Submit every prompt and wait for each one's first output (or its refusal)."""
         p = self.api
+        self._admit()
         served = await self._lease_model()
         lora = served.adapter_of(p.model)
         for request in p.requests:
@@ -149,6 +158,18 @@ class RequestRun:
                 echoed = await served.tokens.echo(text, first.prompt_token_ids)
                 self.builder.echoed[i] = echoed
         return firsts
+
+    def _admit(self) -> None:
+        """Run as its tenant (its model, priority and salt allowed) within its quotas: a
+        refusal (404, 403, 400, 429 with Retry-After) ends the run before anything runs."""
+        p = self.api
+        try:
+            run_as(self.tenant, p.requests, p.model, p.priority, p.cache_salt)
+            self._quota = self.state.tenants.quotas.admit(self.tenant.name, p.most_tokens)
+        except EngineError as e:
+            self.status, self.outcome = e.status, outcome_of(e.status)
+            self.finish()
+            raise api_error_from(e) from None
 
     async def _lease_model(self) -> ServedModel:
         """The request's model, loaded if need be: its loading is part of the wait for the
@@ -347,6 +368,8 @@ class RequestRun:
             log_request(self, now, usage, server.max_log_len)
         if self._lease is not None:
             self._lease.release()
+        if self._quota is not None:  # charged what it cost: tokens never generated come back
+            self._quota.settle(usage.prompt_tokens + usage.completion_tokens)
         if self.recording is not None and self.state.trace is not None:
             first = self.first_token_at
             self.state.trace.submit(

@@ -74,7 +74,7 @@ def chat_page_routes(state: ServerState) -> list[Route]:
         return serve(request.path_params["name"])
 
     async def info(request: Request) -> Response:
-        body = {"api_key_required": bool(state.settings.server.api_key)}
+        body = {"api_key_required": bool(state.settings.server.api_key) or state.tenants.enabled}
         return _json(body)
 
     async def live_state(request: Request) -> Response:

@@ -22,6 +22,15 @@ class ResponseStore:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self._stored: OrderedDict[str, Stored] = OrderedDict()
+        self._scope = ""  # the tenant whose responses these are (scoped)
+
+    def scoped(self, tenant: str) -> ResponseStore:
+        """The same store (one capacity for all) as `tenant` sees it: its own responses only,
+        so another tenant's response id finds, replaces and deletes nothing."""
+        view = ResponseStore(self.capacity)
+        view._stored = self._stored
+        view._scope = f"{tenant}/"
+        return view
 
     def __len__(self) -> int:
         return len(self._stored)
@@ -29,6 +38,7 @@ class ResponseStore:
     def put(self, response_id: str, conversation: Conversation, response: dict[str, Any]) -> None:
         if self.capacity == 0:
             return
+        response_id = self._scope + response_id
         self._stored[response_id] = Stored(conversation, response)
         self._stored.move_to_end(response_id)
         while len(self._stored) > self.capacity:
@@ -45,9 +55,10 @@ class ResponseStore:
         return None if stored is None else stored.response
 
     def delete(self, response_id: str) -> bool:
-        return self._stored.pop(response_id, None) is not None
+        return self._stored.pop(self._scope + response_id, None) is not None
 
     def _lookup(self, response_id: str) -> Stored | None:
+        response_id = self._scope + response_id
         stored = self._stored.get(response_id)
         if stored is not None:
             self._stored.move_to_end(response_id)
