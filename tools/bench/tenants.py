@@ -199,16 +199,19 @@ def run(args: argparse.Namespace) -> dict[str, Figures]:
     with engine(args, logs) as url:
         asyncio.run(phase(url, KEYS["quiet"], False, args, Figures(), 0))  # warm-up
         for round_ in range(args.rounds):
-            for name, (quiet, flooder) in phases.items():
+            for number, (name, (quiet, flooder)) in enumerate(phases.items()):
                 figures = results.setdefault(name, Figures())
-                asyncio.run(phase(url, quiet, flooder, args, figures, round_ + 1))
+                # Prompts of their own for each phase: none hits what another one cached.
+                seed = 1 + round_ * len(phases) + number
+                asyncio.run(phase(url, quiet, flooder, args, figures, seed))
     if args.llama_server:
         with llama_server(args, logs) as url:
             asyncio.run(phase(url, None, False, args, Figures(), 0))
             for round_ in range(args.rounds):
-                for name, flooder in (("llama-server alone", False), ("llama-server", True)):
+                for number, name in enumerate(("llama-server alone", "llama-server")):
                     figures = results.setdefault(name, Figures())
-                    asyncio.run(phase(url, None, flooder, args, figures, round_ + 1))
+                    seed = 1 + round_ * 2 + number
+                    asyncio.run(phase(url, None, number == 1, args, figures, seed))
     return results
 
 
