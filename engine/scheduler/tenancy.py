@@ -54,15 +54,21 @@ def step_grants(
 ) -> dict[str, int] | None:
     """Each tenant's tokens for the next step; None while at most one tenant has work (it may
     take the whole step). A tenant's demand is what its running sequences have left to compute
-    and the prompts of the waiting ones that could take the free sequence slots."""
+    and the prompts of its first waiting ones that could take the free sequence slots."""
     demands: Counter[str] = Counter()
     weights: dict[str, float] = {}
     for seq in running:
         demands[seq.request.tenant] += seq.num_uncomputed_tokens
         weights[seq.request.tenant] = seq.request.weight
-    for seq in waiting[:free_slots]:
-        demands[seq.request.tenant] += seq.num_tokens
-        weights[seq.request.tenant] = seq.request.weight
+    # Each tenant's first waiting sequences that could take the free slots: a tenant queued
+    # behind another's many still has work (else the one ahead would take the whole step).
+    queued: Counter[str] = Counter()
+    for seq in waiting:
+        tenant = seq.request.tenant
+        if queued[tenant] < free_slots:
+            queued[tenant] += 1
+            demands[tenant] += seq.num_tokens
+            weights[tenant] = seq.request.weight
     if len(demands) <= 1:
         share.grants({}, {}, budget)  # a lone tenant carries nothing into later steps
         return None

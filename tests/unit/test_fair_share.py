@@ -125,14 +125,17 @@ def first_token_step(scheduler: Scheduler, worker: ReferenceWorker, request_id: 
     raise AssertionError(f"{request_id} got no token in 200 steps")
 
 
-@pytest.mark.parametrize("flooder", [EVE, BOB])
-def test_a_quiet_tenant_beside_a_flooder_is_prefilled_at_once(flooder: TenantTag) -> None:
-    """16 long prompts of the flooder fill the queue; the quiet tenant's prompt, sent after
-    them, runs in the next step with half the budget (weights 1:1). Sent by the same tenant as
-    the flood, it waits its turn behind all of them."""
+@pytest.mark.parametrize(("flooder", "max_num_seqs"), [(EVE, 32), (EVE, 4), (BOB, 32)])
+def test_a_quiet_tenant_beside_a_flooder_is_prefilled_at_once(
+    flooder: TenantTag, max_num_seqs: int
+) -> None:
+    """16 long prompts of the flooder fill the queue (more of them than there are free slots,
+    with 4); the quiet tenant's prompt, sent after them, runs in the next step with half the
+    budget (weights 1:1). Sent by the same tenant as the flood, it waits its turn behind all of
+    them."""
     quiet = BOB
     scheduler, worker = make(
-        num_blocks=1024, max_num_seqs=32, max_num_batched_tokens=32, max_model_len=64
+        num_blocks=1024, max_num_seqs=max_num_seqs, max_num_batched_tokens=32, max_model_len=64
     )
     for i in range(16):
         scheduler.add(tagged(f"flood{i}", [i + 1] * 60, flooder, max_tokens=2))
