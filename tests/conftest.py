@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from engine.launch import kv_disk_plan
+from engine.runtime.shm import release_run_directory
 from tests.ipc_files import ipc_files
 
 
@@ -34,3 +35,11 @@ def fresh_kv_disk_tier() -> Iterator[None]:
         patch.setattr(kv_disk_plan, "TIER_DIRECTORY", tier)  # absolute: the home is not used
         yield
     shutil.rmtree(tier, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def own_run_directory_removed() -> Iterator[None]:
+    """The run directory the tests' own process made in /dev/shm (library engines, stores) goes
+    with the session, as a server's goes with the server."""
+    yield
+    release_run_directory()
