@@ -12,25 +12,41 @@ from engine.messages.admin import EngineStats
 PREFIX = "engine:kv_disk_"
 
 GAUGES = (
-    ("loads_waiting", "Requests waiting for their KV blocks to be read from disk",
-     "kv_disk_loads_waiting"),
-    ("unwritten_blocks", "KV blocks waiting to be written to disk, or being written",
-     "kv_disk_unwritten_blocks"),
+    (
+        "loads_waiting",
+        "Requests waiting for their KV blocks to be read from disk",
+        "kv_disk_loads_waiting",
+    ),
+    (
+        "unwritten_blocks",
+        "KV blocks waiting to be written to disk, or being written",
+        "kv_disk_unwritten_blocks",
+    ),
     ("full", "Schedulers whose disk is full (their writes stopped for now)", "kv_disk_full"),
-)  # fmt: skip
+)
 COUNTERS = (
     ("hit_blocks", "KV blocks read back from disk into the prefix cache", "kv_disk_hit_blocks"),
     ("read_bytes", "Bytes of KV read from disk", "kv_disk_read_bytes"),
     ("written_blocks", "KV blocks written to disk", "kv_disk_written_blocks"),
     ("written_bytes", "Bytes of KV written to disk", "kv_disk_written_bytes"),
-    ("evicted_blocks", "Block files removed to keep the tier within cache.kv_disk_size",
-     "kv_disk_evicted_blocks"),
-    ("dropped_blocks", "Block files that failed their checks (torn, truncated, corrupt, foreign "
-     "or not the user's): removed, never served", "kv_disk_dropped_blocks"),
-    ("skipped_blocks", "KV blocks evicted from RAM before they could be written",
-     "kv_disk_skipped_blocks"),
+    (
+        "evicted_blocks",
+        "Block files removed to keep the tier within cache.kv_disk_size",
+        "kv_disk_evicted_blocks",
+    ),
+    (
+        "dropped_blocks",
+        "Block files that failed their checks (torn, truncated, corrupt, foreign "
+        "or not the user's): removed, never served",
+        "kv_disk_dropped_blocks",
+    ),
+    (
+        "skipped_blocks",
+        "KV blocks evicted from RAM before they could be written",
+        "kv_disk_skipped_blocks",
+    ),
     ("loads", "Reads of a request's blocks from disk that ended", "kv_disk_loads"),
-)  # fmt: skip
+)
 
 
 def kv_disk_metrics(stats: EngineStats, model_name: str) -> Iterator[Metric]:

@@ -116,9 +116,14 @@ class Request:
     def of(cls, submit: SubmitRequest, arrival: float, key: int) -> Request:
         """The request `submit` asks for, arrived at `arrival`, named `key` to the workers."""
         request = cls(
-            submit.request_id, submit.epoch, submit.prompt_token_ids, submit.params, submit.seed,
-            arrival, key,
-        )  # fmt: skip
+            submit.request_id,
+            submit.epoch,
+            submit.prompt_token_ids,
+            submit.params,
+            submit.seed,
+            arrival,
+            key,
+        )
         request.kv_handoff = submit.kv_handoff if submit.params.n == 1 else ""
         request.run_for(submit.tenant, submit.priority, submit.cache_salt)
         return request

@@ -130,8 +130,15 @@ def stream(server: Server, body: dict[str, object], kill_root_after: int = 0) ->
 def long_prompt(server: Server) -> tuple[list[int], list[float], int]:
     """LONG_PROMPT's greedy tokens, the gap between the top two logprobs at each, and the prompt
     tokens that came from a cache."""
-    body = {"model": server.model, "prompt": LONG_PROMPT, "max_tokens": 4, "temperature": 0.0,
-            "ignore_eos": True, "return_token_ids": True, "logprobs": 5}  # fmt: skip
+    body = {
+        "model": server.model,
+        "prompt": LONG_PROMPT,
+        "max_tokens": 4,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "logprobs": 5,
+    }
     with server.http(timeout=600.0) as client:
         reply = client.post("/v1/completions", json=body)
     assert reply.status_code == 200, reply.text
@@ -157,8 +164,16 @@ def test_a_root_killed_mid_stream_is_restarted_and_a_retry_with_its_id_is_answer
     model_args: list[str], tmp_path: Path, systemd: FakeSystemd
 ) -> None:
     pidfile = tmp_path / "engine.pid"
-    args = server_args(model_args, None, "--server.pidfile", str(pidfile), "--max-model-len",
-                       "4096", "--kv-disk-path", str(tmp_path / "kv-disk"))  # fmt: skip
+    args = server_args(
+        model_args,
+        None,
+        "--server.pidfile",
+        str(pidfile),
+        "--max-model-len",
+        "4096",
+        "--kv-disk-path",
+        str(tmp_path / "kv-disk"),
+    )
     env = {"NOTIFY_SOCKET": str(systemd.path), "WATCHDOG_USEC": str(WATCHDOG_USEC), **hold_env()}
     body = {
         "model": "m",

@@ -74,8 +74,20 @@ def damage(path: Path, how: str) -> None:
         path.write_bytes(b"")
 
 
-@pytest.mark.parametrize("how", ["corrupt", "truncated", "longer", "empty", "wrong key",
-                                 "other model", "mode 0644", "link", "directory"])  # fmt: skip
+@pytest.mark.parametrize(
+    "how",
+    [
+        "corrupt",
+        "truncated",
+        "longer",
+        "empty",
+        "wrong key",
+        "other model",
+        "mode 0644",
+        "link",
+        "directory",
+    ],
+)
 def test_a_file_that_is_not_the_block_asked_for_is_dropped_never_served(
     tmp_path: Path, how: str
 ) -> None:

@@ -60,8 +60,13 @@ def prompt(rng: random.Random, length: int) -> list[int]:
 
 
 def request_seconds(url: str, model: str, tokens: list[int], max_tokens: int = 1) -> float:
-    body = {"model": model, "prompt": tokens, "max_tokens": max_tokens, "temperature": 0.0,
-            "ignore_eos": True}  # fmt: skip
+    body = {
+        "model": model,
+        "prompt": tokens,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+    }
     start = time.perf_counter()
     reply = httpx.post(url + "/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S)
     elapsed = time.perf_counter() - start
